@@ -1,0 +1,38 @@
+"""One exception hierarchy for mlx_chatcache.
+
+Every error a user can cause (a bad file, the wrong model, a bad flag) is a
+subclass of :class:`ChatCacheError`. Messages say what went wrong *and* what to
+do about it, in one line, so the CLI can print ``str(err)`` and exit.
+"""
+
+
+class ChatCacheError(Exception):
+    """Base class of every error raised on purpose by mlx_chatcache."""
+
+
+class CacheFileError(ChatCacheError):
+    """A cache file is missing, corrupt, truncated, tampered with or foreign."""
+
+
+class CacheFormatError(CacheFileError):
+    """A cache file is readable but its layout or metadata is not one we accept."""
+
+
+class UnsupportedCacheError(ChatCacheError):
+    """A cache class is unknown, or known but not supported for this operation."""
+
+
+class ModelMismatchError(ChatCacheError):
+    """A cache (or session) belongs to another model or tokenizer."""
+
+
+class ModelLoadError(ChatCacheError):
+    """A model could not be found or loaded."""
+
+
+class SessionError(ChatCacheError):
+    """A chat session name, file or lock is unusable."""
+
+
+class UsageError(ChatCacheError):
+    """A command-line flag or argument has a bad value."""
