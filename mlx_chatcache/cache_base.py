@@ -1,0 +1,173 @@
+"""The cache contract shared by every per-layer cache, and helpers for K/V storage.
+
+Contract of :class:`BaseCache` (what the file format, the generate loop and the
+chat session rely on):
+
+- ``state``: a list of arrays holding exactly the live content (never padding,
+  never trimmed-away tokens, rotating caches in temporal order). Settable.
+- ``meta_state``: a tuple of plain strings with everything that is not an array
+  (offsets, window size, keep, bits, group size). Settable; parsing errors raise
+  :class:`CacheFormatError`.
+- ``from_state(state, meta_state)`` rebuilds an equivalent cache, so
+  ``type(c).from_state(c.state, c.meta_state)`` continues exactly like ``c``.
+- ``offset`` (tokens seen), ``size()`` (tokens held), ``is_trimmable()``,
+  ``trim(n) -> int``, ``nbytes``, ``empty()``, ``eval_arrays()`` (what to pass to
+  ``mx.eval`` without copying).
+
+K/V caches store keys and values as ``(B, n_kv_heads, seq, head_dim)``; a
+quantized cache stores each as a tuple ``(packed, scales, biases)`` sharing that
+layout along the sequence axis (axis 2). The ``kv_*`` helpers work on both forms.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+
+from .errors import CacheFormatError
+
+
+class BaseCache:
+    """Base class of every mlx_chatcache per-layer cache."""
+
+    offset: int = 0
+
+    @property
+    def state(self) -> list[mx.array]:
+        return []
+
+    @state.setter
+    def state(self, v: Sequence[mx.array]) -> None:
+        if v:
+            raise CacheFormatError(f"{type(self).__name__} holds no arrays but {len(v)} were given")
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return ()
+
+    @meta_state.setter
+    def meta_state(self, v: Sequence[str]) -> None:
+        if v:
+            raise CacheFormatError(f"{type(self).__name__} takes no meta state, got {tuple(v)!r}")
+
+    @classmethod
+    def from_state(cls, state: Sequence[mx.array], meta_state: Sequence[str]):
+        """Rebuild a cache from ``state`` and ``meta_state`` (validated)."""
+        obj = cls.__new__(cls)
+        obj._init_empty()
+        obj.meta_state = tuple(meta_state)
+        obj.state = list(state)
+        return obj
+
+    def _init_empty(self) -> None:
+        """Set the attributes an instance needs before ``meta_state`` is applied."""
+
+    def eval_arrays(self) -> list[mx.array]:
+        """Arrays to ``mx.eval`` after an update (the live buffers, not copies)."""
+        return self.state
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 0
+
+    def empty(self) -> bool:
+        return not self.state
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.eval_arrays())
+
+
+# ---------------------------------------------------------------- meta parsing
+def parse_ints(cls_name: str, meta: Sequence[str], names: Sequence[str]) -> list[int]:
+    """Parse ``meta`` as non-negative ints called ``names``; CacheFormatError otherwise."""
+    if len(meta) != len(names):
+        raise CacheFormatError(
+            f"{cls_name} meta state needs {len(names)} values ({', '.join(names)}), got {len(meta)}"
+        )
+    out = []
+    for name, s in zip(names, meta):
+        if not isinstance(s, str) or not s.isdigit() or len(s) > 18:
+            raise CacheFormatError(f"{cls_name} meta state '{name}' is not a non-negative integer: {s!r}")
+        out.append(int(s))
+    return out
+
+
+def check_arrays(cls_name: str, state: Sequence, count: int) -> None:
+    if len(state) != count or not all(isinstance(a, mx.array) for a in state):
+        raise CacheFormatError(f"{cls_name} needs {count} arrays, got {len(state)}")
+
+
+# ---------------------------------------------------------------- K/V helpers
+KV = "mx.array | tuple[mx.array, ...]"
+
+
+def kv_len(x) -> int:
+    """Sequence length (axis 2) of a float or quantized K/V buffer."""
+    return (x[0] if isinstance(x, tuple) else x).shape[2]
+
+
+def kv_slice(x, start: int, stop: int):
+    return tree_map(lambda t: t[..., start:stop, :], x)
+
+
+def kv_concat(parts: list):
+    """Concatenate float or quantized buffers along the sequence axis."""
+    parts = [p for p in parts if kv_len(p) > 0] or parts[:1]
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], tuple):
+        return tuple(mx.concatenate(ts, axis=2) for ts in zip(*parts))
+    return mx.concatenate(parts, axis=2)
+
+
+def kv_assign(buf, start: int, value) -> None:
+    """Write ``value`` into ``buf[..., start:start+len, :]`` in place."""
+    stop = start + kv_len(value)
+    if isinstance(buf, tuple):
+        for b, v in zip(buf, value):
+            b[..., start:stop, :] = v
+    else:
+        buf[..., start:stop, :] = value
+
+
+def kv_zeros_like(x, n: int):
+    """Zeros of ``n`` steps with the batch/head/feature layout of ``x``."""
+    def z(t):
+        B, H, _, D = t.shape
+        return mx.zeros((B, H, n, D), dtype=t.dtype)
+
+    return tree_map(z, x)
+
+
+def kv_flatten(x) -> list[mx.array]:
+    return [v for _, v in tree_flatten(x)] if isinstance(x, tuple) else [x]
+
+
+# ---------------------------------------------------------------- masks
+def causal_mask(n: int, offset: int, window_size: int | None = None) -> mx.array:
+    """Boolean (n, offset + n) mask: query i sees keys <= offset + i, within the window."""
+    q = mx.arange(offset, offset + n)[:, None]
+    k = mx.arange(offset + n)[None]
+    mask = k <= q
+    if window_size is not None:
+        mask = mask & (k > q - window_size)
+    return mask
+
+
+def standard_mask(n: int, offset: int, window_size: int | None, return_array: bool):
+    """The mask a linear (non-rotating) cache needs, as mlx-lm models expect it."""
+    if window_size is not None and offset + n > window_size:
+        return causal_mask(n, offset, window_size)
+    if n == 1:
+        return None
+    if return_array:
+        return causal_mask(n, offset, window_size)
+    return "causal"

@@ -1,0 +1,238 @@
+"""Growing K/V caches: ``KVCache``, ``QuantizedKVCache`` and ``ChunkedKVCache``.
+
+All three keep keys/values in a buffer that grows in ``step``-sized blocks;
+only ``[0:held]`` is live. ``state`` returns exactly the live part, so a saved
+file never holds padding or trimmed-away tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from .cache_base import (
+    BaseCache,
+    check_arrays,
+    kv_assign,
+    kv_concat,
+    kv_flatten,
+    kv_len,
+    kv_slice,
+    kv_zeros_like,
+    parse_ints,
+    standard_mask,
+)
+from .errors import CacheFormatError
+
+
+class KVCache(BaseCache):
+    """Full-attention cache: every token stays. Trimmable."""
+
+    step = 256
+
+    def __init__(self):
+        self._init_empty()
+
+    def _init_empty(self) -> None:
+        self.keys = None
+        self.values = None
+        self.offset = 0
+
+    # ----------------------------------------------------------- storage hooks
+    def _encode(self, x: mx.array):
+        """How new keys/values are stored (identity for float caches)."""
+        return x
+
+    @property
+    def _start(self) -> int:
+        """Absolute position of buffer slot 0 (non-zero only for chunked caches)."""
+        return 0
+
+    def _held(self) -> int:
+        return self.offset - self._start
+
+    # ----------------------------------------------------------- model interface
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Append keys/values ``(B, H, S, D)``; return all held keys and values."""
+        prev, S = self._held(), keys.shape[2]
+        keys, values = self._encode(keys), self._encode(values)
+        self._reserve(keys, values, prev + S)
+        kv_assign(self.keys, prev, keys)
+        kv_assign(self.values, prev, values)
+        self.offset += S
+        return self._fetch()
+
+    def _reserve(self, keys, values, need: int) -> None:
+        """Make the buffers hold at least ``need`` steps, keeping the live part."""
+        if self.keys is not None and kv_len(self.keys) >= need:
+            return
+        capacity = -(-need // self.step) * self.step
+        held = self._held()
+        if self.keys is None:
+            self.keys = kv_zeros_like(keys, capacity)
+            self.values = kv_zeros_like(values, capacity)
+            return
+        live_k, live_v = kv_slice(self.keys, 0, held), kv_slice(self.values, 0, held)
+        self.keys = kv_concat([live_k, kv_zeros_like(keys, capacity - held)])
+        self.values = kv_concat([live_v, kv_zeros_like(values, capacity - held)])
+
+    def _fetch(self):
+        held = self._held()
+        if kv_len(self.keys) == held:
+            return self.keys, self.values
+        return kv_slice(self.keys, 0, held), kv_slice(self.values, 0, held)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return standard_mask(N, self.offset, window_size, return_array)
+
+    # ----------------------------------------------------------- contract
+    @property
+    def state(self) -> list[mx.array]:
+        if self.keys is None:
+            return []
+        k, v = self._fetch()
+        return kv_flatten(k) + kv_flatten(v)
+
+    @state.setter
+    def state(self, v: Sequence[mx.array]) -> None:
+        name = type(self).__name__
+        if not v:
+            if self._held() != 0:
+                raise CacheFormatError(f"{name} with {self._held()} tokens has no arrays")
+            self.keys = self.values = None
+            return
+        n = len(self._array_names())
+        check_arrays(name, v, n)
+        self.keys, self.values = self._pack(v[: n // 2]), self._pack(v[n // 2 :])
+        for a in v:
+            if a.ndim != 4 or a.shape[2] != self._held() or a.shape[:2] != v[0].shape[:2]:
+                raise CacheFormatError(
+                    f"{name} array of shape {tuple(a.shape)} does not hold {self._held()} tokens "
+                    "as (batch, heads, tokens, dim)"
+                )
+
+    def _array_names(self) -> tuple[str, ...]:
+        return ("keys", "values")
+
+    def _pack(self, arrays):
+        return arrays[0]
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return (str(self.offset),)
+
+    @meta_state.setter
+    def meta_state(self, v: Sequence[str]) -> None:
+        (self.offset,) = parse_ints(type(self).__name__, v, ["offset"])
+
+    def eval_arrays(self) -> list[mx.array]:
+        if self.keys is None:
+            return []
+        return kv_flatten(self.keys) + kv_flatten(self.values)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = max(0, min(self._held(), n))
+        self.offset -= n
+        return n
+
+    def size(self) -> int:
+        return self._held()
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def to_quantized(self, group_size: int = 64, bits: int = 8) -> "QuantizedKVCache":
+        """A quantized copy holding the same tokens."""
+        q = QuantizedKVCache(group_size=group_size, bits=bits)
+        q.offset = self.offset
+        if self.keys is not None:
+            k, v = self._fetch()
+            q.keys, q.values = q._encode(k), q._encode(v)
+        return q
+
+
+class QuantizedKVCache(KVCache):
+    """A KVCache whose keys/values are stored quantized (affine, per group)."""
+
+    def __init__(self, group_size: int = 64, bits: int = 8):
+        self._init_empty()
+        self.group_size, self.bits = group_size, bits
+
+    def _encode(self, x: mx.array):
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def _array_names(self):
+        return ("keys", "key_scales", "key_biases", "values", "value_scales", "value_biases")
+
+    def _pack(self, arrays):
+        return tuple(arrays)
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return (str(self.offset), str(self.group_size), str(self.bits))
+
+    @meta_state.setter
+    def meta_state(self, v: Sequence[str]) -> None:
+        self.offset, self.group_size, self.bits = parse_ints(
+            type(self).__name__, v, ["offset", "group_size", "bits"]
+        )
+        check_quant_params(type(self).__name__, self.group_size, self.bits)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 8):
+        raise CacheFormatError("QuantizedKVCache is already quantized")
+
+
+def check_quant_params(name: str, group_size: int, bits: int) -> None:
+    if bits not in (2, 3, 4, 5, 6, 8) or group_size not in (32, 64, 128):
+        raise CacheFormatError(
+            f"{name} has unsupported quantization bits={bits}, group_size={group_size}; "
+            "use bits in 2,3,4,5,6,8 and group_size in 32,64,128"
+        )
+
+
+class ChunkedKVCache(KVCache):
+    """KVCache for chunked local attention (llama4): keeps at most the last
+    ``chunk_size`` tokens once the model calls ``maybe_trim_front``."""
+
+    def __init__(self, chunk_size: int):
+        self._init_empty()
+        self.chunk_size = chunk_size
+
+    def _init_empty(self) -> None:
+        super()._init_empty()
+        self.start_position = 0
+
+    @property
+    def _start(self) -> int:
+        return self.start_position
+
+    def maybe_trim_front(self) -> None:
+        extra = self._held() - self.chunk_size
+        if self.keys is None or extra <= 0:
+            return
+        held = self._held()
+        self.start_position += extra
+        self.keys = kv_slice(self.keys, extra, held)
+        self.values = kv_slice(self.values, extra, held)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return None  # the model builds its chunk mask itself from start_position
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return (str(self.offset), str(self.chunk_size), str(self.start_position))
+
+    @meta_state.setter
+    def meta_state(self, v: Sequence[str]) -> None:
+        self.offset, self.chunk_size, self.start_position = parse_ints(
+            "ChunkedKVCache", v, ["offset", "chunk_size", "start_position"]
+        )
+        if self.start_position > self.offset or self.chunk_size == 0:
+            raise CacheFormatError("ChunkedKVCache meta state is inconsistent (start > offset or chunk 0)")
+
+    def to_quantized(self, group_size: int = 64, bits: int = 8):
+        raise CacheFormatError("ChunkedKVCache cannot be quantized")

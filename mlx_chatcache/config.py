@@ -1,0 +1,45 @@
+"""Every default of mlx_chatcache, in one dataclass.
+
+Library functions take ``None`` for "use the default" and read it from
+:data:`DEFAULTS`; the CLI builds its flag defaults from the same object.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    # sampling
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    seed: int | None = None
+    # prompt processing
+    prefill_step_size: int = 512
+    # cache shape
+    max_kv_size: int | None = None
+    keep: int = 4  # tokens pinned by a rotating cache when nothing better is known
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
+
+    def updated(self, **changes) -> "GenerationConfig":
+        """A copy with ``changes`` applied; None values are ignored."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+DEFAULTS = GenerationConfig()
+
+
+def mlxcc_home() -> Path:
+    """Where sessions live: ``$MLXCC_HOME`` or ``~/.mlxcc``."""
+    return Path(os.environ.get("MLXCC_HOME") or Path.home() / ".mlxcc")
