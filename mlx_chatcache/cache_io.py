@@ -1,0 +1,295 @@
+"""The cache file format (see docs/cache-format.md) and its save/load API.
+
+``save_prompt_cache(path, cache, tokens=..., model=..., messages=..., metadata=...)``
+writes a self-describing safetensors file atomically. ``load_prompt_cache(path)``
+validates everything it reads and returns our cache objects; it also reads files
+written by mlx-lm (0.32 layout and the older meta_state layout). With
+``format="mlx-lm"`` we write a file mlx-lm 0.32's ``load_prompt_cache`` accepts.
+
+Layout of our files (format version 1):
+- tensors ``layer.{i}.{j}``: array ``j`` of layer ``i``'s ``state`` (live tokens only);
+- metadata ``mlxcc.format_version``, ``mlxcc.num_layers``,
+  ``mlxcc.layer.{i}.class`` / ``.meta`` (JSON list of strings) / ``.arrays`` (count),
+  ``mlxcc.tokens`` (JSON list of ints), ``mlxcc.messages`` (JSON, chats only),
+  ``model.id`` / ``model.weights_hash`` / ``model.tokenizer_hash``, ``user.*``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from . import __version__
+from .cache import BaseCache, cache_class
+from .errors import CacheFileError, CacheFormatError, ChatCacheError, ModelMismatchError
+from .fingerprint import ModelFingerprint
+from .safetensors_file import Header, read_arrays, read_header, write_atomic
+
+FORMAT_NAME = "mlx_chatcache"
+FORMAT_VERSION = 1
+MAX_LAYERS = 4096
+MAX_TOKEN_ID = 2**31 - 1
+
+
+@dataclass
+class CacheFileInfo:
+    """What a cache file says about itself (everything but the arrays)."""
+
+    path: str
+    format_version: int
+    layout: str  # "mlxcc" | "mlx-lm" | "mlx-lm-legacy"
+    classes: list[str]
+    tokens: list[int] | None = None
+    model: ModelFingerprint | None = None
+    messages: list[dict] | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    nbytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int | None:
+        return None if self.tokens is None else len(self.tokens)
+
+
+# ------------------------------------------------------------------ save
+def save_prompt_cache(
+    path: str | os.PathLike,
+    cache: Sequence[BaseCache],
+    *,
+    tokens: Sequence[int] | None = None,
+    model: ModelFingerprint | None = None,
+    messages: list[dict] | None = None,
+    metadata: dict[str, str] | None = None,
+    format: str = "mlxcc",
+) -> None:
+    """Save ``cache`` (one cache per layer) atomically to ``path``."""
+    if format == "mlx-lm":
+        from .mlxlm_compat import save_mlx_lm
+
+        return save_mlx_lm(path, cache, metadata or {})
+    if format != "mlxcc":
+        raise CacheFormatError(f"unknown cache file format {format!r}; use 'mlxcc' or 'mlx-lm'")
+    arrays, meta = {}, _header_metadata(cache, tokens, model, messages, metadata)
+    for i, c in enumerate(cache):
+        for j, a in enumerate(c.state):
+            arrays[f"layer.{i}.{j}"] = a
+    write_atomic(path, arrays, meta)
+
+
+def _header_metadata(cache, tokens, model, messages, metadata) -> dict[str, str]:
+    meta = {
+        "mlxcc.format": FORMAT_NAME,
+        "mlxcc.format_version": str(FORMAT_VERSION),
+        "mlxcc.created_by": f"mlx_chatcache {__version__}",
+        "mlxcc.num_layers": str(len(cache)),
+    }
+    for i, c in enumerate(cache):
+        meta[f"mlxcc.layer.{i}.class"] = type(c).__name__
+        meta[f"mlxcc.layer.{i}.meta"] = json.dumps(list(c.meta_state))
+        meta[f"mlxcc.layer.{i}.arrays"] = str(len(c.state))
+    if tokens is not None:
+        meta["mlxcc.tokens"] = json.dumps([int(t) for t in tokens])
+    if messages is not None:
+        meta["mlxcc.messages"] = json.dumps(messages, ensure_ascii=False)
+    if model is not None:
+        meta.update(model.to_metadata())
+    for k, v in (metadata or {}).items():
+        meta[f"user.{k}"] = str(v)
+    return meta
+
+
+# ------------------------------------------------------------------ load
+def read_cache_info(path: str | os.PathLike) -> CacheFileInfo:
+    """The file's self-description, validated, without reading its arrays."""
+    return _info_from_header(read_header(path))
+
+
+def load_prompt_cache(
+    path: str | os.PathLike,
+    return_metadata: bool = False,
+    *,
+    model: ModelFingerprint | None = None,
+):
+    """Load a cache file (ours or mlx-lm's). With ``model``, refuse a file made
+    for another model. Returns the cache, or ``(cache, CacheFileInfo)``."""
+    header = read_header(path)
+    info = _info_from_header(header)
+    if model is not None:
+        model.check(info.model, what="cache file")
+    try:
+        if info.layout == "mlxcc":
+            cache = _build_layers(header, info)
+        else:
+            from .mlxlm_compat import load_mlx_lm
+
+            cache = load_mlx_lm(header, read_arrays(header), info)
+    except ChatCacheError:
+        raise
+    except Exception as e:  # a malformed array/meta combination we did not foresee
+        raise CacheFormatError(
+            f"{header.path}: cache layers are inconsistent ({type(e).__name__}: {e}); "
+            "delete the file or rebuild it"
+        ) from e
+    _check_tokens_match(header.path, cache, info.tokens)
+    return (cache, info) if return_metadata else cache
+
+
+def _build_layers(header: Header, info: CacheFileInfo) -> list[BaseCache]:
+    arrays = read_arrays(header)
+    cache = []
+    for i, name in enumerate(info.classes):
+        meta, count = info.extra["layers"][i]
+        state = [arrays[f"layer.{i}.{j}"] for j in range(count)]
+        cache.append(cache_class(name).from_state(state, meta))
+    return cache
+
+
+def _check_tokens_match(path, cache, tokens) -> None:
+    if tokens is None:
+        return
+    for i, c in enumerate(cache):
+        if c.offset not in (0, len(tokens)):
+            raise CacheFormatError(
+                f"{path}: layer {i} holds {c.offset} tokens but the file lists {len(tokens)} "
+                "token ids; the file was tampered with or damaged: rebuild it"
+            )
+
+
+# ------------------------------------------------------------------ header parsing
+def _info_from_header(header: Header) -> CacheFileInfo:
+    meta = header.metadata
+    nbytes = sum(t.end - t.begin for t in header.tensors.values())
+    if meta.get("mlxcc.format") == FORMAT_NAME:
+        info = _parse_ours(header)
+    else:
+        from .mlxlm_compat import detect_mlx_lm
+
+        info = detect_mlx_lm(header)
+        if info is None:
+            raise CacheFormatError(
+                f"{header.path} is a safetensors file but not a prompt cache (no mlx_chatcache "
+                "or mlx-lm cache metadata); pass a file made by mlxcc or mlx-lm"
+            )
+    info.nbytes = nbytes
+    return info
+
+
+def _parse_ours(header: Header) -> CacheFileInfo:
+    meta, path = header.metadata, header.path
+    version = _int_field(path, meta, "mlxcc.format_version")
+    if version > FORMAT_VERSION:
+        raise CacheFormatError(
+            f"{path} uses cache format version {version}, newer than this mlx_chatcache "
+            f"understands ({FORMAT_VERSION}); upgrade mlx_chatcache"
+        )
+    if version < 1:
+        raise CacheFormatError(f"{path}: invalid cache format version {version}")
+    n = _int_field(path, meta, "mlxcc.num_layers")
+    if n > MAX_LAYERS:
+        raise CacheFormatError(f"{path}: implausible layer count {n}")
+    classes, layers = [], []
+    for i in range(n):
+        name = meta.get(f"mlxcc.layer.{i}.class")
+        cache_class(name)  # unknown or hostile names fail here, before any array is read
+        lm = _json_field(path, meta, f"mlxcc.layer.{i}.meta")
+        if not isinstance(lm, list) or not all(isinstance(s, str) for s in lm):
+            raise CacheFormatError(f"{path}: layer {i} meta state is not a list of strings")
+        count = _int_field(path, meta, f"mlxcc.layer.{i}.arrays")
+        for j in range(count):
+            if f"layer.{i}.{j}" not in header.tensors:
+                raise CacheFormatError(f"{path}: array layer.{i}.{j} is missing; the file is damaged")
+        classes.append(name)
+        layers.append((tuple(lm), count))
+    expected = {f"layer.{i}.{j}" for i, (_, c) in enumerate(layers) for j in range(c)}
+    if set(header.tensors) != expected:
+        raise CacheFormatError(f"{path}: the file holds arrays no layer claims; it was tampered with")
+    return CacheFileInfo(
+        path=str(path),
+        format_version=version,
+        layout="mlxcc",
+        classes=classes,
+        tokens=_parse_tokens(path, meta.get("mlxcc.tokens")),
+        model=ModelFingerprint.from_metadata(meta),
+        messages=_parse_messages(path, meta.get("mlxcc.messages")),
+        metadata={k[5:]: v for k, v in meta.items() if k.startswith("user.")},
+        extra={"layers": layers},
+    )
+
+
+def _int_field(path, meta: dict, key: str) -> int:
+    v = meta.get(key)
+    if not isinstance(v, str) or not v.isdigit() or len(v) > 12:
+        raise CacheFormatError(f"{path}: metadata {key} is missing or not a number ({v!r}); the file is damaged")
+    return int(v)
+
+
+def _json_field(path, meta: dict, key: str):
+    try:
+        return json.loads(meta[key])
+    except (KeyError, json.JSONDecodeError, RecursionError):
+        raise CacheFormatError(f"{path}: metadata {key} is missing or not JSON; the file is damaged") from None
+
+
+def _parse_tokens(path, raw: str | None) -> list[int] | None:
+    if raw is None:
+        return None
+    try:
+        tokens = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        tokens = None
+    if not isinstance(tokens, list) or not all(
+        type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens
+    ):
+        raise CacheFormatError(f"{path}: token ids are not a list of non-negative integers; the file is damaged")
+    return tokens
+
+
+def _parse_messages(path, raw: str | None) -> list[dict] | None:
+    if raw is None:
+        return None
+    try:
+        msgs = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        msgs = None
+    ok = isinstance(msgs, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in msgs
+    )
+    if not ok:
+        raise CacheFormatError(f"{path}: chat messages are malformed; the file is damaged")
+    return msgs
+
+
+def check_cache_fits_model(cache: Sequence[BaseCache], expected: Sequence[BaseCache], path="cache") -> None:
+    """Refuse a cache whose layer count or layer kinds differ from the model's own."""
+    if len(cache) != len(expected):
+        raise ModelMismatchError(
+            f"{path} has {len(cache)} layers but the model has {len(expected)}; "
+            "it was made with another model: use that model or rebuild the cache"
+        )
+    for i, (c, e) in enumerate(zip(cache, expected)):
+        if _family(c) != _family(e):
+            raise ModelMismatchError(
+                f"{path} layer {i} is a {type(c).__name__} but the model needs a "
+                f"{type(e).__name__}; it was made with another model: rebuild the cache"
+            )
+
+
+def _family(c: BaseCache) -> str:
+    name = type(c).__name__
+    return "arrays" if name == "ArraysCache" else "list" if name == "CacheList" else "kv"
+
+
+__all__ = [
+    "CacheFileInfo",
+    "save_prompt_cache",
+    "load_prompt_cache",
+    "read_cache_info",
+    "check_cache_fits_model",
+    "FORMAT_VERSION",
+]

@@ -1,0 +1,277 @@
+"""Interop with mlx-lm's prompt cache files.
+
+Two layouts exist, both with tensors named by ``tree_flatten`` paths
+(``"{layer}.{index}..."``) and a flat string metadata map:
+
+- **0.32 layout** (mlx-lm >= 0.32.0): metadata ``0.*`` = user metadata, ``1.{i}`` =
+  class names, ``2.*`` = a list of (tensor path, "scalar"|"string"|"none") pairs
+  (``2.0`` is an empty sentinel). ``state`` includes scalars (offset, keep, ...)
+  stored as arrays, and K/V buffers may be padded past ``offset``.
+- **legacy layout** (mlx-lm <= 0.31): metadata ``0.{i}[.{j}]`` = each layer's
+  ``meta_state`` strings, ``1.*`` = user metadata, ``2.{i}`` = class names;
+  K/V arrays are already sliced to ``offset``; a rotating buffer keeps its ring
+  order, described by ``(keep, max_size, offset, _idx)``.
+
+Both are converted to our classes: live tokens only, rotating caches in temporal
+order. Writing (``save_mlx_lm``) builds mlx-lm cache objects and uses mlx-lm's
+own writer, so the file is exactly what the installed mlx-lm expects.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import mlx.core as mx
+
+from .cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
+from .cache_base import BaseCache
+from .errors import CacheFormatError, UnsupportedCacheError
+from .safetensors_file import Header
+
+_INDEX = re.compile(r"^\d{1,6}$")
+_MLX_LM_CLASSES = {"KVCache", "RotatingKVCache", "QuantizedKVCache", "ArraysCache",
+                   "ChunkedKVCache", "CacheList", "ConcatenateKVCache"}
+
+
+def _classes(meta: dict[str, str], prefix: str) -> list[str] | None:
+    names, i = [], 0
+    while f"{prefix}.{i}" in meta:
+        names.append(meta[f"{prefix}.{i}"])
+        i += 1
+    return names if names and all(n in _MLX_LM_CLASSES for n in names) else None
+
+
+def detect_mlx_lm(header: Header):
+    """CacheFileInfo for an mlx-lm file, or None if the file is not one."""
+    from .cache_io import CacheFileInfo
+
+    meta = header.metadata
+    if meta.get("2.0") == "" and (classes := _classes(meta, "1")):
+        layout, user = "mlx-lm", _sub(meta, "0")
+    elif classes := _classes(meta, "2"):
+        layout, user = "mlx-lm-legacy", _sub(meta, "1")
+    else:
+        return None
+    return CacheFileInfo(path=str(header.path), format_version=0, layout=layout,
+                         classes=classes, metadata=user)
+
+
+def _sub(meta: dict[str, str], prefix: str) -> dict[str, str]:
+    p = prefix + "."
+    return {k[len(p):]: v for k, v in meta.items() if k.startswith(p)}
+
+
+def _unflatten(flat: dict[str, Any]) -> dict:
+    """Nested dicts keyed by int from ``"0.1.2"``-style paths."""
+    root: dict = {}
+    for path, value in flat.items():
+        parts = path.split(".")
+        if not all(_INDEX.match(p) for p in parts):
+            raise CacheFormatError(f"unexpected mlx-lm tensor name {path!r}")
+        node = root
+        for p in parts[:-1]:
+            node = node.setdefault(int(p), {})
+            if not isinstance(node, dict):
+                raise CacheFormatError(f"conflicting mlx-lm tensor names at {path!r}")
+        node[int(parts[-1])] = value
+    return root
+
+
+def _as_list(node) -> list:
+    if not isinstance(node, dict):
+        return node
+    return [_as_list(node[k]) for k in sorted(node)]
+
+
+def load_mlx_lm(header: Header, arrays: dict[str, mx.array], info) -> list[BaseCache]:
+    meta = header.metadata
+    if info.layout == "mlx-lm":
+        arrays = dict(arrays)
+        for path, kind in _scalar_specs(meta):
+            if path not in arrays:
+                raise CacheFormatError(f"mlx-lm scalar {path!r} has no array")
+            a = arrays[path]
+            arrays[path] = None if kind == "none" else _scalar(a, kind)
+        tree = _unflatten(arrays)
+        return [_from_032(name, _as_list(tree.get(i, {}))) for i, name in enumerate(info.classes)]
+    tree = _unflatten(arrays)
+    metas = _as_list(_unflatten({k[2:]: v for k, v in meta.items() if k.startswith("0.")}))
+    return [
+        _from_legacy(name, _as_list(tree.get(i, {})), metas[i] if i < len(metas) else "")
+        for i, name in enumerate(info.classes)
+    ]
+
+
+def _scalar_specs(meta: dict[str, str]) -> list[tuple[str, str]]:
+    specs, i = [], 1
+    while f"2.{i}.0" in meta:
+        kind = meta.get(f"2.{i}.1")
+        if kind not in ("scalar", "string", "none"):
+            raise CacheFormatError(f"unknown mlx-lm scalar kind {kind!r}")
+        specs.append((meta[f"2.{i}.0"], kind))
+        i += 1
+    return specs
+
+
+def _scalar(a: mx.array, kind: str):
+    if kind == "string":
+        return "".join(chr(int(c)) for c in a.tolist())
+    if a.size != 1:
+        raise CacheFormatError("mlx-lm scalar is not a single value")
+    return a.item()
+
+
+def _int(v) -> int:
+    if isinstance(v, mx.array):
+        v = v.item()
+    if isinstance(v, str) and v.isdigit():
+        v = int(v)
+    if not isinstance(v, (int, float)) or int(v) != v or v < 0:
+        raise CacheFormatError(f"mlx-lm cache value {v!r} is not a non-negative integer")
+    return int(v)
+
+
+def _kv(keys, values, offset: int, start: int = 0) -> tuple:
+    n = offset - start
+    return (tuple(k[..., :n, :] for k in keys) if isinstance(keys, list) else keys[..., :n, :],
+            tuple(v[..., :n, :] for v in values) if isinstance(values, list) else values[..., :n, :])
+
+
+def _from_032(name: str, s: list) -> BaseCache:
+    """Our cache from an mlx-lm 0.32 ``state`` list (scalars already decoded)."""
+    if name in ("KVCache", "ConcatenateKVCache"):
+        keys, values = s[0], s[1]
+        offset = _int(s[2]) if len(s) > 2 else keys.shape[2]
+        return _kv_cache(KVCache(), *_kv(keys, values, offset), offset)
+    if name == "QuantizedKVCache":
+        keys, values, offset, gs, bits = s
+        c = QuantizedKVCache(_int(gs), _int(bits))
+        return _kv_cache(c, *_kv(keys, values, _int(offset)), _int(offset))
+    if name == "RotatingKVCache":
+        keys, values, offset, keep, max_size, idx = s
+        return _rotating(keys, values, *map(_int, (offset, keep, max_size, idx)))
+    if name == "ChunkedKVCache":
+        keys, values, offset, chunk, start = s
+        c = ChunkedKVCache(_int(chunk))
+        c.start_position = _int(start)
+        return _kv_cache(c, *_kv(keys, values, _int(offset), _int(start)), _int(offset))
+    if name == "ArraysCache":
+        return _arrays(s[0] if s else [])
+    if name == "CacheList":
+        return CacheList(*(_from_032(child[1], _as_list(child[0])) for child in s))
+    raise UnsupportedCacheError(f"mlx-lm cache class {name} is not supported")
+
+
+def _from_legacy(name: str, s: list, meta) -> BaseCache:
+    """Our cache from an mlx-lm <= 0.31 ``state`` plus ``meta_state`` strings."""
+    meta = _as_list(meta) if isinstance(meta, dict) else meta
+    if name in ("KVCache", "ConcatenateKVCache"):
+        return _kv_cache(KVCache(), s[0], s[1], s[0].shape[2])
+    if name == "QuantizedKVCache":
+        offset, gs, bits = map(_int, meta)
+        return _kv_cache(QuantizedKVCache(gs, bits), *_kv(s[0], s[1], offset), offset)
+    if name == "RotatingKVCache":
+        keep, max_size, offset, idx = map(_int, meta)
+        return _rotating(s[0], s[1], offset, keep, max_size, idx)
+    if name == "ChunkedKVCache":
+        chunk, start = map(_int, meta)
+        c = ChunkedKVCache(chunk)
+        c.start_position = start
+        return _kv_cache(c, s[0], s[1], start + s[0].shape[2])
+    if name == "ArraysCache":
+        return _arrays(s)
+    if name == "CacheList":
+        names, metas = meta[0], meta[1]
+        return CacheList(*(_from_legacy(n, _as_list(st), m) for n, st, m in zip(names, s, metas)))
+    raise UnsupportedCacheError(f"mlx-lm cache class {name} is not supported")
+
+
+def _kv_cache(c: KVCache, keys, values, offset: int) -> KVCache:
+    c.offset = offset
+    c.keys = tuple(keys) if isinstance(keys, list) else keys
+    c.values = tuple(values) if isinstance(values, list) else values
+    return type(c).from_state(c.state, c.meta_state)  # validates shapes
+
+
+def _rotating(keys, values, offset: int, keep: int, max_size: int, idx: int) -> RotatingKVCache:
+    """mlx-lm ring buffer -> our temporal layout (pinned + last max_size - keep)."""
+    def temporal(x):
+        L = x.shape[2]
+        if idx >= L:
+            return x
+        if idx < offset:
+            return mx.concatenate([x[..., :keep, :], x[..., idx:, :], x[..., keep:idx, :]], axis=2)
+        return x[..., :idx, :]
+
+    k, v = temporal(keys), temporal(values)
+    held = min(offset, max_size)
+    if k.shape[2] < held:
+        raise CacheFormatError("mlx-lm rotating cache holds fewer tokens than its offset says")
+    if k.shape[2] > held:  # keep the pinned prefix and the most recent tokens
+        k = mx.concatenate([k[..., :keep, :], k[..., k.shape[2] - (held - keep):, :]], axis=2)
+        v = mx.concatenate([v[..., :keep, :], v[..., v.shape[2] - (held - keep):, :]], axis=2)
+    return RotatingKVCache.from_state([k, v], (str(offset), str(max_size), str(keep)))
+
+
+def _arrays(slots) -> ArraysCache:
+    slots = slots if isinstance(slots, list) else [slots]
+    c = ArraysCache(len(slots))
+    c.cache = [a if isinstance(a, mx.array) else None for a in slots]
+    return c
+
+
+# ------------------------------------------------------------------ writing
+def _to_mlx_lm(c: BaseCache):
+    from mlx_lm.models import cache as lm
+
+    name = type(c).__name__
+    if name == "KVCache":
+        out = lm.KVCache()
+        out.keys, out.values = (c._fetch() if c.keys is not None else (None, None))
+        out.offset = c.offset
+    elif name == "QuantizedKVCache":
+        out = lm.QuantizedKVCache(c.group_size, c.bits)
+        k, v = c._fetch() if c.keys is not None else (None, None)
+        out.keys, out.values = (list(k), list(v)) if k is not None else (None, None)
+        out.offset = c.offset
+    elif name == "RotatingKVCache":
+        out = lm.RotatingKVCache(c.max_size, c.keep)
+        out.keys, out.values = c._temporal()
+        out.offset = c.offset
+        out._idx = out.keys.shape[2] if out.keys is not None else 0
+    elif name == "ArraysCache":
+        out = lm.ArraysCache(len(c.cache))
+        out.cache = list(c.cache)
+    elif name == "CacheList":
+        out = lm.CacheList(*(_to_mlx_lm(x) for x in c.caches))
+    else:
+        raise UnsupportedCacheError(
+            f"{name} cannot be written in mlx-lm format (mlx-lm has no equivalent); "
+            "save it with format='mlxcc'"
+        )
+    return out
+
+
+def save_mlx_lm(path, cache, metadata: dict[str, str]) -> None:
+    """Write ``cache`` as mlx-lm 0.32's ``save_prompt_cache`` would, atomically."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from mlx_lm.models.cache import save_prompt_cache as lm_save
+
+    lm_cache = [_to_mlx_lm(c) for c in cache]
+    path = Path(path)
+    tmp_dir = tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        tmp = Path(tmp_dir) / "cache.safetensors"
+        lm_save(str(tmp), lm_cache, metadata)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise CacheFormatError(f"could not write {path}: {e.strerror or e}; the previous file is unchanged") from e
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)

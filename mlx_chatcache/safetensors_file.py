@@ -1,0 +1,199 @@
+"""Reading and writing safetensors files defensively.
+
+``read_header`` parses and validates the header of a file a stranger may have
+handed us: the declared header size, JSON, dtypes, shapes and byte ranges are all
+checked against the real file size before a byte of tensor data is read, so a
+lying header can neither crash the process nor make it allocate more than the
+file holds. ``read_arrays`` then reads each tensor from its validated range.
+
+``write_atomic`` writes a temp file in the target folder, fsyncs it and renames
+it over the target: a reader sees the old file or the new one, never a mix,
+and a failed write (full disk, kill -9) leaves the old file intact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import CacheFileError
+
+MAX_HEADER_BYTES = 64 << 20
+MAX_DIMS = 8
+
+# safetensors dtype -> (numpy dtype to read the bytes, mlx dtype to view them as)
+DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
+    "F32": (np.dtype("<f4"), mx.float32),
+    "F16": (np.dtype("<f2"), mx.float16),
+    "BF16": (np.dtype("<u2"), mx.bfloat16),
+    "U32": (np.dtype("<u4"), mx.uint32),
+    "I32": (np.dtype("<i4"), mx.int32),
+    "U16": (np.dtype("<u2"), mx.uint16),
+    "I16": (np.dtype("<i2"), mx.int16),
+    "U8": (np.dtype("u1"), mx.uint8),
+    "I8": (np.dtype("i1"), mx.int8),
+    "U64": (np.dtype("<u8"), mx.uint64),
+    "I64": (np.dtype("<i8"), mx.int64),
+    "BOOL": (np.dtype("?"), mx.bool_),
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # byte range inside the data section
+    end: int
+
+
+@dataclass(frozen=True)
+class Header:
+    path: Path
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str]
+    data_start: int  # file offset of the data section
+    file_size: int
+
+
+def _bad(path: Path, what: str) -> CacheFileError:
+    return CacheFileError(
+        f"{path} is not a valid cache file ({what}); it may be truncated or damaged: "
+        "delete it or rebuild it (mlxcc cache-prompt)"
+    )
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Parse and validate the safetensors header of ``path``."""
+    path = Path(path)
+    if not path.is_file():
+        raise CacheFileError(f"cache file not found: {path}; check the path")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise _bad(path, f"only {size} bytes")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > MAX_HEADER_BYTES:
+            raise _bad(path, f"header declares {n} bytes but the file has {size}")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise _bad(path, "header is not JSON") from None
+    if not isinstance(header, dict):
+        raise _bad(path, "header is not a JSON object")
+    metadata = _parse_metadata(path, header.pop("__metadata__", {}))
+    data_len = size - 8 - n
+    tensors = {name: _parse_entry(path, name, e, data_len) for name, e in header.items()}
+    _check_ranges(path, tensors, data_len)
+    return Header(path, tensors, metadata, 8 + n, size)
+
+
+def _parse_metadata(path: Path, meta) -> dict[str, str]:
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise _bad(path, "metadata is not a string-to-string map")
+    return meta
+
+
+def _parse_entry(path: Path, name: str, e, data_len: int) -> TensorEntry:
+    if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+        raise _bad(path, f"tensor {name!r} entry is malformed")
+    dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+    if dtype not in DTYPES:
+        raise _bad(path, f"tensor {name!r} has unsupported dtype {dtype!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(type(d) is int and 0 <= d <= data_len for d in shape)
+    ):
+        raise _bad(path, f"tensor {name!r} has an invalid shape")
+    if not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs):
+        raise _bad(path, f"tensor {name!r} has invalid data offsets")
+    begin, end = offs
+    nbytes = math.prod(shape) * DTYPES[dtype][0].itemsize
+    if not 0 <= begin <= end <= data_len or end - begin != nbytes:
+        raise _bad(path, f"tensor {name!r} byte range {offs} does not fit its shape or the file")
+    return TensorEntry(name, dtype, tuple(shape), begin, end)
+
+
+def _check_ranges(path: Path, tensors: dict[str, TensorEntry], data_len: int) -> None:
+    pos = 0
+    for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+        if t.begin != pos:
+            raise _bad(path, f"tensor {t.name!r} overlaps another or leaves a gap")
+        pos = t.end
+    if pos != data_len:
+        raise _bad(path, f"data section has {data_len - pos} unexplained bytes")
+
+
+def read_arrays(header: Header, names=None) -> dict[str, mx.array]:
+    """Read the tensors ``names`` (default: all) of a validated header."""
+    names = list(header.tensors) if names is None else list(names)
+    out = {}
+    with open(header.path, "rb") as f:
+        for name in names:
+            t = header.tensors[name]
+            f.seek(header.data_start + t.begin)
+            raw = f.read(t.end - t.begin)
+            if len(raw) != t.end - t.begin:
+                raise _bad(header.path, "file shrank while reading")
+            np_dtype, mx_dtype = DTYPES[t.dtype]
+            arr = mx.array(np.frombuffer(raw, dtype=np_dtype).reshape(t.shape))
+            out[name] = arr.view(mx_dtype) if arr.dtype != mx_dtype else arr
+    return out
+
+
+def write_atomic(path: str | os.PathLike, arrays: dict[str, mx.array], metadata: dict[str, str]) -> None:
+    """Write a safetensors file atomically (temp file + fsync + rename)."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise CacheFileError(f"cannot write {path}: folder {folder} does not exist; create it first")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp.safetensors", dir=folder)
+    os.close(fd)
+    try:
+        mx.save_safetensors(tmp, arrays, metadata)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(folder)
+    except (OSError, RuntimeError, ValueError) as e:
+        _remove_quietly(tmp)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise CacheFileError(
+            f"could not write {path}: {reason}; the previous file (if any) is unchanged"
+        ) from e
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(p: str) -> None:
+    try:
+        os.unlink(p)
+    except OSError:
+        pass
