@@ -74,6 +74,7 @@ def save_prompt_cache(
         return save_mlx_lm(path, cache, metadata or {})
     if format != "mlxcc":
         raise CacheFormatError(f"unknown cache file format {format!r}; use 'mlxcc' or 'mlx-lm'")
+    _check_tokens_match(path, cache, None if tokens is None else list(tokens))
     arrays, meta = {}, _header_metadata(cache, tokens, model, messages, metadata)
     for i, c in enumerate(cache):
         for j, a in enumerate(c.state):
@@ -155,8 +156,8 @@ def _check_tokens_match(path, cache, tokens) -> None:
     for i, c in enumerate(cache):
         if c.offset not in (0, len(tokens)):
             raise CacheFormatError(
-                f"{path}: layer {i} holds {c.offset} tokens but the file lists {len(tokens)} "
-                "token ids; the file was tampered with or damaged: rebuild it"
+                f"{path}: layer {i} holds {c.offset} tokens but {len(tokens)} token ids are "
+                "listed; the cache and its tokens disagree (tampered or damaged file): rebuild it"
             )
 
 

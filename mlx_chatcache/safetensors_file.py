@@ -91,7 +91,7 @@ def read_header(path: str | os.PathLike) -> Header:
         raise _bad(path, "header is not JSON") from None
     if not isinstance(header, dict):
         raise _bad(path, "header is not a JSON object")
-    metadata = _parse_metadata(path, header.pop("__metadata__", {}))
+    metadata = _parse_metadata(path, header.pop("__metadata__", None) or {})
     data_len = size - 8 - n
     tensors = {name: _parse_entry(path, name, e, data_len) for name, e in header.items()}
     _check_ranges(path, tensors, data_len)

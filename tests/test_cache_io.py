@@ -1,0 +1,268 @@
+"""The cache file format: round trips, self-description, interop with mlx-lm,
+refusal of damaged, tampered and foreign files, atomic writes."""
+
+import json
+import os
+import struct
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import cache as lm
+
+from mlx_chatcache.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    QuantizedRotatingKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+from mlx_chatcache.cache_io import (
+    FORMAT_VERSION,
+    check_cache_fits_model,
+    load_prompt_cache,
+    read_cache_info,
+    save_prompt_cache,
+)
+from mlx_chatcache.errors import (
+    CacheFileError,
+    CacheFormatError,
+    ChatCacheError,
+    ModelMismatchError,
+    UnsupportedCacheError,
+)
+from mlx_chatcache.fingerprint import ModelFingerprint
+
+
+def rnd(n, seed=0):
+    return mx.random.normal((1, 2, n, 32), key=mx.random.key(seed))
+
+
+def filled(c, sizes=(10, 1, 1)):
+    for i, n in enumerate(sizes):
+        c.update_and_fetch(rnd(n, i), rnd(n, 100 + i))
+    return c
+
+
+def all_kinds():
+    arrays = ArraysCache(2)
+    arrays[0] = mx.arange(12.0).reshape(1, 3, 4)
+    return [
+        filled(KVCache()),
+        filled(RotatingKVCache(8, 2), (10, 1, 1)),
+        filled(QuantizedKVCache(32, 8)),
+        filled(QuantizedRotatingKVCache(8, 2, 32, 4), (5, 1, 5, 1)),
+        arrays,
+        CacheList(filled(KVCache()), ArraysCache(1)),
+    ]
+
+
+def assert_same(a, b):
+    assert [type(x) for x in a] == [type(y) for y in b]
+    for x, y in zip(a, b):
+        assert x.meta_state == y.meta_state
+        assert len(x.state) == len(y.state)
+        for s, t in zip(x.state, y.state):
+            assert s.dtype == t.dtype and mx.array_equal(s, t)
+
+
+FP = ModelFingerprint("m", "w" * 32, "t" * 32)
+
+
+def test_round_trip_every_kind_exact(tmp_path):
+    cache = all_kinds()
+    p = tmp_path / "c.safetensors"
+    msgs = [{"role": "user", "content": "héllo"}]
+    save_prompt_cache(p, cache, tokens=list(range(12)), model=FP, messages=msgs, metadata={"a": "b"})
+    loaded, info = load_prompt_cache(p, return_metadata=True)
+    assert_same(cache, loaded)
+    assert info.format_version == FORMAT_VERSION and info.layout == "mlxcc"
+    assert info.classes == [type(c).__name__ for c in cache]
+    assert info.tokens == list(range(12)) and info.messages == msgs
+    assert info.model == FP and info.metadata == {"a": "b"}
+
+
+def test_save_refuses_tokens_that_do_not_match(tmp_path):
+    with pytest.raises(CacheFormatError, match="token"):
+        save_prompt_cache(tmp_path / "x.safetensors", [filled(KVCache())], tokens=[1, 2, 3])
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_header_only_info_matches(tmp_path):
+    p = tmp_path / "c.safetensors"
+    save_prompt_cache(p, [filled(KVCache())], tokens=list(range(12)))
+    info = read_cache_info(p)
+    assert info.num_tokens == 12 and info.nbytes == 2 * 12 * 2 * 32 * 4
+
+
+def test_no_padding_smaller_than_mlx_lm(tmp_path):
+    ours, theirs = KVCache(), lm.KVCache()
+    ours.update_and_fetch(rnd(10), rnd(10, 1))
+    theirs.update_and_fetch(rnd(10), rnd(10, 1))
+    save_prompt_cache(tmp_path / "a.safetensors", [ours], tokens=list(range(10)))
+    lm.save_prompt_cache(str(tmp_path / "b.safetensors"), [theirs])
+    a, b = (os.path.getsize(tmp_path / f) for f in ("a.safetensors", "b.safetensors"))
+    assert a < b
+    (loaded,) = load_prompt_cache(tmp_path / "a.safetensors")
+    assert all(s.shape[2] == 10 for s in loaded.state)
+
+
+def test_model_mismatch_refused(tmp_path):
+    p = tmp_path / "c.safetensors"
+    save_prompt_cache(p, [filled(KVCache())], tokens=list(range(12)), model=FP)
+    other = ModelFingerprint("other", "x" * 32, "t" * 32)
+    with pytest.raises(ModelMismatchError, match="another model|differs"):
+        load_prompt_cache(p, model=other)
+    load_prompt_cache(p, model=ModelFingerprint("moved/path", FP.weights_hash, FP.tokenizer_hash))
+
+
+def test_layer_shape_mismatch_refused():
+    with pytest.raises(ModelMismatchError):
+        check_cache_fits_model([KVCache()], [KVCache(), KVCache()])
+    with pytest.raises(ModelMismatchError):
+        check_cache_fits_model([ArraysCache(1)], [KVCache()])
+
+
+# ----------------------------------------------------------------- mlx-lm interop
+def lm_filled():
+    caches = [lm.KVCache(), lm.RotatingKVCache(8, 2), lm.QuantizedKVCache(32, 8)]
+    for c in caches:
+        c.update_and_fetch(rnd(10), rnd(10, 1))
+        for i in range(4):
+            c.update_and_fetch(rnd(1, 2 + i), rnd(1, 9 + i))
+    return caches
+
+
+def test_reads_mlx_lm_032_file(tmp_path):
+    theirs = lm_filled()
+    p = tmp_path / "lm.safetensors"
+    lm.save_prompt_cache(str(p), theirs, {"note": "x"})
+    ours, info = load_prompt_cache(p, return_metadata=True)
+    assert info.layout == "mlx-lm" and info.metadata == {"note": "x"}
+    assert [c.offset for c in ours] == [14, 14, 14]
+    assert mx.array_equal(ours[0].state[0], theirs[0].keys[..., :14, :])
+    assert mx.array_equal(ours[1].state[0], theirs[1]._temporal_order(theirs[1].keys))
+
+
+def test_writes_file_mlx_lm_loads(tmp_path):
+    cache = [filled(KVCache()), filled(RotatingKVCache(8, 2), (10, 1, 1)), filled(QuantizedKVCache(32, 8))]
+    p = tmp_path / "for_lm.safetensors"
+    save_prompt_cache(p, cache, format="mlx-lm", metadata={"k": "v"})
+    back, meta = lm.load_prompt_cache(str(p), return_metadata=True)
+    assert meta == {"k": "v"} and [c.offset for c in back] == [12, 12, 12]
+    assert mx.array_equal(back[0].state[0][..., :12, :], cache[0].state[0])
+    with pytest.raises(UnsupportedCacheError):
+        save_prompt_cache(tmp_path / "q.safetensors", [filled(QuantizedRotatingKVCache(8, 2, 32, 8))], format="mlx-lm")
+
+
+def test_reads_legacy_layout(tmp_path):
+    """Build a file in the mlx-lm <= 0.31 layout from its documented shape:
+    metadata 0.{i} = meta_state, 1.* = user metadata, 2.{i} = class names."""
+    kv, rot = lm.KVCache(), lm.RotatingKVCache(8, 2)
+    for c in (kv, rot):
+        c.update_and_fetch(rnd(10), rnd(10, 1))
+        for i in range(3):
+            c.update_and_fetch(rnd(1, 5 + i), rnd(1, 15 + i))
+    arrays = {
+        "0.0": kv.keys[..., :13, :], "0.1": kv.values[..., :13, :],
+        "1.0": rot.keys, "1.1": rot.values,  # raw ring layout
+    }
+    meta = {
+        "0.0": "",
+        "0.1.0": str(rot.keep), "0.1.1": str(rot.max_size), "0.1.2": str(rot.offset), "0.1.3": str(rot._idx),
+        "1.user": "kept",
+        "2.0": "KVCache", "2.1": "RotatingKVCache",
+    }
+    p = tmp_path / "legacy.safetensors"
+    mx.save_safetensors(str(p), arrays, meta)
+    ours, info = load_prompt_cache(p, return_metadata=True)
+    assert info.layout == "mlx-lm-legacy" and info.metadata == {"user": "kept"}
+    assert mx.array_equal(ours[0].state[0], kv.keys[..., :13, :])
+    assert mx.array_equal(ours[1].state[0], rot._temporal_order(rot.keys))
+    assert ours[1].offset == 13
+
+
+# ----------------------------------------------------------------- bad files
+@pytest.fixture
+def good_file(tmp_path):
+    p = tmp_path / "good.safetensors"
+    save_prompt_cache(p, [filled(KVCache()), filled(KVCache())], tokens=list(range(12)), model=FP)
+    return p
+
+
+def rewrite_header(src, dst, edit):
+    raw = src.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    new = json.dumps(header).encode()
+    dst.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
+    return dst
+
+
+def test_truncated_anywhere(good_file, tmp_path):
+    raw = good_file.read_bytes()
+    for cut in [0, 4, 8, 20, len(raw) // 2, len(raw) - 1]:
+        bad = tmp_path / f"cut{cut}.safetensors"
+        bad.write_bytes(raw[:cut])
+        with pytest.raises(CacheFileError, match="truncated|damaged|not a valid"):
+            load_prompt_cache(bad)
+
+
+def test_missing_and_foreign(tmp_path):
+    with pytest.raises(CacheFileError, match="not found"):
+        load_prompt_cache(tmp_path / "nope.safetensors")
+    p = tmp_path / "weights.safetensors"
+    mx.save_safetensors(str(p), {"w": mx.zeros((2, 2))})
+    with pytest.raises(CacheFormatError, match="not a prompt cache"):
+        load_prompt_cache(p)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda h: h["__metadata__"].update({"mlxcc.layer.0.class": "os.system"}), "unknown cache class"),
+        (lambda h: h["__metadata__"].update({"mlxcc.layer.0.class": "__class__"}), "unknown cache class"),
+        (lambda h: h["__metadata__"].update({"mlxcc.format_version": "99"}), "newer"),
+        (lambda h: h["__metadata__"].update({"mlxcc.layer.0.meta": '["12x"]'}), "integer"),
+        (lambda h: h["__metadata__"].update({"mlxcc.layer.0.meta": '["13"]'}), "hold|tokens"),
+        (lambda h: h["__metadata__"].update({"mlxcc.tokens": "[1, 2]"}), "token ids"),
+        (lambda h: h["__metadata__"].update({"mlxcc.tokens": "[-1]"}), "token ids"),
+        (lambda h: h["__metadata__"].update({"mlxcc.num_layers": "3"}), "missing|class"),
+        (lambda h: h["layer.0.0"].update({"shape": [1, 2, 13, 32]}), "byte range"),
+        (lambda h: h["layer.0.0"].update({"dtype": "F64"}), "dtype"),
+        (lambda h: h["layer.0.0"].update({"data_offsets": [0, 10**15]}), "byte range"),
+        (lambda h: h["layer.0.1"].update({"data_offsets": h["layer.0.0"]["data_offsets"]}), "overlap|range"),
+    ],
+)
+def test_tampered_header(good_file, tmp_path, edit, match):
+    bad = rewrite_header(good_file, tmp_path / "bad.safetensors", edit)
+    with pytest.raises(ChatCacheError, match=match):
+        load_prompt_cache(bad)
+
+
+def test_huge_declared_header(tmp_path):
+    p = tmp_path / "huge.safetensors"
+    p.write_bytes(struct.pack("<Q", 2**62) + b"{}")
+    with pytest.raises(CacheFileError, match="declares"):
+        load_prompt_cache(p)
+
+
+# ----------------------------------------------------------------- atomic writes
+def test_failed_write_keeps_old_file(good_file, monkeypatch):
+    before = good_file.read_bytes()
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mx, "save_safetensors", boom)
+    with pytest.raises(CacheFileError, match="No space left.*unchanged"):
+        save_prompt_cache(good_file, [filled(KVCache())], tokens=list(range(12)))
+    assert good_file.read_bytes() == before
+    assert [p.name for p in good_file.parent.iterdir()] == [good_file.name]
+
+
+def test_model_cache_shapes_fit(llama_model):
+    _, model, _ = llama_model if isinstance(llama_model, tuple) and len(llama_model) == 3 else (None, *llama_model)
+    check_cache_fits_model(make_prompt_cache(model), make_prompt_cache(model))
