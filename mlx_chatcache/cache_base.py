@@ -94,7 +94,7 @@ def parse_ints(cls_name: str, meta: Sequence[str], names: Sequence[str]) -> list
         )
     out = []
     for name, s in zip(names, meta):
-        if not isinstance(s, str) or not s.isdigit() or len(s) > 18:
+        if not isinstance(s, str) or not (s.isascii() and s.isdigit()) or len(s) > 18:
             raise CacheFormatError(f"{cls_name} meta state '{name}' is not a non-negative integer: {s!r}")
         out.append(int(s))
     return out

@@ -92,7 +92,9 @@ class KVCache(BaseCache):
         if self.keys is None:
             return []
         k, v = self._fetch()
-        return kv_flatten(k) + kv_flatten(v)
+        # new array objects: later in-place writes into our buffers must not
+        # reach the caller's list (nor a cache rebuilt from it), and vice versa
+        return [a[...] for a in kv_flatten(k) + kv_flatten(v)]
 
     @state.setter
     def state(self, v: Sequence[mx.array]) -> None:
@@ -104,6 +106,7 @@ class KVCache(BaseCache):
             return
         n = len(self._array_names())
         check_arrays(name, v, n)
+        v = [a[...] for a in v]  # own objects: update_and_fetch writes into them in place
         self.keys, self.values = self._pack(v[: n // 2]), self._pack(v[n // 2 :])
         for a in v:
             if a.ndim != 4 or a.shape[2] != self._held() or a.shape[:2] != v[0].shape[:2]:

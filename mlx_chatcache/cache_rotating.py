@@ -183,6 +183,7 @@ class RotatingKVCache(KVCache):
     def to_quantized(self, group_size: int = 64, bits: int = 8) -> "QuantizedRotatingKVCache":
         q = QuantizedRotatingKVCache(self.max_size, self.keep, group_size=group_size, bits=bits)
         q.offset = self.offset
+        q._idx = self.keep  # the copy is stored in temporal order
         if self.keys is not None:
             k, v = self._temporal()
             q.keys, q.values = q._encode(k), q._encode(v)
