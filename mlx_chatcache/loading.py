@@ -81,4 +81,15 @@ def _load_hf(ref: str):
     return model, tokenizer, folder_fingerprint(ref, folder)
 
 
-__all__ = ["load", "demo_model_path", "resolve_model_ref", "ModelFingerprint"]
+def load_tokenizer(ref: str):
+    """Only the tokenizer of ``ref`` (cheap for folders; GGUF reads the file's metadata)."""
+    if ref.endswith(".gguf"):
+        from .gguf import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(ref)
+    from mlx_lm.utils import load_tokenizer as lm_load_tokenizer
+
+    return lm_load_tokenizer(Path(ref))
+
+
+__all__ = ["load", "load_tokenizer", "demo_model_path", "resolve_model_ref", "ModelFingerprint"]

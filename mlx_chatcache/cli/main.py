@@ -1,0 +1,62 @@
+"""``mlxcc`` entry point: dispatches to one module per subcommand.
+
+Each subcommand module exposes ``add_parser(subparsers)`` and ``run(args) -> int``.
+Every error we raise on purpose (:class:`ChatCacheError`) and every bad flag is
+reported as ONE line on stderr with a non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import ChatCacheError
+
+SUBCOMMANDS = ("generate", "cache_prompt", "chat", "cache_info")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are a single line on stderr (exit 2)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        sys.stderr.write(f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        sys.exit(2)
+
+
+def build_parser() -> OneLineParser:
+    import importlib
+
+    parser = OneLineParser(
+        prog="mlxcc",
+        description="Multi-turn LLM work on MLX that never pays twice for the same tokens.",
+    )
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"mlxcc {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f".{name}", __package__)
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "run", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.run(args) or 0
+    except ChatCacheError as e:
+        sys.stderr.write(f"mlxcc: error: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("mlxcc: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
