@@ -1,0 +1,495 @@
+"""Text generation on a prompt cache that is reused from one call to the next.
+
+Layers, each usable on its own (lowest first):
+
+1. :class:`PromptCacheState` holds a prompt cache (one cache per layer) and
+   ``tokens``, the token ids that cache has been fed, in order.
+2. :func:`reuse_prefix` reduces a state to the longest part of a new prompt it
+   already holds: it trims the rest, or starts a fresh cache when the cache
+   cannot be trimmed.
+3. :func:`prefill` feeds all prompt tokens but the last, in chunks.
+4. :func:`decode_one_token` feeds tokens, records them in the state and samples
+   the next token.
+5. :func:`generate_step` yields ``(token, logprobs)`` pairs.
+6. :func:`stream_generate` yields :class:`GenerationResponse` text segments
+   with statistics.
+7. :func:`generate` returns the whole text.
+
+What ``state.tokens`` holds
+---------------------------
+After a call (and at every point a call yields), ``state.tokens`` is exactly
+the sequence the cache has been fed, so ``len(state.tokens)`` equals the cache
+offset. A rotating cache holds only its window of that sequence, but its
+content is still determined by the whole sequence. **The last token a call
+yields is never fed**: after a reply ``r1..rn`` (``rn`` may be the EOS token)
+to prompt ``p``, ``state.tokens == p + r1..r(n-1)``. Why:
+
+- The next turn's prompt repeats ``p + r1..rn`` and then adds more, so it
+  extends ``state.tokens``. Everything is reused without trimming, which
+  matters for caches that cannot be trimmed (a rotating cache past its window,
+  SSM/conv ``ArraysCache`` layers). ``rn`` then becomes the first token of the
+  next turn to feed, and a turn always has at least one token to feed, which
+  the model needs to produce logits.
+- Feeding ``rn`` now would cost a forward pass whose logits nobody uses.
+- Tokens are fed lazily: token ``k`` is fed only when the consumer asks for
+  token ``k+1``. A consumer that stops early (a stop string, Ctrl-C between
+  tokens) leaves a state holding only tokens it accepted, minus the last one.
+
+If a model call raises (KeyboardInterrupt included), some layers may have been
+updated and others not. The state is then reset to an empty cache of the same
+shape (``tokens == []``) before the exception propagates.
+
+Cache shape and settings
+------------------------
+A state keeps the shape it was made with: ``max_kv_size`` and ``keep`` (a
+rotating window). ``GenerationConfig.max_kv_size``/``keep`` are used only to
+make a new state. A non-None ``config.max_kv_size`` that differs from the
+shape of a given state raises :class:`UsageError`. KV quantization
+(``kv_bits``, ``kv_group_size``, ``quantized_kv_start``) follows the config of
+each call. Float K/V layers are converted in place once they hold
+``quantized_kv_start`` tokens. ``config.seed`` (when not None) seeds MLX's
+random generator at the start of each call. All defaults come from
+:data:`DEFAULTS`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Collection, Iterable, Iterator, Sequence
+
+import mlx.core as mx
+
+from .cache import (
+    BaseCache,
+    cache_offset,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    quantize_prompt_cache,
+    trim_prompt_cache,
+)
+from .config import DEFAULTS, GenerationConfig
+from .errors import CacheFormatError, UsageError
+from .sample import LogitsProcessor, Sampler, make_logits_processors, make_sampler
+
+Progress = Callable[[int, int], None]  # (tokens done, tokens to do)
+KVQuantizer = Callable[[list[BaseCache]], None]
+
+
+# ------------------------------------------------------------------ state
+@dataclass
+class PromptCacheState:
+    """A prompt cache and the exact tokens it has been fed (``len == offset``).
+
+    ``cache`` and ``tokens`` are updated in place by the functions below.
+    ``max_kv_size``/``keep`` record the cache's shape so it can be rebuilt.
+    """
+
+    cache: list[BaseCache]
+    tokens: list[int] = field(default_factory=list)
+    max_kv_size: int | None = None
+    keep: int = DEFAULTS.keep
+
+    @classmethod
+    def new(cls, model, max_kv_size: int | None = None, keep: int | None = None) -> "PromptCacheState":
+        """An empty state for ``model`` (rotating when ``max_kv_size`` is set)."""
+        keep = DEFAULTS.keep if keep is None else keep
+        if max_kv_size is not None and (max_kv_size < 2 or keep < 0):
+            raise UsageError(f"max_kv_size must be >= 2 and keep >= 0, got {max_kv_size} and {keep}")
+        return cls(make_prompt_cache(model, max_kv_size, keep), [], max_kv_size, keep)
+
+    def reset(self, model) -> None:
+        """Drop everything: a fresh empty cache of the same shape."""
+        self.cache[:] = make_prompt_cache(model, self.max_kv_size, self.keep)
+        del self.tokens[:]
+
+
+def ensure_state(model, state: PromptCacheState | None, config: GenerationConfig) -> PromptCacheState:
+    """``state``, or a new one shaped by ``config``; rejects a conflicting shape."""
+    if state is None:
+        return PromptCacheState.new(model, config.max_kv_size, config.keep)
+    wanted = (config.max_kv_size, config.keep)
+    if config.max_kv_size is not None and wanted != (state.max_kv_size, state.keep):
+        raise UsageError(
+            f"the prompt cache was made with max_kv_size={state.max_kv_size}, keep={state.keep} "
+            f"but max_kv_size={config.max_kv_size}, keep={config.keep} was asked; "
+            "use the same values or start a new cache"
+        )
+    return state
+
+
+@contextlib.contextmanager
+def _reset_on_error(state: PromptCacheState, model):
+    """Model calls inside leave the state consistent or empty, never half-updated."""
+    try:
+        yield
+    except BaseException:
+        state.reset(model)
+        raise
+
+
+# ------------------------------------------------------------------ reuse
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def reuse_prefix(state: PromptCacheState, prompt_tokens: Sequence[int], model) -> int:
+    """Make ``state`` hold a prefix of ``prompt_tokens``; return its length.
+
+    The reused prefix is the longest common prefix of ``state.tokens`` and the
+    prompt, capped at ``len(prompt) - 1`` (at least one token must be fed for
+    the model to produce logits). Tokens the cache holds beyond it are trimmed
+    when every layer can be trimmed; otherwise the state is reset (``model``
+    builds the fresh cache) and 0 is returned. Calling it again with the same
+    prompt changes nothing.
+    """
+    if not prompt_tokens:
+        raise UsageError("the prompt is empty; give at least one token")
+    held = len(state.tokens)
+    offset = cache_offset(state.cache)
+    # some mlx-lm models (mamba, rwkv7) never advance their caches' offsets: 0 is not checked
+    if offset != held and offset != 0:
+        raise CacheFormatError(
+            f"the prompt cache has seen {offset} tokens but its token list has {held}; "
+            "the cache is inconsistent: start a new one"
+        )
+    reuse = min(common_prefix_len(state.tokens, prompt_tokens), len(prompt_tokens) - 1)
+    excess = held - reuse
+    if excess == 0:
+        return reuse
+    if can_trim_prompt_cache(state.cache):
+        trim_prompt_cache(state.cache, excess)
+        if cache_offset(state.cache) == reuse:
+            del state.tokens[reuse:]
+            return reuse
+    state.reset(model)
+    return 0
+
+
+# ------------------------------------------------------------------ feeding
+def make_kv_quantizer(config: GenerationConfig) -> KVQuantizer | None:
+    """The in-place KV quantization step ``config`` asks for (None: none)."""
+    if config.kv_bits is None:
+        return None
+
+    def quantize(cache: list[BaseCache]) -> None:
+        quantize_prompt_cache(cache, config.kv_group_size, config.kv_bits, config.quantized_kv_start)
+
+    return quantize
+
+
+def forward(model, cache: list[BaseCache], tokens: Sequence[int]) -> mx.array:
+    """Feed ``tokens`` (updating ``cache``); logits of the last one ``(1, V)``."""
+    inputs = mx.array(tokens, dtype=mx.uint32)[None]  # (1, T)
+    return model(inputs, cache=cache)[:, -1, :]  # (1, T, V) -> (1, V)
+
+
+def prefill(
+    model,
+    cache: list[BaseCache],
+    tokens: Sequence[int],
+    prefill_step_size: int,
+    progress: Progress | None = None,
+    *,
+    kv_quantizer: KVQuantizer | None = None,
+) -> list[int]:
+    """Feed all of ``tokens`` but the last, ``prefill_step_size`` at a time.
+
+    Each chunk is evaluated before the next (bounded memory). ``progress``
+    gets ``(fed, len(tokens))`` before the first chunk and after each.
+    Returns the tokens left to feed (the last one).
+    """
+    if prefill_step_size < 1:
+        raise UsageError(f"prefill step size must be >= 1, got {prefill_step_size}")
+    tokens = list(tokens)
+    todo = len(tokens) - 1
+    if progress:
+        progress(0, len(tokens))
+    for start in range(0, max(todo, 0), prefill_step_size):
+        chunk = tokens[start : min(start + prefill_step_size, todo)]
+        model(mx.array(chunk, dtype=mx.uint32)[None], cache=cache)  # (1, T) in
+        if kv_quantizer:
+            kv_quantizer(cache)
+        mx.eval([c.eval_arrays() for c in cache])
+        mx.clear_cache()
+        if progress:
+            progress(start + len(chunk), len(tokens))
+    return tokens[max(todo, 0) :]
+
+
+def sample_token(
+    logits: mx.array, context: Sequence[int], sampler: Sampler, processors: Sequence[LogitsProcessor]
+) -> tuple[mx.array, mx.array]:
+    """Process ``logits`` ``(1, V)`` given the ``context``; sample one token.
+
+    Returns the token ``(1,)`` and the log-probabilities ``(1, V)`` it was
+    drawn from (after the processors).
+    """
+    if processors:
+        ctx = mx.array(context, dtype=mx.uint32)  # (T,)
+        for process in processors:
+            logits = process(ctx, logits)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (1, V)
+    return sampler(logprobs), logprobs
+
+
+def decode_one_token(
+    model,
+    state: PromptCacheState,
+    tokens: Sequence[int],
+    sampler: Sampler,
+    processors: Sequence[LogitsProcessor] = (),
+    kv_quantizer: KVQuantizer | None = None,
+) -> tuple[int, mx.array]:
+    """Feed ``tokens`` (recorded in ``state.tokens``); sample the next token.
+
+    Returns ``(token, logprobs)`` with ``logprobs`` of shape ``(V,)``.
+    """
+    logits = forward(model, state.cache, tokens)  # (1, V)
+    if kv_quantizer:
+        kv_quantizer(state.cache)
+    state.tokens.extend(tokens)
+    token, logprobs = sample_token(logits, state.tokens, sampler, processors)
+    mx.eval(token, logprobs, [c.eval_arrays() for c in state.cache])
+    return token.item(), logprobs[0]
+
+
+# ------------------------------------------------------------------ generate_step
+def generate_step(
+    prompt_tokens: Sequence[int],
+    model,
+    *,
+    state: PromptCacheState | None = None,
+    config: GenerationConfig | None = None,
+    sampler: Sampler | None = None,
+    logits_processors: Sequence[LogitsProcessor] | None = None,
+    stop_tokens: Collection[int] = (),
+    progress: Progress | None = None,
+) -> Iterator[tuple[int, mx.array]]:
+    """Yield ``(token, logprobs (V,))`` for up to ``config.max_tokens`` tokens.
+
+    Reuses what ``state`` holds of the prompt (a fresh state when None), feeds
+    the rest, then samples. It stops after yielding a token in
+    ``stop_tokens`` or the ``max_tokens``-th token; that last token is not fed
+    (see the module docstring). ``sampler``/``logits_processors`` default to
+    those the config describes. ``progress`` gets ``(done, total)`` over the
+    prompt tokens that are not reused, ending with ``(total, total)``.
+    """
+    config = config or DEFAULTS
+    prompt = [int(t) for t in prompt_tokens]
+    if config.max_tokens < 1:
+        raise UsageError(f"max_tokens must be >= 1, got {config.max_tokens}")
+    state = ensure_state(model, state, config)
+    sampler = sampler or make_sampler(
+        config.temp, config.top_p, config.top_k, config.min_p, config.min_tokens_to_keep
+    )
+    if logits_processors is None:
+        logits_processors = make_logits_processors(config.repetition_penalty, config.repetition_context_size)
+    quantizer = make_kv_quantizer(config)
+    if config.seed is not None:
+        mx.random.seed(config.seed)
+
+    reused = reuse_prefix(state, prompt, model)
+    todo = prompt[reused:]
+    with _reset_on_error(state, model):
+        rest = prefill(model, state.cache, todo, config.prefill_step_size, progress, kv_quantizer=quantizer)
+        state.tokens.extend(todo[: len(todo) - len(rest)])
+        token, logprobs = decode_one_token(model, state, rest, sampler, logits_processors, quantizer)
+    if progress:
+        progress(len(todo), len(todo))
+
+    for n in range(1, config.max_tokens + 1):
+        yield token, logprobs
+        if token in stop_tokens or n == config.max_tokens:
+            return
+        if n % 256 == 0:
+            mx.clear_cache()
+        with _reset_on_error(state, model):
+            token, logprobs = decode_one_token(model, state, [token], sampler, logits_processors, quantizer)
+
+
+# ------------------------------------------------------------------ streaming text
+@dataclass
+class GenerationResponse:
+    """One step of :func:`stream_generate`.
+
+    ``text`` is the new text segment (may be empty; stop tokens add no text).
+    ``prompt_tokens`` counts the whole prompt, ``reused_tokens`` the part taken
+    from the cache. ``ttft`` is the number of seconds from the call to the
+    first token. ``prompt_tps`` is the non-reused prompt tokens divided by
+    ``ttft``. ``generation_tokens`` counts the tokens sampled so far,
+    including a final stop token. ``generation_tps`` is the tokens after the
+    first, per second since the first (0 until there are two).
+    ``peak_memory`` is in GB. ``finish_reason`` is "stop" (a stop token),
+    "length" (``max_tokens`` reached) or None (more to come).
+    """
+
+    text: str
+    token: int
+    logprobs: mx.array
+    prompt_tokens: int
+    reused_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    ttft: float
+    peak_memory: float
+    finish_reason: str | None = None
+
+
+def as_tokenizer_wrapper(tokenizer):
+    """mlx-lm's ``TokenizerWrapper`` (gives ``detokenizer`` and ``eos_token_ids``)."""
+    if hasattr(tokenizer, "detokenizer") and hasattr(tokenizer, "eos_token_ids"):
+        return tokenizer
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return TokenizerWrapper(tokenizer)
+
+
+def encode_prompt(tokenizer, prompt: str | Sequence[int] | mx.array) -> list[int]:
+    """Token ids of ``prompt``. Special tokens are added to text unless it already starts with BOS."""
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        add_special = bos is None or not prompt.startswith(bos)
+        ids = list(tokenizer.encode(prompt, add_special_tokens=add_special))
+    elif isinstance(prompt, mx.array):
+        ids = prompt.reshape(-1).tolist()
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise UsageError("the prompt is empty; give at least one token")
+    return ids
+
+
+def stop_token_ids(tokenizer, extra_eos_tokens: Iterable[str | int] = ()) -> set[int]:
+    """The tokenizer's EOS ids plus ``extra_eos_tokens``.
+
+    Each extra token is an id or a string: the string must encode to a single
+    token or be one vocabulary entry, otherwise :class:`UsageError`.
+    """
+    stops = set(tokenizer.eos_token_ids)
+    for tok in extra_eos_tokens:
+        if isinstance(tok, int):
+            stops.add(tok)
+            continue
+        ids = tokenizer.encode(tok, add_special_tokens=False)
+        if len(ids) != 1:  # maybe a vocabulary entry spelled as stored ("Ġthe")
+            vocab_id = tokenizer.get_vocab().get(tok)
+            ids = [] if vocab_id is None else [vocab_id]
+        if len(ids) != 1:
+            raise UsageError(f"extra EOS token {tok!r} is not a single token of this tokenizer")
+        stops.add(int(ids[0]))
+    return stops
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompt: str | Sequence[int] | mx.array,
+    *,
+    state: PromptCacheState | None = None,
+    config: GenerationConfig | None = None,
+    sampler: Sampler | None = None,
+    logits_processors: Sequence[LogitsProcessor] | None = None,
+    extra_eos_tokens: Iterable[str | int] = (),
+    progress: Progress | None = None,
+) -> Iterator[GenerationResponse]:
+    """Yield a :class:`GenerationResponse` per sampled token; the last has a ``finish_reason``.
+
+    ``prompt`` is text (encoded with the tokenizer) or token ids. ``state``
+    is reused and updated in place (see the module docstring); None uses a
+    throw-away cache. Generation stops at the tokenizer's EOS tokens, at
+    ``extra_eos_tokens`` and at ``config.max_tokens``.
+    """
+    start = time.perf_counter()
+    config = config or DEFAULTS
+    tokenizer = as_tokenizer_wrapper(tokenizer)
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    stops = stop_token_ids(tokenizer, extra_eos_tokens)
+    state = ensure_state(model, state, config)
+    reused = reuse_prefix(state, prompt_ids, model)
+    detokenizer = tokenizer.detokenizer
+    steps = generate_step(
+        prompt_ids, model, state=state, config=config, sampler=sampler,
+        logits_processors=logits_processors, stop_tokens=stops, progress=progress,
+    )  # fmt: skip
+    for n, (token, logprobs) in enumerate(steps, 1):
+        now = time.perf_counter()
+        if n == 1:
+            ttft, first = now - start, now
+        finish = "stop" if token in stops else "length" if n == config.max_tokens else None
+        if token not in stops:
+            detokenizer.add_token(token)
+        if finish:
+            detokenizer.finalize()
+        yield GenerationResponse(
+            text=detokenizer.last_segment,
+            token=token,
+            logprobs=logprobs,
+            prompt_tokens=len(prompt_ids),
+            reused_tokens=reused,
+            prompt_tps=(len(prompt_ids) - reused) / max(ttft, 1e-9),
+            generation_tokens=n,
+            generation_tps=(n - 1) / (now - first) if n > 1 else 0.0,
+            ttft=ttft,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+        )
+
+
+def generate(
+    model,
+    tokenizer,
+    prompt: str | Sequence[int] | mx.array,
+    *,
+    state: PromptCacheState | None = None,
+    config: GenerationConfig | None = None,
+    sampler: Sampler | None = None,
+    logits_processors: Sequence[LogitsProcessor] | None = None,
+    extra_eos_tokens: Iterable[str | int] = (),
+    verbose: bool = False,
+) -> str:
+    """The whole generated text (see :func:`stream_generate`); ``verbose`` prints it and stats."""
+    text, last = "", None
+    for last in stream_generate(
+        model, tokenizer, prompt, state=state, config=config, sampler=sampler,
+        logits_processors=logits_processors, extra_eos_tokens=extra_eos_tokens,
+    ):  # fmt: skip
+        text += last.text
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print()
+        print(
+            f"Prompt: {last.prompt_tokens} tokens ({last.reused_tokens} reused), "
+            f"{last.prompt_tps:.1f} tokens/s, first token after {last.ttft:.3f} s"
+        )
+        print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s")
+        print(f"Peak memory: {last.peak_memory:.3f} GB")
+    return text
+
+
+__all__ = [
+    "PromptCacheState",
+    "ensure_state",
+    "common_prefix_len",
+    "reuse_prefix",
+    "make_kv_quantizer",
+    "forward",
+    "prefill",
+    "sample_token",
+    "decode_one_token",
+    "generate_step",
+    "GenerationResponse",
+    "as_tokenizer_wrapper",
+    "encode_prompt",
+    "stop_token_ids",
+    "stream_generate",
+    "generate",
+]
