@@ -47,6 +47,8 @@ class CacheFileInfo:
     tokens: list[int] | None = None
     model: ModelFingerprint | None = None
     messages: list[dict] | None = None
+    text: str | None = None  # raw text the cache holds (caches made without a chat template)
+    settings: dict = field(default_factory=dict)  # how the cache was shaped (max_kv_size, keep, ...)
     metadata: dict[str, str] = field(default_factory=dict)
     nbytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -64,10 +66,18 @@ def save_prompt_cache(
     tokens: Sequence[int] | None = None,
     model: ModelFingerprint | None = None,
     messages: list[dict] | None = None,
+    text: str | None = None,
+    settings: dict | None = None,
     metadata: dict[str, str] | None = None,
     format: str = "mlxcc",
 ) -> None:
-    """Save ``cache`` (one cache per layer) atomically to ``path``."""
+    """Save ``cache`` (one cache per layer) atomically to ``path``.
+
+    ``tokens``: the token ids the cache holds; ``model``: the fingerprint of the
+    model that made it; ``messages``: the chat it holds; ``text``: the raw text it
+    holds (no chat template); ``settings``: JSON-able shape/sampling settings;
+    ``metadata``: free string metadata.
+    """
     if format == "mlx-lm":
         from .mlxlm_compat import save_mlx_lm
 
@@ -75,7 +85,12 @@ def save_prompt_cache(
     if format != "mlxcc":
         raise CacheFormatError(f"unknown cache file format {format!r}; use 'mlxcc' or 'mlx-lm'")
     _check_tokens_match(path, cache, None if tokens is None else list(tokens))
-    arrays, meta = {}, _header_metadata(cache, tokens, model, messages, metadata)
+    meta = _header_metadata(cache, tokens, model, messages, metadata)
+    if text is not None:
+        meta["mlxcc.text"] = text
+    if settings:
+        meta["mlxcc.settings"] = json.dumps(settings)
+    arrays = {}
     for i, c in enumerate(cache):
         for j, a in enumerate(c.state):
             arrays[f"layer.{i}.{j}"] = a
@@ -132,9 +147,10 @@ def load_prompt_cache(
     except ChatCacheError:
         raise
     except Exception as e:  # a malformed array/meta combination we did not foresee
+        detail = " ".join(f"{type(e).__name__}: {e}".split())  # one line, even for array reprs
+        detail = detail if len(detail) <= 200 else detail[:197] + "..."
         raise CacheFormatError(
-            f"{header.path}: cache layers are inconsistent ({type(e).__name__}: {e}); "
-            "delete the file or rebuild it"
+            f"{header.path}: cache layers are inconsistent ({detail}); delete the file or rebuild it"
         ) from e
     _check_tokens_match(header.path, cache, info.tokens)
     return (cache, info) if return_metadata else cache
@@ -217,6 +233,8 @@ def _parse_ours(header: Header) -> CacheFileInfo:
         tokens=_parse_tokens(path, meta.get("mlxcc.tokens")),
         model=ModelFingerprint.from_metadata(meta),
         messages=_parse_messages(path, meta.get("mlxcc.messages")),
+        text=meta.get("mlxcc.text"),
+        settings=_parse_settings(path, meta.get("mlxcc.settings")),
         metadata={k[5:]: v for k, v in meta.items() if k.startswith("user.")},
         extra={"layers": layers},
     )
@@ -224,7 +242,7 @@ def _parse_ours(header: Header) -> CacheFileInfo:
 
 def _int_field(path, meta: dict, key: str) -> int:
     v = meta.get(key)
-    if not isinstance(v, str) or not v.isdigit() or len(v) > 12:
+    if not isinstance(v, str) or not (v.isascii() and v.isdigit()) or len(v) > 12:
         raise CacheFormatError(f"{path}: metadata {key} is missing or not a number ({v!r}); the file is damaged")
     return int(v)
 
@@ -232,7 +250,7 @@ def _int_field(path, meta: dict, key: str) -> int:
 def _json_field(path, meta: dict, key: str):
     try:
         return json.loads(meta[key])
-    except (KeyError, json.JSONDecodeError, RecursionError):
+    except (KeyError, ValueError, RecursionError):  # ValueError: bad JSON, too-long integers
         raise CacheFormatError(f"{path}: metadata {key} is missing or not JSON; the file is damaged") from None
 
 
@@ -241,7 +259,7 @@ def _parse_tokens(path, raw: str | None) -> list[int] | None:
         return None
     try:
         tokens = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):
         tokens = None
     if not isinstance(tokens, list) or not all(
         type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens
@@ -255,7 +273,7 @@ def _parse_messages(path, raw: str | None) -> list[dict] | None:
         return None
     try:
         msgs = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):
         msgs = None
     ok = isinstance(msgs, list) and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -264,6 +282,18 @@ def _parse_messages(path, raw: str | None) -> list[dict] | None:
     if not ok:
         raise CacheFormatError(f"{path}: chat messages are malformed; the file is damaged")
     return msgs
+
+
+def _parse_settings(path, raw: str | None) -> dict:
+    if raw is None:
+        return {}
+    try:
+        settings = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        settings = None
+    if not isinstance(settings, dict):
+        raise CacheFormatError(f"{path}: settings are not a JSON object; the file is damaged")
+    return settings
 
 
 def check_cache_fits_model(cache: Sequence[BaseCache], expected: Sequence[BaseCache], path="cache") -> None:

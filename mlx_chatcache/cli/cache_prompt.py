@@ -1,0 +1,83 @@
+"""``mlxcc cache-prompt``: prebuild a prompt cache file from a system prompt and/or a prompt.
+
+With the chat template (default) the file holds the rendered messages
+(system, then the prompt as a user message) and a later ``mlxcc generate
+--prompt-cache-file`` continues the chat. With ``--ignore-chat-template`` it
+holds raw text: a later ``generate --ignore-chat-template`` appends its prompt
+to that text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from ..errors import UsageError
+from ..generate import PromptCacheState, encode_prompt
+from ..prompt_store import StoredPrompt, feed_all, render_chat, save_stored_prompt
+from .common import add_cache_args, add_model_arg, config_from_args, human_bytes, read_json_arg, read_prompt
+from .progress import ProgressBar
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "cache-prompt",
+        help="prebuild a prompt cache file",
+        description="Encode a system prompt and/or a prompt once and save the cache, so later "
+        "generate/chat calls start from it.",
+    )
+    add_model_arg(p)
+    p.add_argument("--prompt", "-p", help="prompt text ('-' reads stdin)")
+    p.add_argument("--prompt-file", help="read the prompt from this file")
+    p.add_argument("--system-prompt", help="system message to cache")
+    p.add_argument("--prompt-cache-file", required=True, help="the cache file to write")
+    add_cache_args(p)
+    p.add_argument("--ignore-chat-template", action="store_true", help="cache the text as is (raw prefix)")
+    p.add_argument("--chat-template-config", help="JSON object (or file) of extra chat template arguments")
+    p.set_defaults(run=run)
+
+
+def build(args, tokenizer, prompt: str | None) -> tuple[StoredPrompt, list[int]]:
+    if args.ignore_chat_template:
+        text = (args.system_prompt or "") + (prompt or "")
+        return StoredPrompt(None, None, text), encode_prompt(tokenizer, text)
+    messages = []
+    if args.system_prompt:
+        messages.append({"role": "system", "content": args.system_prompt})
+    if prompt:
+        messages.append({"role": "user", "content": prompt})
+    template = read_json_arg(args.chat_template_config, "--chat-template-config")
+    tokens = render_chat(tokenizer, messages, add_generation_prompt=False, template_kwargs=template)
+    return StoredPrompt(None, messages), tokens
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..loading import load
+
+    if args.prompt is not None and args.prompt_file is not None:
+        raise UsageError("give --prompt or --prompt-file, not both")
+    prompt = read_prompt(args.prompt, args.prompt_file)
+    if not prompt and not args.system_prompt:
+        raise UsageError("nothing to cache: pass --prompt, --prompt-file or --system-prompt")
+    model, tokenizer = load(args.model)
+    config = config_from_args(args)
+    stored, tokens = build(args, tokenizer, prompt)
+    stored.state = PromptCacheState.new(model, config.max_kv_size, config.keep)
+    start = time.perf_counter()
+    bar = ProgressBar("caching")
+    feed_all(model, stored.state, tokens, config.prefill_step_size, bar.update)
+    bar.close()
+    if config.kv_bits is not None:
+        from ..cache import quantize_prompt_cache
+
+        quantize_prompt_cache(stored.state.cache, config.kv_group_size, config.kv_bits, config.quantized_kv_start)
+    elapsed = time.perf_counter() - start
+    save_stored_prompt(args.prompt_cache_file, model, stored)
+    size = os.path.getsize(args.prompt_cache_file)
+    sys.stdout.write(
+        f"Cached {len(tokens)} tokens in {elapsed:.2f} s ({len(tokens) / max(elapsed, 1e-9):.1f} tokens-per-sec) "
+        f"to {args.prompt_cache_file} ({human_bytes(size)})\n"
+    )
+    return 0
