@@ -1,0 +1,99 @@
+"""``mlxcc chat``: a multi-turn chat whose history is computed once, saved after
+every turn and resumed later with nothing recomputed.
+
+With ``--session NAME`` the chat lives in ``mlxcc_home()/sessions/NAME.safetensors``
+(``--session-file PATH`` for any other file): it is saved atomically after every
+turn, and starting the same command again continues it. One process at a time
+may hold a session (an exclusive lock on ``NAME.lock``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..session import ChatSession, SessionLock, session_path
+from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args
+
+OVERRIDABLE = (
+    "max_tokens", "temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+    "max_kv_size", "kv_bits", "kv_group_size", "quantized_kv_start", "prefill_step_size",
+)  # fmt: skip
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="chat with a model; the conversation's cache is kept, saved and resumed",
+        description="Chat with a model. Each turn feeds only its new tokens; /undo and "
+        "/retry roll the cache back instead of recomputing it. With --session the chat "
+        "is saved after every turn and resumed by running the same command again. "
+        "Type /help in the chat for its commands.",
+    )
+    add_model_arg(p)
+    p.add_argument("--system-prompt", help="the system prompt (pinned in the cache window with --max-kv-size)")
+    add_sampling_args(p)
+    add_cache_args(p)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--session", metavar="NAME",
+        help="keep the chat in MLXCC_HOME/sessions/NAME.safetensors (default MLXCC_HOME: "
+        "~/.mlxcc) and resume it when it exists",
+    )  # fmt: skip
+    where.add_argument("--session-file", metavar="PATH", help="keep the chat in this file (resumed when it exists)")
+    p.add_argument("--verbose", "-v", action="store_true", help="print each turn's statistics on stderr")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    path, label = None, None
+    if args.session is not None:
+        path, label = session_path(args.session), f"'{args.session}'"
+    elif args.session_file is not None:
+        path = Path(args.session_file).expanduser()
+        label = str(path)
+    if path is None:
+        return _chat(args, None, None)
+    with SessionLock(path, label):
+        return _chat(args, path, label)
+
+
+def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int:
+    from ..loading import load
+    from ..repl import ChatREPL, StreamReader, TerminalReader, history_file
+
+    model, tokenizer = load(args.model)
+    if path is not None and path.exists():
+        overrides = {n: getattr(args, n) for n in OVERRIDABLE if getattr(args, n, None) is not None}
+        session = ChatSession.load(path, model, tokenizer, overrides=overrides)
+        _note(
+            f"resumed session {label}: {session.num_turns} turns, {session.cached_tokens} tokens "
+            "in the cache, 0 tokens recomputed"
+        )
+        if args.system_prompt is not None and args.system_prompt != (session.system_prompt or ""):
+            session.set_system_prompt(args.system_prompt)
+            _note("[new system prompt: the conversation will be re-read on the next turn]")
+    else:
+        session = ChatSession(model, tokenizer, system_prompt=args.system_prompt, config=config_from_args(args))
+        if path is not None:
+            _note(f"new session {label} (saved after every turn to {path})")
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    reader = TerminalReader(history_file()) if interactive else StreamReader(sys.stdin)
+    repl = ChatREPL(
+        session,
+        reader,
+        out=sys.stdout,
+        err=sys.stderr,
+        autosave=path,
+        verbose=args.verbose,
+        interactive=interactive,
+        model_ref=args.model,
+        session_label=label,
+    )
+    return repl.run()
+
+
+def _note(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()

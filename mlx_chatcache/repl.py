@@ -1,0 +1,432 @@
+"""The interactive loop behind ``mlxcc chat``: input, commands, streaming output.
+
+Input comes from a terminal (prompt_toolkit: line editing and history) or,
+when stdin is not a terminal, line by line from a stream, so a chat can be
+scripted (``printf 'Hi\\n/bye\\n' | mlxcc chat``). Replies stream to ``out``;
+notes, errors and statistics go to ``err``, so ``out`` holds only what the
+model and the ``/show`` commands say.
+
+Any line starting with ``/`` is a command; ``//text`` sends ``/text`` as a
+message. A line starting with three double quotes starts a multi-line message,
+ended by a line ending with three double quotes.
+
+Ctrl-C while a reply streams stops it after the current token (the partial
+reply stays in the conversation); a second Ctrl-C aborts the turn at once.
+Ctrl-C at the prompt clears the line; Ctrl-D (end of input) ends the chat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, TextIO
+
+from .cli.common import human_bytes, non_negative_float, non_negative_int, positive_int, probability
+from .config import mlxcc_home
+from .errors import ChatCacheError, UsageError
+from .session import ChatSession, RollbackResult, TurnResult
+
+PROMPT, CONTINUATION = ">>> ", "... "
+FENCE = '"""'
+
+HELP = f"""\
+Commands (anything else is sent to the model):
+  /help, /?              show this help
+  /bye, /exit            end the chat (also Ctrl-D)
+  /clear                 forget the conversation (the system prompt stays)
+  /undo                  remove the last exchange (your message and the reply)
+  /retry                 generate the last reply again
+  /system [TEXT]         show or set the system prompt (empty quotes \"\" removes it)
+  /set NAME VALUE        change a setting: temp, top_p, top_k, min_p, max_tokens,
+                         seed (or 'none'), repetition_penalty (or 'none')
+  /show info|cache|stats|template
+                         the model and settings, the cache, the last turn's
+                         statistics, the chat template
+  /save FILE             save the session to FILE
+  /load FILE             continue the session saved in FILE
+  {FENCE}                   start or end a multi-line message
+  //text                 send a message that starts with '/'
+Ctrl-C stops a reply; the conversation keeps what was written so far."""
+
+
+# ------------------------------------------------------------------ input
+class StreamReader:
+    """Lines from a text stream (stdin when it is not a terminal); None at EOF."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def read(self, prompt: str) -> str | None:
+        line = self.stream.readline()
+        if not line:
+            return None
+        return line[:-1] if line.endswith("\n") else line
+
+
+class TerminalReader:
+    """prompt_toolkit line editing with a persistent history; None at Ctrl-D.
+
+    Ctrl-C at the prompt gives an empty line (the line is cleared)."""
+
+    def __init__(self, history_file: Path | None = None):
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+        history = InMemoryHistory()
+        if history_file is not None:
+            try:
+                history_file.parent.mkdir(parents=True, exist_ok=True)
+                history = FileHistory(str(history_file))
+            except OSError:
+                pass
+        self.session = PromptSession(history=history)
+
+    def read(self, prompt: str) -> str | None:
+        try:
+            return self.session.prompt(prompt)
+        except KeyboardInterrupt:
+            return ""
+        except EOFError:
+            return None
+
+
+@dataclass
+class UserInput:
+    text: str
+    multiline: bool = False  # a fenced block: always a message, never a command
+
+
+def read_input(reader) -> UserInput | None:
+    """One message or command; a fenced block spans lines. None at end of input."""
+    line = reader.read(PROMPT)
+    if line is None:
+        return None
+    stripped = line.strip()
+    if not stripped.startswith(FENCE):
+        return UserInput(line)
+    rest = stripped[len(FENCE):]
+    if rest.endswith(FENCE):  # """text""" on one line
+        return UserInput(rest[: -len(FENCE)], multiline=True)
+    parts = [rest] if rest else []
+    while True:
+        line = reader.read(CONTINUATION)
+        if line is None:  # end of input inside a block: send what was typed
+            break
+        if line.rstrip().endswith(FENCE):
+            parts.append(line.rstrip()[: -len(FENCE)])
+            break
+        parts.append(line)
+    while parts and not parts[-1].strip():
+        parts.pop()
+    return UserInput("\n".join(parts), multiline=True)
+
+
+def parse_command(text: str) -> tuple[str, str] | None:
+    """``("name", "argument")`` for a ``/command``; None for a message."""
+    s = text.strip()
+    if not s.startswith("/") or s.startswith("//"):
+        return None
+    name, _, arg = s[1:].partition(" ")
+    return name.lower(), arg.strip()
+
+
+def message_text(text: str) -> str:
+    """The message a non-command line sends (``//x`` sends ``/x``)."""
+    s = text.strip()
+    return s[1:] if s.startswith("//") else s
+
+
+# ------------------------------------------------------------------ Ctrl-C
+class StopFlag:
+    """While active, the first Ctrl-C sets the flag; a second one raises
+    KeyboardInterrupt. Only the main thread can own signal handlers; elsewhere
+    the flag stays available but Ctrl-C keeps its default behaviour."""
+
+    def __init__(self):
+        self.stopped = False
+        self._old = None
+
+    def __call__(self) -> bool:
+        return self.stopped
+
+    def _handler(self, signum, frame):
+        if self.stopped:
+            raise KeyboardInterrupt
+        self.stopped = True
+
+    def __enter__(self) -> "StopFlag":
+        self.stopped = False
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+
+
+# ------------------------------------------------------------------ settings
+def _optional(parse: Callable):
+    def f(s: str):
+        return None if s.lower() in ("none", "off") else parse(s)
+
+    return f
+
+
+SETTINGS: dict[str, Callable[[str], object]] = {
+    "temp": non_negative_float,
+    "top_p": probability,
+    "top_k": non_negative_int,
+    "min_p": probability,
+    "max_tokens": positive_int,
+    "seed": _optional(int),
+    "repetition_penalty": _optional(non_negative_float),
+}
+
+
+def parse_setting(arg: str) -> tuple[str, object]:
+    name, _, value = arg.partition(" ")
+    name = name.strip().lower().replace("-", "_")
+    aliases = {"temperature": "temp", "max_tokens": "max_tokens", "maxtokens": "max_tokens"}
+    name = aliases.get(name, name)
+    if name not in SETTINGS or not value.strip():
+        raise UsageError(f"usage: /set NAME VALUE with NAME one of {', '.join(SETTINGS)}")
+    try:
+        return name, SETTINGS[name](value.strip())
+    except (argparse.ArgumentTypeError, ValueError) as e:
+        raise UsageError(f"/set {name}: {e}") from None
+
+
+# ------------------------------------------------------------------ the loop
+class ChatREPL:
+    """Runs a chat on ``session`` until the input ends or ``/bye``.
+
+    ``autosave`` (a path) is written atomically after every turn and every
+    command that changes the session. Returns 0, or 1 when a command failed
+    and the input is not interactive (so scripts notice).
+    """
+
+    def __init__(
+        self,
+        session: ChatSession,
+        reader,
+        *,
+        out: TextIO = sys.stdout,
+        err: TextIO = sys.stderr,
+        autosave: Path | None = None,
+        verbose: bool = False,
+        interactive: bool = False,
+        model_ref: str | None = None,
+        session_label: str | None = None,
+    ):
+        self.session = session
+        self.reader = reader
+        self.out, self.err = out, err
+        self.autosave = autosave
+        self.verbose = verbose
+        self.interactive = interactive
+        self.model_ref = model_ref
+        self.session_label = session_label
+        self.failed = False
+
+    # -------------------------------------------------------------- output
+    def say(self, text: str = "") -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def note(self, text: str) -> None:
+        self.err.write(text + "\n")
+        self.err.flush()
+
+    def error(self, e: Exception | str) -> None:
+        self.failed = True
+        self.note(f"error: {e}")
+
+    def _emit(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    # -------------------------------------------------------------- loop
+    def run(self) -> int:
+        if self.interactive:
+            self.note("Type a message, /help for commands, /bye or Ctrl-D to quit.")
+        while True:
+            item = read_input(self.reader)
+            if item is None:
+                break
+            if not item.multiline:
+                cmd = parse_command(item.text)
+                if cmd is not None:
+                    try:
+                        if self.command(*cmd) == "quit":
+                            break
+                    except ChatCacheError as e:
+                        self.error(e)
+                    continue
+                text = message_text(item.text)
+            else:
+                text = item.text
+            if not text.strip():
+                continue
+            self.turn(lambda stop: self.session.ask(text, self._emit, stop))
+        return 1 if self.failed and not self.interactive else 0
+
+    def turn(self, action: Callable[[Callable[[], bool]], TurnResult]) -> None:
+        """Run one generation with Ctrl-C handling, then report and autosave."""
+        try:
+            with StopFlag() as stop:
+                result = action(stop)
+        except KeyboardInterrupt:
+            self._emit("\n")
+            self.note("[reply aborted; the conversation is as before your message]")
+            return
+        except ChatCacheError as e:
+            self._emit("\n")
+            self.error(e)
+            return
+        self._emit("\n")
+        if result.stats.finish_reason == "interrupted":
+            self.note("[stopped]")
+        if self.verbose:
+            self.note(f"[stats] {result.stats.summary()}")
+        self.save()
+
+    def save(self) -> None:
+        if self.autosave is None:
+            return
+        with StopFlag():  # a Ctrl-C must not interrupt the write (it is atomic anyway)
+            try:
+                self.session.save(self.autosave)
+            except ChatCacheError as e:
+                self.error(f"could not save the session: {e}")
+
+    # -------------------------------------------------------------- commands
+    def command(self, name: str, arg: str) -> str | None:
+        s = self.session
+        if name in ("help", "?"):
+            self.say(HELP)
+        elif name in ("bye", "exit", "quit"):
+            return "quit"
+        elif name == "clear":
+            s.clear()
+            self.note("[conversation cleared]")
+            self.save()
+        elif name == "undo":
+            r = s.undo()
+            self.note(f"[removed the last exchange; {s.num_turns} turns left{self._how(r)}]")
+            self.save()
+        elif name == "retry":
+            s._last_exchange()  # fail early with a clear message
+            self.turn(lambda stop: s.retry(self._emit, stop))
+        elif name == "system":
+            if not arg:
+                self.say(s.system_prompt if s.system_prompt is not None else "(no system prompt)")
+                return None
+            text = "" if arg in ('""', "''") else arg
+            s.set_system_prompt(text)
+            self.note("[system prompt " + ("removed" if not text else "set") +
+                      "; the conversation will be re-read on the next turn]")  # fmt: skip
+            self.save()
+        elif name == "set":
+            key, value = parse_setting(arg)
+            s.update_settings(**{key: value})
+            self.note(f"[{key} = {value}]")
+            self.save()
+        elif name == "show":
+            self.show(arg)
+        elif name == "save":
+            if not arg:
+                raise UsageError("usage: /save FILE")
+            s.save(Path(arg).expanduser())
+            self.note(f"[session saved to {arg}]")
+        elif name == "load":
+            if not arg:
+                raise UsageError("usage: /load FILE")
+            loaded = ChatSession.load(Path(arg).expanduser(), s.model, s.tokenizer)
+            self.session = loaded
+            self.note(f"[loaded {arg}: {loaded.num_turns} turns, {loaded.cached_tokens} tokens "
+                      "in the cache, 0 tokens recomputed]")  # fmt: skip
+            self.save()
+        else:
+            raise UsageError(f"unknown command '/{name}'; /help lists the commands (send '//{name}' "
+                             "to say it to the model)")  # fmt: skip
+        return None
+
+    @staticmethod
+    def _how(r: RollbackResult) -> str:
+        if r.how == "recompute":
+            return f"; the cache could not be rolled back: {r.recompute_tokens} tokens will be recomputed"
+        if r.how == "rerender":
+            return "; the conversation will be re-read on the next turn"
+        return ""
+
+    def show(self, what: str) -> None:
+        s = self.session
+        what = what.strip().lower()
+        if what == "info":
+            c = s.config
+            fp = s.fingerprint
+            lines = [
+                f"model:         {self.model_ref or (fp.model_id if fp else 'unknown')}",
+                f"session:       {self.session_label or '(not saved)'}",
+                f"turns:         {s.num_turns}",
+                f"system prompt: {s.system_prompt if s.system_prompt is not None else '(none)'}",
+                f"sampling:      temp={c.temp} top_p={c.top_p} top_k={c.top_k} min_p={c.min_p} "
+                f"seed={c.seed} repetition_penalty={c.repetition_penalty}",
+                f"max_tokens:    {c.max_tokens}",
+                f"cache:         max_kv_size={s.state.max_kv_size} kv_bits={c.kv_bits}",
+            ]
+            self.say("\n".join(lines))
+        elif what == "cache":
+            i = s.cache_info()
+            layers = ", ".join(f"{n} × {k}" for k, n in i["layers"].items())
+            window = (f"rotating window of {i['max_kv_size']} tokens, first {i['keep']} pinned"
+                      if i["max_kv_size"] else "unbounded")  # fmt: skip
+            lines = [
+                f"tokens:      {i['cached_tokens']} in the cache (+{i['pending_tokens']} to feed next turn)",
+                f"bytes:       {human_bytes(i['nbytes'])}",
+                f"layers:      {layers}",
+                f"window:      {window}",
+                f"trimmable:   {'yes' if i['trimmable'] else 'no'}",
+                f"checkpoints: {i['checkpoints']} turns ({i['checkpoint_copies']} with a cache copy)",
+            ]
+            self.say("\n".join(lines))
+        elif what == "stats":
+            last, t = s.last_stats, s.totals
+            if last is None:
+                self.say("no turn yet in this run")
+                return
+            self.say(f"last turn: {last.summary()}")
+            self.say(
+                f"this run:  {s.turns_run} turns, {t.new_tokens} prompt tokens fed, "
+                f"{t.reused_tokens} reused, {t.recomputed_tokens} recomputed, "
+                f"{t.generated_tokens} generated, {t.seconds:.2f} s"
+            )
+        elif what == "template":
+            self.say(getattr(s.tokenizer, "chat_template", None) or "(no chat template)")
+        else:
+            raise UsageError("usage: /show info|cache|stats|template")
+
+
+def history_file() -> Path:
+    return mlxcc_home() / "chat_history"
+
+
+__all__ = [
+    "ChatREPL",
+    "StreamReader",
+    "TerminalReader",
+    "UserInput",
+    "read_input",
+    "parse_command",
+    "message_text",
+    "parse_setting",
+    "StopFlag",
+    "HELP",
+    "history_file",
+]

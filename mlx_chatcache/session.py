@@ -1,0 +1,756 @@
+"""A multi-turn chat whose history is never fed to the model twice.
+
+:class:`ChatSession` holds the conversation (``messages``), a prompt cache with
+the exact token ids it has been fed (a :class:`~mlx_chatcache.generate.PromptCacheState`),
+the settings (a :class:`GenerationConfig`) and per-turn checkpoints.
+
+How a turn is built
+-------------------
+Every turn renders the WHOLE conversation with the tokenizer's chat template
+(``add_generation_prompt=True``). When the text the session already holds
+(``self.text``: every earlier prompt and reply, exactly as fed or generated) is a
+prefix of that rendering, the prompt is the held token ids followed by the
+encoding of the rest of the text. So the reply tokens stay in the cache exactly
+as generated, never re-tokenized. When it is not a prefix (a template that
+rewrites history, a changed system prompt) the rendering is encoded whole and
+:func:`~mlx_chatcache.generate.reuse_prefix` reuses the longest common prefix
+with the cache: such templates just reuse less.
+
+The generate loop never feeds the last token it yields (see
+:mod:`mlx_chatcache.generate`): after a reply ``r1..rn`` the cache holds
+everything but ``rn``, which waits in ``pending`` and is fed first next turn.
+The session's full token sequence is ``state.tokens + pending``.
+
+Undo and retry
+--------------
+At the start of each turn the session records a :class:`Checkpoint` (message
+count, token and text lengths). Rolling back trims the cache when every layer
+can be trimmed. Caches that cannot be trimmed (a rotating window that has
+dropped tokens, SSM/convolution ``ArraysCache`` layers) are restored from a copy
+of the cache taken at the start of the turn; copies are kept in memory for the
+last ``max_checkpoints`` turns only. Either way no history token is fed again.
+Past those turns (or after loading a session from a file) an untrimmable cache
+cannot be rolled back: the history is then recomputed on the next turn, and
+the session says so.
+
+Bounded memory
+--------------
+With ``config.max_kv_size`` the full-attention layers use a rotating window of
+that many tokens that pins the first ``keep`` tokens: ``keep`` is the token
+count of the rendered system prompt, so the model always sees it and the chat
+can go on indefinitely.
+
+Files
+-----
+:meth:`ChatSession.save` writes one cache file (atomically) holding the cache,
+its token ids, the messages, the model fingerprint and, in the user metadata
+key ``session``, a JSON object with the settings and the session bookkeeping.
+:meth:`ChatSession.load` refuses a session made with another model
+(:class:`ModelMismatchError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+from .cache import (
+    BaseCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    cache_offset,
+    can_trim_prompt_cache,
+    copy_prompt_cache,
+    make_prompt_cache,
+    prompt_cache_nbytes,
+    trim_prompt_cache,
+)
+from .cache_io import check_cache_fits_model, load_prompt_cache, read_cache_info, save_prompt_cache
+from .config import DEFAULTS, GenerationConfig, mlxcc_home
+from .errors import CacheFileError, ModelMismatchError, SessionError, UsageError
+from .generate import PromptCacheState, as_tokenizer_wrapper, common_prefix_len, stream_generate
+
+SESSION_FORMAT = 1
+SESSION_KEY = "session"  # user metadata key holding the session JSON
+DEFAULT_MAX_CHECKPOINTS = 4  # turns whose cache copy is kept for undo/retry
+MIN_WINDOW = 8  # tokens a rotating window must hold beyond the pinned system prompt
+
+TextCallback = Callable[[str], None]
+StopCheck = Callable[[], bool]
+
+
+@dataclass
+class TurnStats:
+    """What one turn cost. ``new_tokens`` were fed, ``reused_tokens`` came from
+    the cache; ``recomputed_tokens`` were in the cache before the turn but had
+    to be fed again (0 unless history was rewritten or could not be rolled back)."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    new_tokens: int = 0
+    recomputed_tokens: int = 0
+    generated_tokens: int = 0
+    ttft: float = 0.0
+    prompt_tps: float = 0.0
+    generation_tps: float = 0.0
+    peak_memory: float = 0.0
+    finish_reason: str = ""  # "stop", "length" or "interrupted"
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        return (
+            f"prompt: {self.new_tokens} new + {self.reused_tokens} reused tokens "
+            f"({self.recomputed_tokens} recomputed), first token {self.ttft:.3f} s, "
+            f"{self.prompt_tps:.1f} tok/s | reply: {self.generated_tokens} tokens, "
+            f"{self.generation_tps:.1f} tok/s ({self.finish_reason}) | peak {self.peak_memory:.3f} GB"
+        )
+
+
+@dataclass
+class Checkpoint:
+    """The session at the start of a turn (before the user message was added).
+
+    Lengths refer to the session's token sequence and text, which only grow
+    from one turn to the next (the checkpoints are dropped when history is
+    rewritten). ``cache`` is a copy of the prompt cache, taken only when the
+    cache may not be trimmable back to this point.
+    """
+
+    n_messages: int
+    n_tokens: int  # len(state.tokens + pending)
+    state_len: int  # len(state.tokens)
+    n_text: int
+    cache: list[BaseCache] | None = None
+
+    def to_json(self) -> list[int]:
+        return [self.n_messages, self.n_tokens, self.state_len, self.n_text]
+
+
+@dataclass
+class TurnResult:
+    text: str
+    stats: TurnStats
+
+
+@dataclass
+class RollbackResult:
+    """What undo/retry did to the cache: ``how`` is "trim", "checkpoint",
+    "rerender" (no checkpoint: the next turn re-encodes the conversation and
+    reuses the common prefix) or "recompute" (the cache could not be rolled
+    back: ``recompute_tokens`` of history are fed again next turn)."""
+
+    how: str
+    recompute_tokens: int = 0
+
+
+class ChatSession:
+    """A chat with a model whose cache follows the conversation (see module doc)."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        system_prompt: str | None = None,
+        config: GenerationConfig = DEFAULTS,
+        max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS,
+    ):
+        self.model = model
+        self.tokenizer = as_tokenizer_wrapper(tokenizer)
+        self.config = config
+        self.max_checkpoints = max_checkpoints
+        self.messages: list[dict] = []
+        if system_prompt:
+            self.messages.append({"role": "system", "content": system_prompt})
+        self._check_template()
+        self.state = self._new_state()
+        self.pending: list[int] = []
+        self.text = ""
+        self.checkpoints: list[Checkpoint] = []
+        self.attempt = 0  # retries of the last turn (offsets the seed)
+        self.last_stats: TurnStats | None = None
+        self.totals = TurnStats()
+        self.turns_run = 0  # turns generated by this object (not loaded ones)
+
+    # ------------------------------------------------------------ properties
+    @property
+    def system_prompt(self) -> str | None:
+        if self.messages and self.messages[0]["role"] == "system":
+            return self.messages[0]["content"]
+        return None
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every token of the conversation so far (cached ones + ``pending``)."""
+        return self.state.tokens + self.pending
+
+    @property
+    def num_turns(self) -> int:
+        return sum(1 for m in self.messages if m["role"] == "assistant")
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self.state.tokens)
+
+    @property
+    def fingerprint(self):
+        return getattr(self.model, "fingerprint", None)
+
+    # ------------------------------------------------------------ template
+    def _check_template(self) -> None:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise SessionError(
+                "this model's tokenizer has no chat template, so it cannot chat; "
+                "use an instruction-tuned model (or 'mlxcc generate' for plain text)"
+            )
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except Exception as e:  # jinja errors: a template that rejects this conversation
+            raise SessionError(f"the chat template failed on this conversation: {type(e).__name__}: {e}") from e
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def pinned_tokens(self) -> int:
+        """Tokens a rotating window pins: the rendered system prompt (see module doc)."""
+        sys_msgs = self.messages[:1] if self.system_prompt is not None else []
+        probe = [{"role": "user", "content": "Hi"}]
+        if sys_msgs:
+            try:
+                head = self.render(sys_msgs, add_generation_prompt=False)
+            except SessionError:
+                head = None
+            if head and self.render(sys_msgs + probe).startswith(head):
+                return len(self.encode(head))
+        # no system prompt (or a template that cannot render it alone): what every
+        # conversation starts with (a template's default system prompt, BOS, header)
+        a = self.encode(self.render(sys_msgs + [{"role": "user", "content": "A"}]))
+        b = self.encode(self.render(sys_msgs + [{"role": "user", "content": "Z"}]))
+        return max(common_prefix_len(a, b), 0)
+
+    def _new_state(self) -> PromptCacheState:
+        size = self.config.max_kv_size
+        if size is None:
+            return PromptCacheState.new(self.model)
+        keep = self.pinned_tokens()
+        if keep + MIN_WINDOW > size:
+            raise SessionError(
+                f"the system prompt takes {keep} tokens but --max-kv-size is {size}; the window "
+                f"must hold it plus at least {MIN_WINDOW} tokens: use --max-kv-size "
+                f">= {keep + MIN_WINDOW} (much larger in practice) or a shorter system prompt"
+            )
+        return PromptCacheState.new(self.model, size, keep)
+
+    def _call_config(self) -> GenerationConfig:
+        seed = self.config.seed
+        return dataclasses.replace(
+            self.config,
+            max_kv_size=self.state.max_kv_size,
+            keep=self.state.keep,
+            seed=None if seed is None else seed + self.attempt,
+        )
+
+    # ------------------------------------------------------------ turns
+    def prompt_tokens(self, prompt_text: str) -> list[int]:
+        """The prompt for ``prompt_text``: held tokens + the encoded rest (see module doc)."""
+        if self.text and prompt_text.startswith(self.text) and len(prompt_text) > len(self.text):
+            return self.tokens + self.encode(prompt_text[len(self.text):])
+        return self.encode(prompt_text)
+
+    def ask(
+        self, content: str, on_text: TextCallback | None = None, should_stop: StopCheck | None = None
+    ) -> TurnResult:
+        """Send a user message; stream the reply through ``on_text``.
+
+        ``should_stop`` is polled after every token; when it returns True the
+        reply ends there (``finish_reason == "interrupted"``) and what was
+        generated so far stays in the conversation and the cache.
+        """
+        if not isinstance(content, str):
+            raise UsageError("a chat message must be text")
+        self.attempt = 0
+        return self._turn(content, on_text, should_stop)
+
+    def _turn(self, content, on_text, should_stop) -> TurnResult:
+        self._push_checkpoint()
+        self.messages.append({"role": "user", "content": content})
+        try:
+            return self._generate(on_text, should_stop)
+        except BaseException:
+            self._abort_turn()
+            raise
+
+    def _generate(self, on_text, should_stop) -> TurnResult:
+        started = time.perf_counter()
+        prompt_text = self.render(self.messages, add_generation_prompt=True)
+        prompt_ids = self.prompt_tokens(prompt_text)
+        if prompt_ids[: len(self.tokens)] != self.tokens:
+            self.checkpoints.clear()  # history was rewritten: lengths no longer apply
+            self.checkpoints.append(Checkpoint(len(self.messages) - 1, 0, 0, 0, None))
+        common = common_prefix_len(self.state.tokens, prompt_ids)
+        eos = set(self.tokenizer.eos_token_ids)
+        reply_tokens: list[int] = []
+        pieces: list[str] = []
+        last = None
+        interrupted = False
+        gen = stream_generate(self.model, self.tokenizer, prompt_ids, state=self.state, config=self._call_config())
+        try:
+            for r in gen:
+                last = r
+                reply_tokens.append(r.token)
+                if r.text:
+                    pieces.append(r.text)
+                    if on_text:
+                        on_text(r.text)
+                if r.finish_reason is None and should_stop is not None and should_stop():
+                    interrupted = True
+                    break
+        finally:
+            gen.close()
+        reply = "".join(pieces)
+        if interrupted:  # the detokenizer may hold back the end of a word: flush it
+            full = self.tokenizer.decode([t for t in reply_tokens if t not in eos])
+            if full.startswith(reply) and len(full) > len(reply):
+                if on_text:
+                    on_text(full[len(reply):])
+                reply = full
+        stop_text = ""
+        if last.finish_reason == "stop":
+            stop_text = self.tokenizer.decode([last.token])
+        if self.state.tokens == prompt_ids + reply_tokens[:-1]:
+            self.pending = [reply_tokens[-1]]
+            self.text = prompt_text + reply + stop_text
+        else:  # not the documented state: fall back to re-rendering next turn
+            self.pending, self.text = [], ""
+            self.checkpoints.clear()
+        self.messages.append({"role": "assistant", "content": reply})
+        stats = TurnStats(
+            prompt_tokens=last.prompt_tokens,
+            reused_tokens=last.reused_tokens,
+            new_tokens=last.prompt_tokens - last.reused_tokens,
+            recomputed_tokens=max(0, common - last.reused_tokens),
+            generated_tokens=len(reply_tokens),
+            ttft=last.ttft,
+            prompt_tps=last.prompt_tps,
+            generation_tps=last.generation_tps,
+            peak_memory=last.peak_memory,
+            finish_reason="interrupted" if interrupted else (last.finish_reason or "length"),
+            seconds=time.perf_counter() - started,
+        )
+        self._record(stats)
+        return TurnResult(reply, stats)
+
+    def _record(self, s: TurnStats) -> None:
+        self.last_stats = s
+        self.turns_run += 1
+        t = self.totals
+        for name in ("prompt_tokens", "reused_tokens", "new_tokens", "recomputed_tokens",
+                     "generated_tokens", "seconds"):  # fmt: skip
+            setattr(t, name, getattr(t, name) + getattr(s, name))
+        t.peak_memory = max(t.peak_memory, s.peak_memory)
+
+    def _needs_cache_copy(self) -> bool:
+        """Whether a later rollback to now might not be possible by trimming."""
+
+        def plain(c) -> bool:
+            if isinstance(c, CacheList):
+                return all(plain(x) for x in c.caches)
+            return type(c) in (KVCache, QuantizedKVCache)
+
+        return not all(plain(c) for c in self.state.cache)
+
+    def _push_checkpoint(self) -> None:
+        copy = None
+        if self._needs_cache_copy():
+            copy = copy_prompt_cache(self.state.cache)
+            mx.eval([c.state for c in copy])
+        self.checkpoints.append(
+            Checkpoint(len(self.messages), len(self.tokens), len(self.state.tokens), len(self.text), copy)
+        )
+        # bounded memory: cache copies only for the last few turns
+        for ck in self.checkpoints[: -self.max_checkpoints or None]:
+            ck.cache = None
+        if self.max_checkpoints == 0:
+            self.checkpoints[-1].cache = None
+
+    def _abort_turn(self) -> None:
+        """A turn failed (or was interrupted inside a model call): back to its start.
+
+        The generate loop may have reset the cache; :meth:`_rewind` then restores
+        the checkpoint copy or leaves history to be recomputed."""
+        self._rewind(self.checkpoints.pop())
+
+    # ------------------------------------------------------------ rollback
+    def _rewind(self, ck: Checkpoint) -> RollbackResult:
+        """Make messages, tokens, text and cache what they were at ``ck``."""
+        tokens = self.tokens
+        del self.messages[ck.n_messages:]
+        self.text = self.text[: ck.n_text]
+        target = tokens[: ck.state_len]
+        self.pending = tokens[ck.state_len : ck.n_tokens]
+        excess = len(self.state.tokens) - ck.state_len
+        if excess >= 0 and self.state.tokens[: ck.state_len] == target:
+            if excess == 0:
+                return RollbackResult("trim")
+            if can_trim_prompt_cache(self.state.cache):
+                trim_prompt_cache(self.state.cache, excess)
+                if cache_offset(self.state.cache) == ck.state_len:
+                    del self.state.tokens[ck.state_len:]
+                    return RollbackResult("trim")
+        if ck.cache is not None:
+            self.state.cache[:] = copy_prompt_cache(ck.cache)
+            mx.eval([c.state for c in self.state.cache])
+            self.state.tokens[:] = target
+            return RollbackResult("checkpoint")
+        # cannot roll back: start a fresh cache; the next turn feeds the history again
+        self.state.reset(self.model)
+        self.pending, self.text = [], ""
+        self.checkpoints.clear()
+        return RollbackResult("recompute", len(target))
+
+    def _last_exchange(self) -> int:
+        """Index of the last user message (SessionError if there is none)."""
+        for i in range(len(self.messages) - 1, -1, -1):
+            if self.messages[i]["role"] == "user":
+                return i
+        raise SessionError("there is no exchange to undo or retry yet; send a message first")
+
+    def _rollback_last(self) -> RollbackResult:
+        i = self._last_exchange()
+        while self.checkpoints and self.checkpoints[-1].n_messages > i:
+            self.checkpoints.pop()
+        if self.checkpoints and self.checkpoints[-1].n_messages == i:
+            return self._rewind(self.checkpoints.pop())
+        # no checkpoint for that turn (history was rewritten since): the next turn
+        # renders the conversation afresh; a trimmable cache keeps the common prefix
+        del self.messages[i:]
+        self.pending, self.text = [], ""
+        self.checkpoints.clear()
+        if can_trim_prompt_cache(self.state.cache):
+            return RollbackResult("rerender")
+        held = len(self.state.tokens)
+        self.state.reset(self.model)
+        return RollbackResult("recompute", held)
+
+    def undo(self) -> RollbackResult:
+        """Drop the last exchange (user message and reply) without re-prefilling."""
+        result = self._rollback_last()
+        self.attempt = 0
+        return result
+
+    def retry(
+        self, on_text: TextCallback | None = None, should_stop: StopCheck | None = None
+    ) -> TurnResult:
+        """Generate the last reply again (with ``seed``: seed + number of retries)."""
+        i = self._last_exchange()
+        content = self.messages[i]["content"]
+        attempt = self.attempt + 1
+        self._rollback_last()
+        self.attempt = attempt
+        return self._turn(content, on_text, should_stop)
+
+    # ------------------------------------------------------------ settings
+    def set_system_prompt(self, text: str | None) -> None:
+        """Replace the system prompt. History stays; the cache is rebuilt next turn."""
+        text = text or None
+        if text == self.system_prompt:
+            return
+        if self.system_prompt is not None:
+            self.messages.pop(0)
+        if text is not None:
+            self.messages.insert(0, {"role": "system", "content": text})
+        self._drop_cache()
+
+    def clear(self) -> None:
+        """Forget the conversation (the system prompt stays)."""
+        self.messages = self.messages[:1] if self.system_prompt is not None else []
+        self._drop_cache()
+        self.attempt = 0
+
+    def _drop_cache(self) -> None:
+        self.state = self._new_state()
+        self.pending, self.text = [], ""
+        self.checkpoints.clear()
+
+    def update_settings(self, **changes) -> None:
+        """Change sampling settings (not the cache shape)."""
+        if "max_kv_size" in changes or "keep" in changes:
+            raise UsageError("the cache window cannot change during a chat; start a new session")
+        cfg = dataclasses.replace(self.config, **changes)
+        if cfg.max_tokens < 1:
+            raise UsageError(f"max_tokens must be >= 1, got {cfg.max_tokens}")
+        if cfg.temp < 0:
+            raise UsageError(f"temp must be >= 0, got {cfg.temp}")
+        if not 0.0 <= cfg.top_p <= 1.0:
+            raise UsageError(f"top_p must be between 0 and 1, got {cfg.top_p}")
+        self.config = cfg
+
+    # ------------------------------------------------------------ info
+    def cache_info(self) -> dict:
+        def names(c):
+            if isinstance(c, CacheList):
+                return "CacheList(" + ", ".join(names(x) for x in c.caches) + ")"
+            return type(c).__name__
+
+        kinds: dict[str, int] = {}
+        for c in self.state.cache:
+            kinds[names(c)] = kinds.get(names(c), 0) + 1
+        return {
+            "cached_tokens": len(self.state.tokens),
+            "pending_tokens": len(self.pending),
+            "nbytes": prompt_cache_nbytes(self.state.cache),
+            "layers": kinds,
+            "trimmable": can_trim_prompt_cache(self.state.cache),
+            "max_kv_size": self.state.max_kv_size,
+            "keep": self.state.keep if self.state.max_kv_size else None,
+            "checkpoints": len(self.checkpoints),
+            "checkpoint_copies": sum(1 for c in self.checkpoints if c.cache is not None),
+        }
+
+    # ------------------------------------------------------------ files
+    def session_metadata(self) -> dict:
+        return {
+            "format": SESSION_FORMAT,
+            "settings": dataclasses.asdict(self.config),
+            "max_kv_size": self.state.max_kv_size,
+            "keep": self.state.keep,
+            "pending": list(self.pending),
+            "text": self.text,
+            "checkpoints": [c.to_json() for c in self.checkpoints],
+            "attempt": self.attempt,
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the session to ``path`` atomically (a previous file survives any failure)."""
+        save_prompt_cache(
+            path,
+            self.state.cache,
+            tokens=self.state.tokens,
+            model=self.fingerprint,
+            messages=self.messages,
+            metadata={SESSION_KEY: json.dumps(self.session_metadata(), ensure_ascii=False)},
+        )
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        model,
+        tokenizer,
+        *,
+        overrides: dict | None = None,
+        max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS,
+    ) -> "ChatSession":
+        """The session saved at ``path``; ``overrides`` change sampling settings."""
+        if not os.path.isfile(path):
+            raise SessionError(f"session file not found: {path}")
+        info = read_cache_info(path)
+        fp = getattr(model, "fingerprint", None)
+        if fp is not None:
+            try:
+                fp.check(info.model, what="session")
+            except ModelMismatchError as e:
+                raise ModelMismatchError(f"{path}: {e}") from None
+        cache, info = load_prompt_cache(path, return_metadata=True, model=fp)
+        raw = info.metadata.get(SESSION_KEY)
+        if raw is None or info.messages is None or info.tokens is None:
+            raise SessionError(
+                f"{path} is a cache file but not a chat session (no messages or session "
+                "settings); use it with 'mlxcc generate --prompt-cache' instead"
+            )
+        meta = _parse_session_json(path, raw)
+        settings = _parse_settings(path, meta.get("settings"))
+        max_kv = meta.get("max_kv_size")
+        keep = meta.get("keep", DEFAULTS.keep)
+        if not (max_kv is None or _is_int(max_kv)) or not _is_int(keep):
+            raise CacheFileError(f"{path}: session window settings are malformed; the file is damaged")
+        check_cache_fits_model(cache, make_prompt_cache(model, max_kv, keep), path)
+        overrides = dict(overrides or {})
+        want = overrides.pop("max_kv_size", None)
+        if want is not None and want != max_kv:
+            raise SessionError(
+                f"{path} was made with max_kv_size={max_kv}; resume it with the same "
+                "--max-kv-size (or none) or start a new session"
+            )
+        overrides.pop("keep", None)
+        settings = dataclasses.replace(settings, max_kv_size=max_kv, keep=keep)
+        settings = settings.updated(**overrides)
+
+        self = cls.__new__(cls)
+        self.model = model
+        self.tokenizer = as_tokenizer_wrapper(tokenizer)
+        self.config = settings
+        self.max_checkpoints = max_checkpoints
+        self.messages = info.messages
+        self._check_template()
+        self.state = PromptCacheState(cache, list(info.tokens), max_kv, keep)
+        pending, text = meta.get("pending", []), meta.get("text", "")
+        if not (isinstance(pending, list) and all(_is_int(t) for t in pending) and isinstance(text, str)):
+            raise CacheFileError(f"{path}: session token bookkeeping is malformed; the file is damaged")
+        self.pending, self.text = pending, text
+        self.checkpoints = []
+        for ck in meta.get("checkpoints", []):
+            if not (isinstance(ck, list) and len(ck) == 4 and all(_is_int(v) for v in ck)):
+                raise CacheFileError(f"{path}: session checkpoints are malformed; the file is damaged")
+            self.checkpoints.append(Checkpoint(*ck))
+        attempt = meta.get("attempt", 0)
+        self.attempt = attempt if _is_int(attempt) else 0
+        self.last_stats = None
+        self.totals = TurnStats()
+        self.turns_run = 0
+        return self
+
+
+# ------------------------------------------------------------------ names and locks
+MAX_NAME = 100
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+SESSION_SUFFIX = ".safetensors"
+
+
+def sessions_dir() -> Path:
+    return mlxcc_home() / "sessions"
+
+
+def session_path(name: str) -> Path:
+    """``mlxcc_home()/sessions/NAME.safetensors``; SessionError for a name that
+    could leave that folder or is not a plain file name."""
+    shown = repr(name if len(name) <= 40 else name[:40] + "...") if isinstance(name, str) else repr(name)
+    ok = (
+        isinstance(name, str)
+        and 0 < len(name) <= MAX_NAME
+        and set(name) <= _NAME_CHARS
+        and name[0] not in ".-"
+        and ".." not in name
+    )
+    if not ok:
+        raise SessionError(
+            f"invalid session name {shown}: use 1-{MAX_NAME} letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (or --session-file PATH for a file elsewhere)"
+        )
+    return sessions_dir() / f"{name}{SESSION_SUFFIX}"
+
+
+def lock_path_for(path: Path) -> Path:
+    path = Path(path)
+    if path.suffix == SESSION_SUFFIX:
+        return path.with_suffix(".lock")
+    return path.with_name(path.name + ".lock")
+
+
+class SessionLock:
+    """An exclusive, non-blocking lock on a session (``flock`` on ``NAME.lock``).
+
+    Held from ``acquire()`` (or ``with``) until ``release()``; the OS drops it
+    when the process dies, so a crashed chat never leaves a session locked.
+    """
+
+    def __init__(self, path: Path, label: str | None = None):
+        self.path = lock_path_for(path)
+        self.label = label or str(path)
+        self._fd: int | None = None
+
+    def acquire(self) -> "SessionLock":
+        import fcntl
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise SessionError(f"cannot create the lock file {self.path}: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.read(fd, 32).decode("ascii", "replace").strip()
+            except OSError:
+                holder = ""
+            os.close(fd)
+            who = f" (pid {holder})" if holder.isdigit() else ""
+            raise SessionError(
+                f"session {self.label} is already open in another mlxcc process{who}; "
+                "close that chat first or use another session name"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            import fcntl
+
+            try:
+                os.ftruncate(self._fd, 0)
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._fd)
+                self._fd = None
+
+    def __enter__(self) -> "SessionLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _is_int(v) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _parse_session_json(path, raw: str) -> dict:
+    try:
+        meta = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        meta = None
+    if not isinstance(meta, dict):
+        raise CacheFileError(f"{path}: session settings are not a JSON object; the file is damaged")
+    version = meta.get("format")
+    if not _is_int(version) or version > SESSION_FORMAT:
+        raise SessionError(
+            f"{path} uses session format {version!r}; this mlx_chatcache understands "
+            f"{SESSION_FORMAT}: upgrade mlx_chatcache"
+        )
+    return meta
+
+
+def _parse_settings(path, raw) -> GenerationConfig:
+    if not isinstance(raw, dict):
+        raise CacheFileError(f"{path}: session settings are missing; the file is damaged")
+    fields = {f.name: f for f in dataclasses.fields(GenerationConfig)}
+    values = {}
+    for k, v in raw.items():
+        if k not in fields:
+            continue  # a setting from a newer version: ignore it
+        default = getattr(DEFAULTS, k)
+        ok = v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not ok or (v is None and default is not None and k not in ("seed",)):
+            raise CacheFileError(f"{path}: session setting {k}={v!r} is invalid; the file is damaged")
+        if isinstance(default, int) and not isinstance(default, bool) and isinstance(v, float):
+            raise CacheFileError(f"{path}: session setting {k}={v!r} is invalid; the file is damaged")
+        values[k] = v
+    return dataclasses.replace(DEFAULTS, **values)
+
+
+__all__ = [
+    "ChatSession",
+    "TurnStats",
+    "TurnResult",
+    "Checkpoint",
+    "RollbackResult",
+    "SessionLock",
+    "session_path",
+    "sessions_dir",
+    "lock_path_for",
+]
