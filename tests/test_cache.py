@@ -19,6 +19,7 @@ Invariants checked (issue #2):
 from __future__ import annotations
 
 import math
+import zlib
 
 import mlx.core as mx
 import numpy as np
@@ -167,7 +168,7 @@ def _factories():
 @pytest.mark.parametrize("window", [None, 3, 11])
 @pytest.mark.parametrize("mode", ["plain", "restore_each", "restore_odd"])
 def test_attention_matches_bruteforce_reference(make, window, mode):
-    rng = np.random.default_rng(hash((window, mode)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{window}-{mode}".encode()))  # stable across runs
     c = make()
     K_all = mx.zeros((B, HKV, 0, D))
     V_all = mx.zeros((B, HKV, 0, D))
