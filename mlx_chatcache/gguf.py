@@ -83,6 +83,12 @@ def load_gguf(path: str):
     return model, build_tokenizer(spec), gguf_fingerprint(path, args, spec)
 
 
+def load_gguf_tokenizer(path: str):
+    """Only the tokenizer of the GGUF file at ``path`` (for decoding previews)."""
+    _, meta = read_gguf(path)
+    return build_tokenizer(tokenizer_spec(meta))
+
+
 # ---------------------------------------------------------------- reading
 
 
