@@ -28,6 +28,7 @@ from .errors import CacheFileError
 
 MAX_HEADER_BYTES = 64 << 20
 MAX_DIMS = 8
+MAX_DIM = 2**31 - 1  # mlx shapes are int32
 
 # safetensors dtype -> (numpy dtype to read the bytes, mlx dtype to view them as)
 DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
@@ -65,6 +66,8 @@ class Header:
 
 
 def _bad(path: Path, what: str) -> CacheFileError:
+    if len(what) > 200:  # names and values quoted from a hostile file can be huge
+        what = what[:197] + "..."
     return CacheFileError(
         f"{path} is not a valid cache file ({what}); it may be truncated or damaged: "
         "delete it or rebuild it (mlxcc cache-prompt)"
@@ -87,7 +90,7 @@ def read_header(path: str | os.PathLike) -> Header:
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # bad UTF-8 or JSON, too-long integers, deep nesting
         raise _bad(path, "header is not JSON") from None
     if not isinstance(header, dict):
         raise _bad(path, "header is not a JSON object")
@@ -103,6 +106,11 @@ def _parse_metadata(path: Path, meta) -> dict[str, str]:
         isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
     ):
         raise _bad(path, "metadata is not a string-to-string map")
+    try:  # JSON escapes can smuggle in lone surrogates, which no file can hold
+        for k, v in meta.items():
+            k.encode("utf-8"), v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad(path, "metadata is not valid Unicode") from None
     return meta
 
 
@@ -110,12 +118,12 @@ def _parse_entry(path: Path, name: str, e, data_len: int) -> TensorEntry:
     if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
         raise _bad(path, f"tensor {name!r} entry is malformed")
     dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise _bad(path, f"tensor {name!r} has unsupported dtype {dtype!r}")
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_DIMS
-        or not all(type(d) is int and 0 <= d <= data_len for d in shape)
+        or not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)
     ):
         raise _bad(path, f"tensor {name!r} has an invalid shape")
     if not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs):
