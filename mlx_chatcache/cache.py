@@ -126,14 +126,14 @@ class CacheList(BaseCache):
 
     @meta_state.setter
     def meta_state(self, v: Sequence[str]) -> None:
-        if not v or not v[0].isdigit() or len(v) != 1 + 3 * int(v[0]):
+        if not v or not (v[0].isascii() and v[0].isdigit()) or len(v) != 1 + 3 * int(v[0]):
             raise CacheFormatError("CacheList meta state is malformed")
         self._spec = []
         for j in range(int(v[0])):
             name, meta, n = v[1 + 3 * j : 4 + 3 * j]
             try:
                 meta = json.loads(meta)
-            except (json.JSONDecodeError, TypeError) as e:
+            except (ValueError, TypeError, RecursionError) as e:  # bad JSON, huge ints, deep nesting
                 raise CacheFormatError(f"CacheList child {j} meta state is not JSON") from e
             if not isinstance(meta, list) or not all(isinstance(m, str) for m in meta):
                 raise CacheFormatError(f"CacheList child {j} meta state is not a list of strings")
@@ -186,8 +186,9 @@ def cache_class(name: str) -> type[BaseCache]:
     if not isinstance(name, str) or name not in CACHE_CLASSES:
         reason = UNSUPPORTED.get(name) if isinstance(name, str) else None
         known = ", ".join(sorted(CACHE_CLASSES))
+        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."  # names from hostile files
         raise UnsupportedCacheError(
-            f"unknown cache class {name!r}"
+            f"unknown cache class {shown}"
             + (f" ({reason})" if reason else "")
             + f"; known classes: {known}. The file may come from a newer version or be damaged"
         )

@@ -243,7 +243,8 @@ def _parse_ours(header: Header) -> CacheFileInfo:
 def _int_field(path, meta: dict, key: str) -> int:
     v = meta.get(key)
     if not isinstance(v, str) or not (v.isascii() and v.isdigit()) or len(v) > 12:
-        raise CacheFormatError(f"{path}: metadata {key} is missing or not a number ({v!r}); the file is damaged")
+        shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
+        raise CacheFormatError(f"{path}: metadata {key} is missing or not a number ({shown}); the file is damaged")
     return int(v)
 
 
@@ -279,6 +280,10 @@ def _parse_messages(path, raw: str | None) -> list[dict] | None:
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
         for m in msgs
     )
+    try:  # JSON escapes can smuggle in lone surrogates, which no file (nor tokenizer) can take
+        ok = ok and bool(json.dumps(msgs, ensure_ascii=False).encode("utf-8"))
+    except UnicodeEncodeError:
+        ok = False
     if not ok:
         raise CacheFormatError(f"{path}: chat messages are malformed; the file is damaged")
     return msgs
@@ -289,7 +294,7 @@ def _parse_settings(path, raw: str | None) -> dict:
         return {}
     try:
         settings = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):
         settings = None
     if not isinstance(settings, dict):
         raise CacheFormatError(f"{path}: settings are not a JSON object; the file is damaged")

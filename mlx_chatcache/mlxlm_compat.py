@@ -125,7 +125,7 @@ def _scalar(a: mx.array, kind: str):
 def _int(v) -> int:
     if isinstance(v, mx.array):
         v = v.item()
-    if isinstance(v, str) and v.isdigit():
+    if isinstance(v, str) and v.isascii() and v.isdigit():
         v = int(v)
     if not isinstance(v, (int, float)) or int(v) != v or v < 0:
         raise CacheFormatError(f"mlx-lm cache value {v!r} is not a non-negative integer")
@@ -160,7 +160,7 @@ def _from_032(name: str, s: list) -> BaseCache:
         return _arrays(s[0] if s else [])
     if name == "CacheList":
         return CacheList(*(_from_032(child[1], _as_list(child[0])) for child in s))
-    raise UnsupportedCacheError(f"mlx-lm cache class {name} is not supported")
+    raise UnsupportedCacheError(f"mlx-lm cache class {_shown(name)} is not supported")
 
 
 def _from_legacy(name: str, s: list, meta) -> BaseCache:
@@ -184,7 +184,13 @@ def _from_legacy(name: str, s: list, meta) -> BaseCache:
     if name == "CacheList":
         names, metas = meta[0], meta[1]
         return CacheList(*(_from_legacy(n, _as_list(st), m) for n, st, m in zip(names, s, metas)))
-    raise UnsupportedCacheError(f"mlx-lm cache class {name} is not supported")
+    raise UnsupportedCacheError(f"mlx-lm cache class {_shown(name)} is not supported")
+
+
+def _shown(name) -> str:
+    """A class name read from a file, safe to put in a one-line message."""
+    s = repr(name) if isinstance(name, str) else f"<{type(name).__name__}>"
+    return s if len(s) <= 80 else s[:77] + "..."
 
 
 def _kv_cache(c: KVCache, keys, values, offset: int) -> KVCache:
