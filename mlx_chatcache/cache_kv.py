@@ -172,6 +172,7 @@ class QuantizedKVCache(KVCache):
         return ("keys", "key_scales", "key_biases", "values", "value_scales", "value_biases")
 
     def _pack(self, arrays):
+        check_quantized(type(self).__name__, arrays, self.group_size, self.bits)
         return tuple(arrays)
 
     @property
@@ -194,6 +195,26 @@ def check_quant_params(name: str, group_size: int, bits: int) -> None:
         raise CacheFormatError(
             f"{name} has unsupported quantization bits={bits}, group_size={group_size}; "
             "use bits in 2,3,4,5,6,8 and group_size in 32,64,128"
+        )
+
+
+def check_quantized(name: str, arrays, group_size: int, bits: int) -> None:
+    """``(packed, scales, biases)`` must be what ``mx.quantize`` makes, so they dequantize."""
+    w, scales, biases = arrays
+    floating = (mx.float16, mx.bfloat16, mx.float32)
+    ok = (
+        all(a.ndim == 4 for a in arrays)
+        and w.dtype == mx.uint32
+        and scales.dtype in floating
+        and biases.dtype in floating
+        and scales.shape == biases.shape
+        and w.shape[:-1] == scales.shape[:-1]
+        and w.shape[-1] * 32 == scales.shape[-1] * group_size * bits
+    )
+    if not ok:
+        shown = ", ".join(f"{a.dtype}{tuple(a.shape)}" for a in arrays)
+        raise CacheFormatError(
+            f"{name} arrays ({shown}) are not {bits}-bit quantized data with groups of {group_size}"
         )
 
 
