@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
-from .cache_base import BaseCache, check_arrays, parse_ints
+from .cache_base import BaseCache, check_arrays, parse_ints, shown
 from .cache_kv import ChunkedKVCache, KVCache, QuantizedKVCache
 from .cache_rotating import QuantizedRotatingKVCache, RotatingKVCache
 from .config import DEFAULTS
@@ -76,7 +76,7 @@ class ArraysCache(BaseCache):
         (self.offset,) = parse_ints("ArraysCache", v[:1], ["offset"])
         flags = "" if v[1] == "-" else v[1]
         if not isinstance(flags, str) or len(flags) > 64 or set(flags) - {"0", "1"}:
-            raise CacheFormatError(f"ArraysCache slot flags must be 0/1 digits, got {v[1]!r}")
+            raise CacheFormatError(f"ArraysCache slot flags must be 0/1 digits, got {shown(v[1])}")
         self._present = [c == "1" for c in flags]
         self.cache = [None] * len(flags)
 

@@ -95,9 +95,15 @@ def parse_ints(cls_name: str, meta: Sequence[str], names: Sequence[str]) -> list
     out = []
     for name, s in zip(names, meta):
         if not isinstance(s, str) or not (s.isascii() and s.isdigit()) or len(s) > 18:
-            raise CacheFormatError(f"{cls_name} meta state '{name}' is not a non-negative integer: {s!r}")
+            raise CacheFormatError(f"{cls_name} meta state '{name}' is not a non-negative integer: {shown(s)}")
         out.append(int(s))
     return out
+
+
+def shown(v, limit: int = 40) -> str:
+    """``repr(v)`` cut to ``limit`` characters: values quoted from a hostile file can be huge."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 def check_arrays(cls_name: str, state: Sequence, count: int) -> None:
