@@ -266,3 +266,28 @@ def test_failed_write_keeps_old_file(good_file, monkeypatch):
 def test_model_cache_shapes_fit(llama_model):
     model, _ = llama_model
     check_cache_fits_model(make_prompt_cache(model), make_prompt_cache(model))
+
+
+@pytest.mark.parametrize("kind", ["llama", "sliding", "hybrid"])
+def test_mlx_lm_file_continues_identically(kind, tiny_model_dirs, tmp_path):
+    """A cache made and saved by mlx-lm 0.32 itself, loaded by us, continues with
+    exactly the logits mlx-lm's own cache gives (and ours can be written back for mlx-lm)."""
+    from mlx_chatcache.loading import load
+
+    model, _ = load(str(tiny_model_dirs[kind]))
+    prompt = mx.array([[5, 9, 33, 71, 12, 40, 41, 7, 99, 100, 3, 17, 18, 19, 20, 21, 22, 23, 24, 25]])
+    nxt = mx.array([[57, 58, 59]])
+    theirs = lm.make_prompt_cache(model)
+    model(prompt, cache=theirs)
+    p = tmp_path / "from_mlx_lm.safetensors"
+    lm.save_prompt_cache(str(p), theirs)
+    ours = load_prompt_cache(p)
+    check_cache_fits_model(ours, make_prompt_cache(model))
+    expected = model(nxt, cache=theirs)
+    got = model(nxt, cache=ours)
+    assert mx.array_equal(expected, got)
+    # and back: a file we write in mlx-lm format continues identically in mlx-lm
+    q = tmp_path / "for_mlx_lm.safetensors"
+    save_prompt_cache(q, ours, format="mlx-lm")
+    again = lm.load_prompt_cache(str(q))
+    assert mx.array_equal(model(mx.array([[60]]), cache=again), model(mx.array([[60]]), cache=ours))
