@@ -56,7 +56,19 @@ def run(args: argparse.Namespace) -> int:
     if path is None:
         return _chat(args, None, None)
     with SessionLock(path, label):
+        remove_stale_temp_files(path)
         return _chat(args, path, label)
+
+
+def remove_stale_temp_files(path: Path) -> None:
+    """Temp files a killed save left next to ``path`` (the atomic writer's
+    ``.NAME.*.tmp.safetensors``). Only called while holding the session lock,
+    so no save of this session is in progress."""
+    for tmp in path.parent.glob(f".{path.name}.*.tmp.safetensors"):
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
 
 
 def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int:

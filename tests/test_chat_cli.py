@@ -1,0 +1,298 @@
+"""``mlxcc chat`` end to end on the tiny models (greedy unless said).
+
+Most runs call ``mlx_chatcache.cli.main.main`` in-process with stdin replaced
+(stdin is then not a terminal, so input is read line by line); the resume,
+lock and kill tests run the real command in subprocesses. ``--verbose`` prints
+one ``[stats]`` line per turn on stderr, which the tests parse for token counts.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from tiny_models import IM_END, IM_START
+
+from mlx_chatcache.cache_io import read_cache_info
+from mlx_chatcache.cli.main import main
+from mlx_chatcache.errors import UsageError
+from mlx_chatcache.repl import StreamReader, message_text, parse_command, parse_setting, read_input
+
+SYSTEM = "Keep your answers short."
+TURNS = [
+    "Good morning!",
+    "What is the capital of Italy?",
+    "Write a list: apples, oranges.",
+    "Thank you very much.",
+]
+STATS = re.compile(
+    r"\[stats\] prompt: (\d+) new \+ (\d+) reused tokens \((\d+) recomputed\).*reply: (\d+) tokens"
+)
+RESUMED = re.compile(r"resumed session '(\w+)': (\d+) turns, (\d+) tokens in the cache, 0 tokens recomputed")
+
+
+def stats(err: str) -> list[dict]:
+    return [
+        dict(zip(("new", "reused", "recomputed", "generated"), map(int, m.groups())))
+        for m in STATS.finditer(err)
+    ]
+
+
+def script(*lines: str) -> str:
+    return "".join(line + "\n" for line in lines)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("MLXCC_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def chat(home, monkeypatch, capsys):
+    """``chat(model_dir, stdin, *flags) -> (rc, stdout, stderr)`` in-process."""
+
+    def run(model_dir, stdin: str, *flags: str):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        capsys.readouterr()
+        rc = main(["chat", "--model", str(model_dir), "--max-tokens", "8", "-v", *flags])
+        cap = capsys.readouterr()
+        return rc, cap.out, cap.err
+
+    return run
+
+
+def subprocess_chat(model_dir, stdin: str, *flags: str, home: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MLXCC_HOME": str(home)}
+    cmd = [sys.executable, "-m", "mlx_chatcache", "chat", "--model", str(model_dir), "--max-tokens", "8", "-v", *flags]
+    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, env=env, timeout=120)
+
+
+# ------------------------------------------------------------------ resume
+def test_stopped_and_resumed_chat_prints_what_one_run_prints(tiny_model_dirs, chat, home):
+    d = tiny_model_dirs["llama"]
+    flags = ("--system-prompt", SYSTEM)
+    rc, full_out, full_err = chat(d, script(*TURNS), "--session", "full", *flags)
+    assert rc == 0
+    full = stats(full_err)
+    assert len(full) == 4
+
+    k = 2
+    first = subprocess_chat(d, script(*TURNS[:k]), "--session", "s", *flags, home=home)
+    assert first.returncode == 0, first.stderr
+    assert "new session 's'" in first.stderr
+    second = subprocess_chat(d, script(*TURNS[k:], "/bye"), "--session", "s", *flags, home=home)
+    assert second.returncode == 0, second.stderr
+    assert first.stdout + second.stdout == full_out
+    m = RESUMED.search(second.stderr)
+    assert m and int(m.group(2)) == k, second.stderr
+    cached = int(m.group(3))
+    resumed = stats(second.stderr)
+    # the resumed turn feeds only its own tokens: all history comes from the file
+    assert resumed[0]["recomputed"] == 0 and resumed[0]["reused"] == cached
+    assert resumed == full[k:]
+    info = read_cache_info(home / "sessions" / "s.safetensors")
+    assert [m["content"] for m in info.messages if m["role"] == "user"] == TURNS
+    assert not list((home / "sessions").glob(".*tmp*"))
+
+
+def test_each_turn_feeds_only_its_new_tokens(tiny_model_dirs, llama_model, chat):
+    tokenizer = llama_model[1]  # every tiny kind shares the tokenizer
+    rc, out, err = chat(tiny_model_dirs["hybrid"], script(*TURNS), "--session", "h")
+    assert rc == 0
+    st = stats(err)
+    assert len(st) == 4 and st[0]["reused"] == 0
+    for q, prev, cur in zip(TURNS[1:], st, st[1:]):
+        # everything fed or generated before is reused (all but the held-back last token)
+        assert cur["reused"] == prev["new"] + prev["reused"] + prev["generated"] - 1
+        assert cur["recomputed"] == 0
+        # fed: that held-back token + what ChatML adds after a reply cut at --max-tokens
+        assert prev["generated"] == 8
+        added = f"{IM_END}\n{IM_START}user\n{q}{IM_END}\n{IM_START}assistant\n"
+        assert cur["new"] == 1 + len(tokenizer.encode(added, add_special_tokens=False))
+
+
+# ------------------------------------------------------------------ undo / retry
+@pytest.mark.parametrize(
+    "kind,flags",
+    [("llama", ()), ("llama", ("--max-kv-size", "40")), ("hybrid", ())],
+    ids=["kv", "rotating-wrapped", "hybrid"],
+)
+def test_undo_and_retry_reproduce_without_prefill(kind, flags, tiny_model_dirs, chat, home):
+    d = tiny_model_dirs[kind]
+    sp = ("--system-prompt", SYSTEM)
+    rc, out_a, err_a = chat(d, script(*TURNS[:3]), "--session", "a", *sp, *flags)
+    assert rc == 0
+    msgs_a = read_cache_info(home / "sessions" / "a.safetensors").messages
+    rc, out_b, err_b = chat(d, script(*TURNS[:3], "/undo", TURNS[2], "/retry", "/show cache"), "--session", "b", *sp, *flags)
+    assert rc == 0, err_b
+    assert "[removed the last exchange; 2 turns left]" in err_b
+    assert "recomputed" not in err_b.split("[removed")[1].split("\n")[0]
+    msgs_b = read_cache_info(home / "sessions" / "b.safetensors").messages
+    assert msgs_b == msgs_a
+    reply3 = msgs_a[-1]["content"] + "\n"
+    assert out_b.startswith(out_a + reply3 + reply3)
+    st_a, st_b = stats(err_a), stats(err_b)
+    assert st_b[:3] == st_a
+    assert st_b[3] == st_a[2] and st_b[4] == st_a[2]  # same new/reused counts, 0 recomputed
+    if flags:  # the window wrapped before the undo: rolled back from a checkpoint copy
+        assert st_a[2]["reused"] > 40
+        assert "rotating window of 40 tokens" in out_b and "trimmable:   no" in out_b
+
+
+def test_retry_with_seed_is_reproducible(tiny_model_dirs, chat):
+    d = tiny_model_dirs["llama"]
+    flags = ("--temp", "0.9", "--seed", "5", "--max-tokens", "12")
+    runs = [chat(d, script(TURNS[0], "/retry", "/retry"), *flags) for _ in range(2)]
+    assert runs[0][0] == 0 and runs[0][1] == runs[1][1]
+    st = stats(runs[0][2])
+    assert len(st) == 3 and st[1] == st[0] == st[2]
+
+
+# ------------------------------------------------------------------ commands
+def test_commands_and_multiline(tiny_model_dirs, chat, home):
+    d = tiny_model_dirs["llama"]
+    saved = home.parent / "copy.safetensors"
+    rc, out, err = chat(
+        d,
+        script(
+            "/help", '"""', "first line", "", "second line", '"""', "/show info", "/system",
+            "/system Be kind.", "/set temp 0.5", "/set max_tokens 3", "/set top_p 2", "/nope",
+            "//slash message", "/show stats", f"/save {saved}", "/clear", "/show template",
+            f"/load {saved}", "/undo", "/undo", "/undo", "/show", "/bye", "never sent",
+        ),
+        "--session", "c", "--system-prompt", SYSTEM,
+    )  # fmt: skip
+    assert rc == 1  # scripted input with failed commands exits non-zero
+    assert "/retry" in out and "multi-line" in out  # help
+    assert "sampling:      temp=0.0" in out and SYSTEM in out
+    assert "[temp = 0.5]" in err and "[max_tokens = 3]" in err
+    assert "error: /set top_p: must be between 0 and 1" in err
+    assert "error: unknown command '/nope'" in err
+    assert "last turn: prompt:" in out and "reply: 3 tokens" in out
+    assert "<|im_start|>" in out  # template
+    assert "error: there is no exchange" in err
+    assert "error: usage: /show info|cache|stats|template" in err
+    info = read_cache_info(saved)
+    users = [m["content"] for m in info.messages if m["role"] == "user"]
+    assert users == ["first line\n\nsecond line", "/slash message"]
+    assert info.messages[0] == {"role": "system", "content": "Be kind."}
+    # after /load and two undos, the session file holds the system prompt only
+    final = read_cache_info(home / "sessions" / "c.safetensors")
+    assert final.messages == [{"role": "system", "content": "Be kind."}]
+
+
+def test_input_parsing_units():
+    assert parse_command("/set temp 1") == ("set", "temp 1")
+    assert parse_command("  /BYE ") == ("bye", "")
+    assert parse_command("//x") is None and message_text("//x y") == "/x y"
+    assert parse_command("hello /bye") is None
+    r = StreamReader(io.StringIO('"""one\ntwo"""\n"""inline"""\n"""\n/bye\n'))
+    assert read_input(r).text == "one\ntwo"
+    assert read_input(r).text == "inline"
+    last = read_input(r)  # unterminated block at EOF: what was typed, never a command
+    assert last.multiline and last.text == "/bye"
+    assert read_input(r) is None
+    assert parse_setting("top-p 0.5") == ("top_p", 0.5)
+    assert parse_setting("seed none") == ("seed", None)
+    with pytest.raises(UsageError):
+        parse_setting("max_tokens 0")
+
+
+# ------------------------------------------------------------------ refusals
+def test_session_of_another_model_is_refused(tiny_model_dirs, make_tiny_model_dir, chat):
+    rc, _, _ = chat(tiny_model_dirs["llama"], script(TURNS[0]), "--session", "m")
+    assert rc == 0
+    rc, out, err = chat(make_tiny_model_dir("llama", seed=1), script(TURNS[1]), "--session", "m")
+    assert rc == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith("mlxcc: error: ")
+    assert "session was made with model" in err and "differs from the loaded model" in err
+
+
+@pytest.mark.parametrize("name", ["../x", "/tmp/abs", "a\x00b", "n" * 300, "..", ".x"])
+def test_bad_session_names_are_refused(name, tiny_model_dirs, chat, home):
+    rc, out, err = chat(tiny_model_dirs["llama"], "", "--session", name)
+    assert rc == 1 and out == ""
+    assert err.count("\n") == 1 and "invalid session name" in err
+    assert not home.parent.joinpath("x.safetensors").exists()
+    assert not list((home / "sessions").glob("*.safetensors")) if (home / "sessions").exists() else True
+
+
+def test_second_process_on_the_same_session_is_refused(tiny_model_dirs, chat, home):
+    d = tiny_model_dirs["llama"]
+    env = {**os.environ, "MLXCC_HOME": str(home)}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "mlx_chatcache", "chat", "--model", str(d), "--session", "busy", "--max-tokens", "4"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        line = first.stderr.readline()  # printed once the lock is held and the model loaded
+        assert "new session 'busy'" in line
+        rc, out, err = chat(d, script(TURNS[0]), "--session", "busy")
+        assert rc == 1 and err.count("\n") == 1
+        assert f"session 'busy' is already open in another mlxcc process (pid {first.pid})" in err
+        out1, err1 = first.communicate(script(TURNS[0], "/bye"), timeout=60)
+        assert first.returncode == 0, err1
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    rc, out, err = chat(d, script(TURNS[1]), "--session", "busy")  # free again
+    assert rc == 0 and "resumed session 'busy': 1 turns" in err
+
+
+# ------------------------------------------------------------------ crash safety
+SAVER = textwrap.dedent(
+    """
+    import sys
+    from mlx_chatcache.config import DEFAULTS
+    from mlx_chatcache.loading import load
+    from mlx_chatcache.session import ChatSession
+
+    model, tokenizer = load(sys.argv[1])
+    s = ChatSession(model, tokenizer, config=DEFAULTS.updated(max_tokens=6))
+    s.ask("Good morning!")
+    s.save(sys.argv[2])
+    print("ready", flush=True)
+    i = 0
+    while True:  # grow and shrink the session, saving all the time
+        s.ask(f"Message number {i}.") if i % 3 < 2 else s.undo()
+        for _ in range(3):
+            s.save(sys.argv[2])
+        i += 1
+    """
+)
+
+
+def test_kill_during_save_leaves_a_loadable_session(tiny_model_dirs, chat, home, tmp_path):
+    from mlx_chatcache.loading import load
+    from mlx_chatcache.session import ChatSession
+
+    d = tiny_model_dirs["hybrid"]
+    path = tmp_path / "killed.safetensors"
+    rng = random.Random(1234)
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", SAVER, str(d), str(path)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            time.sleep(rng.uniform(0.05, 0.5))
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        model, tokenizer = load(str(d))
+        s = ChatSession.load(path, model, tokenizer)
+        assert s.num_turns >= 1 and len(s.messages) == 2 * s.num_turns
+        s.ask("Still there?")  # and it continues
+    # the chat command removes temp files a killed save left behind
+    rc, _, err = chat(d, "", "--session-file", str(path))
+    assert rc == 0 and "resumed session" in err
+    assert not list(tmp_path.glob(".killed.safetensors.*"))
