@@ -102,7 +102,7 @@ def parse_ints(cls_name: str, meta: Sequence[str], names: Sequence[str]) -> list
 
 def shown(v, limit: int = 40) -> str:
     """``repr(v)`` cut to ``limit`` characters: values quoted from a hostile file can be huge."""
-    r = repr(v)
+    r = " ".join(repr(v).split())  # one line, even for an array's repr
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from .cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
-from .cache_base import BaseCache
+from .cache_base import BaseCache, shown
 from .errors import CacheFormatError, UnsupportedCacheError
 from .safetensors_file import Header
 
@@ -68,12 +68,12 @@ def _unflatten(flat: dict[str, Any]) -> dict:
     for path, value in flat.items():
         parts = path.split(".")
         if not all(_INDEX.match(p) for p in parts):
-            raise CacheFormatError(f"unexpected mlx-lm tensor name {path!r}")
+            raise CacheFormatError(f"unexpected mlx-lm tensor name {shown(path)}")
         node = root
         for p in parts[:-1]:
             node = node.setdefault(int(p), {})
             if not isinstance(node, dict):
-                raise CacheFormatError(f"conflicting mlx-lm tensor names at {path!r}")
+                raise CacheFormatError(f"conflicting mlx-lm tensor names at {shown(path)}")
         node[int(parts[-1])] = value
     return root
 
@@ -90,7 +90,7 @@ def load_mlx_lm(header: Header, arrays: dict[str, mx.array], info) -> list[BaseC
         arrays = dict(arrays)
         for path, kind in _scalar_specs(meta):
             if path not in arrays:
-                raise CacheFormatError(f"mlx-lm scalar {path!r} has no array")
+                raise CacheFormatError(f"mlx-lm scalar {shown(path)} has no array")
             a = arrays[path]
             arrays[path] = None if kind == "none" else _scalar(a, kind)
         tree = _unflatten(arrays)
@@ -108,7 +108,7 @@ def _scalar_specs(meta: dict[str, str]) -> list[tuple[str, str]]:
     while f"2.{i}.0" in meta:
         kind = meta.get(f"2.{i}.1")
         if kind not in ("scalar", "string", "none"):
-            raise CacheFormatError(f"unknown mlx-lm scalar kind {kind!r}")
+            raise CacheFormatError(f"unknown mlx-lm scalar kind {shown(kind)}")
         specs.append((meta[f"2.{i}.0"], kind))
         i += 1
     return specs
@@ -128,7 +128,7 @@ def _int(v) -> int:
     if isinstance(v, str) and v.isascii() and v.isdigit():
         v = int(v)
     if not isinstance(v, (int, float)) or int(v) != v or v < 0:
-        raise CacheFormatError(f"mlx-lm cache value {v!r} is not a non-negative integer")
+        raise CacheFormatError(f"mlx-lm cache value {shown(v)} is not a non-negative integer")
     return int(v)
 
 
