@@ -11,16 +11,23 @@ checks every array's shape and dtype against the validated header.
 
 ``write_atomic`` writes a temp file in the target folder, fsyncs it and renames
 it over the target: a reader sees the old file or the new one, never a mix,
-and a failed write (full disk, kill -9) leaves the old file intact.
+and a failed write (full disk, kill -9) leaves the old file intact. A writer
+killed with -9 leaves its temp file (``.NAME.HOST-PID.XXXXXXXX.tmp.safetensors``);
+the next write to the same path removes such leftovers when their writer is
+gone (same host, dead pid) or they have not been touched for an hour.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
+import socket
 import struct
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,7 +202,8 @@ def write_atomic(path: str | os.PathLike, arrays: dict[str, mx.array], metadata:
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise CacheFileError(f"cannot write {path}: folder {folder} does not exist; create it first")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp.safetensors", dir=folder)
+    remove_stale_temp_files(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_HOST}-{os.getpid()}.", suffix=TEMP_SUFFIX, dir=folder)
     os.close(fd)
     try:
         mx.save_safetensors(tmp, arrays, metadata)
@@ -212,6 +220,68 @@ def write_atomic(path: str | os.PathLike, arrays: dict[str, mx.array], metadata:
     except BaseException:
         _remove_quietly(tmp)
         raise
+
+
+TEMP_SUFFIX = ".tmp.safetensors"
+STALE_AFTER = 3600.0  # seconds without a write: no live writer leaves its temp file idle that long
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:6]  # pids only mean something on their host
+# the part between ".NAME." and the suffix: [HOST-PID.] then mkstemp's 8 random characters
+_MIDDLE = re.compile(r"^(?:([0-9a-f]{6})-(\d{1,10})\.)?[a-z0-9_]{8}$")
+
+
+def remove_stale_temp_files(path: str | os.PathLike) -> list[Path]:
+    """Remove the temp files killed writers of ``path`` left behind; returns them.
+
+    Only names of our pattern (``.NAME.*.tmp.safetensors`` next to ``path``) are
+    considered, and of those only the ones whose writer is known to be gone: a
+    tag naming this host and a pid that no longer exists, or no change for
+    ``STALE_AFTER`` seconds (untagged files from older versions, other hosts).
+    A live writer's temp file is never touched.
+    """
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    prefix = f".{path.name}."
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        name = entry.name
+        if not (name.startswith(prefix) and name.endswith(TEMP_SUFFIX)):
+            continue
+        tag = _MIDDLE.match(name[len(prefix) : -len(TEMP_SUFFIX)])
+        if tag is None:  # not our temp file for this path (e.g. one for "NAME.other")
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            idle = now - entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        dead = tag.group(1) == _HOST and not _pid_alive(int(tag.group(2)))
+        if dead or idle > STALE_AFTER:
+            try:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+            except OSError:
+                pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a pid we wrote: leave it to the age rule
+    if pid == os.getpid():
+        return True  # ours (another thread may be writing it)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True  # exists (another user's) or cannot tell: keep the file
+    return True
 
 
 def _fsync_dir(folder: Path) -> None:
