@@ -318,7 +318,7 @@ class ChatREPL:
             self.save()
         elif name == "undo":
             r = s.undo()
-            self.note(f"[removed the last exchange; {s.num_turns} turns left{self._how(r)}]")
+            self.note(f"[removed the last exchange; {plural(s.num_turns, 'turn')} left{self._how(r)}]")
             self.save()
         elif name == "retry":
             s._last_exchange()  # fail early with a clear message
@@ -349,7 +349,7 @@ class ChatREPL:
                 raise UsageError("usage: /load FILE")
             loaded = ChatSession.load(Path(arg).expanduser(), s.model, s.tokenizer)
             self.session = loaded
-            self.note(f"[loaded {arg}: {loaded.num_turns} turns, {loaded.cached_tokens} tokens "
+            self.note(f"[loaded {arg}: {plural(loaded.num_turns, 'turn')}, {loaded.cached_tokens} tokens "
                       "in the cache, 0 tokens recomputed]")  # fmt: skip
             self.save()
         else:
@@ -393,7 +393,7 @@ class ChatREPL:
                 f"layers:      {layers}",
                 f"window:      {window}",
                 f"trimmable:   {'yes' if i['trimmable'] else 'no'}",
-                f"checkpoints: {i['checkpoints']} turns ({i['checkpoint_copies']} with a cache copy)",
+                f"checkpoints: {plural(i['checkpoints'], 'turn')} ({i['checkpoint_copies']} with a cache copy)",
             ]
             self.say("\n".join(lines))
         elif what == "stats":
@@ -403,7 +403,7 @@ class ChatREPL:
                 return
             self.say(f"last turn: {last.summary()}")
             self.say(
-                f"this run:  {s.turns_run} turns, {t.new_tokens} prompt tokens fed, "
+                f"this run:  {plural(s.turns_run, 'turn')}, {t.new_tokens} prompt tokens fed, "
                 f"{t.reused_tokens} reused, {t.recomputed_tokens} recomputed, "
                 f"{t.generated_tokens} generated, {t.seconds:.2f} s"
             )
@@ -411,6 +411,10 @@ class ChatREPL:
             self.say(getattr(s.tokenizer, "chat_template", None) or "(no chat template)")
         else:
             raise UsageError("usage: /show info|cache|stats|template")
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def history_file() -> Path:

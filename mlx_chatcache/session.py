@@ -12,9 +12,11 @@ Every turn renders the WHOLE conversation with the tokenizer's chat template
 prefix of that rendering, the prompt is the held token ids followed by the
 encoding of the rest of the text. So the reply tokens stay in the cache exactly
 as generated, never re-tokenized. When it is not a prefix (a template that
-rewrites history, a changed system prompt) the rendering is encoded whole and
-:func:`~mlx_chatcache.generate.reuse_prefix` reuses the longest common prefix
-with the cache: such templates just reuse less.
+rewrites history, e.g. drops an earlier reply's reasoning) the prompt keeps the
+longest run of held tokens whose decoded text starts the rendering and encodes
+the rest; :func:`~mlx_chatcache.generate.reuse_prefix` then trims the cache to
+that run, and a cache that cannot be trimmed restarts from the latest turn
+checkpoint inside it. Such templates just reuse less.
 
 The generate loop never feeds the last token it yields (see
 :mod:`mlx_chatcache.generate`): after a reply ``r1..rn`` the cache holds
@@ -76,7 +78,14 @@ from .cache import (
 from .cache_io import check_cache_fits_model, load_prompt_cache, read_cache_info, save_prompt_cache
 from .config import DEFAULTS, GenerationConfig, mlxcc_home
 from .errors import CacheFileError, ModelMismatchError, SessionError, UsageError
-from .generate import PromptCacheState, as_tokenizer_wrapper, common_prefix_len, stream_generate
+from .generate import (
+    PromptCacheState,
+    as_tokenizer_wrapper,
+    common_prefix_len,
+    make_kv_quantizer,
+    prefill,
+    stream_generate,
+)
 
 SESSION_FORMAT = 1
 SESSION_KEY = "session"  # user metadata key holding the session JSON
@@ -265,9 +274,33 @@ class ChatSession:
     # ------------------------------------------------------------ turns
     def prompt_tokens(self, prompt_text: str) -> list[int]:
         """The prompt for ``prompt_text``: held tokens + the encoded rest (see module doc)."""
+        return self._split_prompt(prompt_text)[0]
+
+    def _split_prompt(self, prompt_text: str) -> tuple[list[int], int, int]:
+        """``(ids, k, n_text)``: ``ids`` starts with the first ``k`` held tokens,
+        unchanged, standing for ``prompt_text[:n_text]``; the rest encodes the
+        remaining text. ``k`` is every held token unless history was rewritten."""
+        held = self.tokens
         if self.text and prompt_text.startswith(self.text) and len(prompt_text) > len(self.text):
-            return self.tokens + self.encode(prompt_text[len(self.text):])
-        return self.encode(prompt_text)
+            k, n_text = len(held), len(self.text)
+        else:
+            k, n_text = self._held_prefix(held, prompt_text)
+        return held[:k] + self.encode(prompt_text[n_text:]), k, n_text
+
+    def _held_prefix(self, held: list[int], prompt_text: str) -> tuple[int, int]:
+        """The most held tokens whose decoded text starts ``prompt_text`` (binary
+        search; every candidate is checked, so a miss only reuses less)."""
+        lo, hi = 0, len(held)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if prompt_text.startswith(self.tokenizer.decode(held[:mid])):
+                lo = mid
+            else:
+                hi = mid - 1
+        n_text = len(self.tokenizer.decode(held[:lo])) if lo else 0
+        if n_text >= len(prompt_text):  # keep at least one token to feed
+            return 0, 0
+        return lo, n_text
 
     def ask(
         self, content: str, on_text: TextCallback | None = None, should_stop: StopCheck | None = None
@@ -286,20 +319,22 @@ class ChatSession:
     def _turn(self, content, on_text, should_stop) -> TurnResult:
         self._push_checkpoint()
         self.messages.append({"role": "user", "content": content})
+        held = self.tokens
         try:
-            return self._generate(on_text, should_stop)
-        except BaseException:
-            self._abort_turn()
+            return self._generate(held, on_text, should_stop)
+        except BaseException:  # back to the turn's start (the cache may have been reset)
+            self._rewind(self.checkpoints.pop(), held)
             raise
 
-    def _generate(self, on_text, should_stop) -> TurnResult:
+    def _generate(self, held: list[int], on_text, should_stop) -> TurnResult:
         started = time.perf_counter()
         prompt_text = self.render(self.messages, add_generation_prompt=True)
-        prompt_ids = self.prompt_tokens(prompt_text)
-        if prompt_ids[: len(self.tokens)] != self.tokens:
-            self.checkpoints.clear()  # history was rewritten: lengths no longer apply
-            self.checkpoints.append(Checkpoint(len(self.messages) - 1, 0, 0, 0, None))
-        common = common_prefix_len(self.state.tokens, prompt_ids)
+        prompt_ids, k, n_text = self._split_prompt(prompt_text)
+        common = common_prefix_len(self.state.tokens, prompt_ids)  # what the cache could give
+        restored_from = None
+        if k < len(held):
+            restored_from = self._history_rewritten(held, k, prompt_text, n_text)
+        extra_seconds = time.perf_counter() - started
         eos = set(self.tokenizer.eos_token_ids)
         reply_tokens: list[int] = []
         pieces: list[str] = []
@@ -336,14 +371,15 @@ class ChatSession:
             self.pending, self.text = [], ""
             self.checkpoints.clear()
         self.messages.append({"role": "assistant", "content": reply})
+        reused = last.reused_tokens if restored_from is None else restored_from
         stats = TurnStats(
             prompt_tokens=last.prompt_tokens,
-            reused_tokens=last.reused_tokens,
-            new_tokens=last.prompt_tokens - last.reused_tokens,
-            recomputed_tokens=max(0, common - last.reused_tokens),
+            reused_tokens=reused,
+            new_tokens=last.prompt_tokens - reused,
+            recomputed_tokens=max(0, common - reused),
             generated_tokens=len(reply_tokens),
-            ttft=last.ttft,
-            prompt_tps=last.prompt_tps,
+            ttft=last.ttft + extra_seconds,
+            prompt_tps=last.prompt_tps if restored_from is None else (last.prompt_tokens - reused) / max(last.ttft + extra_seconds, 1e-9),
             generation_tps=last.generation_tps,
             peak_memory=last.peak_memory,
             finish_reason="interrupted" if interrupted else (last.finish_reason or "length"),
@@ -374,8 +410,7 @@ class ChatSession:
     def _push_checkpoint(self) -> None:
         copy = None
         if self._needs_cache_copy():
-            copy = copy_prompt_cache(self.state.cache)
-            mx.eval([c.state for c in copy])
+            copy = self._copy_cache()
         self.checkpoints.append(
             Checkpoint(len(self.messages), len(self.tokens), len(self.state.tokens), len(self.text), copy)
         )
@@ -385,17 +420,50 @@ class ChatSession:
         if self.max_checkpoints == 0:
             self.checkpoints[-1].cache = None
 
-    def _abort_turn(self) -> None:
-        """A turn failed (or was interrupted inside a model call): back to its start.
+    def _history_rewritten(self, held: list[int], k: int, prompt_text: str, n_text: int) -> int | None:
+        """The template changed history from held token ``k`` on (e.g. it drops
+        an earlier reply's reasoning). Keep the checkpoints inside the kept
+        prefix. An untrimmable cache restarts from the latest copy among them
+        and is fed the held tokens up to ``k`` (all but the last), then copied
+        again, so this turn keeps a checkpoint too. Returns the tokens reused
+        from that copy (None when the cache is left to ``reuse_prefix``)."""
+        turn = self.checkpoints.pop()  # this turn's: its lengths no longer apply
+        kept = [c for c in self.checkpoints if c.n_tokens <= k and prompt_text.startswith(self.text[: c.n_text])]
+        self.checkpoints[:] = kept
+        self.text = prompt_text[:n_text]
+        restored = None
+        if len(self.state.tokens) > k and not can_trim_prompt_cache(self.state.cache):
+            restored = next((c for c in reversed(kept) if c.cache is not None), None)
+        if restored is None:
+            self.checkpoints.append(Checkpoint(turn.n_messages, k, min(k, len(self.state.tokens)), n_text, None))
+            return None
+        self.state.cache[:] = copy_prompt_cache(restored.cache)
+        self.state.tokens[:] = held[: restored.state_len]
+        try:
+            rest = prefill(
+                self.model, self.state.cache, held[restored.state_len : k], self.config.prefill_step_size,
+                kv_quantizer=make_kv_quantizer(self.config),
+            )  # fmt: skip
+        except BaseException:
+            self.state.reset(self.model)
+            self.checkpoints.append(Checkpoint(turn.n_messages, k, 0, n_text, None))
+            raise
+        self.state.tokens[:] = held[: k - len(rest)]
+        self.checkpoints.append(Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, None))
+        self.checkpoints[-1].cache = self._copy_cache()
+        return restored.state_len
 
-        The generate loop may have reset the cache; :meth:`_rewind` then restores
-        the checkpoint copy or leaves history to be recomputed."""
-        self._rewind(self.checkpoints.pop())
+    def _copy_cache(self) -> list[BaseCache]:
+        copy = copy_prompt_cache(self.state.cache)
+        mx.eval([c.state for c in copy])
+        return copy
 
     # ------------------------------------------------------------ rollback
-    def _rewind(self, ck: Checkpoint) -> RollbackResult:
-        """Make messages, tokens, text and cache what they were at ``ck``."""
-        tokens = self.tokens
+    def _rewind(self, ck: Checkpoint, tokens: list[int] | None = None) -> RollbackResult:
+        """Make messages, tokens, text and cache what they were at ``ck``.
+        ``tokens``: the session's tokens (default ``self.tokens``; a failed turn
+        passes those it started with, since the cache may have been reset)."""
+        tokens = self.tokens if tokens is None else tokens
         del self.messages[ck.n_messages:]
         self.text = self.text[: ck.n_text]
         target = tokens[: ck.state_len]

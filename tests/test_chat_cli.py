@@ -37,7 +37,7 @@ TURNS = [
 STATS = re.compile(
     r"\[stats\] prompt: (\d+) new \+ (\d+) reused tokens \((\d+) recomputed\).*reply: (\d+) tokens"
 )
-RESUMED = re.compile(r"resumed session '(\w+)': (\d+) turns, (\d+) tokens in the cache, 0 tokens recomputed")
+RESUMED = re.compile(r"resumed session '(\w+)': (\d+) turns?, (\d+) tokens in the cache, 0 tokens recomputed")
 
 
 def stats(err: str) -> list[dict]:
@@ -247,7 +247,7 @@ def test_second_process_on_the_same_session_is_refused(tiny_model_dirs, chat, ho
             first.kill()
             first.wait()
     rc, out, err = chat(d, script(TURNS[1]), "--session", "busy")  # free again
-    assert rc == 0 and "resumed session 'busy': 1 turns" in err
+    assert rc == 0 and "resumed session 'busy': 1 turn," in err
 
 
 # ------------------------------------------------------------------ crash safety
@@ -296,3 +296,16 @@ def test_kill_during_save_leaves_a_loadable_session(tiny_model_dirs, chat, home,
     rc, _, err = chat(d, "", "--session-file", str(path))
     assert rc == 0 and "resumed session" in err
     assert not list(tmp_path.glob(".killed.safetensors.*"))
+
+
+def test_session_file_refusals(tiny_model_dirs, chat, tmp_path):
+    d = tiny_model_dirs["llama"]
+    rc, out, err = chat(d, "", "--session-file", str(tmp_path / "missing" / "s.safetensors"))
+    assert rc == 1 and err.count("\n") == 1 and "does not exist" in err
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file at all")
+    rc, out, err = chat(d, "", "--session-file", str(junk))
+    assert rc == 1 and err.count("\n") == 1 and err.startswith("mlxcc: error: ")
+    with pytest.raises(SystemExit) as e:
+        chat(d, "", "--session", "a", "--session-file", str(junk))
+    assert e.value.code == 2

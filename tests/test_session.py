@@ -261,3 +261,48 @@ def test_session_path_and_lock(monkeypatch, tmp_path):
         with pytest.raises(SessionError, match="already open in another mlxcc process"):
             SessionLock(p, "'my-chat_1.v2'").acquire()
     SessionLock(p).acquire().release()  # free again once released
+
+
+# ------------------------------------------------------------------ templates that rewrite history
+# Like ChatML, but earlier replies are shortened to 4 characters (as templates that
+# drop an earlier reply's reasoning do): each turn changes the previous reply.
+REWRITING_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'][:4] if message['role'] == "
+    "'assistant' else message['content']) + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("kind", ["llama", "hybrid"])
+def test_template_rewriting_history_reuses_less_but_stays_exact(kind, tiny_model_dirs):
+    from mlx_chatcache.loading import load
+
+    model, tokenizer = load(str(tiny_model_dirs[kind]))  # a private copy: its template changes
+    tokenizer._tokenizer.chat_template = REWRITING_TEMPLATE
+    s = new_session(model, tokenizer)
+    for i, q in enumerate(QUESTIONS + ["Explain why the sky looks blue."]):
+        start_checkpoint = s.checkpoints[-1].state_len if s.checkpoints else 0
+        prompt_text = s.render(s.messages + [{"role": "user", "content": q}])
+        r = s.ask(q)
+        expected = s.encode(prompt_text) if i == 0 else None
+        prompt = s.state.tokens[: r.stats.prompt_tokens]
+        # the prompt is exactly the rendered text, and the reply is what a fresh cache gives
+        assert s.tokenizer.decode(prompt) == prompt_text
+        reply = uncached_reply(model, tokenizer, prompt, s.config)
+        assert s.tokens == prompt + reply
+        if i == 0:
+            assert prompt == expected
+            continue
+        if kind == "llama":  # trimmed back to where the rewrite starts: nothing recomputed
+            assert r.stats.recomputed_tokens == 0 and r.stats.reused_tokens > start_checkpoint
+        else:  # restarted from the previous turn's checkpoint copy
+            # (the first turn started empty): the previous message and a few reply tokens are fed again
+            assert r.stats.reused_tokens == start_checkpoint and (start_checkpoint > 0) == (i > 1)
+            assert 0 < r.stats.recomputed_tokens < r.stats.new_tokens
+    held = s.checkpoints[-1].state_len
+    last = s.messages[-1]["content"]
+    assert s.undo().how == ("trim" if kind == "llama" else "checkpoint")
+    assert s.cached_tokens == held
+    assert s.ask("Explain why the sky looks blue.").text == last

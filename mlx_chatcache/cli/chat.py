@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..errors import SessionError
 from ..session import ChatSession, SessionLock, session_path
 from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args
 
@@ -53,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.session_file is not None:
         path = Path(args.session_file).expanduser()
         label = str(path)
+        if not path.parent.is_dir():
+            raise SessionError(f"cannot keep a session in {path}: folder {path.parent} does not exist")
     if path is None:
         return _chat(args, None, None)
     with SessionLock(path, label):
@@ -73,14 +76,14 @@ def remove_stale_temp_files(path: Path) -> None:
 
 def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int:
     from ..loading import load
-    from ..repl import ChatREPL, StreamReader, TerminalReader, history_file
+    from ..repl import ChatREPL, StreamReader, TerminalReader, history_file, plural
 
     model, tokenizer = load(args.model)
     if path is not None and path.exists():
         overrides = {n: getattr(args, n) for n in OVERRIDABLE if getattr(args, n, None) is not None}
         session = ChatSession.load(path, model, tokenizer, overrides=overrides)
         _note(
-            f"resumed session {label}: {session.num_turns} turns, {session.cached_tokens} tokens "
+            f"resumed session {label}: {plural(session.num_turns, 'turn')}, {session.cached_tokens} tokens "
             "in the cache, 0 tokens recomputed"
         )
         if args.system_prompt is not None and args.system_prompt != (session.system_prompt or ""):
