@@ -27,10 +27,12 @@ Undo and retry
 --------------
 At the start of each turn the session records a :class:`Checkpoint` (message
 count, token and text lengths). Rolling back trims the cache when every layer
-can be trimmed. Caches that cannot be trimmed (a rotating window that has
-dropped tokens, SSM/convolution ``ArraysCache`` layers) are restored from a copy
-of the cache taken at the start of the turn; copies are kept in memory for the
-last ``max_checkpoints`` turns only. Either way no history token is fed again.
+can be trimmed. Layers that may not be trimmable back (rotating windows, which
+stop being trimmable once they drop a token, and SSM/convolution
+``ArraysCache`` layers) are copied at the start of each turn and restored from
+that copy, while plain K/V layers are trimmed (so a hybrid model's checkpoint
+holds its small recurrent states, not its K/V). Copies are kept in memory for
+the last ``max_checkpoints`` turns only. Either way no history token is fed again.
 Past those turns (or after loading a session from a file) an untrimmable cache
 cannot be rolled back: the history is then recomputed on the next turn, and
 the session says so.
@@ -70,7 +72,6 @@ from .cache import (
     QuantizedKVCache,
     cache_offset,
     can_trim_prompt_cache,
-    copy_prompt_cache,
     make_prompt_cache,
     prompt_cache_nbytes,
     trim_prompt_cache,
@@ -128,16 +129,16 @@ class Checkpoint:
     """The session at the start of a turn (before the user message was added).
 
     Lengths refer to the session's token sequence and text, which only grow
-    from one turn to the next (the checkpoints are dropped when history is
-    rewritten). ``cache`` is a copy of the prompt cache, taken only when the
-    cache may not be trimmable back to this point.
+    from one turn to the next (checkpoints past a point where history is
+    rewritten are dropped). ``cache``: copies of the layers that may not trim back to this
+    point (None entries for plain K/V layers), or None when every layer can.
     """
 
     n_messages: int
     n_tokens: int  # len(state.tokens + pending)
     state_len: int  # len(state.tokens)
     n_text: int
-    cache: list[BaseCache] | None = None
+    cache: list[BaseCache | None] | None = None
 
     def to_json(self) -> list[int]:
         return [self.n_messages, self.n_tokens, self.state_len, self.n_text]
@@ -397,22 +398,44 @@ class ChatSession:
             setattr(t, name, getattr(t, name) + getattr(s, name))
         t.peak_memory = max(t.peak_memory, s.peak_memory)
 
-    def _needs_cache_copy(self) -> bool:
-        """Whether a later rollback to now might not be possible by trimming."""
+    def _snapshot(self) -> list[BaseCache | None] | None:
+        """Copies of the layers that might not trim back to this point (None
+        entries for plain K/V layers, which always can); None when all are plain.
+        So a hybrid model's checkpoint holds its small SSM states, not its K/V."""
+        layers = self.state.cache
+        if all(_always_trimmable(c) for c in layers):
+            return None
+        snap = [None if _always_trimmable(c) else _copy_layer(c) for c in layers]
+        mx.eval([c.state for c in snap if c is not None])
+        return snap
 
-        def plain(c) -> bool:
-            if isinstance(c, CacheList):
-                return all(plain(x) for x in c.caches)
-            return type(c) in (KVCache, QuantizedKVCache)
-
-        return not all(plain(c) for c in self.state.cache)
+    def _restore(self, snap: list[BaseCache | None], state_len: int, tokens: list[int]) -> bool:
+        """Layers copied from ``snap`` (which stays valid), the others trimmed
+        back to ``state_len``; ``state.tokens = tokens[:state_len]``. Returns
+        False, changing nothing, when the trimmed layers cannot get there."""
+        cache = self.state.cache
+        excess = len(self.state.tokens) - state_len
+        plain = [c for c, x in zip(cache, snap) if x is None]
+        if len(snap) != len(cache):
+            return False
+        if plain and not (
+            excess >= 0
+            and self.state.tokens[:state_len] == tokens[:state_len]
+            and all(c.is_trimmable() and c.offset == len(self.state.tokens) for c in plain)
+        ):
+            return False
+        for i, x in enumerate(snap):
+            if x is None:
+                cache[i].trim(excess)
+            else:
+                cache[i] = _copy_layer(x)
+        mx.eval([c.state for c in cache])
+        self.state.tokens[:] = tokens[:state_len]
+        return True
 
     def _push_checkpoint(self) -> None:
-        copy = None
-        if self._needs_cache_copy():
-            copy = self._copy_cache()
         self.checkpoints.append(
-            Checkpoint(len(self.messages), len(self.tokens), len(self.state.tokens), len(self.text), copy)
+            Checkpoint(len(self.messages), len(self.tokens), len(self.state.tokens), len(self.text), self._snapshot())
         )
         # bounded memory: cache copies only for the last few turns
         for ck in self.checkpoints[: -self.max_checkpoints or None]:
@@ -433,12 +456,13 @@ class ChatSession:
         self.text = prompt_text[:n_text]
         restored = None
         if len(self.state.tokens) > k and not can_trim_prompt_cache(self.state.cache):
-            restored = next((c for c in reversed(kept) if c.cache is not None), None)
+            for c in reversed(kept):
+                if c.cache is not None and self._restore(c.cache, c.state_len, held):
+                    restored = c
+                    break
         if restored is None:
             self.checkpoints.append(Checkpoint(turn.n_messages, k, min(k, len(self.state.tokens)), n_text, None))
             return None
-        self.state.cache[:] = copy_prompt_cache(restored.cache)
-        self.state.tokens[:] = held[: restored.state_len]
         try:
             rest = prefill(
                 self.model, self.state.cache, held[restored.state_len : k], self.config.prefill_step_size,
@@ -449,14 +473,8 @@ class ChatSession:
             self.checkpoints.append(Checkpoint(turn.n_messages, k, 0, n_text, None))
             raise
         self.state.tokens[:] = held[: k - len(rest)]
-        self.checkpoints.append(Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, None))
-        self.checkpoints[-1].cache = self._copy_cache()
+        self.checkpoints.append(Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, self._snapshot()))
         return restored.state_len
-
-    def _copy_cache(self) -> list[BaseCache]:
-        copy = copy_prompt_cache(self.state.cache)
-        mx.eval([c.state for c in copy])
-        return copy
 
     # ------------------------------------------------------------ rollback
     def _rewind(self, ck: Checkpoint, tokens: list[int] | None = None) -> RollbackResult:
@@ -477,10 +495,7 @@ class ChatSession:
                 if cache_offset(self.state.cache) == ck.state_len:
                     del self.state.tokens[ck.state_len:]
                     return RollbackResult("trim")
-        if ck.cache is not None:
-            self.state.cache[:] = copy_prompt_cache(ck.cache)
-            mx.eval([c.state for c in self.state.cache])
-            self.state.tokens[:] = target
+        if ck.cache is not None and self._restore(ck.cache, ck.state_len, tokens):
             return RollbackResult("checkpoint")
         # cannot roll back: start a fresh cache; the next turn feeds the history again
         self.state.reset(self.model)
@@ -771,6 +786,16 @@ class SessionLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _always_trimmable(c: BaseCache) -> bool:
+    if isinstance(c, CacheList):
+        return all(_always_trimmable(x) for x in c.caches)
+    return type(c) in (KVCache, QuantizedKVCache)
+
+
+def _copy_layer(c: BaseCache) -> BaseCache:
+    return type(c).from_state(c.state, c.meta_state)
 
 
 def _is_int(v) -> bool:

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from mlx_chatcache.cache import RotatingKVCache, cache_offset
+from mlx_chatcache.cache import KVCache, RotatingKVCache, cache_offset
 from mlx_chatcache.cache_io import read_cache_info, save_prompt_cache as save_cache
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import ModelMismatchError, SessionError, UsageError
@@ -164,6 +164,9 @@ def test_checkpoint_copies_are_bounded(tiny_model):
         s.ask(q)
     copies = s.cache_info()["checkpoint_copies"]
     assert copies == (0 if kind == "llama" else 2)
+    for ck in s.checkpoints[-2:]:
+        if ck.cache is not None:  # plain K/V layers are trimmed back, never copied
+            assert [x is None for x in ck.cache] == [type(c) is KVCache for c in s.state.cache]
     for _ in range(2):
         s.undo()
     # past the kept copies, an untrimmable cache says it must recompute
