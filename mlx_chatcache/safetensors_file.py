@@ -175,6 +175,12 @@ def read_arrays(header: Header, names=None) -> dict[str, mx.array]:
     if not names:
         return {}
     path = header.path
+    need, limit = sum(header.tensors[n].end - header.tensors[n].begin for n in names), memory_limit()
+    if limit and need > limit:  # e.g. a sparse file: huge apparent size, no content; never allocate that
+        raise CacheFileError(
+            f"{path} holds {need / 1e9:.1f} GB of arrays, more than this machine's memory "
+            f"({limit / 1e9:.1f} GB): it cannot be loaded here (or it is damaged)"
+        )
     changed = "the file changed since its header was read; load it again"
     try:
         with open(path, "rb") as f:
@@ -194,6 +200,25 @@ def read_arrays(header: Header, names=None) -> dict[str, mx.array]:
     except (RuntimeError, ValueError, OSError) as e:  # short read, file vanished, ...
         raise _bad(path, f"file shrank or changed while reading: {e}") from None
     return out
+
+
+def memory_limit() -> int | None:
+    """Bytes of memory this process can have at most: physical RAM, or the
+    cgroup (container) limit when lower; None if unknown."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    for f in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            v = Path(f).read_text().strip()
+        except OSError:
+            continue
+        if v.isdigit():
+            limits.append(int(v))
+    limits = [v for v in limits if v > 0]
+    return min(limits) if limits else None
 
 
 def write_atomic(path: str | os.PathLike, arrays: dict[str, mx.array], metadata: dict[str, str]) -> None:
