@@ -289,6 +289,9 @@ class ChatREPL:
             self._emit("\n")
             self.error(e)
             return
+        if result.stats.finish_reason == "cancelled":
+            self.note("[cancelled before the reply started; your message was not sent]")
+            return
         self._emit("\n")
         if result.stats.finish_reason == "interrupted":
             self.note("[stopped]")

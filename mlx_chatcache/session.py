@@ -85,6 +85,7 @@ from .generate import (
     common_prefix_len,
     make_kv_quantizer,
     prefill,
+    reuse_prefix,
     stream_generate,
 )
 
@@ -323,6 +324,9 @@ class ChatSession:
         held = self.tokens
         try:
             return self._generate(held, on_text, should_stop)
+        except _Cancelled:  # stopped while reading the prompt: as if never sent
+            self._rewind(self.checkpoints.pop(), held)
+            return TurnResult("", TurnStats(finish_reason="cancelled"))
         except BaseException:  # back to the turn's start (the cache may have been reset)
             self._rewind(self.checkpoints.pop(), held)
             raise
@@ -332,10 +336,14 @@ class ChatSession:
         prompt_text = self.render(self.messages, add_generation_prompt=True)
         prompt_ids, k, n_text = self._split_prompt(prompt_text)
         common = common_prefix_len(self.state.tokens, prompt_ids)  # what the cache could give
-        restored_from = None
+        reused = None
         if k < len(held):
-            restored_from = self._history_rewritten(held, k, prompt_text, n_text)
-        extra_seconds = time.perf_counter() - started
+            reused = self._history_rewritten(prompt_ids, k, prompt_text, n_text, should_stop)
+        trimmed_to = reuse_prefix(self.state, prompt_ids, self.model)
+        reused = trimmed_to if reused is None else reused
+        # feed the prompt here, chunk by chunk, so that a stop request is honoured
+        # between chunks; the generate loop then feeds only the last prompt token
+        self._feed(prompt_ids, len(prompt_ids) - 1, should_stop)
         eos = set(self.tokenizer.eos_token_ids)
         reply_tokens: list[int] = []
         pieces: list[str] = []
@@ -344,6 +352,8 @@ class ChatSession:
         gen = stream_generate(self.model, self.tokenizer, prompt_ids, state=self.state, config=self._call_config())
         try:
             for r in gen:
+                if last is None:
+                    ttft = time.perf_counter() - started
                 last = r
                 reply_tokens.append(r.token)
                 if r.text:
@@ -372,15 +382,14 @@ class ChatSession:
             self.pending, self.text = [], ""
             self.checkpoints.clear()
         self.messages.append({"role": "assistant", "content": reply})
-        reused = last.reused_tokens if restored_from is None else restored_from
         stats = TurnStats(
-            prompt_tokens=last.prompt_tokens,
+            prompt_tokens=len(prompt_ids),
             reused_tokens=reused,
-            new_tokens=last.prompt_tokens - reused,
+            new_tokens=len(prompt_ids) - reused,
             recomputed_tokens=max(0, common - reused),
             generated_tokens=len(reply_tokens),
-            ttft=last.ttft + extra_seconds,
-            prompt_tps=last.prompt_tps if restored_from is None else (last.prompt_tokens - reused) / max(last.ttft + extra_seconds, 1e-9),
+            ttft=ttft,
+            prompt_tps=(len(prompt_ids) - reused) / max(ttft, 1e-9),
             generation_tps=last.generation_tps,
             peak_memory=last.peak_memory,
             finish_reason="interrupted" if interrupted else (last.finish_reason or "length"),
@@ -414,19 +423,20 @@ class ChatSession:
         back to ``state_len``; ``state.tokens = tokens[:state_len]``. Returns
         False, changing nothing, when the trimmed layers cannot get there."""
         cache = self.state.cache
-        excess = len(self.state.tokens) - state_len
         plain = [c for c, x in zip(cache, snap) if x is None]
         if len(snap) != len(cache):
             return False
+        # each plain layer trims back on its own (after an interrupted model call
+        # they may hold different counts); a reset cache holds too few
         if plain and not (
-            excess >= 0
+            len(self.state.tokens) >= state_len
             and self.state.tokens[:state_len] == tokens[:state_len]
-            and all(c.is_trimmable() and c.offset == len(self.state.tokens) for c in plain)
+            and all(c.is_trimmable() and c.offset >= state_len for c in plain)
         ):
             return False
         for i, x in enumerate(snap):
             if x is None:
-                cache[i].trim(excess)
+                cache[i].trim(cache[i].offset - state_len)
             else:
                 cache[i] = _copy_layer(x)
         mx.eval([c.state for c in cache])
@@ -443,13 +453,16 @@ class ChatSession:
         if self.max_checkpoints == 0:
             self.checkpoints[-1].cache = None
 
-    def _history_rewritten(self, held: list[int], k: int, prompt_text: str, n_text: int) -> int | None:
+    def _history_rewritten(
+        self, prompt_ids: list[int], k: int, prompt_text: str, n_text: int, should_stop: StopCheck | None
+    ) -> int | None:
         """The template changed history from held token ``k`` on (e.g. it drops
-        an earlier reply's reasoning). Keep the checkpoints inside the kept
-        prefix. An untrimmable cache restarts from the latest copy among them
-        and is fed the held tokens up to ``k`` (all but the last), then copied
-        again, so this turn keeps a checkpoint too. Returns the tokens reused
-        from that copy (None when the cache is left to ``reuse_prefix``)."""
+        an earlier reply's reasoning); ``prompt_ids[:k]`` are the held tokens
+        kept. Keep the checkpoints inside that prefix. An untrimmable cache
+        restarts from the latest copy among them and is fed up to ``k`` (all
+        but the last), then copied again, so this turn keeps a checkpoint too.
+        Returns the tokens reused from that copy (None when the cache is left
+        to ``reuse_prefix``)."""
         turn = self.checkpoints.pop()  # this turn's: its lengths no longer apply
         kept = [c for c in self.checkpoints if c.n_tokens <= k and prompt_text.startswith(self.text[: c.n_text])]
         self.checkpoints[:] = kept
@@ -457,24 +470,30 @@ class ChatSession:
         restored = None
         if len(self.state.tokens) > k and not can_trim_prompt_cache(self.state.cache):
             for c in reversed(kept):
-                if c.cache is not None and self._restore(c.cache, c.state_len, held):
+                if c.cache is not None and self._restore(c.cache, c.state_len, prompt_ids):
                     restored = c
                     break
         if restored is None:
             self.checkpoints.append(Checkpoint(turn.n_messages, k, min(k, len(self.state.tokens)), n_text, None))
             return None
-        try:
-            rest = prefill(
-                self.model, self.state.cache, held[restored.state_len : k], self.config.prefill_step_size,
-                kv_quantizer=make_kv_quantizer(self.config),
-            )  # fmt: skip
-        except BaseException:
-            self.state.reset(self.model)
-            self.checkpoints.append(Checkpoint(turn.n_messages, k, 0, n_text, None))
-            raise
-        self.state.tokens[:] = held[: k - len(rest)]
-        self.checkpoints.append(Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, self._snapshot()))
+        self.checkpoints.append(Checkpoint(turn.n_messages, k, restored.state_len, n_text, restored.cache))
+        self._feed(prompt_ids, k - 1, should_stop)
+        self.checkpoints[-1] = Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, self._snapshot())
         return restored.state_len
+
+    def _feed(self, ids: list[int], upto: int, should_stop: StopCheck | None) -> None:
+        """Feed ``ids[len(state.tokens):upto]`` in ``prefill_step_size`` chunks,
+        recording them in ``state.tokens``; raise _Cancelled if ``should_stop``
+        says so between chunks."""
+        step = self.config.prefill_step_size
+        quantizer = make_kv_quantizer(self.config)
+        while len(self.state.tokens) < upto:
+            if should_stop is not None and should_stop():
+                raise _Cancelled
+            a = len(self.state.tokens)
+            b = min(a + step, upto)
+            prefill(self.model, self.state.cache, ids[a : b + 1], step, kv_quantizer=quantizer)  # feeds ids[a:b]
+            self.state.tokens.extend(ids[a:b])
 
     # ------------------------------------------------------------ rollback
     def _rewind(self, ck: Checkpoint, tokens: list[int] | None = None) -> RollbackResult:
@@ -786,6 +805,10 @@ class SessionLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class _Cancelled(Exception):
+    """A stop request arrived before the first reply token."""
 
 
 def _always_trimmable(c: BaseCache) -> bool:

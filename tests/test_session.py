@@ -113,6 +113,39 @@ def test_interrupted_reply_keeps_partial_text_and_cache(llama_model):
     assert nxt.stats.reused_tokens == held and nxt.stats.recomputed_tokens == 0
 
 
+def stop_after(n: int, exc: type[BaseException] | None = None):
+    """A ``should_stop`` that answers True (or raises ``exc``) from its n-th call on."""
+    calls = []
+
+    def check() -> bool:
+        calls.append(1)
+        if len(calls) >= n and exc is not None:
+            raise exc
+        return len(calls) >= n
+
+    return check
+
+
+@pytest.mark.parametrize("exc", [None, KeyboardInterrupt], ids=["stop", "second-ctrl-c"])
+def test_stop_while_reading_the_prompt_cancels_the_turn(exc, tiny_model):
+    kind, model, tokenizer = tiny_model
+    s = new_session(model, tokenizer, prefill_step_size=4)
+    s.ask(QUESTIONS[0])
+    before = (list(s.messages), s.tokens, s.text, s.cached_tokens)
+    if exc is None:
+        r = s.ask(QUESTIONS[1], should_stop=stop_after(3))  # during the 3rd of ~7 chunks
+        assert r.stats.finish_reason == "cancelled" and r.text == ""
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            s.ask(QUESTIONS[1], should_stop=stop_after(3, exc))
+    assert (s.messages, s.tokens, s.text, s.cached_tokens) == before
+    r = s.ask(QUESTIONS[1])
+    assert r.stats.reused_tokens == before[3] and r.stats.recomputed_tokens == 0
+    ref = new_session(model, tokenizer, prefill_step_size=4)
+    ref.ask(QUESTIONS[0])
+    assert ref.ask(QUESTIONS[1]).text == r.text
+
+
 def test_failed_turn_rolls_back(llama_model):
     model, tokenizer = llama_model
     s = new_session(model, tokenizer)
