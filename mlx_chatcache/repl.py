@@ -39,7 +39,8 @@ Commands (anything else is sent to the model):
   /bye, /exit            end the chat (also Ctrl-D)
   /clear                 forget the conversation (the system prompt stays)
   /undo                  remove the last exchange (your message and the reply)
-  /retry                 generate the last reply again
+  /retry                 generate the last reply again (with --seed: seed + number
+                         of retries, so each retry differs yet is reproducible)
   /system [TEXT]         show or set the system prompt (empty quotes \"\" removes it)
   /set NAME VALUE        change a setting: temp, top_p, top_k, min_p, max_tokens,
                          seed (or 'none'), repetition_penalty (or 'none')
@@ -50,7 +51,8 @@ Commands (anything else is sent to the model):
   /load FILE             continue the session saved in FILE
   {FENCE}                   start or end a multi-line message
   //text                 send a message that starts with '/'
-Ctrl-C stops a reply; the conversation keeps what was written so far."""
+Ctrl-C stops a reply; the conversation keeps what was written so far. Before
+the reply starts (a long message being read) it cancels the message."""
 
 
 # ------------------------------------------------------------------ input
@@ -233,6 +235,7 @@ class ChatREPL:
         self.model_ref = model_ref
         self.session_label = session_label
         self.failed = False
+        self._emitted = False
 
     # -------------------------------------------------------------- output
     def say(self, text: str = "") -> None:
@@ -248,8 +251,13 @@ class ChatREPL:
         self.note(f"error: {e}")
 
     def _emit(self, text: str) -> None:
+        self._emitted = True
         self.out.write(text)
         self.out.flush()
+
+    def _end_line(self) -> None:
+        if self._emitted:
+            self._emit("\n")
 
     # -------------------------------------------------------------- loop
     def run(self) -> int:
@@ -278,15 +286,16 @@ class ChatREPL:
 
     def turn(self, action: Callable[[Callable[[], bool]], TurnResult]) -> None:
         """Run one generation with Ctrl-C handling, then report and autosave."""
+        self._emitted = False
         try:
             with StopFlag() as stop:
                 result = action(stop)
         except KeyboardInterrupt:
-            self._emit("\n")
+            self._end_line()
             self.note("[reply aborted; the conversation is as before your message]")
             return
         except ChatCacheError as e:
-            self._emit("\n")
+            self._end_line()
             self.error(e)
             return
         if result.stats.finish_reason == "cancelled":
@@ -324,7 +333,6 @@ class ChatREPL:
             self.note(f"[removed the last exchange; {plural(s.num_turns, 'turn')} left{self._how(r)}]")
             self.save()
         elif name == "retry":
-            s._last_exchange()  # fail early with a clear message
             self.turn(lambda stop: s.retry(self._emit, stop))
         elif name == "system":
             if not arg:
