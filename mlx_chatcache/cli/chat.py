@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ..errors import SessionError
+from ..safetensors_file import remove_stale_temp_files
 from ..session import ChatSession, SessionLock, session_path
 from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args
 
@@ -59,19 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if path is None:
         return _chat(args, None, None)
     with SessionLock(path, label):
-        remove_stale_temp_files(path)
+        remove_stale_temp_files(path)  # left by a killed save of this session
         return _chat(args, path, label)
-
-
-def remove_stale_temp_files(path: Path) -> None:
-    """Temp files a killed save left next to ``path`` (the atomic writer's
-    ``.NAME.*.tmp.safetensors``). Only called while holding the session lock,
-    so no save of this session is in progress."""
-    for tmp in path.parent.glob(f".{path.name}.*.tmp.safetensors"):
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
 
 
 def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int:
