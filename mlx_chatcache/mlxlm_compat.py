@@ -27,7 +27,7 @@ import mlx.core as mx
 from .cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 from .cache_base import BaseCache, shown
 from .errors import CacheFormatError, UnsupportedCacheError
-from .safetensors_file import Header
+from .safetensors_file import Header, write_file_atomic
 
 _INDEX = re.compile(r"^\d{1,6}$")
 _MLX_LM_CLASSES = {"KVCache", "RotatingKVCache", "QuantizedKVCache", "ArraysCache",
@@ -260,24 +260,9 @@ def _to_mlx_lm(c: BaseCache):
 
 
 def save_mlx_lm(path, cache, metadata: dict[str, str]) -> None:
-    """Write ``cache`` as mlx-lm 0.32's ``save_prompt_cache`` would, atomically."""
-    import os
-    import shutil
-    import tempfile
-    from pathlib import Path
-
+    """Write ``cache`` as mlx-lm 0.32's ``save_prompt_cache`` would, atomically
+    (same temp file, fsync, rename and stale-temp cleanup as our own files)."""
     from mlx_lm.models.cache import save_prompt_cache as lm_save
 
     lm_cache = [_to_mlx_lm(c) for c in cache]
-    path = Path(path)
-    tmp_dir = tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        tmp = Path(tmp_dir) / "cache.safetensors"
-        lm_save(str(tmp), lm_cache, metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise CacheFormatError(f"could not write {path}: {e.strerror or e}; the previous file is unchanged") from e
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+    write_file_atomic(path, lambda tmp: lm_save(tmp, lm_cache, metadata))

@@ -223,6 +223,13 @@ def memory_limit() -> int | None:
 
 def write_atomic(path: str | os.PathLike, arrays: dict[str, mx.array], metadata: dict[str, str]) -> None:
     """Write a safetensors file atomically (temp file + fsync + rename)."""
+    write_file_atomic(path, lambda tmp: mx.save_safetensors(tmp, arrays, metadata))
+
+
+def write_file_atomic(path: str | os.PathLike, write) -> None:
+    """Atomically replace ``path`` by what ``write(tmp)`` writes to the temp file
+    path ``tmp`` (in the same folder, ending in ``.safetensors``). Errors raise
+    CacheFileError and leave the previous file unchanged."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
@@ -231,7 +238,7 @@ def write_atomic(path: str | os.PathLike, arrays: dict[str, mx.array], metadata:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_HOST}-{os.getpid()}.", suffix=TEMP_SUFFIX, dir=folder)
     os.close(fd)
     try:
-        mx.save_safetensors(tmp, arrays, metadata)
+        write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
