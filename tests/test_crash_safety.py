@@ -238,9 +238,11 @@ def test_enospc_at_fsync_keeps_the_old_file(old_file, monkeypatch):
     assert [p.name for p in old_file.parent.iterdir()] == [old_file.name]
 
 
-def test_real_write_failure_keeps_the_old_file(old_file):
+@pytest.mark.parametrize("fmt", ["mlxcc", "mlx-lm"])
+def test_real_write_failure_keeps_the_old_file(old_file, fmt):
     """A real kernel error mid-write: the file size limit (RLIMIT_FSIZE -> EFBIG)
-    is hit part-way through writing a file larger than the old one."""
+    is hit part-way through writing a file larger than the old one (in both
+    formats we write)."""
     before = old_file.read_bytes()
     code = textwrap.dedent(
         f"""
@@ -254,7 +256,7 @@ def test_real_write_failure_keeps_the_old_file(old_file):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, ({len(before) + 4096}, {len(before) + 4096}))
         try:
-            save_prompt_cache({str(old_file)!r}, [c], tokens=list(range(1024)))
+            save_prompt_cache({str(old_file)!r}, [c], format={fmt!r})
         except CacheFileError as e:
             print(e)
             sys.exit(3)
