@@ -7,6 +7,9 @@ Layers, each usable on its own (lowest first):
 2. :func:`reuse_prefix` reduces a state to the longest part of a new prompt it
    already holds: it trims the rest, or starts a fresh cache when the cache
    cannot be trimmed.
+
+   (1 and 2 live in :mod:`mlx_chatcache.prompt_state`; they are imported here
+   so that ``from mlx_chatcache.generate import PromptCacheState`` keeps working.)
 3. :func:`prefill` feeds all prompt tokens but the last, in chunks.
 4. :func:`decode_one_token` feeds tokens, records them in the state and samples
    the next token.
@@ -56,69 +59,22 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Collection, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 
-from .cache import (
-    BaseCache,
-    cache_offset,
-    can_trim_prompt_cache,
-    make_prompt_cache,
-    quantize_prompt_cache,
-    trim_prompt_cache,
-)
+from .cache import BaseCache, quantize_prompt_cache
 from .config import DEFAULTS, GenerationConfig
-from .errors import CacheFormatError, UsageError
+from .errors import UsageError
+from .prompt_state import PromptCacheState, common_prefix_len, ensure_state, reuse_prefix, trim_state
 from .sample import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens to do)
 KVQuantizer = Callable[[list[BaseCache]], None]
 
 
-# ------------------------------------------------------------------ state
-@dataclass
-class PromptCacheState:
-    """A prompt cache and the exact tokens it has been fed (``len == offset``).
-
-    ``cache`` and ``tokens`` are updated in place by the functions below.
-    ``max_kv_size``/``keep`` record the cache's shape so it can be rebuilt.
-    """
-
-    cache: list[BaseCache]
-    tokens: list[int] = field(default_factory=list)
-    max_kv_size: int | None = None
-    keep: int = DEFAULTS.keep
-
-    @classmethod
-    def new(cls, model, max_kv_size: int | None = None, keep: int | None = None) -> "PromptCacheState":
-        """An empty state for ``model`` (rotating when ``max_kv_size`` is set)."""
-        keep = DEFAULTS.keep if keep is None else keep
-        if max_kv_size is not None and (max_kv_size < 2 or keep < 0):
-            raise UsageError(f"max_kv_size must be >= 2 and keep >= 0, got {max_kv_size} and {keep}")
-        return cls(make_prompt_cache(model, max_kv_size, keep), [], max_kv_size, keep)
-
-    def reset(self, model) -> None:
-        """Drop everything: a fresh empty cache of the same shape."""
-        self.cache[:] = make_prompt_cache(model, self.max_kv_size, self.keep)
-        del self.tokens[:]
-
-
-def ensure_state(model, state: PromptCacheState | None, config: GenerationConfig) -> PromptCacheState:
-    """``state``, or a new one shaped by ``config``; rejects a conflicting shape."""
-    if state is None:
-        return PromptCacheState.new(model, config.max_kv_size, config.keep)
-    wanted = (config.max_kv_size, config.keep)
-    if config.max_kv_size is not None and wanted != (state.max_kv_size, state.keep):
-        raise UsageError(
-            f"the prompt cache was made with max_kv_size={state.max_kv_size}, keep={state.keep} "
-            f"but max_kv_size={config.max_kv_size}, keep={config.keep} was asked; "
-            "use the same values or start a new cache"
-        )
-    return state
-
-
+# ------------------------------------------------------------------ errors
 @contextlib.contextmanager
 def _reset_on_error(state: PromptCacheState, model):
     """Model calls inside leave the state consistent or empty, never half-updated."""
@@ -127,49 +83,6 @@ def _reset_on_error(state: PromptCacheState, model):
     except BaseException:
         state.reset(model)
         raise
-
-
-# ------------------------------------------------------------------ reuse
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def reuse_prefix(state: PromptCacheState, prompt_tokens: Sequence[int], model) -> int:
-    """Make ``state`` hold a prefix of ``prompt_tokens``; return its length.
-
-    The reused prefix is the longest common prefix of ``state.tokens`` and the
-    prompt, capped at ``len(prompt) - 1`` (at least one token must be fed for
-    the model to produce logits). Tokens the cache holds beyond it are trimmed
-    when every layer can be trimmed; otherwise the state is reset (``model``
-    builds the fresh cache) and 0 is returned. Calling it again with the same
-    prompt changes nothing.
-    """
-    if not prompt_tokens:
-        raise UsageError("the prompt is empty; give at least one token")
-    held = len(state.tokens)
-    offset = cache_offset(state.cache)
-    # some mlx-lm models (mamba, rwkv7) never advance their caches' offsets: 0 is not checked
-    if offset != held and offset != 0:
-        raise CacheFormatError(
-            f"the prompt cache has seen {offset} tokens but its token list has {held}; "
-            "the cache is inconsistent: start a new one"
-        )
-    reuse = min(common_prefix_len(state.tokens, prompt_tokens), len(prompt_tokens) - 1)
-    excess = held - reuse
-    if excess == 0:
-        return reuse
-    if can_trim_prompt_cache(state.cache):
-        trim_prompt_cache(state.cache, excess)
-        if cache_offset(state.cache) == reuse:
-            del state.tokens[reuse:]
-            return reuse
-    state.reset(model)
-    return 0
 
 
 # ------------------------------------------------------------------ feeding
@@ -480,6 +393,7 @@ __all__ = [
     "ensure_state",
     "common_prefix_len",
     "reuse_prefix",
+    "trim_state",
     "make_kv_quantizer",
     "forward",
     "prefill",

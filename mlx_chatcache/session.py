@@ -25,17 +25,14 @@ The session's full token sequence is ``state.tokens + pending``.
 
 Undo and retry
 --------------
-At the start of each turn the session records a :class:`Checkpoint` (message
-count, token and text lengths). Rolling back trims the cache when every layer
-can be trimmed. Layers that may not be trimmable back (rotating windows, which
-stop being trimmable once they drop a token, and SSM/convolution
-``ArraysCache`` layers) are copied at the start of each turn and restored from
-that copy, while plain K/V layers are trimmed (so a hybrid model's checkpoint
-holds its small recurrent states, not its K/V). Copies are kept in memory for
-the last ``max_checkpoints`` turns only. Either way no history token is fed again.
-Past those turns (or after loading a session from a file) an untrimmable cache
-cannot be rolled back: the history is then recomputed on the next turn, and
-the session says so.
+At the start of each turn the session records a
+:class:`~mlx_chatcache.checkpoints.Checkpoint` (message count, token and text
+lengths, and copies of the layers that may not trim back); undo, retry and a
+failed or cancelled turn roll back to it without feeding a history token
+again (see :mod:`mlx_chatcache.checkpoints`). Copies are kept in memory for the
+last ``max_checkpoints`` turns only. Past those turns (or after loading a
+session from a file) an untrimmable cache cannot be rolled back: the history
+is then recomputed on the next turn, and the session says so.
 
 Bounded memory
 --------------
@@ -63,19 +60,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-import mlx.core as mx
-
-from .cache import (
-    BaseCache,
-    CacheList,
-    KVCache,
-    QuantizedKVCache,
-    cache_offset,
-    can_trim_prompt_cache,
-    make_prompt_cache,
-    prompt_cache_nbytes,
-    trim_prompt_cache,
-)
+from .cache import CacheList, can_trim_prompt_cache, make_prompt_cache, prompt_cache_nbytes
+from .checkpoints import Checkpoint, RollbackResult, drop_old_copies, restore, rewind_cache, snapshot
 from .cache_io import check_cache_fits_model, load_prompt_cache, read_cache_info, save_prompt_cache
 from .config import DEFAULTS, GenerationConfig, mlxcc_home
 from .errors import CacheFileError, ModelMismatchError, SessionError, UsageError
@@ -126,40 +112,9 @@ class TurnStats:
 
 
 @dataclass
-class Checkpoint:
-    """The session at the start of a turn (before the user message was added).
-
-    Lengths refer to the session's token sequence and text, which only grow
-    from one turn to the next (checkpoints past a point where history is
-    rewritten are dropped). ``cache``: copies of the layers that may not trim back to this
-    point (None entries for plain K/V layers), or None when every layer can.
-    """
-
-    n_messages: int
-    n_tokens: int  # len(state.tokens + pending)
-    state_len: int  # len(state.tokens)
-    n_text: int
-    cache: list[BaseCache | None] | None = None
-
-    def to_json(self) -> list[int]:
-        return [self.n_messages, self.n_tokens, self.state_len, self.n_text]
-
-
-@dataclass
 class TurnResult:
     text: str
     stats: TurnStats
-
-
-@dataclass
-class RollbackResult:
-    """What undo/retry did to the cache: ``how`` is "trim", "checkpoint",
-    "rerender" (no checkpoint: the next turn re-encodes the conversation and
-    reuses the common prefix) or "recompute" (the cache could not be rolled
-    back: ``recompute_tokens`` of history are fed again next turn)."""
-
-    how: str
-    recompute_tokens: int = 0
 
 
 class ChatSession:
@@ -407,51 +362,12 @@ class ChatSession:
             setattr(t, name, getattr(t, name) + getattr(s, name))
         t.peak_memory = max(t.peak_memory, s.peak_memory)
 
-    def _snapshot(self) -> list[BaseCache | None] | None:
-        """Copies of the layers that might not trim back to this point (None
-        entries for plain K/V layers, which always can); None when all are plain.
-        So a hybrid model's checkpoint holds its small SSM states, not its K/V."""
-        layers = self.state.cache
-        if all(_always_trimmable(c) for c in layers):
-            return None
-        snap = [None if _always_trimmable(c) else _copy_layer(c) for c in layers]
-        mx.eval([c.state for c in snap if c is not None])
-        return snap
-
-    def _restore(self, snap: list[BaseCache | None], state_len: int, tokens: list[int]) -> bool:
-        """Layers copied from ``snap`` (which stays valid), the others trimmed
-        back to ``state_len``; ``state.tokens = tokens[:state_len]``. Returns
-        False, changing nothing, when the trimmed layers cannot get there."""
-        cache = self.state.cache
-        plain = [c for c, x in zip(cache, snap) if x is None]
-        if len(snap) != len(cache):
-            return False
-        # each plain layer trims back on its own (after an interrupted model call
-        # they may hold different counts); a reset cache holds too few
-        if plain and not (
-            len(self.state.tokens) >= state_len
-            and self.state.tokens[:state_len] == tokens[:state_len]
-            and all(c.is_trimmable() and c.offset >= state_len for c in plain)
-        ):
-            return False
-        for i, x in enumerate(snap):
-            if x is None:
-                cache[i].trim(cache[i].offset - state_len)
-            else:
-                cache[i] = _copy_layer(x)
-        mx.eval([c.state for c in cache])
-        self.state.tokens[:] = tokens[:state_len]
-        return True
-
     def _push_checkpoint(self) -> None:
         self.checkpoints.append(
-            Checkpoint(len(self.messages), len(self.tokens), len(self.state.tokens), len(self.text), self._snapshot())
-        )
-        # bounded memory: cache copies only for the last few turns
-        for ck in self.checkpoints[: -self.max_checkpoints or None]:
-            ck.cache = None
-        if self.max_checkpoints == 0:
-            self.checkpoints[-1].cache = None
+            Checkpoint(len(self.messages), len(self.tokens), len(self.state.tokens), len(self.text),
+                       snapshot(self.state.cache))
+        )  # fmt: skip
+        drop_old_copies(self.checkpoints, self.max_checkpoints)
 
     def _history_rewritten(
         self, prompt_ids: list[int], k: int, prompt_text: str, n_text: int, should_stop: StopCheck | None
@@ -470,7 +386,7 @@ class ChatSession:
         restored = None
         if len(self.state.tokens) > k and not can_trim_prompt_cache(self.state.cache):
             for c in reversed(kept):
-                if c.cache is not None and self._restore(c.cache, c.state_len, prompt_ids):
+                if c.cache is not None and restore(self.state, c.cache, c.state_len, prompt_ids):
                     restored = c
                     break
         if restored is None:
@@ -478,7 +394,7 @@ class ChatSession:
             return None
         self.checkpoints.append(Checkpoint(turn.n_messages, k, restored.state_len, n_text, restored.cache))
         self._feed(prompt_ids, k - 1, should_stop)
-        self.checkpoints[-1] = Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, self._snapshot())
+        self.checkpoints[-1] = Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, snapshot(self.state.cache))
         return restored.state_len
 
     def _feed(self, ids: list[int], upto: int, should_stop: StopCheck | None) -> None:
@@ -503,24 +419,15 @@ class ChatSession:
         tokens = self.tokens if tokens is None else tokens
         del self.messages[ck.n_messages:]
         self.text = self.text[: ck.n_text]
-        target = tokens[: ck.state_len]
         self.pending = tokens[ck.state_len : ck.n_tokens]
-        excess = len(self.state.tokens) - ck.state_len
-        if excess >= 0 and self.state.tokens[: ck.state_len] == target:
-            if excess == 0:
-                return RollbackResult("trim")
-            if can_trim_prompt_cache(self.state.cache):
-                trim_prompt_cache(self.state.cache, excess)
-                if cache_offset(self.state.cache) == ck.state_len:
-                    del self.state.tokens[ck.state_len:]
-                    return RollbackResult("trim")
-        if ck.cache is not None and self._restore(ck.cache, ck.state_len, tokens):
-            return RollbackResult("checkpoint")
+        how = rewind_cache(self.state, ck, tokens)
+        if how is not None:
+            return RollbackResult(how)
         # cannot roll back: start a fresh cache; the next turn feeds the history again
         self.state.reset(self.model)
         self.pending, self.text = [], ""
         self.checkpoints.clear()
-        return RollbackResult("recompute", len(target))
+        return RollbackResult("recompute", len(tokens[: ck.state_len]))
 
     def _last_exchange(self) -> int:
         """Index of the last user message (SessionError if there is none)."""
@@ -809,16 +716,6 @@ class SessionLock:
 
 class _Cancelled(Exception):
     """A stop request arrived before the first reply token."""
-
-
-def _always_trimmable(c: BaseCache) -> bool:
-    if isinstance(c, CacheList):
-        return all(_always_trimmable(x) for x in c.caches)
-    return type(c) in (KVCache, QuantizedKVCache)
-
-
-def _copy_layer(c: BaseCache) -> BaseCache:
-    return type(c).from_state(c.state, c.meta_state)
 
 
 def _is_int(v) -> bool:

@@ -1,0 +1,122 @@
+"""A prompt cache together with the exact token ids it has been fed.
+
+Contract: a :class:`PromptCacheState` pairs ``cache`` (one cache per layer)
+with ``tokens``, the ids that cache has been fed, in order, so
+``len(tokens)`` equals the cache offset; ``max_kv_size``/``keep`` record the
+cache's shape (a rotating window pinning its first ``keep`` tokens) so an
+empty cache of the same shape can be rebuilt. The functions here keep that
+pairing when a state is reused for a new prompt: :func:`reuse_prefix` reduces
+a state to the longest part of a prompt it already holds, :func:`trim_state`
+trims it back to a given length when every layer can be trimmed. Feeding and
+sampling live in :mod:`mlx_chatcache.generate`. All defaults come from
+:data:`~mlx_chatcache.config.DEFAULTS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .cache import BaseCache, cache_offset, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from .config import DEFAULTS, GenerationConfig
+from .errors import CacheFormatError, UsageError
+
+
+# ------------------------------------------------------------------ state
+@dataclass
+class PromptCacheState:
+    """A prompt cache and the exact tokens it has been fed (``len == offset``).
+
+    ``cache`` and ``tokens`` are updated in place by the functions below.
+    ``max_kv_size``/``keep`` record the cache's shape so it can be rebuilt.
+    """
+
+    cache: list[BaseCache]
+    tokens: list[int] = field(default_factory=list)
+    max_kv_size: int | None = None
+    keep: int = DEFAULTS.keep
+
+    @classmethod
+    def new(cls, model, max_kv_size: int | None = None, keep: int | None = None) -> "PromptCacheState":
+        """An empty state for ``model`` (rotating when ``max_kv_size`` is set)."""
+        keep = DEFAULTS.keep if keep is None else keep
+        if max_kv_size is not None and (max_kv_size < 2 or keep < 0):
+            raise UsageError(f"max_kv_size must be >= 2 and keep >= 0, got {max_kv_size} and {keep}")
+        return cls(make_prompt_cache(model, max_kv_size, keep), [], max_kv_size, keep)
+
+    def reset(self, model) -> None:
+        """Drop everything: a fresh empty cache of the same shape."""
+        self.cache[:] = make_prompt_cache(model, self.max_kv_size, self.keep)
+        del self.tokens[:]
+
+
+def ensure_state(model, state: PromptCacheState | None, config: GenerationConfig) -> PromptCacheState:
+    """``state``, or a new one shaped by ``config``; rejects a conflicting shape."""
+    if state is None:
+        return PromptCacheState.new(model, config.max_kv_size, config.keep)
+    wanted = (config.max_kv_size, config.keep)
+    if config.max_kv_size is not None and wanted != (state.max_kv_size, state.keep):
+        raise UsageError(
+            f"the prompt cache was made with max_kv_size={state.max_kv_size}, keep={state.keep} "
+            f"but max_kv_size={config.max_kv_size}, keep={config.keep} was asked; "
+            "use the same values or start a new cache"
+        )
+    return state
+
+
+# ------------------------------------------------------------------ reuse
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def reuse_prefix(state: PromptCacheState, prompt_tokens: Sequence[int], model) -> int:
+    """Make ``state`` hold a prefix of ``prompt_tokens``; return its length.
+
+    The reused prefix is the longest common prefix of ``state.tokens`` and the
+    prompt, capped at ``len(prompt) - 1`` (at least one token must be fed for
+    the model to produce logits). Tokens the cache holds beyond it are trimmed
+    when every layer can be trimmed; otherwise the state is reset (``model``
+    builds the fresh cache) and 0 is returned. Calling it again with the same
+    prompt changes nothing.
+    """
+    if not prompt_tokens:
+        raise UsageError("the prompt is empty; give at least one token")
+    held = len(state.tokens)
+    offset = cache_offset(state.cache)
+    # some mlx-lm models (mamba, rwkv7) never advance their caches' offsets: 0 is not checked
+    if offset != held and offset != 0:
+        raise CacheFormatError(
+            f"the prompt cache has seen {offset} tokens but its token list has {held}; "
+            "the cache is inconsistent: start a new one"
+        )
+    reuse = min(common_prefix_len(state.tokens, prompt_tokens), len(prompt_tokens) - 1)
+    if trim_state(state, reuse):
+        return reuse
+    state.reset(model)
+    return 0
+
+
+def trim_state(state: PromptCacheState, n: int) -> bool:
+    """Trim ``state`` back to its first ``n`` tokens (``n <= len(state.tokens)``).
+
+    Returns False when trimming cannot get there (a layer that cannot be
+    trimmed, or one left holding another count); trimmable layers may then
+    have been trimmed, so the caller must restore or reset the state.
+    """
+    excess = len(state.tokens) - n
+    if excess == 0:
+        return True
+    if can_trim_prompt_cache(state.cache):
+        trim_prompt_cache(state.cache, excess)
+        if cache_offset(state.cache) == n:
+            del state.tokens[n:]
+            return True
+    return False
+
+
+__all__ = ["PromptCacheState", "ensure_state", "common_prefix_len", "reuse_prefix", "trim_state"]
