@@ -130,13 +130,15 @@ def load_prompt_cache(
     return_metadata: bool = False,
     *,
     model: ModelFingerprint | None = None,
+    what: str = "cache file",
 ):
     """Load a cache file (ours or mlx-lm's). With ``model``, refuse a file made
-    for another model. Returns the cache, or ``(cache, CacheFileInfo)``."""
+    for another model (before reading its arrays; ``what`` names the file in the
+    ModelMismatchError). Returns the cache, or ``(cache, CacheFileInfo)``."""
     header = read_header(path)
     info = _info_from_header(header)
     if model is not None:
-        model.check(info.model, what="cache file")
+        model.check(info.model, what=what)
     try:
         if info.layout == "mlxcc":
             cache = _build_layers(header, info)

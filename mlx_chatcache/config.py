@@ -1,4 +1,5 @@
-"""Every default of mlx_chatcache, in one dataclass.
+"""Every default of mlx_chatcache: generation settings in one dataclass, and
+the one default of a chat session that is not a generation setting.
 
 Library functions take ``None`` for "use the default" and read it from
 :data:`DEFAULTS`; the CLI builds its flag defaults from the same object.
@@ -38,6 +39,8 @@ class GenerationConfig:
 
 
 DEFAULTS = GenerationConfig()
+
+DEFAULT_MAX_CHECKPOINTS = 4  # chat turns whose cache copies are kept for undo/retry (ChatSession)
 
 
 def mlxcc_home() -> Path:

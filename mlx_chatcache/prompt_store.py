@@ -3,9 +3,11 @@
 A :class:`StoredPrompt` pairs a :class:`PromptCacheState` (cache + token ids)
 with either the chat ``messages`` it holds or the raw ``text`` (caches made
 without a chat template). ``load_stored_prompt`` refuses files made for another
-model and files that cannot tell which tokens they hold; ``save_stored_prompt``
-writes everything atomically. ``render_chat`` turns messages into token ids
-with the tokenizer's chat template.
+model and files that cannot tell which tokens they hold (``state_for_model``,
+also used for chat session files, refuses a cache whose layers the model does
+not make); ``save_stored_prompt`` writes everything atomically.
+``render_chat`` turns messages into token ids with the tokenizer's chat
+template.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from .cache import cache_offset, make_prompt_cache
 from .cache_io import check_cache_fits_model, load_prompt_cache, save_prompt_cache
 from .config import DEFAULTS
 from .errors import CacheFormatError, UsageError
-from .generate import PromptCacheState, prefill
+from .generate import prefill
+from .prompt_state import PromptCacheState
 
 
 @dataclass
@@ -56,9 +59,15 @@ def load_stored_prompt(path, model) -> StoredPrompt:
     max_kv_size, keep = settings.get("max_kv_size"), settings.get("keep", DEFAULTS.keep)
     if max_kv_size is not None and (type(max_kv_size) is not int or type(keep) is not int):
         raise CacheFormatError(f"{path}: settings max_kv_size/keep are not integers; the file is damaged")
-    check_cache_fits_model(cache, make_prompt_cache(model, max_kv_size, keep), path)
-    state = PromptCacheState(cache, list(info.tokens), max_kv_size, keep)
+    state = state_for_model(model, cache, info.tokens, max_kv_size, keep, path)
     return StoredPrompt(state, info.messages, info.text, settings)
+
+
+def state_for_model(model, cache, tokens, max_kv_size: int | None, keep: int, path) -> PromptCacheState:
+    """A cache loaded from ``path`` and its ``tokens`` as a state of the given
+    shape; ModelMismatchError when its layers are not the kinds ``model`` makes."""
+    check_cache_fits_model(cache, make_prompt_cache(model, max_kv_size, keep), path)
+    return PromptCacheState(cache, list(tokens), max_kv_size, keep)
 
 
 def save_stored_prompt(path, model, stored: StoredPrompt, metadata: dict | None = None) -> None:

@@ -17,7 +17,8 @@ from mlx_chatcache.cache_io import read_cache_info, save_prompt_cache as save_ca
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import ModelMismatchError, SessionError, UsageError
 from mlx_chatcache.generate import stream_generate
-from mlx_chatcache.session import ChatSession, SessionLock, session_path
+from mlx_chatcache.session import ChatSession
+from mlx_chatcache.session_store import SessionLock, session_path
 
 CFG = DEFAULTS.updated(max_tokens=8)
 SYSTEM = "Keep your answers short."

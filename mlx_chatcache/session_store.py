@@ -1,0 +1,290 @@
+"""Chat session files, session names and the one-process-per-session lock.
+
+Files
+-----
+A session file is one cache file (see ``docs/cache-format.md``), written
+atomically by :func:`~mlx_chatcache.cache_io.save_prompt_cache`: the cache,
+its token ids, the messages, the model fingerprint and, in the user metadata
+key ``session``, a JSON object with the settings and the bookkeeping of a
+:class:`~mlx_chatcache.session.ChatSession` (a :class:`SessionRecord`).
+:func:`save_session` writes a record (a previous file survives any failure);
+:func:`load_session` reads one back for a model and refuses, in one line each:
+a missing file and a cache file that is not a session or uses a newer session
+format (:class:`SessionError`), a file made with another model
+(:class:`ModelMismatchError`), damaged session metadata
+(:class:`CacheFileError`).
+
+Names and locks
+---------------
+:func:`session_path` maps a session name to
+``mlxcc_home()/sessions/NAME.safetensors`` and refuses names that could leave
+that folder. :class:`SessionLock` lets one process at a time hold a session
+(an exclusive ``flock`` on ``NAME.lock``, dropped by the OS when the process
+dies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cache_io import load_prompt_cache, save_prompt_cache
+from .checkpoints import Checkpoint
+from .config import DEFAULTS, GenerationConfig, mlxcc_home
+from .errors import CacheFileError, ModelMismatchError, SessionError
+from .fingerprint import ModelFingerprint
+from .prompt_state import PromptCacheState
+from .prompt_store import state_for_model
+
+SESSION_FORMAT = 1
+SESSION_KEY = "session"  # user metadata key holding the session JSON
+
+
+@dataclass
+class SessionRecord:
+    """What a session file holds besides the model (see the module doc)."""
+
+    state: PromptCacheState
+    messages: list[dict]
+    config: GenerationConfig
+    pending: list[int]  # the last reply token, fed first next turn
+    text: str  # every prompt and reply so far, exactly as fed or generated
+    checkpoints: list[Checkpoint]  # saved without their cache copies
+    attempt: int  # retries of the last turn
+
+
+# ------------------------------------------------------------------ save
+def session_metadata(record: SessionRecord) -> dict:
+    """The JSON object stored under the ``session`` metadata key."""
+    return {
+        "format": SESSION_FORMAT,
+        "settings": dataclasses.asdict(record.config),
+        "max_kv_size": record.state.max_kv_size,
+        "keep": record.state.keep,
+        "pending": list(record.pending),
+        "text": record.text,
+        "checkpoints": [c.to_json() for c in record.checkpoints],
+        "attempt": record.attempt,
+    }
+
+
+def save_session(path: str | os.PathLike, record: SessionRecord, fingerprint: ModelFingerprint | None) -> None:
+    """Write ``record`` to ``path`` atomically."""
+    save_prompt_cache(
+        path,
+        record.state.cache,
+        tokens=record.state.tokens,
+        model=fingerprint,
+        messages=record.messages,
+        metadata={SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)},
+    )
+
+
+# ------------------------------------------------------------------ load
+def load_session(path: str | os.PathLike, model, overrides: dict | None = None) -> SessionRecord:
+    """The session saved at ``path``, for ``model``; ``overrides`` change sampling
+    settings (a different ``max_kv_size`` is refused: the cache shape is fixed)."""
+    if not os.path.isfile(path):
+        raise SessionError(f"session file not found: {path}")
+    try:
+        cache, info = load_prompt_cache(
+            path, return_metadata=True, model=getattr(model, "fingerprint", None), what="session"
+        )
+    except ModelMismatchError as e:
+        raise ModelMismatchError(f"{path}: {e}") from None
+    raw = info.metadata.get(SESSION_KEY)
+    if raw is None or info.messages is None or info.tokens is None:
+        raise SessionError(
+            f"{path} is a cache file but not a chat session (no messages or session "
+            "settings); use it with 'mlxcc generate --prompt-cache' instead"
+        )
+    meta = _parse_session_json(path, raw)
+    config = _parse_config(path, meta.get("settings"))
+    max_kv, keep = _parse_window(path, meta)
+    state = state_for_model(model, cache, info.tokens, max_kv, keep, path)
+    config = _with_overrides(path, dataclasses.replace(config, max_kv_size=max_kv, keep=keep), overrides)
+    pending, text = _parse_text(path, meta)
+    checkpoints = _parse_checkpoints(path, meta)
+    attempt = meta.get("attempt", 0)
+    return SessionRecord(state, info.messages, config, pending, text, checkpoints, attempt if _is_int(attempt) else 0)
+
+
+def _parse_session_json(path, raw: str) -> dict:
+    try:
+        meta = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        meta = None
+    if not isinstance(meta, dict):
+        raise CacheFileError(f"{path}: session settings are not a JSON object; the file is damaged")
+    version = meta.get("format")
+    if not _is_int(version) or version > SESSION_FORMAT:
+        raise SessionError(
+            f"{path} uses session format {version!r}; this mlx_chatcache understands "
+            f"{SESSION_FORMAT}: upgrade mlx_chatcache"
+        )
+    return meta
+
+
+def _parse_config(path, raw) -> GenerationConfig:
+    if not isinstance(raw, dict):
+        raise CacheFileError(f"{path}: session settings are missing; the file is damaged")
+    fields = {f.name: f for f in dataclasses.fields(GenerationConfig)}
+    values = {}
+    for k, v in raw.items():
+        if k not in fields:
+            continue  # a setting from a newer version: ignore it
+        default = getattr(DEFAULTS, k)
+        ok = v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not ok or (v is None and default is not None and k not in ("seed",)):
+            raise CacheFileError(f"{path}: session setting {k}={v!r} is invalid; the file is damaged")
+        if isinstance(default, int) and not isinstance(default, bool) and isinstance(v, float):
+            raise CacheFileError(f"{path}: session setting {k}={v!r} is invalid; the file is damaged")
+        values[k] = v
+    return dataclasses.replace(DEFAULTS, **values)
+
+
+def _parse_window(path, meta: dict) -> tuple[int | None, int]:
+    max_kv = meta.get("max_kv_size")
+    keep = meta.get("keep", DEFAULTS.keep)
+    if not (max_kv is None or _is_int(max_kv)) or not _is_int(keep):
+        raise CacheFileError(f"{path}: session window settings are malformed; the file is damaged")
+    return max_kv, keep
+
+
+def _with_overrides(path, config: GenerationConfig, overrides: dict | None) -> GenerationConfig:
+    overrides = dict(overrides or {})
+    want = overrides.pop("max_kv_size", None)
+    if want is not None and want != config.max_kv_size:
+        raise SessionError(
+            f"{path} was made with max_kv_size={config.max_kv_size}; resume it with the same "
+            "--max-kv-size (or none) or start a new session"
+        )
+    overrides.pop("keep", None)
+    return config.updated(**overrides)
+
+
+def _parse_text(path, meta: dict) -> tuple[list[int], str]:
+    pending, text = meta.get("pending", []), meta.get("text", "")
+    if not (isinstance(pending, list) and all(_is_int(t) for t in pending) and isinstance(text, str)):
+        raise CacheFileError(f"{path}: session token bookkeeping is malformed; the file is damaged")
+    return pending, text
+
+
+def _parse_checkpoints(path, meta: dict) -> list[Checkpoint]:
+    checkpoints = []
+    for ck in meta.get("checkpoints", []):
+        if not (isinstance(ck, list) and len(ck) == 4 and all(_is_int(v) for v in ck)):
+            raise CacheFileError(f"{path}: session checkpoints are malformed; the file is damaged")
+        checkpoints.append(Checkpoint(*ck))
+    return checkpoints
+
+
+def _is_int(v) -> bool:
+    return type(v) is int and v >= 0
+
+
+# ------------------------------------------------------------------ names and locks
+MAX_NAME = 100
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+SESSION_SUFFIX = ".safetensors"
+
+
+def sessions_dir() -> Path:
+    return mlxcc_home() / "sessions"
+
+
+def session_path(name: str) -> Path:
+    """``mlxcc_home()/sessions/NAME.safetensors``; SessionError for a name that
+    could leave that folder or is not a plain file name."""
+    shown = repr(name if len(name) <= 40 else name[:40] + "...") if isinstance(name, str) else repr(name)
+    ok = (
+        isinstance(name, str)
+        and 0 < len(name) <= MAX_NAME
+        and set(name) <= _NAME_CHARS
+        and name[0] not in ".-"
+        and ".." not in name
+    )
+    if not ok:
+        raise SessionError(
+            f"invalid session name {shown}: use 1-{MAX_NAME} letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (or --session-file PATH for a file elsewhere)"
+        )
+    return sessions_dir() / f"{name}{SESSION_SUFFIX}"
+
+
+def lock_path_for(path: Path) -> Path:
+    path = Path(path)
+    if path.suffix == SESSION_SUFFIX:
+        return path.with_suffix(".lock")
+    return path.with_name(path.name + ".lock")
+
+
+class SessionLock:
+    """An exclusive, non-blocking lock on a session (``flock`` on ``NAME.lock``).
+
+    Held from ``acquire()`` (or ``with``) until ``release()``; the OS drops it
+    when the process dies, so a crashed chat never leaves a session locked.
+    """
+
+    def __init__(self, path: Path, label: str | None = None):
+        self.path = lock_path_for(path)
+        self.label = label or str(path)
+        self._fd: int | None = None
+
+    def acquire(self) -> "SessionLock":
+        import fcntl
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise SessionError(f"cannot create the lock file {self.path}: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.read(fd, 32).decode("ascii", "replace").strip()
+            except OSError:
+                holder = ""
+            os.close(fd)
+            who = f" (pid {holder})" if holder.isdigit() else ""
+            raise SessionError(
+                f"session {self.label} is already open in another mlxcc process{who}; "
+                "close that chat first or use another session name"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            import fcntl
+
+            try:
+                os.ftruncate(self._fd, 0)
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._fd)
+                self._fd = None
+
+    def __enter__(self) -> "SessionLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+__all__ = [
+    "SessionRecord",
+    "session_metadata",
+    "save_session",
+    "load_session",
+    "SessionLock",
+    "session_path",
+    "sessions_dir",
+    "lock_path_for",
+]
