@@ -7,7 +7,7 @@ model and files that cannot tell which tokens they hold (``state_for_model``,
 also used for chat session files, refuses a cache whose layers the model does
 not make); ``save_stored_prompt`` writes everything atomically.
 ``render_chat`` turns messages into token ids with the tokenizer's chat
-template.
+template (``chat_text`` then ``encode_text``, which chat sessions use too).
 """
 
 from __future__ import annotations
@@ -39,11 +39,25 @@ class StoredPrompt:
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
                 template_kwargs: dict | None = None) -> list[int]:
     """Token ids of ``messages`` rendered with the tokenizer's chat template."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         raise UsageError("this model's tokenizer has no chat template; pass --ignore-chat-template")
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+    text = chat_text(tokenizer, messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
+    return encode_text(tokenizer, text)
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def chat_text(tokenizer, messages, *, add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
+    """``messages`` rendered with the tokenizer's chat template, as text (template errors propagate)."""
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
     )
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of rendered text: the template writes any special tokens itself."""
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

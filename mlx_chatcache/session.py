@@ -63,6 +63,7 @@ from .config import DEFAULT_MAX_CHECKPOINTS, DEFAULTS, GenerationConfig
 from .errors import SessionError, UsageError
 from .generate import as_tokenizer_wrapper, make_kv_quantizer, prefill, stream_generate
 from .prompt_state import PromptCacheState, common_prefix_len, reuse_prefix
+from .prompt_store import chat_text, encode_text, has_chat_template
 from .session_store import SessionRecord, load_session, save_session, session_metadata
 
 MIN_WINDOW = 8  # tokens a rotating window must hold beyond the pinned system prompt
@@ -162,7 +163,7 @@ class ChatSession:
 
     # ------------------------------------------------------------ template
     def _check_template(self) -> None:
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not has_chat_template(self.tokenizer):
             raise SessionError(
                 "this model's tokenizer has no chat template, so it cannot chat; "
                 "use an instruction-tuned model (or 'mlxcc generate' for plain text)"
@@ -170,14 +171,12 @@ class ChatSession:
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         try:
-            return self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
-            )
+            return chat_text(self.tokenizer, messages, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja errors: a template that rejects this conversation
             raise SessionError(f"the chat template failed on this conversation: {type(e).__name__}: {e}") from e
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_text(self.tokenizer, text)
 
     def pinned_tokens(self) -> int:
         """Tokens a rotating window pins: the rendered system prompt (see module doc)."""
@@ -384,7 +383,8 @@ class ChatSession:
             return None
         self.checkpoints.append(Checkpoint(turn.n_messages, k, restored.state_len, n_text, restored.cache))
         self._feed(prompt_ids, k - 1, should_stop)
-        self.checkpoints[-1] = Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, snapshot(self.state.cache))
+        copies = snapshot(self.state.cache)
+        self.checkpoints[-1] = Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, copies)
         return restored.state_len
 
     def _feed(self, ids: list[int], upto: int, should_stop: StopCheck | None) -> None:
