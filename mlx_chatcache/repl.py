@@ -345,7 +345,7 @@ class ChatREPL:
             self.save()
         elif name == "set":
             key, value = parse_setting(arg)
-            s.update_settings(**{key: value})
+            s.update_settings({key: value})
             self.note(f"[{key} = {value}]")
             self.save()
         elif name == "show":

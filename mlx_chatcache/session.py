@@ -1,8 +1,11 @@
 """A multi-turn chat whose history is never fed to the model twice.
 
 :class:`ChatSession` holds the conversation (``messages``), a prompt cache with
-the exact token ids it has been fed (a :class:`~mlx_chatcache.generate.PromptCacheState`),
-the settings (a :class:`GenerationConfig`) and per-turn checkpoints.
+the exact token ids it has been fed (a :class:`~mlx_chatcache.prompt_state.PromptCacheState`),
+the settings (a :class:`GenerationConfig`) and per-turn checkpoints. This
+module decides what each turn feeds and keeps; the model work of a turn
+(feeding and streaming that stop on request, statistics) is in
+:mod:`mlx_chatcache.chat_turn`.
 
 How a turn is built
 -------------------
@@ -54,56 +57,29 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Mapping, Sequence
 
 from .cache import CacheList, can_trim_prompt_cache, prompt_cache_nbytes
+from .chat_turn import (
+    Reply,
+    StopCheck,
+    TextCallback,
+    TurnCancelled,
+    TurnResult,
+    TurnStats,
+    feed_prompt,
+    stream_reply,
+    turn_stats,
+)
 from .checkpoints import Checkpoint, RollbackResult, drop_old_copies, restore, rewind_cache, snapshot
 from .config import DEFAULT_MAX_CHECKPOINTS, DEFAULTS, GenerationConfig
 from .errors import SessionError, UsageError
-from .generate import as_tokenizer_wrapper, make_kv_quantizer, prefill, stream_generate
+from .generate import as_tokenizer_wrapper
 from .prompt_state import PromptCacheState, common_prefix_len, reuse_prefix
 from .prompt_store import chat_text, encode_text, has_chat_template
 from .session_store import SessionRecord, load_session, save_session, session_metadata
 
 MIN_WINDOW = 8  # tokens a rotating window must hold beyond the pinned system prompt
-
-TextCallback = Callable[[str], None]
-StopCheck = Callable[[], bool]
-
-
-@dataclass
-class TurnStats:
-    """What one turn cost. ``new_tokens`` were fed, ``reused_tokens`` came from
-    the cache; ``recomputed_tokens`` were in the cache before the turn but had
-    to be fed again (0 unless history was rewritten or could not be rolled back)."""
-
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    new_tokens: int = 0
-    recomputed_tokens: int = 0
-    generated_tokens: int = 0
-    ttft: float = 0.0
-    prompt_tps: float = 0.0
-    generation_tps: float = 0.0
-    peak_memory: float = 0.0
-    finish_reason: str = ""  # "stop", "length" or "interrupted"
-    seconds: float = 0.0
-
-    def summary(self) -> str:
-        return (
-            f"prompt: {self.new_tokens} new + {self.reused_tokens} reused tokens "
-            f"({self.recomputed_tokens} recomputed), first token {self.ttft:.3f} s, "
-            f"{self.prompt_tps:.1f} tok/s | reply: {self.generated_tokens} tokens, "
-            f"{self.generation_tps:.1f} tok/s ({self.finish_reason}) | peak {self.peak_memory:.3f} GB"
-        )
-
-
-@dataclass
-class TurnResult:
-    text: str
-    stats: TurnStats
-
 
 class ChatSession:
     """A chat with a model whose cache follows the conversation (see module doc)."""
@@ -268,7 +244,7 @@ class ChatSession:
         held = self.tokens
         try:
             return self._generate(held, on_text, should_stop)
-        except _Cancelled:  # stopped while reading the prompt: as if never sent
+        except TurnCancelled:  # stopped while reading the prompt: as if never sent
             self._rewind(self.checkpoints.pop(), held)
             return TurnResult("", TurnStats(finish_reason="cancelled"))
         except BaseException:  # back to the turn's start (the cache may have been reset)
@@ -287,69 +263,29 @@ class ChatSession:
         reused = trimmed_to if reused is None else reused
         # feed the prompt here, chunk by chunk, so that a stop request is honoured
         # between chunks; the generate loop then feeds only the last prompt token
-        self._feed(prompt_ids, len(prompt_ids) - 1, should_stop)
-        eos = set(self.tokenizer.eos_token_ids)
-        reply_tokens: list[int] = []
-        pieces: list[str] = []
-        last = None
-        interrupted = False
-        gen = stream_generate(self.model, self.tokenizer, prompt_ids, state=self.state, config=self._call_config())
-        try:
-            for r in gen:
-                if last is None:
-                    ttft = time.perf_counter() - started
-                last = r
-                reply_tokens.append(r.token)
-                if r.text:
-                    pieces.append(r.text)
-                    if on_text:
-                        on_text(r.text)
-                if r.finish_reason is None and should_stop is not None and should_stop():
-                    interrupted = True
-                    break
-        finally:
-            gen.close()
-        reply = "".join(pieces)
-        if interrupted:  # the detokenizer may hold back the end of a word: flush it
-            full = self.tokenizer.decode([t for t in reply_tokens if t not in eos])
-            if full.startswith(reply) and len(full) > len(reply):
-                if on_text:
-                    on_text(full[len(reply):])
-                reply = full
+        feed_prompt(self.model, self.state, prompt_ids, len(prompt_ids) - 1, self.config, should_stop)
+        reply = stream_reply(
+            self.model, self.tokenizer, prompt_ids, self.state, self._call_config(), started, on_text, should_stop
+        )
+        self._keep_reply(prompt_ids, prompt_text, reply)
+        stats = turn_stats(prompt_ids, reused, common, reply, started)
+        self.last_stats = stats
+        self.turns_run += 1
+        self.totals.add(stats)
+        return TurnResult(reply.text, stats)
+
+    def _keep_reply(self, prompt_ids: list[int], prompt_text: str, reply: Reply) -> None:
+        """Add the reply to the conversation; the next turn feeds its last token first."""
         stop_text = ""
-        if last.finish_reason == "stop":
-            stop_text = self.tokenizer.decode([last.token])
-        if self.state.tokens == prompt_ids + reply_tokens[:-1]:
-            self.pending = [reply_tokens[-1]]
-            self.text = prompt_text + reply + stop_text
+        if reply.last.finish_reason == "stop":
+            stop_text = self.tokenizer.decode([reply.last.token])
+        if self.state.tokens == prompt_ids + reply.tokens[:-1]:
+            self.pending = [reply.tokens[-1]]
+            self.text = prompt_text + reply.text + stop_text
         else:  # not the documented state: fall back to re-rendering next turn
             self.pending, self.text = [], ""
             self.checkpoints.clear()
-        self.messages.append({"role": "assistant", "content": reply})
-        stats = TurnStats(
-            prompt_tokens=len(prompt_ids),
-            reused_tokens=reused,
-            new_tokens=len(prompt_ids) - reused,
-            recomputed_tokens=max(0, common - reused),
-            generated_tokens=len(reply_tokens),
-            ttft=ttft,
-            prompt_tps=(len(prompt_ids) - reused) / max(ttft, 1e-9),
-            generation_tps=last.generation_tps,
-            peak_memory=last.peak_memory,
-            finish_reason="interrupted" if interrupted else (last.finish_reason or "length"),
-            seconds=time.perf_counter() - started,
-        )
-        self._record(stats)
-        return TurnResult(reply, stats)
-
-    def _record(self, s: TurnStats) -> None:
-        self.last_stats = s
-        self.turns_run += 1
-        t = self.totals
-        for name in ("prompt_tokens", "reused_tokens", "new_tokens", "recomputed_tokens",
-                     "generated_tokens", "seconds"):  # fmt: skip
-            setattr(t, name, getattr(t, name) + getattr(s, name))
-        t.peak_memory = max(t.peak_memory, s.peak_memory)
+        self.messages.append({"role": "assistant", "content": reply.text})
 
     def _push_checkpoint(self) -> None:
         self.checkpoints.append(
@@ -382,24 +318,10 @@ class ChatSession:
             self.checkpoints.append(Checkpoint(turn.n_messages, k, min(k, len(self.state.tokens)), n_text, None))
             return None
         self.checkpoints.append(Checkpoint(turn.n_messages, k, restored.state_len, n_text, restored.cache))
-        self._feed(prompt_ids, k - 1, should_stop)
+        feed_prompt(self.model, self.state, prompt_ids, k - 1, self.config, should_stop)
         copies = snapshot(self.state.cache)
         self.checkpoints[-1] = Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, copies)
         return restored.state_len
-
-    def _feed(self, ids: list[int], upto: int, should_stop: StopCheck | None) -> None:
-        """Feed ``ids[len(state.tokens):upto]`` in ``prefill_step_size`` chunks,
-        recording them in ``state.tokens``; raise _Cancelled if ``should_stop``
-        says so between chunks."""
-        step = self.config.prefill_step_size
-        quantizer = make_kv_quantizer(self.config)
-        while len(self.state.tokens) < upto:
-            if should_stop is not None and should_stop():
-                raise _Cancelled
-            a = len(self.state.tokens)
-            b = min(a + step, upto)
-            prefill(self.model, self.state.cache, ids[a : b + 1], step, kv_quantizer=quantizer)  # feeds ids[a:b]
-            self.state.tokens.extend(ids[a:b])
 
     # ------------------------------------------------------------ rollback
     def _rewind(self, ck: Checkpoint, tokens: list[int] | None = None) -> RollbackResult:
@@ -483,8 +405,8 @@ class ChatSession:
         self.pending, self.text = [], ""
         self.checkpoints.clear()
 
-    def update_settings(self, **changes) -> None:
-        """Change sampling settings (not the cache shape)."""
+    def update_settings(self, changes: Mapping[str, object]) -> None:
+        """Change sampling settings (``{"temp": 0.5, ...}``; not the cache shape)."""
         if "max_kv_size" in changes or "keep" in changes:
             raise UsageError("the cache window cannot change during a chat; start a new session")
         cfg = dataclasses.replace(self.config, **changes)
@@ -548,10 +470,6 @@ class ChatSession:
         self.state, self.pending, self.text = record.state, record.pending, record.text
         self.checkpoints, self.attempt = record.checkpoints, record.attempt
         return self
-
-
-class _Cancelled(Exception):
-    """A stop request arrived before the first reply token."""
 
 
 __all__ = ["ChatSession", "TurnStats", "TurnResult", "Checkpoint", "RollbackResult"]

@@ -226,12 +226,12 @@ def test_system_prompt_change_and_clear(llama_model):
     assert s.messages == [{"role": "system", "content": "Answer in French."}] and s.cached_tokens == 0
     with pytest.raises(SessionError, match="no exchange"):
         s.undo()
-    s.update_settings(temp=0.5, max_tokens=3)
+    s.update_settings({"temp": 0.5, "max_tokens": 3})
     assert s.ask("Hi").stats.generated_tokens == 3
     with pytest.raises(UsageError):
-        s.update_settings(top_p=2.0)
+        s.update_settings({"top_p": 2.0})
     with pytest.raises(UsageError):
-        s.update_settings(max_kv_size=10)
+        s.update_settings({"max_kv_size": 10})
 
 
 # ------------------------------------------------------------------ files

@@ -1,0 +1,187 @@
+"""The model work of one chat turn: feeding its prompt and streaming its reply,
+both stopping on request, and what the turn cost.
+
+Contract
+--------
+:func:`feed_prompt` feeds ``ids[len(state.tokens):upto]`` into a
+:class:`~mlx_chatcache.prompt_state.PromptCacheState` in
+``prefill_step_size`` chunks, recording each chunk in ``state.tokens``. It
+polls ``should_stop`` before every chunk and raises :class:`TurnCancelled`
+when it says so; the state then holds the chunks fed so far (the caller rolls
+the turn back).
+
+:func:`stream_reply` generates the reply to a prompt the state holds all but
+the last token of, passing each text piece to ``on_text``. It polls
+``should_stop`` after every token that does not end the reply and ends the
+reply there ("interrupted"), then passes on the text the detokenizer held back.
+The state is left as :mod:`mlx_chatcache.generate` documents: every reply
+token but the last has been fed.
+
+:class:`TurnStats` is what a turn cost; :func:`turn_stats` fills one in.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import GenerationConfig
+from .generate import GenerationResponse, make_kv_quantizer, prefill, stream_generate
+from .prompt_state import PromptCacheState
+
+TextCallback = Callable[[str], None]
+StopCheck = Callable[[], bool]
+
+
+class TurnCancelled(Exception):
+    """A stop request arrived before the first reply token."""
+
+
+@dataclass
+class TurnStats:
+    """What one turn cost. ``new_tokens`` were fed, ``reused_tokens`` came from
+    the cache; ``recomputed_tokens`` were in the cache before the turn but had
+    to be fed again (0 unless history was rewritten or could not be rolled back)."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    new_tokens: int = 0
+    recomputed_tokens: int = 0
+    generated_tokens: int = 0
+    ttft: float = 0.0
+    prompt_tps: float = 0.0
+    generation_tps: float = 0.0
+    peak_memory: float = 0.0
+    finish_reason: str = ""  # "stop", "length" or "interrupted"
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        return (
+            f"prompt: {self.new_tokens} new + {self.reused_tokens} reused tokens "
+            f"({self.recomputed_tokens} recomputed), first token {self.ttft:.3f} s, "
+            f"{self.prompt_tps:.1f} tok/s | reply: {self.generated_tokens} tokens, "
+            f"{self.generation_tps:.1f} tok/s ({self.finish_reason}) | peak {self.peak_memory:.3f} GB"
+        )
+
+    def add(self, s: "TurnStats") -> None:
+        """Count turn ``s`` into these totals (token counts and time add up, peak memory is the max)."""
+        for name in ("prompt_tokens", "reused_tokens", "new_tokens", "recomputed_tokens",
+                     "generated_tokens", "seconds"):  # fmt: skip
+            setattr(self, name, getattr(self, name) + getattr(s, name))
+        self.peak_memory = max(self.peak_memory, s.peak_memory)
+
+
+@dataclass
+class TurnResult:
+    text: str
+    stats: TurnStats
+
+
+@dataclass
+class Reply:
+    """What :func:`stream_reply` generated."""
+
+    text: str
+    tokens: list[int]
+    last: GenerationResponse  # the final step: finish reason, speed, memory
+    ttft: float  # seconds from the turn's start to the first reply token
+    interrupted: bool
+
+    @property
+    def finish_reason(self) -> str:
+        return "interrupted" if self.interrupted else (self.last.finish_reason or "length")
+
+
+def feed_prompt(
+    model, state: PromptCacheState, ids: list[int], upto: int, config: GenerationConfig, should_stop: StopCheck | None
+) -> None:
+    """Feed ``ids[len(state.tokens):upto]`` in ``config.prefill_step_size``
+    chunks (see the module doc); TurnCancelled on a stop request."""
+    step = config.prefill_step_size
+    quantizer = make_kv_quantizer(config)
+    while len(state.tokens) < upto:
+        if should_stop is not None and should_stop():
+            raise TurnCancelled
+        a = len(state.tokens)
+        b = min(a + step, upto)
+        prefill(model, state.cache, ids[a : b + 1], step, kv_quantizer=quantizer)  # feeds ids[a:b]
+        state.tokens.extend(ids[a:b])
+
+
+def stream_reply(
+    model,
+    tokenizer,
+    prompt_ids: list[int],
+    state: PromptCacheState,
+    config: GenerationConfig,
+    started: float,
+    on_text: TextCallback | None,
+    should_stop: StopCheck | None,
+) -> Reply:
+    """The reply to ``prompt_ids`` (see the module doc); ``started``: the turn's
+    start on ``time.perf_counter()``, from which the TTFT is measured."""
+    tokens: list[int] = []
+    pieces: list[str] = []
+    last, ttft, interrupted = None, 0.0, False
+    gen = stream_generate(model, tokenizer, prompt_ids, state=state, config=config)
+    try:
+        for r in gen:
+            if last is None:
+                ttft = time.perf_counter() - started
+            last = r
+            tokens.append(r.token)
+            if r.text:
+                pieces.append(r.text)
+                if on_text:
+                    on_text(r.text)
+            if r.finish_reason is None and should_stop is not None and should_stop():
+                interrupted = True
+                break
+    finally:
+        gen.close()
+    text = "".join(pieces)
+    if interrupted:
+        text = _flush_held_back(tokenizer, text, tokens, on_text)
+    return Reply(text, tokens, last, ttft, interrupted)
+
+
+def _flush_held_back(tokenizer, text: str, tokens: list[int], on_text: TextCallback | None) -> str:
+    """The detokenizer may hold back the end of a word: pass it on too."""
+    eos = set(tokenizer.eos_token_ids)
+    full = tokenizer.decode([t for t in tokens if t not in eos])
+    if full.startswith(text) and len(full) > len(text):
+        if on_text:
+            on_text(full[len(text):])
+        return full
+    return text
+
+
+def turn_stats(prompt_ids: list[int], reused: int, common: int, reply: Reply, started: float) -> TurnStats:
+    """A turn's statistics: ``reused`` prompt tokens came from the cache, which
+    held ``common`` of them before the turn."""
+    new = len(prompt_ids) - reused
+    return TurnStats(
+        prompt_tokens=len(prompt_ids),
+        reused_tokens=reused,
+        new_tokens=new,
+        recomputed_tokens=max(0, common - reused),
+        generated_tokens=len(reply.tokens),
+        ttft=reply.ttft,
+        prompt_tps=new / max(reply.ttft, 1e-9),
+        generation_tps=reply.last.generation_tps,
+        peak_memory=reply.last.peak_memory,
+        finish_reason=reply.finish_reason,
+        seconds=time.perf_counter() - started,
+    )
+
+
+__all__ = [
+    "TurnStats",
+    "TurnResult",
+    "TurnCancelled",
+    "Reply",
+    "feed_prompt",
+    "stream_reply",
+    "turn_stats",
+]
