@@ -81,6 +81,7 @@ from .session_store import SessionRecord, load_session, save_session, session_me
 
 MIN_WINDOW = 8  # tokens a rotating window must hold beyond the pinned system prompt
 
+
 class ChatSession:
     """A chat with a model whose cache follows the conversation (see module doc)."""
 
