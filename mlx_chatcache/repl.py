@@ -1,14 +1,15 @@
-"""The interactive loop behind ``mlxcc chat``: input, commands, streaming output.
+"""The interactive loop behind ``mlxcc chat``: commands, streaming output, Ctrl-C.
 
-Input comes from a terminal (prompt_toolkit: line editing and history) or,
-when stdin is not a terminal, line by line from a stream, so a chat can be
-scripted (``printf 'Hi\\n/bye\\n' | mlxcc chat``). Replies stream to ``out``;
-notes, errors and statistics go to ``err``, so ``out`` holds only what the
-model and the ``/show`` commands say.
+:class:`ChatREPL` reads with a reader from :mod:`mlx_chatcache.chat_input`
+(a terminal, or line by line from a stream, so a chat can be scripted:
+``printf 'Hi\\n/bye\\n' | mlxcc chat``) until the input ends or ``/bye``.
+Replies stream to ``out``; notes, errors and statistics go to ``err``, so
+``out`` holds only what the model and the ``/show`` commands say.
 
-Any line starting with ``/`` is a command; ``//text`` sends ``/text`` as a
-message. A line starting with three double quotes starts a multi-line message,
-ended by a line ending with three double quotes.
+Any line starting with ``/`` is a command (:data:`COMMANDS`, listed by
+:data:`HELP`); ``//text`` sends ``/text`` as a message. A line starting with
+three double quotes starts a multi-line message, ended by a line ending with
+three double quotes.
 
 Ctrl-C while a reply streams stops it after the current token (the partial
 reply stays in the conversation); a second Ctrl-C aborts the turn at once.
@@ -17,21 +18,17 @@ Ctrl-C at the prompt clears the line; Ctrl-D (end of input) ends the chat.
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
-from .cli.common import human_bytes, non_negative_float, non_negative_int, positive_int, probability
+from .chat_input import FENCE, message_text, parse_command, parse_setting, read_input
+from .cli.common import human_bytes
 from .config import mlxcc_home
 from .errors import ChatCacheError, UsageError
 from .session import ChatSession, RollbackResult, TurnResult
-
-PROMPT, CONTINUATION = ">>> ", "... "
-FENCE = '"""'
 
 HELP = f"""\
 Commands (anything else is sent to the model):
@@ -53,93 +50,6 @@ Commands (anything else is sent to the model):
   //text                 send a message that starts with '/'
 Ctrl-C stops a reply; the conversation keeps what was written so far. Before
 the reply starts (a long message being read) it cancels the message."""
-
-
-# ------------------------------------------------------------------ input
-class StreamReader:
-    """Lines from a text stream (stdin when it is not a terminal); None at EOF."""
-
-    def __init__(self, stream: TextIO):
-        self.stream = stream
-
-    def read(self, prompt: str) -> str | None:
-        line = self.stream.readline()
-        if not line:
-            return None
-        return line[:-1] if line.endswith("\n") else line
-
-
-class TerminalReader:
-    """prompt_toolkit line editing with a persistent history; None at Ctrl-D.
-
-    Ctrl-C at the prompt gives an empty line (the line is cleared)."""
-
-    def __init__(self, history_file: Path | None = None):
-        from prompt_toolkit import PromptSession
-        from prompt_toolkit.history import FileHistory, InMemoryHistory
-
-        history = InMemoryHistory()
-        if history_file is not None:
-            try:
-                history_file.parent.mkdir(parents=True, exist_ok=True)
-                history = FileHistory(str(history_file))
-            except OSError:
-                pass
-        self.session = PromptSession(history=history)
-
-    def read(self, prompt: str) -> str | None:
-        try:
-            return self.session.prompt(prompt)
-        except KeyboardInterrupt:
-            return ""
-        except EOFError:
-            return None
-
-
-@dataclass
-class UserInput:
-    text: str
-    multiline: bool = False  # a fenced block: always a message, never a command
-
-
-def read_input(reader) -> UserInput | None:
-    """One message or command; a fenced block spans lines. None at end of input."""
-    line = reader.read(PROMPT)
-    if line is None:
-        return None
-    stripped = line.strip()
-    if not stripped.startswith(FENCE):
-        return UserInput(line)
-    rest = stripped[len(FENCE):]
-    if rest.endswith(FENCE):  # """text""" on one line
-        return UserInput(rest[: -len(FENCE)], multiline=True)
-    parts = [rest] if rest else []
-    while True:
-        line = reader.read(CONTINUATION)
-        if line is None:  # end of input inside a block: send what was typed
-            break
-        if line.rstrip().endswith(FENCE):
-            parts.append(line.rstrip()[: -len(FENCE)])
-            break
-        parts.append(line)
-    while parts and not parts[-1].strip():
-        parts.pop()
-    return UserInput("\n".join(parts), multiline=True)
-
-
-def parse_command(text: str) -> tuple[str, str] | None:
-    """``("name", "argument")`` for a ``/command``; None for a message."""
-    s = text.strip()
-    if not s.startswith("/") or s.startswith("//"):
-        return None
-    name, _, arg = s[1:].partition(" ")
-    return name.lower(), arg.strip()
-
-
-def message_text(text: str) -> str:
-    """The message a non-command line sends (``//x`` sends ``/x``)."""
-    s = text.strip()
-    return s[1:] if s.startswith("//") else s
 
 
 # ------------------------------------------------------------------ Ctrl-C
@@ -170,38 +80,6 @@ class StopFlag:
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
             self._old = None
-
-
-# ------------------------------------------------------------------ settings
-def _optional(parse: Callable):
-    def f(s: str):
-        return None if s.lower() in ("none", "off") else parse(s)
-
-    return f
-
-
-SETTINGS: dict[str, Callable[[str], object]] = {
-    "temp": non_negative_float,
-    "top_p": probability,
-    "top_k": non_negative_int,
-    "min_p": probability,
-    "max_tokens": positive_int,
-    "seed": _optional(int),
-    "repetition_penalty": _optional(non_negative_float),
-}
-
-
-def parse_setting(arg: str) -> tuple[str, object]:
-    name, _, value = arg.partition(" ")
-    name = name.strip().lower().replace("-", "_")
-    aliases = {"temperature": "temp", "max_tokens": "max_tokens", "maxtokens": "max_tokens"}
-    name = aliases.get(name, name)
-    if name not in SETTINGS or not value.strip():
-        raise UsageError(f"usage: /set NAME VALUE with NAME one of {', '.join(SETTINGS)}")
-    try:
-        return name, SETTINGS[name](value.strip())
-    except (argparse.ArgumentTypeError, ValueError) as e:
-        raise UsageError(f"/set {name}: {e}") from None
 
 
 # ------------------------------------------------------------------ the loop
@@ -319,54 +197,66 @@ class ChatREPL:
 
     # -------------------------------------------------------------- commands
     def command(self, name: str, arg: str) -> str | None:
-        s = self.session
-        if name in ("help", "?"):
-            self.say(HELP)
-        elif name in ("bye", "exit", "quit"):
+        """Run ``/name arg``; "quit" when the chat should end."""
+        if name in ("bye", "exit", "quit"):
             return "quit"
-        elif name == "clear":
-            s.clear()
-            self.note("[conversation cleared]")
-            self.save()
-        elif name == "undo":
-            r = s.undo()
-            self.note(f"[removed the last exchange; {plural(s.num_turns, 'turn')} left{self._how(r)}]")
-            self.save()
-        elif name == "retry":
-            self.turn(lambda stop: s.retry(self._emit, stop))
-        elif name == "system":
-            if not arg:
-                self.say(s.system_prompt if s.system_prompt is not None else "(no system prompt)")
-                return None
-            text = "" if arg in ('""', "''") else arg
-            s.set_system_prompt(text)
-            self.note("[system prompt " + ("removed" if not text else "set") +
-                      "; the conversation will be re-read on the next turn]")  # fmt: skip
-            self.save()
-        elif name == "set":
-            key, value = parse_setting(arg)
-            s.update_settings({key: value})
-            self.note(f"[{key} = {value}]")
-            self.save()
-        elif name == "show":
-            self.show(arg)
-        elif name == "save":
-            if not arg:
-                raise UsageError("usage: /save FILE")
-            s.save(Path(arg).expanduser())
-            self.note(f"[session saved to {arg}]")
-        elif name == "load":
-            if not arg:
-                raise UsageError("usage: /load FILE")
-            loaded = ChatSession.load(Path(arg).expanduser(), s.model, s.tokenizer)
-            self.session = loaded
-            self.note(f"[loaded {arg}: {plural(loaded.num_turns, 'turn')}, {loaded.cached_tokens} tokens "
-                      "in the cache, 0 tokens recomputed]")  # fmt: skip
-            self.save()
-        else:
+        run = COMMANDS.get(name)
+        if run is None:
             raise UsageError(f"unknown command '/{name}'; /help lists the commands (send '//{name}' "
                              "to say it to the model)")  # fmt: skip
+        run(self, arg)
         return None
+
+    def _help(self, arg: str) -> None:
+        self.say(HELP)
+
+    def _clear(self, arg: str) -> None:
+        self.session.clear()
+        self.note("[conversation cleared]")
+        self.save()
+
+    def _undo(self, arg: str) -> None:
+        s = self.session
+        r = s.undo()
+        self.note(f"[removed the last exchange; {plural(s.num_turns, 'turn')} left{self._how(r)}]")
+        self.save()
+
+    def _retry(self, arg: str) -> None:
+        s = self.session
+        self.turn(lambda stop: s.retry(self._emit, stop))
+
+    def _system(self, arg: str) -> None:
+        s = self.session
+        if not arg:
+            self.say(s.system_prompt if s.system_prompt is not None else "(no system prompt)")
+            return
+        text = "" if arg in ('""', "''") else arg
+        s.set_system_prompt(text)
+        self.note("[system prompt " + ("removed" if not text else "set") +
+                  "; the conversation will be re-read on the next turn]")  # fmt: skip
+        self.save()
+
+    def _set(self, arg: str) -> None:
+        key, value = parse_setting(arg)
+        self.session.update_settings({key: value})
+        self.note(f"[{key} = {value}]")
+        self.save()
+
+    def _save(self, arg: str) -> None:
+        if not arg:
+            raise UsageError("usage: /save FILE")
+        self.session.save(Path(arg).expanduser())
+        self.note(f"[session saved to {arg}]")
+
+    def _load(self, arg: str) -> None:
+        if not arg:
+            raise UsageError("usage: /load FILE")
+        s = self.session
+        loaded = ChatSession.load(Path(arg).expanduser(), s.model, s.tokenizer)
+        self.session = loaded
+        self.note(f"[loaded {arg}: {plural(loaded.num_turns, 'turn')}, {loaded.cached_tokens} tokens "
+                  "in the cache, 0 tokens recomputed]")  # fmt: skip
+        self.save()
 
     @staticmethod
     def _how(r: RollbackResult) -> str:
@@ -376,52 +266,80 @@ class ChatREPL:
             return "; the conversation will be re-read on the next turn"
         return ""
 
+    # -------------------------------------------------------------- /show
     def show(self, what: str) -> None:
-        s = self.session
-        what = what.strip().lower()
-        if what == "info":
-            c = s.config
-            fp = s.fingerprint
-            lines = [
-                f"model:         {self.model_ref or (fp.model_id if fp else 'unknown')}",
-                f"session:       {self.session_label or '(not saved)'}",
-                f"turns:         {s.num_turns}",
-                f"system prompt: {s.system_prompt if s.system_prompt is not None else '(none)'}",
-                f"sampling:      temp={c.temp} top_p={c.top_p} top_k={c.top_k} min_p={c.min_p} "
-                f"seed={c.seed} repetition_penalty={c.repetition_penalty}",
-                f"max_tokens:    {c.max_tokens}",
-                f"cache:         max_kv_size={s.state.max_kv_size} kv_bits={c.kv_bits}",
-            ]
-            self.say("\n".join(lines))
-        elif what == "cache":
-            i = s.cache_info()
-            layers = ", ".join(f"{n} × {k}" for k, n in i["layers"].items())
-            window = (f"rotating window of {i['max_kv_size']} tokens, first {i['keep']} pinned"
-                      if i["max_kv_size"] else "unbounded")  # fmt: skip
-            lines = [
-                f"tokens:      {i['cached_tokens']} in the cache (+{i['pending_tokens']} to feed next turn)",
-                f"bytes:       {human_bytes(i['nbytes'])}",
-                f"layers:      {layers}",
-                f"window:      {window}",
-                f"trimmable:   {'yes' if i['trimmable'] else 'no'}",
-                f"checkpoints: {plural(i['checkpoints'], 'turn')} ({i['checkpoint_copies']} with a cache copy)",
-            ]
-            self.say("\n".join(lines))
-        elif what == "stats":
-            last, t = s.last_stats, s.totals
-            if last is None:
-                self.say("no turn yet in this run")
-                return
-            self.say(f"last turn: {last.summary()}")
-            self.say(
-                f"this run:  {plural(s.turns_run, 'turn')}, {t.new_tokens} prompt tokens fed, "
-                f"{t.reused_tokens} reused, {t.recomputed_tokens} recomputed, "
-                f"{t.generated_tokens} generated, {t.seconds:.2f} s"
-            )
-        elif what == "template":
-            self.say(getattr(s.tokenizer, "chat_template", None) or "(no chat template)")
-        else:
+        show = SHOW.get(what.strip().lower())
+        if show is None:
             raise UsageError("usage: /show info|cache|stats|template")
+        show(self)
+
+    def _show_info(self) -> None:
+        s = self.session
+        c = s.config
+        fp = s.fingerprint
+        lines = [
+            f"model:         {self.model_ref or (fp.model_id if fp else 'unknown')}",
+            f"session:       {self.session_label or '(not saved)'}",
+            f"turns:         {s.num_turns}",
+            f"system prompt: {s.system_prompt if s.system_prompt is not None else '(none)'}",
+            f"sampling:      temp={c.temp} top_p={c.top_p} top_k={c.top_k} min_p={c.min_p} "
+            f"seed={c.seed} repetition_penalty={c.repetition_penalty}",
+            f"max_tokens:    {c.max_tokens}",
+            f"cache:         max_kv_size={s.state.max_kv_size} kv_bits={c.kv_bits}",
+        ]
+        self.say("\n".join(lines))
+
+    def _show_cache(self) -> None:
+        i = self.session.cache_info()
+        layers = ", ".join(f"{n} × {k}" for k, n in i["layers"].items())
+        window = (f"rotating window of {i['max_kv_size']} tokens, first {i['keep']} pinned"
+                  if i["max_kv_size"] else "unbounded")  # fmt: skip
+        lines = [
+            f"tokens:      {i['cached_tokens']} in the cache (+{i['pending_tokens']} to feed next turn)",
+            f"bytes:       {human_bytes(i['nbytes'])}",
+            f"layers:      {layers}",
+            f"window:      {window}",
+            f"trimmable:   {'yes' if i['trimmable'] else 'no'}",
+            f"checkpoints: {plural(i['checkpoints'], 'turn')} ({i['checkpoint_copies']} with a cache copy)",
+        ]
+        self.say("\n".join(lines))
+
+    def _show_stats(self) -> None:
+        s = self.session
+        last, t = s.last_stats, s.totals
+        if last is None:
+            self.say("no turn yet in this run")
+            return
+        self.say(f"last turn: {last.summary()}")
+        self.say(
+            f"this run:  {plural(s.turns_run, 'turn')}, {t.new_tokens} prompt tokens fed, "
+            f"{t.reused_tokens} reused, {t.recomputed_tokens} recomputed, "
+            f"{t.generated_tokens} generated, {t.seconds:.2f} s"
+        )
+
+    def _show_template(self) -> None:
+        self.say(getattr(self.session.tokenizer, "chat_template", None) or "(no chat template)")
+
+
+# /NAME -> what runs it (/bye, /exit and /quit end the chat); HELP lists them
+COMMANDS: dict[str, Callable[[ChatREPL, str], None]] = {
+    "help": ChatREPL._help,
+    "?": ChatREPL._help,
+    "clear": ChatREPL._clear,
+    "undo": ChatREPL._undo,
+    "retry": ChatREPL._retry,
+    "system": ChatREPL._system,
+    "set": ChatREPL._set,
+    "show": ChatREPL.show,
+    "save": ChatREPL._save,
+    "load": ChatREPL._load,
+}
+SHOW: dict[str, Callable[[ChatREPL], None]] = {
+    "info": ChatREPL._show_info,
+    "cache": ChatREPL._show_cache,
+    "stats": ChatREPL._show_stats,
+    "template": ChatREPL._show_template,
+}
 
 
 def plural(n: int, word: str) -> str:
@@ -432,16 +350,4 @@ def history_file() -> Path:
     return mlxcc_home() / "chat_history"
 
 
-__all__ = [
-    "ChatREPL",
-    "StreamReader",
-    "TerminalReader",
-    "UserInput",
-    "read_input",
-    "parse_command",
-    "message_text",
-    "parse_setting",
-    "StopFlag",
-    "HELP",
-    "history_file",
-]
+__all__ = ["ChatREPL", "StopFlag", "HELP", "COMMANDS", "history_file", "plural"]

@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int:
     from ..loading import load
-    from ..repl import ChatREPL, StreamReader, TerminalReader, history_file, plural
+    from ..chat_input import StreamReader, TerminalReader
+    from ..repl import ChatREPL, history_file, plural
 
     model, tokenizer = load(args.model)
     if path is not None and path.exists():

@@ -1,0 +1,163 @@
+"""What a chat user types: lines from a terminal or a stream, multi-line
+messages, commands told from messages, and the values of ``/set``.
+
+Contract
+--------
+A reader has ``read(prompt) -> str | None`` (None at end of input):
+:class:`TerminalReader` (prompt_toolkit line editing with a persistent
+history; Ctrl-C at the prompt gives an empty line) or :class:`StreamReader`
+(lines of a text stream, so a chat can be scripted). :func:`read_input` reads
+one :class:`UserInput`: a line, or a block fenced by three double quotes
+(always a message). :func:`parse_command` tells a ``/command`` from a message
+(``//text`` is the message ``/text``, see :func:`message_text`);
+:func:`parse_setting` turns ``/set NAME VALUE`` into a setting name and a
+checked value, or a one-line :class:`~mlx_chatcache.errors.UsageError`. Nothing
+here touches a session.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, TextIO
+
+from .cli.common import non_negative_float, non_negative_int, positive_int, probability
+from .errors import UsageError
+
+PROMPT, CONTINUATION = ">>> ", "... "
+FENCE = '"""'
+
+
+# ------------------------------------------------------------------ input
+class StreamReader:
+    """Lines from a text stream (stdin when it is not a terminal); None at EOF."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def read(self, prompt: str) -> str | None:
+        line = self.stream.readline()
+        if not line:
+            return None
+        return line[:-1] if line.endswith("\n") else line
+
+
+class TerminalReader:
+    """prompt_toolkit line editing with a persistent history; None at Ctrl-D.
+
+    Ctrl-C at the prompt gives an empty line (the line is cleared)."""
+
+    def __init__(self, history_file: Path | None = None):
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+        history = InMemoryHistory()
+        if history_file is not None:
+            try:
+                history_file.parent.mkdir(parents=True, exist_ok=True)
+                history = FileHistory(str(history_file))
+            except OSError:
+                pass
+        self.session = PromptSession(history=history)
+
+    def read(self, prompt: str) -> str | None:
+        try:
+            return self.session.prompt(prompt)
+        except KeyboardInterrupt:
+            return ""
+        except EOFError:
+            return None
+
+
+@dataclass
+class UserInput:
+    text: str
+    multiline: bool = False  # a fenced block: always a message, never a command
+
+
+def read_input(reader) -> UserInput | None:
+    """One message or command; a fenced block spans lines. None at end of input."""
+    line = reader.read(PROMPT)
+    if line is None:
+        return None
+    stripped = line.strip()
+    if not stripped.startswith(FENCE):
+        return UserInput(line)
+    rest = stripped[len(FENCE):]
+    if rest.endswith(FENCE):  # """text""" on one line
+        return UserInput(rest[: -len(FENCE)], multiline=True)
+    parts = [rest] if rest else []
+    while True:
+        line = reader.read(CONTINUATION)
+        if line is None:  # end of input inside a block: send what was typed
+            break
+        if line.rstrip().endswith(FENCE):
+            parts.append(line.rstrip()[: -len(FENCE)])
+            break
+        parts.append(line)
+    while parts and not parts[-1].strip():
+        parts.pop()
+    return UserInput("\n".join(parts), multiline=True)
+
+
+def parse_command(text: str) -> tuple[str, str] | None:
+    """``("name", "argument")`` for a ``/command``; None for a message."""
+    s = text.strip()
+    if not s.startswith("/") or s.startswith("//"):
+        return None
+    name, _, arg = s[1:].partition(" ")
+    return name.lower(), arg.strip()
+
+
+def message_text(text: str) -> str:
+    """The message a non-command line sends (``//x`` sends ``/x``)."""
+    s = text.strip()
+    return s[1:] if s.startswith("//") else s
+
+
+# ------------------------------------------------------------------ settings
+def _optional(parse: Callable):
+    def f(s: str):
+        return None if s.lower() in ("none", "off") else parse(s)
+
+    return f
+
+
+SETTINGS: dict[str, Callable[[str], object]] = {
+    "temp": non_negative_float,
+    "top_p": probability,
+    "top_k": non_negative_int,
+    "min_p": probability,
+    "max_tokens": positive_int,
+    "seed": _optional(int),
+    "repetition_penalty": _optional(non_negative_float),
+}
+
+
+def parse_setting(arg: str) -> tuple[str, object]:
+    name, _, value = arg.partition(" ")
+    name = name.strip().lower().replace("-", "_")
+    aliases = {"temperature": "temp", "max_tokens": "max_tokens", "maxtokens": "max_tokens"}
+    name = aliases.get(name, name)
+    if name not in SETTINGS or not value.strip():
+        raise UsageError(f"usage: /set NAME VALUE with NAME one of {', '.join(SETTINGS)}")
+    try:
+        return name, SETTINGS[name](value.strip())
+    except (argparse.ArgumentTypeError, ValueError) as e:
+        raise UsageError(f"/set {name}: {e}") from None
+
+
+__all__ = [
+    "PROMPT",
+    "CONTINUATION",
+    "FENCE",
+    "StreamReader",
+    "TerminalReader",
+    "UserInput",
+    "read_input",
+    "parse_command",
+    "message_text",
+    "SETTINGS",
+    "parse_setting",
+]
