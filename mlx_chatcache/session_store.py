@@ -79,6 +79,7 @@ def save_session(path: str | os.PathLike, record: SessionRecord, fingerprint: Mo
         tokens=record.state.tokens,
         model=fingerprint,
         messages=record.messages,
+        settings={"max_kv_size": record.state.max_kv_size, "keep": record.state.keep},
         metadata={SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)},
     )
 

@@ -309,3 +309,21 @@ def test_session_file_refusals(tiny_model_dirs, chat, tmp_path):
     with pytest.raises(SystemExit) as e:
         chat(d, "", "--session", "a", "--session-file", str(junk))
     assert e.value.code == 2
+
+
+def test_session_file_keeps_its_window_for_mlxcc_generate(tiny_model_dirs, tmp_path, capsys, monkeypatch):
+    """A session made with --max-kv-size, continued by `mlxcc generate --prompt-cache-file`,
+    keeps its rotating window shape (max_kv_size and the pinned keep)."""
+    from mlx_chatcache.loading import load
+    from mlx_chatcache.prompt_store import load_stored_prompt
+
+    model_dir = str(tiny_model_dirs["llama"])
+    f = tmp_path / "s.safetensors"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\n/bye\n"))
+    assert main(["chat", "--model", model_dir, "--session-file", str(f), "--max-kv-size", "48",
+                 "--system-prompt", "Be brief.", "-m", "4"]) == 0
+    model, _ = load(model_dir)
+    stored = load_stored_prompt(f, model)
+    assert stored.state.max_kv_size == 48 and stored.state.keep > 4
+    capsys.readouterr()
+    assert main(["generate", "--model", model_dir, "-p", "more", "-m", "3", "--prompt-cache-file", str(f)]) == 0

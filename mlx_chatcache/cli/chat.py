@@ -17,12 +17,7 @@ from ..errors import SessionError
 from ..safetensors_file import remove_stale_temp_files
 from ..session import ChatSession
 from ..session_store import SessionLock, session_path
-from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args
-
-OVERRIDABLE = (
-    "max_tokens", "temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-    "max_kv_size", "kv_bits", "kv_group_size", "quantized_kv_start", "prefill_step_size",
-)  # fmt: skip
+from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args, config_overrides
 
 
 def add_parser(sub) -> None:
@@ -72,7 +67,7 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int
 
     model, tokenizer = load(args.model)
     if path is not None and path.exists():
-        overrides = {n: getattr(args, n) for n in OVERRIDABLE if getattr(args, n, None) is not None}
+        overrides = config_overrides(args)
         session = ChatSession.load(path, model, tokenizer, overrides=overrides)
         _note(
             f"resumed session {label}: {plural(session.num_turns, 'turn')}, {session.cached_tokens} tokens "

@@ -103,13 +103,21 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+# GenerationConfig fields that flags (sampling and cache flags above) can set
+CONFIG_FLAGS = (
+    "max_tokens", "temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+    "max_kv_size", "kv_bits", "kv_group_size", "quantized_kv_start", "prefill_step_size",
+)  # fmt: skip
+
+
+def config_overrides(args: argparse.Namespace) -> dict:
+    """The GenerationConfig fields the user set on the command line."""
+    return {n: getattr(args, n) for n in CONFIG_FLAGS if getattr(args, n, None) is not None}
+
+
 def config_from_args(args: argparse.Namespace, base: GenerationConfig = DEFAULTS) -> GenerationConfig:
     """The GenerationConfig the flags describe (unset flags keep ``base``)."""
-    names = [
-        "max_tokens", "temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-        "max_kv_size", "kv_bits", "kv_group_size", "quantized_kv_start", "prefill_step_size",
-    ]
-    return base.updated(**{n: getattr(args, n, None) for n in names})
+    return base.updated(**config_overrides(args))
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None = None) -> str | None:
