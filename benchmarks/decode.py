@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2,tiny,mid", help="comma-separated: smollm2, tiny, mid")
     ap.add_argument("--tokens", type=int, default=64, help="tokens to generate per run")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per engine (median)")
+    ap.add_argument("--repeats", type=int, default=5, help="runs per engine (median)")
     ap.add_argument("--write-results", action="store_true", help="update benchmarks/RESULTS.md")
     ap.add_argument("--results", type=Path, default=RESULTS, help="RESULTS.md to update")
     ap.add_argument("--openblas", action="store_true", help="LD_PRELOAD Debian's OpenBLAS")
