@@ -25,7 +25,8 @@ tokens per reply, on the demo model (SmolLM2-135M-Instruct Q4_1 GGUF). Per turn:
 (e) ``floor``: only the turn's new tokens fed to a copy of (c)'s cache and the
     first token sampled: the physical floor of any reuse;
 (f) when ``llama_cpp`` is importable, llama.cpp (llama-cpp-python) on the same
-    GGUF: ``no reuse`` (state reset each turn), ``prefix reuse`` (its own
+    GGUF, in its own process, 1 thread by default (``--llama-threads``):
+    ``no reuse`` (state reset each turn), ``prefix reuse`` (its own
     longest-common-prefix reuse in one process) and ``resumed`` (a new process
     restores the state saved after the previous turn, pickled to a file).
 
@@ -35,7 +36,7 @@ only ~6 prompt tokens/s here) and with Debian's OpenBLAS when it is installed
 (``--no-openblas`` to keep the wheel's reference BLAS); ``--weights q4`` keeps the
 GGUF quantized (then (a) runs only at turns 1, 4, 8 unless ``--noreuse-turns``
 says otherwise, and the run takes an estimated ~20 min). llama.cpp always runs the
-Q4_1 file with its own kernels (2 threads).
+Q4_1 file with its own kernels.
 
 Every engine's answers are compared token by token with its no-reuse run
 (a cache must never change an answer).
@@ -297,11 +298,11 @@ def llama_cpp_available() -> bool:
     return True
 
 
-def new_llama(path: str):
+def new_llama(path: str, threads: int):
     import llama_cpp
 
-    return llama_cpp.Llama(model_path=path, n_ctx=4096, n_batch=512, n_threads=2,
-                           n_threads_batch=2, seed=0, verbose=False)
+    return llama_cpp.Llama(model_path=path, n_ctx=4096, n_batch=512, n_threads=threads,
+                           n_threads_batch=threads, seed=0, verbose=False)
 
 
 def llama_gen(llm, prompt_ids, max_new, eos: set[int], reset_first: bool):
@@ -348,7 +349,7 @@ def resume_worker(args) -> int:
         out.update(ttft=out["restore"] + r["ttft"], processed=r["processed"], reply=r["reply"],
                    prompt_ids=r["prompt_ids"])
     else:  # llama.cpp
-        llm = new_llama(job["gguf"])
+        llm = new_llama(job["gguf"], job["threads"])
         out["model_load"] = time.perf_counter() - t_start
         t0 = time.perf_counter()
         llama_gen(llm, job["prompt_ids"][:8], 2, set(job["eos"]), True)  # warm-up, then reset
@@ -375,7 +376,7 @@ def llama_conversation_worker(args) -> int:
     folder = Path(job["folder"])
     tok = load_tokenizer(job["gguf"])
     eos = set(tok.eos_token_ids)
-    llm_reuse, llm_fresh = new_llama(job["gguf"]), new_llama(job["gguf"])
+    llm_reuse, llm_fresh = new_llama(job["gguf"], job["threads"]), new_llama(job["gguf"], job["threads"])
     for llm in (llm_reuse, llm_fresh):  # warm-up, as the MLX engines get
         llama_gen(llm, list(tok.encode("Hello there, how are you?")), 2, eos, True)
         llm.reset()
@@ -393,7 +394,8 @@ def llama_conversation_worker(args) -> int:
                 pickle.dump(llm_reuse.save_state(), f)
             row["fd_save"] = time.perf_counter() - t0
             row["fd"] = run_worker({"engine": "fd", "turn": k, "gguf": job["gguf"], "state": str(stp),
-                                    "prompt_ids": ids, "max_new": job["max_new"], "eos": sorted(eos)},
+                                    "prompt_ids": ids, "max_new": job["max_new"], "eos": sorted(eos),
+                                    "threads": job["threads"]},
                                    folder, [])
             row["fd"]["file_mb"] = stp.stat().st_size / 1e6
             stp.unlink()
@@ -453,6 +455,9 @@ def main(argv=None) -> int:
     ap.add_argument("--resume-turns", default="last",
                     help="turns resumed in a new process (d, f): 'last' (default), 'all' or e.g. 4,8")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if importable")
+    ap.add_argument("--llama-threads", type=int, default=1,
+                    help="llama.cpp threads (default 1: with 2 threads on the 2 shared cores one busy "
+                         "core made it up to 7x slower; 2 is ~2x faster on an idle machine)")
     ap.add_argument("--plot", type=Path, default=PNG, help="PNG to write ('' for none)")
     ap.add_argument("--write-results", action="store_true", help="update benchmarks/RESULTS.md")
     ap.add_argument("--results", type=Path, default=RESULTS, help="RESULTS.md to update")
@@ -527,7 +532,8 @@ def main(argv=None) -> int:
         if use_llama:
             t0 = time.perf_counter()
             f_rows = run_worker({"engine": "llama", "gguf": gguf, "folder": str(folder), "turns": n_turns,
-                                 "resume": resume, "noreuse": noreuse, "max_new": args.max_new},
+                                 "resume": resume, "noreuse": noreuse, "max_new": args.max_new,
+                                 "threads": args.llama_threads},
                                 folder, [], flag="--llama-job")
             for row, f in zip(per_turn, f_rows):
                 row.update({k: v for k, v in f.items() if k in ("fa", "fc", "fd", "fd_save")})
@@ -569,6 +575,7 @@ def report(rows, args, desc, sys_tokens, use_llama, noreuse, resume, total) -> s
     out += (f"Model: {desc}. System prompt {sys_tokens} tokens, {len(rows)} user turns, greedy, "
             f"<= {args.max_new} new tokens per reply. Cells: TTFT / prompt tokens processed that turn. "
             f"(a) at turns {noreuse}; (d) and llama.cpp resumed at turns {resume}. "
+            f"llama.cpp: its own process, {args.llama_threads} thread(s), Q4_1 kernels. "
             "(b) feeds [system, user] every turn as mlx_lm.chat 0.32 does, so its conversation is "
             "not the others'.\n\n")
     out += md_table(head, table)
