@@ -17,58 +17,27 @@ from ..errors import UsageError
 D = DEFAULTS
 
 
-def positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid positive integer: {s!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
-    return v
+def _checked(convert, kind: str, ok, requirement: str):
+    """An argparse type: ``convert`` the text (else "invalid KIND"), then require ``ok``."""
+
+    def parse(s: str):
+        try:
+            v = convert(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind}: {s!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{requirement}, got {s}")
+        return v
+
+    return parse
 
 
-def non_negative_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer: {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
-    return v
-
-
-def probability(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {s!r}") from None
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {s}")
-    return v
-
-
-def non_negative_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {s!r}") from None
-    if not v >= 0.0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
-    return v
-
-
-def kv_bits(s: str) -> int:
-    v = positive_int(s)
-    if v not in (2, 3, 4, 5, 6, 8):
-        raise argparse.ArgumentTypeError(f"must be one of 2, 3, 4, 5, 6, 8, got {s}")
-    return v
-
-
-def group_size(s: str) -> int:
-    v = positive_int(s)
-    if v not in (32, 64, 128):
-        raise argparse.ArgumentTypeError(f"must be one of 32, 64, 128, got {s}")
-    return v
+positive_int = _checked(int, "positive integer", lambda v: v > 0, "must be a positive integer")
+non_negative_int = _checked(int, "integer", lambda v: v >= 0, "must be >= 0")
+probability = _checked(float, "number", lambda v: 0.0 <= v <= 1.0, "must be between 0 and 1")
+non_negative_float = _checked(float, "number", lambda v: v >= 0.0, "must be >= 0")
+kv_bits = _checked(int, "positive integer", lambda v: v in (2, 3, 4, 5, 6, 8), "must be one of 2, 3, 4, 5, 6, 8")
+group_size = _checked(int, "positive integer", lambda v: v in (32, 64, 128), "must be one of 32, 64, 128")
 
 
 def add_model_arg(p: argparse.ArgumentParser) -> None:
