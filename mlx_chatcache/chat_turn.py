@@ -14,8 +14,9 @@ the turn back).
 the last token of, passing each text piece to ``on_text``. It polls
 ``should_stop`` after every token that does not end the reply and ends the
 reply there ("interrupted"), then passes on the text the detokenizer held back.
-The state is left as :mod:`mlx_chatcache.generate` documents: every reply
-token but the last has been fed.
+The state is left as :mod:`mlx_chatcache.generate` documents for a reply that
+ends: every reply token but the last has been fed (after an interruption, the
+token the generate loop fed ahead is trimmed back off).
 
 :class:`TurnStats` is what a turn cost; :func:`turn_stats` fills one in.
 """
@@ -28,7 +29,7 @@ from typing import Callable
 
 from .config import GenerationConfig
 from .generate import GenerationResponse, make_kv_quantizer, prefill, stream_generate
-from .prompt_state import PromptCacheState
+from .prompt_state import PromptCacheState, trim_state
 
 TextCallback = Callable[[str], None]
 StopCheck = Callable[[], bool]
@@ -142,6 +143,9 @@ def stream_reply(
         gen.close()
     text = "".join(pieces)
     if interrupted:
+        fed = len(prompt_ids) + len(tokens) - 1  # the reply's last token was fed ahead
+        if len(state.tokens) > fed and not trim_state(state, fed):
+            state.reset(model)  # not reached: a token is fed ahead only when it can be trimmed back
         text = _flush_held_back(tokenizer, text, tokens, on_text)
     return Reply(text, tokens, last, ttft, interrupted)
 

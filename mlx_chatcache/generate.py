@@ -12,8 +12,9 @@ Layers, each usable on its own (lowest first):
    so that ``from mlx_chatcache.generate import PromptCacheState`` keeps working.)
 3. :func:`prefill` feeds all prompt tokens but the last, in chunks.
 4. :func:`decode_one_token` feeds tokens, records them in the state and samples
-   the next token.
-5. :func:`generate_step` yields ``(token, logprobs)`` pairs.
+   the next token, one synchronous step.
+5. :func:`generate_step` yields ``(token, logprobs)`` pairs. While decoding
+   it computes one token ahead (see below).
 6. :func:`stream_generate` yields :class:`GenerationResponse` text segments
    with statistics.
 7. :func:`generate` returns the whole text.
@@ -34,9 +35,36 @@ to prompt ``p``, ``state.tokens == p + r1..r(n-1)``. Why:
   next turn to feed, and a turn always has at least one token to feed, which
   the model needs to produce logits.
 - Feeding ``rn`` now would cost a forward pass whose logits nobody uses.
-- Tokens are fed lazily: token ``k`` is fed only when the consumer asks for
-  token ``k+1``. A consumer that stops early (a stop string, Ctrl-C between
-  tokens) leaves a state holding only tokens it accepted, minus the last one.
+
+Feeding ahead
+-------------
+To keep the machine busy while the consumer handles token ``k``,
+:func:`generate_step` feeds token ``k`` and starts computing token ``k+1``
+*before* it yields token ``k`` (as mlx-lm does), without knowing yet whether
+``k`` ends the reply. It does so only when this can be undone: every layer can
+be trimmed by one token after the feed (not an ``ArraysCache``/SSM layer, not
+a rotating window about to drop a token), and there are no logits processors
+(they would see a context that is not known yet). Not for the first token
+either: with MLX on the CPU, reading a token while the next step is queued
+waits for much of that step, which would add about one decode step to the
+time to the first token. Then (``k >= 2``):
+
+- Token ``k`` is recorded in ``state.tokens`` before it is yielded, so at
+  every yield ``state.tokens`` is still exactly what the cache has been fed.
+- Token ``k`` is never fed ahead when it is the ``max_tokens``-th. When it is
+  a stop token it is trimmed back off before it is yielded, and MLX's random
+  key is put back to what it was, so a call that ends normally leaves the
+  state, and the random generator, as the synchronous loop would: the reply's
+  tokens and the state above do not depend on whether tokens were fed ahead.
+- A consumer that stops early (a stop string, Ctrl-C between tokens) after
+  token ``k`` finds ``k`` fed and recorded (``prompt + r1..rk``; trim it off
+  with :func:`trim_state` to get the usual ``prompt + r1..r(k-1)``), and the
+  random key advanced by the draw of token ``k+1``.
+
+Otherwise (untrimmable layers, processors) the loop is synchronous: token
+``k`` is fed only when the consumer asks for token ``k+1``, and a consumer
+that stops early leaves a state holding only tokens it accepted, minus the
+last one.
 
 If a model call raises (KeyboardInterrupt included), some layers may have been
 updated and others not. The state is then reset to an empty cache of the same
@@ -121,10 +149,10 @@ def prefill(
     if prefill_step_size < 1:
         raise UsageError(f"prefill step size must be >= 1, got {prefill_step_size}")
     tokens = list(tokens)
-    todo = len(tokens) - 1
+    todo = max(len(tokens) - 1, 0)
     if progress:
         progress(0, len(tokens))
-    for start in range(0, max(todo, 0), prefill_step_size):
+    for start in range(0, todo, prefill_step_size):
         chunk = tokens[start : min(start + prefill_step_size, todo)]
         model(mx.array(chunk, dtype=mx.uint32)[None], cache=cache)  # (1, T) in
         if kv_quantizer:
@@ -133,7 +161,7 @@ def prefill(
         mx.clear_cache()
         if progress:
             progress(start + len(chunk), len(tokens))
-    return tokens[max(todo, 0) :]
+    return tokens[todo:]
 
 
 def sample_token(
@@ -174,6 +202,57 @@ def decode_one_token(
 
 
 # ------------------------------------------------------------------ generate_step
+def _start_step(
+    model,
+    state: PromptCacheState,
+    inputs: mx.array,
+    sampler: Sampler,
+    processors: Sequence[LogitsProcessor],
+    kv_quantizer: KVQuantizer | None,
+) -> tuple[mx.array, mx.array]:
+    """Feed ``inputs`` ``(1, T)`` and start computing the next token.
+
+    Returns the token ``(1,)`` and its log-probabilities ``(1, V)``, being
+    evaluated in the background. The caller records the fed tokens in
+    ``state.tokens`` (the processors see them there as the context).
+    """
+    logits = model(inputs, cache=state.cache)[:, -1, :]  # (1, V)
+    if kv_quantizer:
+        kv_quantizer(state.cache)
+    token, logprobs = sample_token(logits, state.tokens, sampler, processors)
+    mx.async_eval(token, logprobs, [c.eval_arrays() for c in state.cache])
+    return token, logprobs
+
+
+def _can_take_back(layer: BaseCache) -> bool:
+    """Whether ``layer`` can be trimmed by one token after it is fed one more."""
+    if not layer.is_trimmable():
+        return False
+    inner = getattr(layer, "caches", None)  # CacheList
+    if inner is not None:
+        return all(_can_take_back(c) for c in inner)
+    window = getattr(layer, "max_size", None)  # rotating: trimmable until it drops a token
+    return window is None or layer.offset + 1 < window
+
+
+def _take_back_one(state: PromptCacheState, model, layers: list[BaseCache]) -> None:
+    """Unfeed the last token (checked possible by :func:`_can_take_back`).
+
+    ``layers`` are the cache's layers before that token was fed: the model
+    updated them in place, but KV quantization may have replaced some since;
+    the float layers are put back, so the state is what it was, token aside.
+    """
+    state.cache[:] = layers
+    if not trim_state(state, len(state.tokens) - 1):
+        state.reset(model)  # not reached with this package's caches
+
+
+def _restore_random_key(key: mx.array) -> None:
+    """Make ``key`` (an earlier ``mx.random.state[0]``) MLX's random key again."""
+    hi, lo = key.tolist()
+    mx.random.seed((hi << 32) | lo)  # mx.random.key(s) is [s >> 32, s & 0xffffffff]
+
+
 def generate_step(
     prompt_tokens: Sequence[int],
     model,
@@ -190,9 +269,10 @@ def generate_step(
     Reuses what ``state`` holds of the prompt (a fresh state when None), feeds
     the rest, then samples. It stops after yielding a token in
     ``stop_tokens`` or the ``max_tokens``-th token; that last token is not fed
-    (see the module docstring). ``sampler``/``logits_processors`` default to
-    those the config describes. ``progress`` gets ``(done, total)`` over the
-    prompt tokens that are not reused, ending with ``(total, total)``.
+    (see the module docstring, also for when a token is fed ahead).
+    ``sampler``/``logits_processors`` default to those the config describes.
+    ``progress`` gets ``(done, total)`` over the prompt tokens that are not
+    reused, ending with ``(total, total)``.
     """
     config = config or DEFAULTS
     prompt = [int(t) for t in prompt_tokens]
@@ -212,19 +292,40 @@ def generate_step(
     todo = prompt[reused:]
     with _reset_on_error(state, model):
         rest = prefill(model, state.cache, todo, config.prefill_step_size, progress, kv_quantizer=quantizer)
-        state.tokens.extend(todo[: len(todo) - len(rest)])
-        token, logprobs = decode_one_token(model, state, rest, sampler, logits_processors, quantizer)
-    if progress:
-        progress(len(todo), len(todo))
+        state.tokens.extend(todo)
+        token_arr, logprobs = _start_step(
+            model, state, mx.array(rest, dtype=mx.uint32)[None], sampler, logits_processors, quantizer
+        )
 
     for n in range(1, config.max_tokens + 1):
-        yield token, logprobs
-        if token in stop_tokens or n == config.max_tokens:
+        last = n == config.max_tokens
+        with _reset_on_error(state, model):
+            # feed token n before it is known (not the first: see the module doc)
+            ahead = 1 < n < config.max_tokens and not logits_processors and all(map(_can_take_back, state.cache))
+            if ahead:
+                key, layers = mx.random.state[0], list(state.cache)
+                following = _start_step(model, state, token_arr[None], sampler, (), quantizer)
+            token = token_arr.item()
+            if ahead:
+                state.tokens.append(token)
+                if token in stop_tokens:  # fed for nothing: take it back
+                    _take_back_one(state, model, layers)
+                    _restore_random_key(key)
+        if n == 1 and progress:
+            progress(len(todo), len(todo))
+        yield token, logprobs[0]
+        if token in stop_tokens or last:
             return
         if n % 256 == 0:
             mx.clear_cache()
-        with _reset_on_error(state, model):
-            token, logprobs = decode_one_token(model, state, [token], sampler, logits_processors, quantizer)
+        if ahead:
+            token_arr, logprobs = following
+        else:
+            with _reset_on_error(state, model):
+                state.tokens.append(token)
+                token_arr, logprobs = _start_step(
+                    model, state, mx.array([[token]], dtype=mx.uint32), sampler, logits_processors, quantizer
+                )
 
 
 # ------------------------------------------------------------------ streaming text

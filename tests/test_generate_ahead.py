@@ -1,0 +1,235 @@
+"""Tests of how :func:`mlx_chatcache.generate.generate_step` schedules model calls.
+
+- Feeding ahead: with a trimmable cache and no logits processors, token ``k >= 2``
+  is fed (and token ``k+1`` computed) before token ``k`` is yielded. At every
+  yield ``state.tokens`` is what the cache was fed; a stop token fed ahead is
+  trimmed back off, and MLX's random key is restored, so a call that ends
+  leaves the state and the random generator as the synchronous loop does.
+  Untrimmable caches (hybrid/ssm kinds, a rotating window about to drop a
+  token) and logits processors keep the synchronous loop.
+
+The synchronous loop is forced with a logits processor that changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import pytest
+from tiny_models import SLIDING_WINDOW
+
+from mlx_chatcache.cache import KVCache, cache_offset, can_trim_prompt_cache
+from mlx_chatcache.chat_turn import stream_reply
+from mlx_chatcache.config import DEFAULTS
+from mlx_chatcache.generate import PromptCacheState, generate_step
+
+GREEDY = DEFAULTS.updated(temp=0.0)
+TEXT = "The weather was cold and windy, so we stayed inside and read our books."
+
+
+def unchanged(context, logits):
+    """A logits processor that changes nothing (forces the synchronous loop)."""
+    return logits
+
+
+class CountingModel:
+    """Wraps a model; records the number of tokens of every call."""
+
+    def __init__(self, model):
+        self.model = model
+        self.calls: list[int] = []
+
+    def __call__(self, inputs, cache=None):
+        self.calls.append(inputs.shape[1])
+        return self.model(inputs, cache=cache)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def prompt_ids(tokenizer, n: int) -> list[int]:
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def steps(model, prompt, state, config=GREEDY, **kw) -> list[int]:
+    return [t for t, _ in generate_step(prompt, model, state=state, config=config, **kw)]
+
+
+def consistent(state) -> bool:
+    return len(state.tokens) == cache_offset(state.cache)
+
+
+# ----------------------------------------------------------------- when a token is fed
+def test_token_is_fed_before_it_is_yielded_only_when_trimmable(tiny_model):
+    kind, model, tok = tiny_model
+    counting = CountingModel(model)
+    prompt = prompt_ids(tok, 6)
+    state = PromptCacheState.new(counting)
+    fed_at_yield, prompt_calls = [], None
+    for n, (t, _) in enumerate(generate_step(prompt, counting, state=state, config=GREEDY.updated(max_tokens=5)), 1):
+        assert consistent(state)
+        fed_at_yield.append(len(state.tokens) - len(prompt))
+        prompt_calls = prompt_calls or len(counting.calls)
+        assert len(counting.calls) == prompt_calls + fed_at_yield[-1]  # one call per token fed
+    if kind in ("llama", "sliding"):  # fed ahead, but not the first nor the max_tokens-th token
+        assert fed_at_yield == [0, 2, 3, 4, 4]
+    else:  # ArraysCache layers cannot be trimmed: token k is fed when k+1 is asked for
+        assert not can_trim_prompt_cache(state.cache)
+        assert fed_at_yield == [0, 1, 2, 3, 4]
+
+
+def test_logits_processors_keep_the_synchronous_loop(llama_model):
+    model, tok = llama_model
+    prompt = prompt_ids(tok, 6)
+    state = PromptCacheState.new(model)
+    gen = generate_step(prompt, model, state=state, config=GREEDY.updated(max_tokens=5), logits_processors=[unchanged])
+    for n, _ in enumerate(gen, 1):
+        assert len(state.tokens) == len(prompt) + n - 1 and consistent(state)
+
+
+def test_same_tokens_and_state_with_and_without_feeding_ahead(tiny_model):
+    kind, model, tok = tiny_model
+    prompt = prompt_ids(tok, 7)
+    config = GREEDY.updated(max_tokens=10)
+    a, b = PromptCacheState.new(model), PromptCacheState.new(model)
+    out_a = steps(model, prompt, a, config)
+    out_b = steps(model, prompt, b, config, logits_processors=[unchanged])
+    assert out_a == out_b
+    assert a.tokens == b.tokens == prompt + out_a[:-1] and consistent(a)
+
+
+# ----------------------------------------------------------------- early stops
+@pytest.mark.parametrize("close", [True, False], ids=["closed", "suspended"])
+def test_consumer_stopping_early_leaves_the_fed_token_recorded(tiny_model, close):
+    kind, model, tok = tiny_model
+    prompt = prompt_ids(tok, 6)
+    state = PromptCacheState.new(model)
+    gen = generate_step(prompt, model, state=state, config=GREEDY.updated(max_tokens=20))
+    got = [next(gen)[0] for _ in range(3)]
+    if close:
+        gen.close()
+    assert consistent(state)
+    if kind in ("llama", "sliding"):
+        assert state.tokens == prompt + got  # the 3rd token was fed ahead
+    else:
+        assert state.tokens == prompt + got[:2]
+    # the state is reused as documented: the continuation equals a fresh run
+    more = prompt + got + tok.encode(" and more", add_special_tokens=False)
+    config = GREEDY.updated(max_tokens=6)
+    assert steps(model, more, state, config) == steps(model, more, None, config)
+    del gen
+
+
+def test_stop_token_fed_ahead_is_trimmed_back(tiny_model):
+    """Every position of the reply as the stop token, across the sliding
+    window's edge: the state is always ``prompt + reply[:-1]``."""
+    kind, model, tok = tiny_model
+    prompt = prompt_ids(tok, 9)
+    config = GREEDY.updated(max_tokens=SLIDING_WINDOW - len(prompt) + 4)
+    ref = steps(model, prompt, None, config)
+    for k, stop in enumerate(ref, 1):
+        if stop in ref[: k - 1]:
+            continue
+        state = PromptCacheState.new(model)
+        out = steps(model, prompt, state, config, stop_tokens={stop})
+        assert out == ref[:k], (kind, k)
+        assert state.tokens == prompt + out[:-1] and consistent(state), (kind, k)
+
+
+def test_stop_token_at_the_edge_of_a_rotating_window(tiny_model):
+    """Token k would be the first a ``max_kv_size`` window drops: it is not fed
+    ahead (it could not be taken back), so a stop there leaves the usual state."""
+    kind, model, tok = tiny_model
+    prompt = prompt_ids(tok, 6)
+    ref = steps(model, prompt, None, GREEDY.updated(max_tokens=8))
+    k = next(k for k in range(2, len(ref) + 1) if ref[k - 1] not in ref[: k - 1])
+    max_kv = len(prompt) + k - 1  # holding prompt + r1..r(k-1) fills the window
+    config = GREEDY.updated(max_tokens=8, max_kv_size=max_kv, keep=2)
+    state = PromptCacheState.new(model, max_kv, 2)
+    out = steps(model, prompt, state, config, stop_tokens={ref[k - 1]})
+    assert out == ref[:k]
+    assert state.tokens == prompt + out[:-1] and consistent(state)
+    assert can_trim_prompt_cache(state.cache) == (kind in ("llama", "sliding"))
+
+
+def test_stop_token_fed_ahead_undoes_the_kv_quantization_it_started(llama_model):
+    """Token 2, fed ahead, brings the cache to ``quantized_kv_start`` (it is
+    quantized), then turns out a stop token: the float layers come back, as
+    in the synchronous loop, and the next call gives the same logits."""
+    model, tok = llama_model
+    prompt = prompt_ids(tok, 6)
+    config = GREEDY.updated(max_tokens=6, kv_bits=8, quantized_kv_start=8)
+    ref = steps(model, prompt, None, config)
+    stop = ref[1]
+    assert stop != ref[0]
+    ahead, sync = PromptCacheState.new(model), PromptCacheState.new(model)
+    out = steps(model, prompt, ahead, config, stop_tokens={stop})
+    assert out == steps(model, prompt, sync, config, stop_tokens={stop}, logits_processors=[unchanged]) == ref[:2]
+    assert ahead.tokens == sync.tokens == prompt + ref[:1] and consistent(ahead)
+    assert [type(c) for c in ahead.cache] == [type(c) for c in sync.cache] == [KVCache] * len(sync.cache)
+    more = prompt + out + tok.encode(" Yes", add_special_tokens=False)
+    a = list(generate_step(more, model, state=ahead, config=config))
+    b = list(generate_step(more, model, state=sync, config=config, logits_processors=[unchanged]))
+    assert [t for t, _ in a] == [t for t, _ in b]
+    assert all(mx.array_equal(x, y).item() for (_, x), (_, y) in zip(a, b))
+
+
+# ----------------------------------------------------------------- random numbers
+@pytest.mark.parametrize("kind_state", ["trimmable", "synchronous"])
+def test_seeded_sampling_is_unchanged_by_feeding_ahead(llama_model, kind_state):
+    """Seeded temp > 0 sampling: the same tokens with and without feeding ahead,
+    also for an unseeded call after a call that ended on a stop token fed ahead."""
+    model, tok = llama_model
+    prompt = prompt_ids(tok, 5)
+    config = DEFAULTS.updated(temp=1.5, seed=11, max_tokens=12)
+    procs = [unchanged] if kind_state == "synchronous" else None
+    ref = steps(model, prompt, None, config, logits_processors=[unchanged])
+    assert steps(model, prompt, None, config, logits_processors=procs) == ref
+    stop = ref[4]
+    assert stop not in ref[:4]
+
+    def two_calls(processors):
+        first = steps(model, prompt, None, config, logits_processors=processors, stop_tokens={stop})
+        second = steps(model, prompt, None, dataclasses.replace(config, seed=None), logits_processors=processors)
+        return first, second
+
+    assert two_calls(procs) == two_calls([unchanged])
+    assert two_calls(procs)[0] == ref[:5]
+
+
+def test_seeded_sampling_matches_the_synchronous_step_by_step_loop(llama_model):
+    """The old loop (prefill + decode_one_token per token) as the reference."""
+    from mlx_chatcache.generate import decode_one_token
+    from mlx_chatcache.sample import make_sampler
+
+    model, tok = llama_model
+    prompt = prompt_ids(tok, 1)  # one token: the first call is the same in both
+    config = DEFAULTS.updated(temp=1.2, top_k=50, seed=5, max_tokens=9)
+    mx.random.seed(5)
+    state = PromptCacheState.new(model)
+    sampler = make_sampler(1.2, 1.0, 50, 0.0, 1)
+    token, _ = decode_one_token(model, state, prompt, sampler)
+    old = [token]
+    for _ in range(8):
+        token, _ = decode_one_token(model, state, [token], sampler)
+        old.append(token)
+    assert steps(model, prompt, None, config) == old
+
+
+# ----------------------------------------------------------------- chat turns
+def test_interrupted_reply_leaves_the_documented_state(llama_model):
+    model, tok = llama_model
+    prompt = prompt_ids(tok, 8)
+    state = PromptCacheState.new(model)
+    calls = []
+
+    def stop_after_three():
+        calls.append(1)
+        return len(calls) >= 3
+
+    reply = stream_reply(model, tok, prompt, state, GREEDY.updated(max_tokens=20), 0.0, None, stop_after_three)
+    assert reply.interrupted and len(reply.tokens) == 3
+    assert state.tokens == prompt + reply.tokens[:-1] and consistent(state)
