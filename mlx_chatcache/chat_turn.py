@@ -8,15 +8,20 @@ Contract
 ``prefill_step_size`` chunks, recording each chunk in ``state.tokens``. It
 polls ``should_stop`` before every chunk and raises :class:`TurnCancelled`
 when it says so; the state then holds the chunks fed so far (the caller rolls
-the turn back).
+the turn back). When ``upto == len(ids) - 1`` (the prompt up to the token the
+reply starts from), the tokens :func:`~mlx_chatcache.generate.final_call_size`
+gives (the prompt's last chunk, or only its last token for a quantized model)
+are left to :func:`stream_reply`: the generate loop feeds them in the model
+call that samples the first reply token, one call instead of two.
+``should_stop`` is polled before that chunk too.
 
-:func:`stream_reply` generates the reply to a prompt the state holds all but
-the last token of, passing each text piece to ``on_text``. It polls
-``should_stop`` after every token that does not end the reply and ends the
-reply there ("interrupted"), then passes on the text the detokenizer held back.
-The state is left as :mod:`mlx_chatcache.generate` documents for a reply that
-ends: every reply token but the last has been fed (after an interruption, the
-token the generate loop fed ahead is trimmed back off).
+:func:`stream_reply` generates the reply to a prompt the state holds a prefix
+of, passing each text piece to ``on_text``. It polls ``should_stop`` after
+every token that does not end the reply and ends the reply there
+("interrupted"), then passes on the text the detokenizer held back. The state
+is left as :mod:`mlx_chatcache.generate` documents for a reply that ends:
+every reply token but the last has been fed (after an interruption, the token
+the generate loop fed ahead is trimmed back off).
 
 :class:`TurnStats` is what a turn cost; :func:`turn_stats` fills one in.
 """
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .config import GenerationConfig
-from .generate import GenerationResponse, make_kv_quantizer, prefill, stream_generate
+from .generate import GenerationResponse, final_call_size, make_kv_quantizer, prefill, stream_generate
 from .prompt_state import PromptCacheState, trim_state
 
 TextCallback = Callable[[str], None]
@@ -98,16 +103,22 @@ def feed_prompt(
     model, state: PromptCacheState, ids: list[int], upto: int, config: GenerationConfig, should_stop: StopCheck | None
 ) -> None:
     """Feed ``ids[len(state.tokens):upto]`` in ``config.prefill_step_size``
-    chunks (see the module doc); TurnCancelled on a stop request."""
+    chunks, less the reply's first call when ``upto == len(ids) - 1`` (see the
+    module doc); TurnCancelled on a stop request."""
     step = config.prefill_step_size
     quantizer = make_kv_quantizer(config)
-    while len(state.tokens) < upto:
+    end = upto
+    if upto == len(ids) - 1 and len(state.tokens) <= upto:  # the reply comes next
+        end = len(ids) - final_call_size(model, len(ids) - len(state.tokens), step)
+    while len(state.tokens) < end:
         if should_stop is not None and should_stop():
             raise TurnCancelled
         a = len(state.tokens)
-        b = min(a + step, upto)
+        b = min(a + step, end)
         prefill(model, state.cache, ids[a : b + 1], step, kv_quantizer=quantizer)  # feeds ids[a:b]
         state.tokens.extend(ids[a:b])
+    if end < upto and should_stop is not None and should_stop():  # before the chunk left to the reply
+        raise TurnCancelled
 
 
 def stream_reply(

@@ -7,6 +7,10 @@
   leaves the state and the random generator as the synchronous loop does.
   Untrimmable caches (hybrid/ssm kinds, a rotating window about to drop a
   token) and logits processors keep the synchronous loop.
+- The prompt's last call: a float model is fed the prompt's last chunk in the
+  call that samples the first token (one call for a prompt of at most
+  ``prefill_step_size`` tokens); a quantized model keeps mlx-lm's split (all
+  but the last token, then the last token).
 
 The synchronous loop is forced with a logits processor that changes nothing.
 """
@@ -16,13 +20,15 @@ from __future__ import annotations
 import dataclasses
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from tiny_models import SLIDING_WINDOW
 
 from mlx_chatcache.cache import KVCache, cache_offset, can_trim_prompt_cache
 from mlx_chatcache.chat_turn import stream_reply
 from mlx_chatcache.config import DEFAULTS
-from mlx_chatcache.generate import PromptCacheState, generate_step
+from mlx_chatcache.generate import PromptCacheState, final_call_size, generate_step, prefill
+from mlx_chatcache.session import ChatSession
 
 GREEDY = DEFAULTS.updated(temp=0.0)
 TEXT = "The weather was cold and windy, so we stayed inside and read our books."
@@ -219,7 +225,56 @@ def test_seeded_sampling_matches_the_synchronous_step_by_step_loop(llama_model):
     assert steps(model, prompt, None, config) == old
 
 
-# ----------------------------------------------------------------- chat turns
+# ----------------------------------------------------------------- the prompt's last call
+def test_prompt_within_one_step_is_one_model_call(tiny_model):
+    kind, model, tok = tiny_model
+    counting = CountingModel(model)
+    for n, step, expected in [(11, 16, [11]), (11, 11, [11]), (11, 4, [4, 4, 3]), (9, 4, [4, 4, 1])]:
+        counting.calls.clear()
+        prompt = prompt_ids(tok, n)
+        seen = []
+        gen = generate_step(prompt, counting, config=GREEDY.updated(max_tokens=1, prefill_step_size=step),
+                            progress=lambda d, t: seen.append((d, t)))  # fmt: skip
+        next(gen)
+        assert counting.calls == expected, (n, step)
+        assert seen[0] == (0, n) and seen[-1] == (n, n)
+        assert seen == [(0, n)] + [(sum(expected[: i + 1]), n) for i in range(len(expected) - 1)] + [(n, n)]
+
+
+def test_quantized_model_keeps_the_last_token_alone(make_tiny_model):
+    model, tok = make_tiny_model("llama", seed=0)
+    nn.quantize(model, group_size=64, bits=4)
+    counting = CountingModel(model)
+    assert final_call_size(counting, 11, 16) == 1
+    prompt = prompt_ids(tok, 11)
+    next(generate_step(prompt, counting, config=GREEDY.updated(max_tokens=1, prefill_step_size=16)))
+    assert counting.calls == [10, 1]
+    seen = []
+    rest = prefill(counting, PromptCacheState.new(model).cache, prompt, 4, lambda d, t: seen.append((d, t)))
+    assert rest == prompt[-1:] and seen == [(0, 11), (4, 11), (8, 11), (10, 11)]
+
+
+def test_chat_turn_feeds_its_new_tokens_in_one_call(tiny_model):
+    kind, model, tok = tiny_model
+    counting = CountingModel(model)
+    s = ChatSession(counting, tok, system_prompt="Be brief.", config=DEFAULTS.updated(max_tokens=4))
+    s.ask("Good morning!")
+    counting.calls.clear()
+    r = s.ask("What is the capital of Italy?")
+    assert r.stats.new_tokens <= DEFAULTS.prefill_step_size
+    assert counting.calls[0] == r.stats.new_tokens  # the prompt: one call
+    assert counting.calls[1:] == [1] * (len(counting.calls) - 1)
+    # a small prefill step: full chunks first, the last chunk with the first token
+    config = DEFAULTS.updated(max_tokens=2, prefill_step_size=5)
+    s2 = ChatSession(counting, tok, system_prompt="Be brief.", config=config)
+    counting.calls.clear()
+    r2 = s2.ask("Good morning!")
+    n, chunks = r2.stats.new_tokens, []
+    while sum(chunks) < n:
+        chunks.append(counting.calls[len(chunks)])
+    assert sum(chunks) == n and chunks[:-1] == [5] * (len(chunks) - 1) and 1 <= chunks[-1] <= 5
+
+
 def test_interrupted_reply_leaves_the_documented_state(llama_model):
     model, tok = llama_model
     prompt = prompt_ids(tok, 8)
