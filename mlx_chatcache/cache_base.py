@@ -4,7 +4,9 @@ Contract of :class:`BaseCache` (what the file format, the generate loop and the
 chat session rely on):
 
 - ``state``: a list of arrays holding exactly the live content (never padding,
-  never trimmed-away tokens, rotating caches in temporal order). Settable.
+  never trimmed-away tokens, rotating caches in temporal order). Settable; the
+  set arrays may also carry exactly ``spare_slots()`` free slots after the live
+  tokens (how a loader hands over room to grow without a copy).
 - ``meta_state``: a tuple of plain strings with everything that is not an array
   (offsets, window size, keep, bits, group size). Settable; parsing errors raise
   :class:`CacheFormatError`.
@@ -55,11 +57,23 @@ class BaseCache:
     @classmethod
     def from_state(cls, state: Sequence[mx.array], meta_state: Sequence[str]):
         """Rebuild a cache from ``state`` and ``meta_state`` (validated)."""
+        obj = cls.from_meta_state(meta_state)
+        obj.state = list(state)
+        return obj
+
+    @classmethod
+    def from_meta_state(cls, meta_state: Sequence[str]):
+        """A cache with ``meta_state`` applied and no arrays yet: set ``state`` next."""
         obj = cls.__new__(cls)
         obj._init_empty()
         obj.meta_state = tuple(meta_state)
-        obj.state = list(state)
         return obj
+
+    def spare_slots(self) -> int:
+        """Free token slots the ``state`` arrays may carry after the live tokens
+        (axis -2), so that the next update need not reallocate. A loader reads
+        the arrays into buffers this much longer; 0 means exactly the live tokens."""
+        return 0
 
     def _init_empty(self) -> None:
         """Set the attributes an instance needs before ``meta_state`` is applied."""

@@ -159,12 +159,17 @@ def load_prompt_cache(
 
 
 def _build_layers(header: Header, info: CacheFileInfo) -> list[BaseCache]:
-    arrays = read_arrays(header)
-    cache = []
+    """Each layer from its meta state, then its arrays, read with the room the
+    layer asks for (``spare_slots``): the first update after a load then writes
+    into that room instead of copying the whole cache into a bigger buffer."""
+    cache, spare = [], {}
     for i, name in enumerate(info.classes):
         meta, count = info.extra["layers"][i]
-        state = [arrays[f"layer.{i}.{j}"] for j in range(count)]
-        cache.append(cache_class(name).from_state(state, meta))
+        cache.append(cache_class(name).from_meta_state(meta))
+        spare.update({f"layer.{i}.{j}": cache[i].spare_slots() for j in range(count)})
+    arrays = read_arrays(header, spare=spare)
+    for i, layer in enumerate(cache):
+        layer.state = [arrays.pop(f"layer.{i}.{j}") for j in range(info.extra["layers"][i][1])]
     return cache
 
 

@@ -108,12 +108,20 @@ class KVCache(BaseCache):
         check_arrays(name, v, n)
         v = [a[...] for a in v]  # own objects: update_and_fetch writes into them in place
         self.keys, self.values = self._pack(v[: n // 2]), self._pack(v[n // 2 :])
+        slots = v[0].shape[2] if v[0].ndim == 4 else -1
+        if slots not in (self._held(), self._held() + self.spare_slots()):
+            slots = -1
         for a in v:
-            if a.ndim != 4 or a.shape[2] != self._held() or a.shape[:2] != v[0].shape[:2]:
+            if a.ndim != 4 or a.shape[2] != slots or a.shape[:2] != v[0].shape[:2]:
                 raise CacheFormatError(
                     f"{name} array of shape {tuple(a.shape)} does not hold {self._held()} tokens "
                     "as (batch, heads, tokens, dim)"
                 )
+
+    def spare_slots(self) -> int:
+        """Room up to the next ``step`` boundary past the live tokens (at least one slot)."""
+        held = self._held()
+        return -(-(held + 1) // self.step) * self.step - held
 
     def _array_names(self) -> tuple[str, ...]:
         return ("keys", "values")

@@ -55,6 +55,9 @@ class RotatingKVCache(KVCache):
     def _held(self) -> int:
         return min(self.offset, self.max_size)
 
+    def spare_slots(self) -> int:
+        return 0  # a window's buffer layout is its own; loaded exactly
+
     # ----------------------------------------------------------- positions
     def _positions(self) -> np.ndarray:
         """Absolute position of each held slot, in buffer order."""

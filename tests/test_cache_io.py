@@ -291,3 +291,76 @@ def test_mlx_lm_file_continues_identically(kind, tiny_model_dirs, tmp_path):
     save_prompt_cache(q, ours, format="mlx-lm")
     again = lm.load_prompt_cache(str(q))
     assert mx.array_equal(model(mx.array([[60]]), cache=again), model(mx.array([[60]]), cache=ours))
+
+
+# ------------------------------------------------------------------ loading into room to grow
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("make", [KVCache, lambda: QuantizedKVCache(32, 8)], ids=["float", "q8"])
+def test_loaded_cache_grows_without_reallocating(tmp_path, dtype, make):
+    """A loaded cache is read into buffers reaching the next step boundary, so the
+    first updates after a resume write into that room, and it continues exactly
+    like the cache that was saved."""
+    from mlx.utils import tree_flatten
+
+    from mlx_chatcache.cache_base import kv_len
+
+    saved = make()
+    saved.update_and_fetch(rnd(10).astype(dtype), rnd(10, 1).astype(dtype))
+    p = tmp_path / "c.safetensors"
+    save_prompt_cache(p, [saved], tokens=list(range(10)))
+    (loaded,) = load_prompt_cache(p)
+    assert loaded.spare_slots() == KVCache.step - 10
+    assert kv_len(loaded.keys) == kv_len(loaded.values) == KVCache.step
+    assert all(s.shape[2] == 10 for s in loaded.state)  # the contract: live tokens only
+    for i in range(3):
+        k, v = rnd(7, 10 + i).astype(dtype), rnd(7, 20 + i).astype(dtype)
+        want, got = saved.update_and_fetch(k, v), loaded.update_and_fetch(k, v)
+        for a, b in zip(tree_flatten(want), tree_flatten(got)):
+            assert a[1].dtype == b[1].dtype and mx.array_equal(a[1], b[1])
+    assert kv_len(loaded.keys) == KVCache.step  # still the buffer it was loaded into
+
+
+def test_loaded_float_buffer_is_written_in_place(tmp_path):
+    import numpy as np
+
+    c = KVCache()
+    c.update_and_fetch(rnd(10), rnd(10, 1))
+    save_prompt_cache(tmp_path / "c.safetensors", [c], tokens=list(range(10)))
+    (loaded,) = load_prompt_cache(tmp_path / "c.safetensors")
+
+    def address(a):
+        return np.array(a, copy=False).__array_interface__["data"][0]
+
+    before = address(loaded.keys)
+    loaded.update_and_fetch(rnd(1, 5), rnd(1, 6))
+    mx.eval(loaded.keys)
+    assert address(loaded.keys) == before
+
+
+def test_state_setter_takes_only_the_declared_spare_room():
+    c = KVCache()
+    c.offset = 10
+    ok = mx.zeros((1, 2, 10 + c.spare_slots(), 32))
+    c.state = [ok, ok]
+    assert c.state[0].shape[2] == 10
+    for slots in (9, 11, 10 + c.spare_slots() + 1):
+        bad = mx.zeros((1, 2, slots, 32))
+        with pytest.raises(CacheFormatError, match="does not hold 10 tokens"):
+            c.state = [bad, bad]
+
+
+def test_file_changed_or_shortened_after_header_check(good_file, tmp_path):
+    import dataclasses
+
+    from mlx_chatcache.safetensors_file import read_arrays, read_header
+
+    header = read_header(good_file)
+    names = list(header.tensors)
+    os.utime(good_file, ns=(0, 12345))  # same bytes, another file as far as we can tell
+    with pytest.raises(CacheFileError, match="changed"):
+        read_arrays(header)
+    blind = dataclasses.replace(read_header(good_file), identity=())
+    with open(good_file, "r+b") as f:
+        f.truncate(blind.data_start + 4)
+    with pytest.raises(CacheFileError, match="shrank or changed"):
+        read_arrays(blind, names, spare={n: 3 for n in names})
