@@ -16,11 +16,12 @@ heads x 128 dims, float16) filled with random K/V through ``update_and_fetch``
   ``/proc/sys/vm/drop_caches``; reported as "n/a" when that is not permitted);
 - ``cat FILE > /dev/null`` time for the same file, warm and cold: the limit no
   loader can beat;
-- for quantized caches (ours and mlx-lm's, 8 and 4 bits, group 64) the relative
+- for quantized caches (ours and mlx-lm's, 8, 6 and 4 bits, group 64) the relative
   error of the attention output computed from the loaded cache with random
   queries (mlx-lm's own quantized attention) against the float cache;
 - with ``--model-check`` (default on), the next-token logit error of the demo
-  model (SmolLM2) when its float prompt cache is replaced by a quantized one.
+  model (SmolLM2) when its float prompt cache is replaced by a quantized one,
+  and how far that real cache compresses losslessly (zlib, lzma).
 
 Every loaded cache is compared with the cache that was saved (bit-exact for
 float, same packed arrays for quantized): a fast but wrong loader fails loudly.
@@ -207,6 +208,7 @@ def drop_page_cache() -> bool:
 
 L_LAYERS, KV_HEADS, HEAD_DIM = 16, 8, 128
 GROUP = 64
+EXACT = "mlxcc, room=False"  # our loader reading exactly the stored tokens (no room to grow)
 
 
 def _fill(n_tokens: int, seed: int):
@@ -294,7 +296,60 @@ def _cat_time(path: Path, cold: bool) -> float | None:
     return time.perf_counter() - t0
 
 
-def bench_size(n_tokens: int, folder: Path, repeats: int, cold_repeats: int, bits_list):
+def _load_for(engine: str, path):
+    """Load ``path`` as ``engine`` does, every array evaluated."""
+    import mlx.core as mx
+    from mlx_lm.models import cache as lmc
+
+    from mlx_chatcache import cache_io
+
+    if engine == "mlx-lm":
+        c = lmc.load_prompt_cache(str(path))
+        mx.eval(_arrays_of(c))
+    else:
+        c = cache_io.load_prompt_cache(path, room=engine != EXACT)
+        mx.eval([x.eval_arrays() for x in c])
+    return c
+
+
+def _append_one(cache) -> None:
+    import mlx.core as mx
+
+    one = mx.ones((1, KV_HEADS, 1, HEAD_DIM), dtype=mx.float16)
+    mx.eval([x.update_and_fetch(one, one) for x in cache])
+
+
+def fresh_job(engine: str, path: str) -> int:
+    """Worker (a new process): load, then append one token; print both times."""
+    import json
+
+    import mlx.core as mx
+    from mlx_lm.models import cache as _lmc  # noqa: F401  (imports outside the clock)
+
+    from mlx_chatcache import cache_io as _io  # noqa: F401
+
+    mx.eval(mx.zeros(4) + 1)  # MLX initialised before the clock starts
+    t0 = time.perf_counter()
+    c = _load_for(engine, path)
+    t1 = time.perf_counter()
+    _append_one(c)
+    print(json.dumps({"load": t1 - t0, "append": time.perf_counter() - t1, "peak": mx.get_peak_memory()}))
+    return 0
+
+
+def fresh_process_time(engine: str, path: Path) -> tuple[float, int]:
+    """Load + one appended token, timed inside a new process (cold allocator);
+    also that process's MLX peak memory."""
+    import json
+
+    out = subprocess.run([sys.executable, __file__, "--fresh-job", engine, str(path)],
+                         capture_output=True, text=True, check=True)
+    j = json.loads(out.stdout.strip().splitlines()[-1])
+    return j["load"] + j["append"], j["peak"]
+
+
+def bench_size(n_tokens: int, folder: Path, repeats: int, cold_repeats: int, bits_list,
+               fresh_repeats: int = 0):
     import mlx.core as mx
     from mlx_lm.models import cache as lmc
 
@@ -309,30 +364,28 @@ def bench_size(n_tokens: int, folder: Path, repeats: int, cold_repeats: int, bit
         mx.eval([c.eval_arrays() for c in oq], _arrays_of(tq))
         variants.append((f"q{bits}", oq, tq))
 
-    def lm_load(p):
-        c = lmc.load_prompt_cache(str(p))
-        mx.eval(_arrays_of(c))
-        return c
-
-    def our_load(p):
-        c = cache_io.load_prompt_cache(p)
-        mx.eval([x.eval_arrays() for x in c])
-        return c
+    def load_and_append(load, p):
+        """What a resume pays before its first forward: load, then one token appended."""
+        _append_one(load(p))
 
     def lm_save_fsync(p, c):
         lmc.save_prompt_cache(str(p), c)
         with open(p, "rb+") as f:
             os.fsync(f.fileno())
 
-    engines = {
-        "mlx-lm": (lambda p, c: lmc.save_prompt_cache(str(p), c), lm_load),
-        "mlxcc": (lambda p, c: cache_io.save_prompt_cache(p, c), our_load),
+    all_engines = {
+        "mlx-lm": (lambda p, c: lmc.save_prompt_cache(str(p), c), lambda p: _load_for("mlx-lm", p)),
+        "mlxcc": (lambda p, c: cache_io.save_prompt_cache(p, c), lambda p: _load_for("mlxcc", p)),
+        EXACT: (lambda p, c: cache_io.save_prompt_cache(p, c), lambda p: _load_for(EXACT, p)),
     }
     rows = []
     for tag, ours_c, theirs_c in variants:
-        caches = {"mlx-lm": theirs_c, "mlxcc": ours_c}
-        paths = {e: folder / f"{e}-{tag}-{n_tokens}.safetensors" for e in engines}
-        t = {e: {k: [] for k in ("save", "fsync", "warm", "cold", "cat_w", "cat_c")} for e in engines}
+        engines = {e: f for e, f in all_engines.items() if e != EXACT or tag == "f16"}
+        caches = {"mlx-lm": theirs_c, "mlxcc": ours_c, EXACT: ours_c}
+        stem = {"mlx-lm": "lm", "mlxcc": "ours", EXACT: "ours-exact"}
+        paths = {e: folder / f"{stem[e]}-{tag}-{n_tokens}.safetensors" for e in engines}
+        t = {e: {k: [] for k in ("save", "fsync", "warm", "append", "fresh", "peak", "cold", "cat_w", "cat_c")}
+             for e in engines}
         loaded = {}
         # interleaved: both engines run under the same (shared, noisy) machine load,
         # the order alternating between repeats
@@ -356,6 +409,9 @@ def bench_size(n_tokens: int, folder: Path, repeats: int, cold_repeats: int, bit
                     t0 = time.perf_counter()
                     loaded[e] = load(paths[e])
                     t[e]["warm"].append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    load_and_append(load, paths[e])
+                    t[e]["append"].append(time.perf_counter() - t0)
                     t[e]["cat_w"].append(_cat_time(paths[e], cold=False))
             for e in order:
                 if r < cold_repeats and drop_page_cache():
@@ -364,6 +420,11 @@ def bench_size(n_tokens: int, folder: Path, repeats: int, cold_repeats: int, bit
                     t[e]["cold"].append(time.perf_counter() - t0)
                     if r == 0:  # the disk does not get faster: once per file
                         t[e]["cat_c"].append(_cat_time(paths[e], cold=True))
+        for r in range(fresh_repeats if tag == "f16" else 0):
+            for e in list(engines) if r % 2 == 0 else list(engines)[::-1]:
+                secs, peak = fresh_process_time(e, paths[e])
+                t[e]["fresh"].append(secs)
+                t[e]["peak"].append(peak)
         res = {}
         for e in engines:
             if not _same_content(caches[e], loaded[e]):
@@ -378,12 +439,34 @@ def bench_size(n_tokens: int, folder: Path, repeats: int, cold_repeats: int, bit
             rows.append(dict(tokens=n_tokens, tag=tag, engine=e, **r,
                              size_vs_lm=r["size"] / lm["size"],
                              warm_speed=lm["warm"] / r["warm"],
+                             append_speed=lm["append"] / r["append"],
+                             fresh_speed=(lm["fresh"] / r["fresh"]) if r["fresh"] else None,
                              cold_speed=(lm["cold"] / r["cold"]) if r["cold"] and lm["cold"] else None))
     return rows
 
 
-def model_check(prompt_tokens: int, bits_list) -> list[list]:
-    """Next-token logits of the demo model with a quantized vs float prompt cache."""
+def lossless_ratios(arrays) -> dict[str, float]:
+    """Compressed / raw size of ``arrays`` as float16 bytes, as stored, and with the
+    two bytes of every element split into two planes (exponent bytes together),
+    under zlib level 9 and lzma preset 6: what a lossless cache file could save."""
+    import lzma
+    import zlib
+
+    import mlx.core as mx
+    import numpy as np
+
+    raw = b"".join(np.array(a.astype(mx.float16)).tobytes() for a in arrays)
+    planes = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 2).T.tobytes()
+    out = {}
+    for layout, data in (("as stored", raw), ("byte planes", planes)):
+        out[f"zlib-9, {layout}"] = len(zlib.compress(data, 9)) / len(raw)
+        out[f"lzma-6, {layout}"] = len(lzma.compress(data, preset=6)) / len(raw)
+    return out
+
+
+def model_check(prompt_tokens: int, bits_list) -> tuple[list[list], dict[str, float]]:
+    """Next-token logits of the demo model with a quantized vs float prompt cache,
+    and how far its float16 K/V compress losslessly."""
     import mlx.core as mx
 
     from mlx_chatcache import cache as cc
@@ -391,7 +474,7 @@ def model_check(prompt_tokens: int, bits_list) -> list[list]:
 
     path = demo_model_path()
     if path is None:
-        return []
+        return [], {}
     model, tok = load(str(path))
     text = (
         "The history of computing is a story of machines that remember. Early computers "
@@ -412,7 +495,7 @@ def model_check(prompt_tokens: int, bits_list) -> list[list]:
         top1 = int(mx.argmax(out).item() == mx.argmax(ref).item())
         rows.append([f"q{bits} (group {GROUP})", len(ids), f"{rel:.2e}",
                      f"{mx.max(mx.abs(out - ref)).item():.3f}", f"{kl:.2e}", "yes" if top1 else "NO"])
-    return rows
+    return rows, lossless_ratios([a for c in cache for a in c.state])
 
 
 def repeats_for(n: int, args) -> tuple[int, int]:
@@ -431,14 +514,19 @@ def main(argv=None) -> int:
                     help="warm timings per measurement (median; default 5)")
     ap.add_argument("--cold-repeats", type=int, default=None,
                     help="cold-cache timings (median; default 3)")
-    ap.add_argument("--bits", default="8,4", help="quantized variants (default 8,4)")
+    ap.add_argument("--bits", default="8,6,4", help="quantized variants (default 8,6,4)")
     ap.add_argument("--model-check", action=argparse.BooleanOptionalAction, default=True,
                     help="measure the demo model's logit error with a quantized cache")
     ap.add_argument("--model-prompt", type=int, default=160, help="prompt tokens for --model-check")
     ap.add_argument("--write-results", action="store_true", help="update benchmarks/RESULTS.md")
     ap.add_argument("--results", type=Path, default=RESULTS, help="RESULTS.md to update")
     ap.add_argument("--openblas", action="store_true", help="LD_PRELOAD Debian's OpenBLAS")
+    ap.add_argument("--fresh-repeats", type=int, default=3,
+                    help="float16 load + 1 token timed in new processes (median; default 3, 0 = skip)")
+    ap.add_argument("--fresh-job", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.fresh_job:
+        return fresh_job(*args.fresh_job)
     sizes = [int(x) for x in args.tokens.split(",") if x]
     bits_list = [int(x) for x in args.bits.split(",") if x]
 
@@ -449,12 +537,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="mlxcc-bench-", dir=os.environ.get("MLXCC_BENCH_DIR")) as d:
         for n in sizes:
             warm_n, cold_n = repeats_for(n, args)
-            rows += bench_size(n, Path(d), warm_n, cold_n if can_drop else 0, bits_list)
+            rows += bench_size(n, Path(d), warm_n, cold_n if can_drop else 0, bits_list, args.fresh_repeats)
             print(f"[cache_io] {n} tokens done ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr)
 
     headers = ["tokens", "cache", "engine", "tokens stored", "file MB", "size / mlx-lm",
                "save ms", "mlx-lm save+fsync ms", "load ms warm", "load ms cold",
-               "load speed / mlx-lm (warm, cold)", "cat ms warm", "cat ms cold", "attn rel err"]
+               "load speed / mlx-lm (warm, cold)", "load + 1 token ms warm", "speed / mlx-lm",
+               "new process: load + 1 token ms", "speed / mlx-lm",
+               "cat ms warm", "cat ms cold", "attn rel err"]
     table = []
     for r in rows:
         table.append([
@@ -462,6 +552,8 @@ def main(argv=None) -> int:
             f"{r['size_vs_lm']:.3f}", fmt_ms(r["save"]), fmt_ms(r["fsync"]) if r["fsync"] else "",
             fmt_ms(r["warm"]), fmt_ms(r["cold"]),
             f"{r['warm_speed']:.2f}x, " + (f"{r['cold_speed']:.2f}x" if r["cold_speed"] else "n/a"),
+            fmt_ms(r["append"]), f"{r['append_speed']:.2f}x",
+            fmt_ms(r["fresh"]) if r["fresh"] else "", f"{r['fresh_speed']:.2f}x" if r["fresh"] else "",
             fmt_ms(r["cat_w"]), fmt_ms(r["cat_c"]),
             "-" if r["tag"] == "f16" else f"{r['err']:.2e}",
         ])
@@ -477,7 +569,13 @@ def main(argv=None) -> int:
             + " 'size / mlx-lm' and 'load speed / mlx-lm' compare with mlx-lm's file of the same "
             "cache at the same precision (speed > 1: ours faster). attn rel err: max over layers of "
             "the relative L2 error of the attention output (random GQA query, dequantized K/V) vs "
-            "the float cache.\n\n")
+            "the float cache. 'load + 1 token': a load followed by one token appended to every "
+            "layer (what a resume pays before its first forward). Our default load reads K/V into "
+            "buffers with room to the next 256-token step (a zero fill, then the read), so that "
+            "append is written in place; mlx-lm's file stores its buffers' padding, which gives "
+            f"it that room; `{EXACT}` is our loader reading exactly the stored tokens. 'new "
+            "process': the same, timed inside a fresh Python process per run (no warm allocator: "
+            "what resuming a saved chat costs).\n\n")
     out += md_table(headers, table)
     f16 = {(r["tokens"], r["engine"]): r for r in rows if r["tag"] == "f16"}
     q_rows = {(r["tokens"], r["tag"]): r for r in rows if r["engine"] == "mlxcc" and r["tag"] != "f16"}
@@ -487,17 +585,30 @@ def main(argv=None) -> int:
         parts = [f"{n} tokens: our f16 file {f16[(n, 'mlxcc')]['size'] / lm['size']:.3f}x mlx-lm's"]
         for b in bits_list:
             parts.append(f"q{b} {q_rows[(n, f'q{b}')]['size'] / lm['size']:.3f}x")
-        parts.append(f"our f16 load speed {f16[(n, 'mlxcc')]['warm_speed']:.2f}x warm"
-                     + (f", {f16[(n, 'mlxcc')]['cold_speed']:.2f}x cold" if f16[(n, 'mlxcc')]['cold_speed'] else ""))
+        ours, exact = f16[(n, "mlxcc")], f16[(n, EXACT)]
+        parts.append(f"our f16 load speed {ours['warm_speed']:.2f}x warm"
+                     + (f", {ours['cold_speed']:.2f}x cold" if ours["cold_speed"] else "")
+                     + f" ({exact['warm_speed']:.2f}x warm"
+                     + (f", {exact['cold_speed']:.2f}x cold" if exact["cold_speed"] else "")
+                     + " with room=False)"
+                     + f"; load + 1 token {ours['append_speed']:.2f}x warm"
+                     + f" ({exact['append_speed']:.2f}x with room=False)"
+                     + (f", {ours['fresh_speed']:.2f}x in a new process ({exact['fresh_speed']:.2f}x "
+                        f"with room=False; MLX peak memory there {ours['peak'] / 1e6:.0f} MB, "
+                        f"{exact['peak'] / 1e6:.0f} MB with room=False, mlx-lm "
+                        f"{lm['peak'] / 1e6:.0f} MB)" if ours["fresh"] else ""))
         summary.append("- " + "; ".join(parts))
     out += "\nvs mlx-lm's float16 file of the same cache:\n" + "\n".join(summary) + "\n"
     if args.model_check:
-        mrows = model_check(args.model_prompt, bits_list)
+        mrows, lossless = model_check(args.model_prompt, bits_list)
         if mrows:
             out += ("\nDemo model (SmolLM2-135M-Instruct Q4_1 GGUF, 30 layers x 3 KV heads x 64 dims) "
                     "next-token logits with a quantized vs float prompt cache:\n\n")
             out += md_table(["cache", "prompt tokens", "logits rel L2 err", "max |dlogit|",
                              "KL(float||quant)", "same top-1"], mrows)
+            out += ("\nThe same real cache as float16, compressed losslessly (compressed / raw size; "
+                    "a lossless file cannot go below these): "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in lossless.items()) + "\n")
     out += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
     print(out)
     if args.write_results:

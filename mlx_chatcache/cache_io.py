@@ -131,17 +131,24 @@ def load_prompt_cache(
     *,
     model: ModelFingerprint | None = None,
     what: str = "cache file",
+    room: bool = True,
 ):
     """Load a cache file (ours or mlx-lm's). With ``model``, refuse a file made
     for another model (before reading its arrays; ``what`` names the file in the
-    ModelMismatchError). Returns the cache, or ``(cache, CacheFileInfo)``."""
+    ModelMismatchError). Returns the cache, or ``(cache, CacheFileInfo)``.
+
+    ``room``: read each growing layer (``spare_slots``) into a buffer reaching its
+    next step, so the tokens appended after the load are written in place instead
+    of the whole cache being copied into a bigger buffer (what a resume does
+    next). ``False`` reads exactly the stored tokens: a zero fill less, for a
+    cache that will only be read."""
     header = read_header(path)
     info = _info_from_header(header)
     if model is not None:
         model.check(info.model, what=what)
     try:
         if info.layout == "mlxcc":
-            cache = _build_layers(header, info)
+            cache = _build_layers(header, info, room)
         else:
             from .mlxlm_compat import load_mlx_lm
 
@@ -158,15 +165,15 @@ def load_prompt_cache(
     return (cache, info) if return_metadata else cache
 
 
-def _build_layers(header: Header, info: CacheFileInfo) -> list[BaseCache]:
-    """Each layer from its meta state, then its arrays, read with the room the
-    layer asks for (``spare_slots``): the first update after a load then writes
-    into that room instead of copying the whole cache into a bigger buffer."""
+def _build_layers(header: Header, info: CacheFileInfo, room: bool) -> list[BaseCache]:
+    """Each layer from its meta state, then its arrays (with the room the layer
+    asks for, see ``load_prompt_cache``)."""
     cache, spare = [], {}
     for i, name in enumerate(info.classes):
         meta, count = info.extra["layers"][i]
         cache.append(cache_class(name).from_meta_state(meta))
-        spare.update({f"layer.{i}.{j}": cache[i].spare_slots() for j in range(count)})
+        if room:
+            spare.update({f"layer.{i}.{j}": cache[i].spare_slots() for j in range(count)})
     arrays = read_arrays(header, spare=spare)
     for i, layer in enumerate(cache):
         layer.state = [arrays.pop(f"layer.{i}.{j}") for j in range(info.extra["layers"][i][1])]

@@ -364,3 +364,13 @@ def test_file_changed_or_shortened_after_header_check(good_file, tmp_path):
         f.truncate(blind.data_start + 4)
     with pytest.raises(CacheFileError, match="shrank or changed"):
         read_arrays(blind, names, spare={n: 3 for n in names})
+
+
+def test_room_false_reads_exactly_the_stored_tokens(tmp_path):
+    from mlx_chatcache.cache_base import kv_len
+
+    c = filled(KVCache())
+    save_prompt_cache(tmp_path / "c.safetensors", [c], tokens=list(range(12)))
+    (exact,) = load_prompt_cache(tmp_path / "c.safetensors", room=False)
+    assert kv_len(exact.keys) == exact.offset == 12
+    assert_same([c], [exact])
