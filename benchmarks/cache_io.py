@@ -208,7 +208,6 @@ def drop_page_cache() -> bool:
 
 L_LAYERS, KV_HEADS, HEAD_DIM = 16, 8, 128
 GROUP = 64
-EXACT = "mlxcc, room=False"  # our loader reading exactly the stored tokens (no room to grow)
 
 
 def _fill(n_tokens: int, seed: int):
@@ -241,6 +240,13 @@ def _arrays_of(cache) -> list:
     from mlx.utils import tree_flatten
 
     return [a for _, a in tree_flatten([c.state for c in cache]) if isinstance(a, mx.array)]
+
+
+def _stored_slots(path) -> int:
+    """Token slots the file stores per K/V array (live tokens + any room)."""
+    from mlx_chatcache.safetensors_file import read_header
+
+    return max(t.shape[2] for t in read_header(path).tensors.values() if len(t.shape) == 4)
 
 
 def _live_kv(c):
@@ -307,7 +313,7 @@ def _load_for(engine: str, path):
         c = lmc.load_prompt_cache(str(path))
         mx.eval(_arrays_of(c))
     else:
-        c = cache_io.load_prompt_cache(path, room=engine != EXACT)
+        c = cache_io.load_prompt_cache(path)
         mx.eval([x.eval_arrays() for x in c])
     return c
 
@@ -337,15 +343,15 @@ def fresh_job(engine: str, path: str) -> int:
     return 0
 
 
-def fresh_process_time(engine: str, path: Path) -> tuple[float, int]:
-    """Load + one appended token, timed inside a new process (cold allocator);
-    also that process's MLX peak memory."""
+def fresh_process_time(engine: str, path: Path) -> tuple[float, float, int]:
+    """(load, load + one appended token) timed inside a new process (no warm
+    allocator: what resuming a saved chat pays), and that process's MLX peak memory."""
     import json
 
     out = subprocess.run([sys.executable, __file__, "--fresh-job", engine, str(path)],
                          capture_output=True, text=True, check=True)
     j = json.loads(out.stdout.strip().splitlines()[-1])
-    return j["load"] + j["append"], j["peak"]
+    return j["load"], j["load"] + j["append"], j["peak"]
 
 
 def bench_size(n_tokens: int, folder: Path, repeats: int, cold_repeats: int, bits_list,
@@ -364,27 +370,20 @@ def bench_size(n_tokens: int, folder: Path, repeats: int, cold_repeats: int, bit
         mx.eval([c.eval_arrays() for c in oq], _arrays_of(tq))
         variants.append((f"q{bits}", oq, tq))
 
-    def load_and_append(load, p):
-        """What a resume pays before its first forward: load, then one token appended."""
-        _append_one(load(p))
-
     def lm_save_fsync(p, c):
         lmc.save_prompt_cache(str(p), c)
         with open(p, "rb+") as f:
             os.fsync(f.fileno())
 
-    all_engines = {
+    engines = {
         "mlx-lm": (lambda p, c: lmc.save_prompt_cache(str(p), c), lambda p: _load_for("mlx-lm", p)),
         "mlxcc": (lambda p, c: cache_io.save_prompt_cache(p, c), lambda p: _load_for("mlxcc", p)),
-        EXACT: (lambda p, c: cache_io.save_prompt_cache(p, c), lambda p: _load_for(EXACT, p)),
     }
     rows = []
     for tag, ours_c, theirs_c in variants:
-        engines = {e: f for e, f in all_engines.items() if e != EXACT or tag == "f16"}
-        caches = {"mlx-lm": theirs_c, "mlxcc": ours_c, EXACT: ours_c}
-        stem = {"mlx-lm": "lm", "mlxcc": "ours", EXACT: "ours-exact"}
-        paths = {e: folder / f"{stem[e]}-{tag}-{n_tokens}.safetensors" for e in engines}
-        t = {e: {k: [] for k in ("save", "fsync", "warm", "append", "fresh", "peak", "cold", "cat_w", "cat_c")}
+        caches = {"mlx-lm": theirs_c, "mlxcc": ours_c}
+        paths = {e: folder / f"{e}-{tag}-{n_tokens}.safetensors" for e in engines}
+        t = {e: {k: [] for k in ("save", "fsync", "warm", "fresh_load", "fresh", "peak", "cold", "cat_w", "cat_c")}
              for e in engines}
         loaded = {}
         # interleaved: both engines run under the same (shared, noisy) machine load,
@@ -409,9 +408,6 @@ def bench_size(n_tokens: int, folder: Path, repeats: int, cold_repeats: int, bit
                     t0 = time.perf_counter()
                     loaded[e] = load(paths[e])
                     t[e]["warm"].append(time.perf_counter() - t0)
-                    t0 = time.perf_counter()
-                    load_and_append(load, paths[e])
-                    t[e]["append"].append(time.perf_counter() - t0)
                     t[e]["cat_w"].append(_cat_time(paths[e], cold=False))
             for e in order:
                 if r < cold_repeats and drop_page_cache():
@@ -420,17 +416,18 @@ def bench_size(n_tokens: int, folder: Path, repeats: int, cold_repeats: int, bit
                     t[e]["cold"].append(time.perf_counter() - t0)
                     if r == 0:  # the disk does not get faster: once per file
                         t[e]["cat_c"].append(_cat_time(paths[e], cold=True))
-        for r in range(fresh_repeats if tag == "f16" else 0):
+        for r in range(fresh_repeats):
             for e in list(engines) if r % 2 == 0 else list(engines)[::-1]:
-                secs, peak = fresh_process_time(e, paths[e])
-                t[e]["fresh"].append(secs)
+                load_s, total_s, peak = fresh_process_time(e, paths[e])
+                t[e]["fresh_load"].append(load_s)
+                t[e]["fresh"].append(total_s)
                 t[e]["peak"].append(peak)
         res = {}
         for e in engines:
             if not _same_content(caches[e], loaded[e]):
                 raise SystemExit(f"{e} {tag} {n_tokens}: the loaded cache differs from the saved one")
             res[e] = {k: (median(v) if v else None) for k, v in t[e].items()}
-            res[e].update(size=paths[e].stat().st_size, stored=_arrays_of(caches[e])[0].shape[2],
+            res[e].update(size=paths[e].stat().st_size, stored=_stored_slots(paths[e]),
                           err=_attention_error(ours, loaded[e]) if tag != "f16" else 0.0)
             paths[e].unlink()
         lm = res["mlx-lm"]
@@ -439,7 +436,7 @@ def bench_size(n_tokens: int, folder: Path, repeats: int, cold_repeats: int, bit
             rows.append(dict(tokens=n_tokens, tag=tag, engine=e, **r,
                              size_vs_lm=r["size"] / lm["size"],
                              warm_speed=lm["warm"] / r["warm"],
-                             append_speed=lm["append"] / r["append"],
+                             fresh_load_speed=(lm["fresh_load"] / r["fresh_load"]) if r["fresh"] else None,
                              fresh_speed=(lm["fresh"] / r["fresh"]) if r["fresh"] else None,
                              cold_speed=(lm["cold"] / r["cold"]) if r["cold"] and lm["cold"] else None))
     return rows
@@ -522,7 +519,7 @@ def main(argv=None) -> int:
     ap.add_argument("--results", type=Path, default=RESULTS, help="RESULTS.md to update")
     ap.add_argument("--openblas", action="store_true", help="LD_PRELOAD Debian's OpenBLAS")
     ap.add_argument("--fresh-repeats", type=int, default=3,
-                    help="float16 load + 1 token timed in new processes (median; default 3, 0 = skip)")
+                    help="loads timed in new processes (median; default 3, 0 = skip)")
     ap.add_argument("--fresh-job", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.fresh_job:
@@ -542,7 +539,7 @@ def main(argv=None) -> int:
 
     headers = ["tokens", "cache", "engine", "tokens stored", "file MB", "size / mlx-lm",
                "save ms", "mlx-lm save+fsync ms", "load ms warm", "load ms cold",
-               "load speed / mlx-lm (warm, cold)", "load + 1 token ms warm", "speed / mlx-lm",
+               "load speed / mlx-lm (warm, cold)", "new process: load ms", "speed / mlx-lm",
                "new process: load + 1 token ms", "speed / mlx-lm",
                "cat ms warm", "cat ms cold", "attn rel err"]
     table = []
@@ -552,7 +549,7 @@ def main(argv=None) -> int:
             f"{r['size_vs_lm']:.3f}", fmt_ms(r["save"]), fmt_ms(r["fsync"]) if r["fsync"] else "",
             fmt_ms(r["warm"]), fmt_ms(r["cold"]),
             f"{r['warm_speed']:.2f}x, " + (f"{r['cold_speed']:.2f}x" if r["cold_speed"] else "n/a"),
-            fmt_ms(r["append"]), f"{r['append_speed']:.2f}x",
+            fmt_ms(r["fresh_load"]) if r["fresh"] else "", f"{r['fresh_load_speed']:.2f}x" if r["fresh"] else "",
             fmt_ms(r["fresh"]) if r["fresh"] else "", f"{r['fresh_speed']:.2f}x" if r["fresh"] else "",
             fmt_ms(r["cat_w"]), fmt_ms(r["cat_c"]),
             "-" if r["tag"] == "f16" else f"{r['err']:.2e}",
@@ -569,13 +566,13 @@ def main(argv=None) -> int:
             + " 'size / mlx-lm' and 'load speed / mlx-lm' compare with mlx-lm's file of the same "
             "cache at the same precision (speed > 1: ours faster). attn rel err: max over layers of "
             "the relative L2 error of the attention output (random GQA query, dequantized K/V) vs "
-            "the float cache. 'load + 1 token': a load followed by one token appended to every "
-            "layer (what a resume pays before its first forward). Our default load reads K/V into "
-            "buffers with room to the next 256-token step (a zero fill, then the read), so that "
-            "append is written in place; mlx-lm's file stores its buffers' padding, which gives "
-            f"it that room; `{EXACT}` is our loader reading exactly the stored tokens. 'new "
-            "process': the same, timed inside a fresh Python process per run (no warm allocator: "
-            "what resuming a saved chat costs).\n\n")
+            "the float cache. 'new process': timed inside a fresh Python process per run (imports "
+            "done first; no warm allocator: what resuming a saved chat pays); 'load + 1 token' "
+            "adds one token appended to every layer, what a resume does before its first forward "
+            "(both files carry the K/V buffers' room to the next 256-token step, so it is written "
+            "in place). In-process warm loads depend on which buffers the allocator has kept from "
+            "earlier runs (we saw either loader take 20 or 80 ms for the same 4k file depending on "
+            "what ran before it), so the new-process columns are the ones to compare.\n\n")
     out += md_table(headers, table)
     f16 = {(r["tokens"], r["engine"]): r for r in rows if r["tag"] == "f16"}
     q_rows = {(r["tokens"], r["tag"]): r for r in rows if r["engine"] == "mlxcc" and r["tag"] != "f16"}
@@ -585,18 +582,12 @@ def main(argv=None) -> int:
         parts = [f"{n} tokens: our f16 file {f16[(n, 'mlxcc')]['size'] / lm['size']:.3f}x mlx-lm's"]
         for b in bits_list:
             parts.append(f"q{b} {q_rows[(n, f'q{b}')]['size'] / lm['size']:.3f}x")
-        ours, exact = f16[(n, "mlxcc")], f16[(n, EXACT)]
-        parts.append(f"our f16 load speed {ours['warm_speed']:.2f}x warm"
-                     + (f", {ours['cold_speed']:.2f}x cold" if ours["cold_speed"] else "")
-                     + f" ({exact['warm_speed']:.2f}x warm"
-                     + (f", {exact['cold_speed']:.2f}x cold" if exact["cold_speed"] else "")
-                     + " with room=False)"
-                     + f"; load + 1 token {ours['append_speed']:.2f}x warm"
-                     + f" ({exact['append_speed']:.2f}x with room=False)"
-                     + (f", {ours['fresh_speed']:.2f}x in a new process ({exact['fresh_speed']:.2f}x "
-                        f"with room=False; MLX peak memory there {ours['peak'] / 1e6:.0f} MB, "
-                        f"{exact['peak'] / 1e6:.0f} MB with room=False, mlx-lm "
-                        f"{lm['peak'] / 1e6:.0f} MB)" if ours["fresh"] else ""))
+        ours = f16[(n, "mlxcc")]
+        parts.append(f"our f16 load speed {ours['warm_speed']:.2f}x warm, "
+                     + (f"{ours['cold_speed']:.2f}x cold, " if ours["cold_speed"] else "")
+                     + (f"{ours['fresh_load_speed']:.2f}x in a new process (load + 1 token "
+                        f"{ours['fresh_speed']:.2f}x; MLX peak memory {ours['peak'] / 1e6:.0f} MB, "
+                        f"mlx-lm {lm['peak'] / 1e6:.0f} MB)" if ours["fresh"] else ""))
         summary.append("- " + "; ".join(parts))
     out += "\nvs mlx-lm's float16 file of the same cache:\n" + "\n".join(summary) + "\n"
     if args.model_check:

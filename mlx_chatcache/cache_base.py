@@ -5,8 +5,11 @@ chat session rely on):
 
 - ``state``: a list of arrays holding exactly the live content (never padding,
   never trimmed-away tokens, rotating caches in temporal order). Settable; the
-  set arrays may also carry exactly ``spare_slots()`` free slots after the live
-  tokens (how a loader hands over room to grow without a copy).
+  set arrays may also carry exactly ``spare_slots()`` zeroed slots after the live
+  tokens (axis 2), which the cache then grows into without reallocating.
+- ``file_state()``: the arrays a cache file stores: ``state``, or the growing
+  buffers whole (live tokens, then ``spare_slots()`` zeroed slots), so that a
+  loaded cache grows in place as the saved one would.
 - ``meta_state``: a tuple of plain strings with everything that is not an array
   (offsets, window size, keep, bits, group size). Settable; parsing errors raise
   :class:`CacheFormatError`.
@@ -57,26 +60,23 @@ class BaseCache:
     @classmethod
     def from_state(cls, state: Sequence[mx.array], meta_state: Sequence[str]):
         """Rebuild a cache from ``state`` and ``meta_state`` (validated)."""
-        obj = cls.from_meta_state(meta_state)
-        obj.state = list(state)
-        return obj
-
-    @classmethod
-    def from_meta_state(cls, meta_state: Sequence[str]):
-        """A cache with ``meta_state`` applied and no arrays yet: set ``state`` next."""
         obj = cls.__new__(cls)
         obj._init_empty()
         obj.meta_state = tuple(meta_state)
+        obj.state = list(state)
         return obj
-
-    def spare_slots(self) -> int:
-        """Free token slots the ``state`` arrays may carry after the live tokens
-        (axis -2), so that the next update need not reallocate. A loader reads
-        the arrays into buffers this much longer; 0 means exactly the live tokens."""
-        return 0
 
     def _init_empty(self) -> None:
         """Set the attributes an instance needs before ``meta_state`` is applied."""
+
+    def spare_slots(self) -> int:
+        """Free slots after the live tokens that ``file_state`` stores (0: none)."""
+        return 0
+
+    def file_state(self) -> list[mx.array]:
+        """What a cache file stores; ``from_state(file_state(), meta_state)``
+        rebuilds the cache. ``state`` unless a subclass keeps room to grow."""
+        return self.state
 
     def eval_arrays(self) -> list[mx.array]:
         """Arrays to ``mx.eval`` after an update (the live buffers, not copies)."""

@@ -6,8 +6,11 @@ validates everything it reads and returns our cache objects; it also reads files
 written by mlx-lm (0.32 layout and the older meta_state layout). With
 ``format="mlx-lm"`` we write a file mlx-lm 0.32's ``load_prompt_cache`` accepts.
 
-Layout of our files (format version 1):
-- tensors ``layer.{i}.{j}``: array ``j`` of layer ``i``'s ``state`` (live tokens only);
+Layout of our files (format version 2):
+- tensors ``layer.{i}.{j}``: array ``j`` of layer ``i``'s ``file_state()``: its
+  ``state``, or for a K/V cache the live tokens followed by zeroed room up to
+  the next multiple of 256 tokens (``spare_slots``), so a loaded cache grows
+  in place (version 1 files, live tokens only, load too);
 - metadata ``mlxcc.format_version``, ``mlxcc.num_layers``,
   ``mlxcc.layer.{i}.class`` / ``.meta`` (JSON list of strings) / ``.arrays`` (count),
   ``mlxcc.tokens`` (JSON list of ints), ``mlxcc.messages`` (JSON, chats only),
@@ -31,7 +34,7 @@ from .fingerprint import ModelFingerprint
 from .safetensors_file import Header, read_arrays, read_header, write_atomic
 
 FORMAT_NAME = "mlx_chatcache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: K/V arrays may carry their zeroed room (1: live tokens only)
 MAX_LAYERS = 4096
 MAX_TOKEN_ID = 2**31 - 1
 
@@ -92,7 +95,7 @@ def save_prompt_cache(
         meta["mlxcc.settings"] = json.dumps(settings)
     arrays = {}
     for i, c in enumerate(cache):
-        for j, a in enumerate(c.state):
+        for j, a in enumerate(c.file_state()):
             arrays[f"layer.{i}.{j}"] = a
     write_atomic(path, arrays, meta)
 
@@ -131,24 +134,17 @@ def load_prompt_cache(
     *,
     model: ModelFingerprint | None = None,
     what: str = "cache file",
-    room: bool = True,
 ):
     """Load a cache file (ours or mlx-lm's). With ``model``, refuse a file made
     for another model (before reading its arrays; ``what`` names the file in the
-    ModelMismatchError). Returns the cache, or ``(cache, CacheFileInfo)``.
-
-    ``room``: read each growing layer (``spare_slots``) into a buffer reaching its
-    next step, so the tokens appended after the load are written in place instead
-    of the whole cache being copied into a bigger buffer (what a resume does
-    next). ``False`` reads exactly the stored tokens: a zero fill less, for a
-    cache that will only be read."""
+    ModelMismatchError). Returns the cache, or ``(cache, CacheFileInfo)``."""
     header = read_header(path)
     info = _info_from_header(header)
     if model is not None:
         model.check(info.model, what=what)
     try:
         if info.layout == "mlxcc":
-            cache = _build_layers(header, info, room)
+            cache = _build_layers(header, info)
         else:
             from .mlxlm_compat import load_mlx_lm
 
@@ -165,18 +161,13 @@ def load_prompt_cache(
     return (cache, info) if return_metadata else cache
 
 
-def _build_layers(header: Header, info: CacheFileInfo, room: bool) -> list[BaseCache]:
-    """Each layer from its meta state, then its arrays (with the room the layer
-    asks for, see ``load_prompt_cache``)."""
-    cache, spare = [], {}
+def _build_layers(header: Header, info: CacheFileInfo) -> list[BaseCache]:
+    arrays = read_arrays(header)
+    cache = []
     for i, name in enumerate(info.classes):
         meta, count = info.extra["layers"][i]
-        cache.append(cache_class(name).from_meta_state(meta))
-        if room:
-            spare.update({f"layer.{i}.{j}": cache[i].spare_slots() for j in range(count)})
-    arrays = read_arrays(header, spare=spare)
-    for i, layer in enumerate(cache):
-        layer.state = [arrays.pop(f"layer.{i}.{j}") for j in range(info.extra["layers"][i][1])]
+        state = [arrays.pop(f"layer.{i}.{j}") for j in range(count)]  # the cache owns them alone
+        cache.append(cache_class(name).from_state(state, meta))
     return cache
 
 

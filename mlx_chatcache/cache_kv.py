@@ -38,6 +38,7 @@ class KVCache(BaseCache):
         self.keys = None
         self.values = None
         self.offset = 0
+        self._room_dirty = False  # slots past the live tokens may hold data (trimmed tokens)
 
     # ----------------------------------------------------------- storage hooks
     def _encode(self, x: mx.array):
@@ -111,6 +112,7 @@ class KVCache(BaseCache):
         slots = v[0].shape[2] if v[0].ndim == 4 else -1
         if slots not in (self._held(), self._held() + self.spare_slots()):
             slots = -1
+        self._room_dirty = slots > self._held()  # whatever the room holds is not ours
         for a in v:
             if a.ndim != 4 or a.shape[2] != slots or a.shape[:2] != v[0].shape[:2]:
                 raise CacheFormatError(
@@ -119,9 +121,24 @@ class KVCache(BaseCache):
                 )
 
     def spare_slots(self) -> int:
-        """Room up to the next ``step`` boundary past the live tokens (at least one slot)."""
-        held = self._held()
-        return -(-(held + 1) // self.step) * self.step - held
+        """Room from the live tokens up to the next multiple of ``step``."""
+        return -self._held() % self.step
+
+    def file_state(self) -> list[mx.array]:
+        """Live tokens, then zeroed room up to the next step boundary: the buffers
+        themselves when they end there (no copy; the usual case), else cut to
+        that length or first grown to it (which this cache keeps). A room that
+        may hold trimmed tokens is zeroed in place first: they never reach a file."""
+        if self.keys is None:
+            return []
+        held, room = self._held(), self.spare_slots()
+        self._reserve(self.keys, self.values, held + room)
+        if room and self._room_dirty:
+            kv_assign(self.keys, held, kv_zeros_like(self.keys, room))
+            kv_assign(self.values, held, kv_zeros_like(self.values, room))
+        self._room_dirty = False
+        k, v = kv_slice(self.keys, 0, held + room), kv_slice(self.values, 0, held + room)
+        return [a[...] for a in kv_flatten(k) + kv_flatten(v)]
 
     def _array_names(self) -> tuple[str, ...]:
         return ("keys", "values")
@@ -148,6 +165,7 @@ class KVCache(BaseCache):
     def trim(self, n: int) -> int:
         n = max(0, min(self._held(), n))
         self.offset -= n
+        self._room_dirty = self._room_dirty or n > 0
         return n
 
     def size(self) -> int:

@@ -56,7 +56,10 @@ class RotatingKVCache(KVCache):
         return min(self.offset, self.max_size)
 
     def spare_slots(self) -> int:
-        return 0  # a window's buffer layout is its own; loaded exactly
+        return 0  # a window's buffer layout is its own: files hold its state exactly
+
+    def file_state(self) -> list[mx.array]:
+        return self.state
 
     # ----------------------------------------------------------- positions
     def _positions(self) -> np.ndarray:

@@ -7,8 +7,7 @@ lying header can neither crash the process nor make it allocate more than the
 file holds. ``read_arrays`` then reads the tensors of exactly the file whose
 header was validated (same device, inode, size and mtime) with ``mx.load``,
 which reads straight into the arrays (one copy, like mlx-lm's loader), and
-checks every array's shape and dtype against the validated header. Arrays a
-cache will grow (``spare``) are read straight into buffers with that much room.
+checks every array's shape and dtype against the validated header.
 
 ``write_atomic`` writes a temp file in the target folder, fsyncs it and renames
 it over the target: a reader sees the old file or the new one, never a mix,
@@ -162,7 +161,7 @@ def _check_ranges(path: Path, tensors: dict[str, TensorEntry], data_len: int) ->
         raise _bad(path, f"data section has {data_len - pos} unexplained bytes")
 
 
-def read_arrays(header: Header, names=None, spare: dict[str, int] | None = None) -> dict[str, mx.array]:
+def read_arrays(header: Header, names=None) -> dict[str, mx.array]:
     """Read (and evaluate) the tensors ``names`` (default: all) of a validated header.
 
     The file is opened once and checked to be the one ``read_header`` validated
@@ -171,19 +170,12 @@ def read_arrays(header: Header, names=None, spare: dict[str, int] | None = None)
     exists) directly into the arrays: about 1.7x faster than reading each range
     into a bytes object and copying it into an mx.array. Its own header parse
     must agree with ours on every tensor's shape and dtype.
-
-    ``spare`` maps names to a number of zeroed slots to add after the data along
-    axis -2 (the token axis of cache arrays): such a tensor is read straight into
-    a buffer that big (see ``_read_with_spare``), so a cache can grow into it
-    without copying what it loaded.
     """
     names = list(header.tensors) if names is None else list(names)
     if not names:
         return {}
-    spare = {n: k for n, k in (spare or {}).items() if k > 0 and len(header.tensors[n].shape) >= 2}
     path = header.path
-    need = sum(_nbytes(header.tensors[n], spare.get(n, 0)) for n in names)
-    limit = memory_limit()
+    need, limit = sum(header.tensors[n].end - header.tensors[n].begin for n in names), memory_limit()
     if limit and need > limit:  # e.g. a sparse file: huge apparent size, no content; never allocate that
         raise CacheFileError(
             f"{path} holds {need / 1e9:.1f} GB of arrays, more than this machine's memory "
@@ -191,60 +183,23 @@ def read_arrays(header: Header, names=None, spare: dict[str, int] | None = None)
         )
     changed = "the file changed since its header was read; load it again"
     try:
-        with open(path, "rb", buffering=0) as f:
+        with open(path, "rb") as f:
             if header.identity and _identity(os.fstat(f.fileno())) != header.identity:
                 raise _bad(path, changed)
-            out = {n: _read_with_spare(f, header, n, spare[n]) for n in names if n in spare}
-            rest = [n for n in names if n not in spare]
-            if rest:
-                proc = f"/proc/self/fd/{f.fileno()}"
-                loaded = mx.load(proc if os.path.exists(proc) else str(path), format="safetensors")
-                for name in rest:
-                    t, a = header.tensors[name], loaded.get(name)
-                    if a is None or tuple(a.shape) != t.shape or a.dtype != DTYPES[t.dtype][1]:
-                        raise _bad(path, changed)
-                    out[name] = a
+            proc = f"/proc/self/fd/{f.fileno()}"
+            loaded = mx.load(proc if os.path.exists(proc) else str(path), format="safetensors")
+            out = {}
+            for name in names:
+                t, a = header.tensors[name], loaded.get(name)
+                if a is None or tuple(a.shape) != t.shape or a.dtype != DTYPES[t.dtype][1]:
+                    raise _bad(path, changed)
+                out[name] = a
             mx.eval(list(out.values()))
             if header.identity and _identity(os.fstat(f.fileno())) != header.identity:
                 raise _bad(path, changed)
     except (RuntimeError, ValueError, OSError) as e:  # short read, file vanished, ...
         raise _bad(path, f"file shrank or changed while reading: {e}") from None
-    return {n: out[n] for n in names}
-
-
-def _nbytes(t: TensorEntry, spare: int) -> int:
-    if not spare:
-        return t.end - t.begin
-    *lead, rows, cols = t.shape
-    return math.prod(lead) * (rows + spare) * cols * DTYPES[t.dtype][0].itemsize
-
-
-def _read_with_spare(f, header: Header, name: str, spare: int) -> mx.array:
-    """Tensor ``name`` read into a new zeroed array with ``spare`` more slots on
-    axis -2: one ``readinto`` per leading index, straight into the array's memory
-    (through a NumPy view of it, which MLX documents as sharing memory)."""
-    t = header.tensors[name]
-    np_dtype, mx_dtype = DTYPES[t.dtype]
-    *lead, rows, cols = t.shape
-    host = mx.uint16 if mx_dtype == mx.bfloat16 else mx_dtype  # NumPy has no bfloat16
-    buf = mx.zeros((*lead, rows + spare, cols), dtype=host)
-    mx.eval(buf)
-    view = np.array(buf, copy=False).reshape(-1, rows + spare, cols)  # (lead..., slots, cols)
-    row_bytes = rows * cols * np_dtype.itemsize  # one leading index's data in the file
-    f.seek(header.data_start + t.begin)
-    if row_bytes:
-        for block in view:
-            _read_exact(f, memoryview(block[:rows]).cast("B"), name)
-    return buf.view(mx_dtype) if host != mx_dtype else buf
-
-
-def _read_exact(f, into: memoryview, name: str) -> None:
-    done = 0
-    while done < len(into):
-        n = f.readinto(into[done:])
-        if not n:
-            raise OSError(f"tensor {name!r} ends early")
-        done += n
+    return out
 
 
 def memory_limit() -> int | None:

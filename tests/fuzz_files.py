@@ -600,7 +600,7 @@ def m_meta_misc(rng, s):
     meta = _meta(h)
     op = rng.randrange(12)
     if op == 0:
-        key, v = "mlxcc.format_version", _pick(rng, INT_STR_LIES + ["2", "0", "1"])
+        key, v = "mlxcc.format_version", _pick(rng, INT_STR_LIES + ["3", "2", "0", "1"])
     elif op == 1:
         key, v = "mlxcc.format", _pick(rng, ["", "mlx_chatcache ", "MLX_CHATCACHE", "mlx-lm", "x" * 100000])
     elif op == 2:

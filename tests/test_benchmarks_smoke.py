@@ -34,7 +34,7 @@ def test_cache_io_smoke(tmp_path):
               "--bits", "4", "--no-model-check", "--write-results", "--results", str(results))
     assert re.search(r"^\| tokens +\| cache +\| engine", out, re.M)
     rows = [line for line in out.splitlines() if line.startswith("| 40 ")]
-    assert len(rows) == 5  # f16: mlx-lm, ours, ours with room=False; q4: mlx-lm, ours
+    assert len(rows) == 4  # f16 and q4, mlx-lm and ours
     assert "in a new process" in out and "peak memory" in out
     assert "- mlx-lm: " in out and "- blas: " in out and "- command: " in out
     text = results.read_text()

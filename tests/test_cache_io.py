@@ -93,17 +93,32 @@ def test_header_only_info_matches(tmp_path):
     p = tmp_path / "c.safetensors"
     save_prompt_cache(p, [filled(KVCache())], tokens=list(range(12)))
     info = read_cache_info(p)
-    assert info.num_tokens == 12 and info.nbytes == 2 * 12 * 2 * 32 * 4
+    # stored bytes: keys and values, each (1, 2 heads, 256 slots: 12 tokens + room, 32) float32
+    assert info.num_tokens == 12 and info.nbytes == 2 * KVCache.step * 2 * 32 * 4
 
 
-def test_no_padding_smaller_than_mlx_lm(tmp_path):
+def test_file_holds_live_tokens_and_zeroed_room_like_mlx_lm(tmp_path):
+    """K/V arrays are stored with their buffer's room to the next 256-token step
+    (as mlx-lm stores them), the room zeroed: the arrays take as many bytes as
+    (at most) mlx-lm's, trimmed tokens never reach the file, ``state`` stays exact."""
+    from mlx_chatcache.safetensors_file import read_arrays, read_header
+
     ours, theirs = KVCache(), lm.KVCache()
-    ours.update_and_fetch(rnd(10), rnd(10, 1))
-    theirs.update_and_fetch(rnd(10), rnd(10, 1))
+    for c in (ours, theirs):
+        c.update_and_fetch(rnd(15), rnd(15, 1))
+        c.trim(5)
+    save_prompt_cache(tmp_path / "first.safetensors", [ours], tokens=list(range(10)))
+    ours.update_and_fetch(rnd(3, 7), rnd(3, 8))  # into the zeroed room, then trimmed again
+    ours.trim(3)
     save_prompt_cache(tmp_path / "a.safetensors", [ours], tokens=list(range(10)))
     lm.save_prompt_cache(str(tmp_path / "b.safetensors"), [theirs])
-    a, b = (os.path.getsize(tmp_path / f) for f in ("a.safetensors", "b.safetensors"))
-    assert a < b
+    a, b = (read_header(tmp_path / f) for f in ("a.safetensors", "b.safetensors"))
+    assert sum(t.end - t.begin for t in a.tensors.values()) <= sum(t.end - t.begin for t in b.tensors.values())
+    stored = read_arrays(a)
+    for name, arr in stored.items():
+        assert arr.shape[2] == KVCache.step
+        assert mx.array_equal(arr[..., :10, :], (rnd(15) if name.endswith(".0") else rnd(15, 1))[..., :10, :])
+        assert not mx.any(arr[..., 10:, :]).item()  # the 5 trimmed tokens are gone
     (loaded,) = load_prompt_cache(tmp_path / "a.safetensors")
     assert all(s.shape[2] == 10 for s in loaded.state)
 
@@ -293,13 +308,13 @@ def test_mlx_lm_file_continues_identically(kind, tiny_model_dirs, tmp_path):
     assert mx.array_equal(model(mx.array([[60]]), cache=again), model(mx.array([[60]]), cache=ours))
 
 
-# ------------------------------------------------------------------ loading into room to grow
+# ------------------------------------------------------------------ room to grow after a load
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("make", [KVCache, lambda: QuantizedKVCache(32, 8)], ids=["float", "q8"])
 def test_loaded_cache_grows_without_reallocating(tmp_path, dtype, make):
-    """A loaded cache is read into buffers reaching the next step boundary, so the
-    first updates after a resume write into that room, and it continues exactly
-    like the cache that was saved."""
+    """A loaded cache gets its room to the next step boundary from the file, so
+    the first updates after a resume write into that room, and it continues
+    exactly like the cache that was saved."""
     from mlx.utils import tree_flatten
 
     from mlx_chatcache.cache_base import kv_len
@@ -363,14 +378,4 @@ def test_file_changed_or_shortened_after_header_check(good_file, tmp_path):
     with open(good_file, "r+b") as f:
         f.truncate(blind.data_start + 4)
     with pytest.raises(CacheFileError, match="shrank or changed"):
-        read_arrays(blind, names, spare={n: 3 for n in names})
-
-
-def test_room_false_reads_exactly_the_stored_tokens(tmp_path):
-    from mlx_chatcache.cache_base import kv_len
-
-    c = filled(KVCache())
-    save_prompt_cache(tmp_path / "c.safetensors", [c], tokens=list(range(12)))
-    (exact,) = load_prompt_cache(tmp_path / "c.safetensors", room=False)
-    assert kv_len(exact.keys) == exact.offset == 12
-    assert_same([c], [exact])
+        read_arrays(blind, names)
