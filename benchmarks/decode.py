@@ -8,8 +8,11 @@ One command (from the repository root):
 Models: the demo model (SmolLM2-135M-Instruct Q4_1 GGUF, loaded once through
 ``mlx_chatcache.load`` and used by every engine) and random float32 llama models
 ("tiny" and "mid", built in memory with a fixed seed). For each model, a short
-prompt, greedy decoding of ``--tokens`` tokens (64), ``--repeats`` runs per engine
-(interleaved, alternating order, each on a fresh cache); the table gives medians:
+prompt, greedy decoding of ``--tokens`` tokens (by default 64 for SmolLM2, 128 for
+"mid" and 512 for "tiny": a run lasts at least ~0.4 s, so a scheduler hiccup of a
+few ms on the shared cores cannot move a ratio by percents), ``--repeats`` runs
+per engine (interleaved, alternating order, each on a fresh cache); the table
+gives medians:
 
 - ``mlx-lm``: ``mlx_lm.generate.generate_step`` with mlx-lm's own cache;
 - ``mlxcc``: ``mlx_chatcache.generate.generate_step`` with a ``PromptCacheState``;
@@ -121,6 +124,7 @@ def run_engine(engine: str, model, prompt: list[int], n_tokens: int):
 
 
 ENGINES = ["mlx-lm", "mlxcc", "mlx-lm loop + mlxcc cache"]
+DEFAULT_TOKENS = {"smollm2": 64, "mid": 128, "tiny": 512}  # new tokens per run, ~0.4 s or more each
 
 
 def main(argv=None) -> int:
@@ -128,7 +132,8 @@ def main(argv=None) -> int:
     maybe_reexec_openblas([sys.argv[0], *argv])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2,tiny,mid", help="comma-separated: smollm2, tiny, mid")
-    ap.add_argument("--tokens", type=int, default=64, help="tokens to generate per run")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="tokens to generate per run (default: 64 smollm2, 128 mid, 512 tiny)")
     ap.add_argument("--repeats", type=int, default=5, help="runs per engine (median)")
     ap.add_argument("--write-results", action="store_true", help="update benchmarks/RESULTS.md")
     ap.add_argument("--results", type=Path, default=RESULTS, help="RESULTS.md to update")
@@ -139,11 +144,12 @@ def main(argv=None) -> int:
     rows, summary = [], []
     for name, desc, model, prompt in load_models([m for m in args.models.split(",") if m]):
         run_engine("mlx-lm", model, prompt, 4)  # warm-up: compile kernels, allocator
+        n_new = args.tokens or DEFAULT_TOKENS[name]
         res = {e: {"ttft": [], "tps": [], "tokens": None} for e in ENGINES}
         for r in range(args.repeats):
             order = ENGINES[r % len(ENGINES):] + ENGINES[: r % len(ENGINES)]
             for e in order:
-                ttft, tps, toks = run_engine(e, model, prompt, args.tokens)
+                ttft, tps, toks = run_engine(e, model, prompt, n_new)
                 res[e]["ttft"].append(ttft)
                 res[e]["tps"].append(tps)
                 res[e]["tokens"] = res[e]["tokens"] or toks
@@ -163,7 +169,7 @@ def main(argv=None) -> int:
         del model
 
     out = header_block("Decode speed: generate_step") + "\n"
-    out += (f"Greedy, {args.tokens} new tokens after a short prompt, fresh cache per run, "
+    out += (f"Greedy, new tokens per run as in the 'new tok' column, after a short prompt, fresh cache per run, "
             f"{args.repeats} interleaved runs per engine (medians; range = min-max over runs). "
             "decode tok/s excludes the first token (prompt processing).\n\n")
     out += md_table(["model", "engine", "prompt tok", "new tok", "TTFT ms", "decode tok/s",

@@ -135,7 +135,10 @@ def kv_len(x) -> int:
 
 
 def kv_slice(x, start: int, stop: int):
-    return tree_map(lambda t: t[..., start:stop, :], x)
+    """Steps ``[start, stop)`` of a float or quantized buffer (runs per token: no tree_map)."""
+    if isinstance(x, tuple):
+        return tuple(t[..., start:stop, :] for t in x)
+    return x[..., start:stop, :]
 
 
 def kv_concat(parts: list):

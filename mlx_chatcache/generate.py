@@ -103,6 +103,7 @@ from .prompt_state import PromptCacheState, common_prefix_len, ensure_state, reu
 from .sample import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens to do)
+
 KVQuantizer = Callable[[list[BaseCache]], None]
 
 
@@ -262,7 +263,9 @@ def _start_step(
     if kv_quantizer:
         kv_quantizer(state.cache)
     token, logprobs = sample_token(logits, state.tokens, sampler, processors)
-    mx.async_eval(token, logprobs, [c.eval_arrays() for c in state.cache])
+    # the fed K/V are inputs of the logits, so computed with them; quantized
+    # layers replaced after the forward pass are not, and are evaluated too
+    mx.async_eval(token, logprobs, [c.eval_arrays() for c in state.cache] if kv_quantizer else [])
     return token, logprobs
 
 
@@ -275,6 +278,12 @@ def _can_take_back(layer: BaseCache) -> bool:
         return all(_can_take_back(c) for c in inner)
     window = getattr(layer, "max_size", None)  # rotating: trimmable until it drops a token
     return window is None or layer.offset + 1 < window
+
+
+def _always_undoable(layer: BaseCache) -> bool:
+    """Whether ``layer`` can be trimmed by one token at any length (checked once
+    per call instead of per token): trimmable, not a window, not a list."""
+    return layer.is_trimmable() and not hasattr(layer, "max_size") and not hasattr(layer, "caches")
 
 
 def _take_back_one(state: PromptCacheState, model, layers: list[BaseCache]) -> None:
@@ -342,11 +351,13 @@ def generate_step(
             model, state, mx.array(rest, dtype=mx.uint32)[None], sampler, logits_processors, quantizer
         )
 
+    always_undoable = all(map(_always_undoable, state.cache))
     for n in range(1, config.max_tokens + 1):
         last = n == config.max_tokens
         with _reset_on_error(state, model):
             # feed token n before it is known (not the first: see the module doc)
-            ahead = 1 < n < config.max_tokens and not logits_processors and all(map(_can_take_back, state.cache))
+            ahead = (1 < n < config.max_tokens and not logits_processors
+                     and (always_undoable or all(map(_can_take_back, state.cache))))  # fmt: skip
             if ahead:
                 key, layers = mx.random.state[0], list(state.cache)
                 following = _start_step(model, state, token_arr[None], sampler, (), quantizer)
