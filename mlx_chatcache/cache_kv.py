@@ -133,9 +133,10 @@ class KVCache(BaseCache):
             return []
         held, room = self._held(), self.spare_slots()
         self._reserve(self.keys, self.values, held + room)
-        if room and self._room_dirty:
-            kv_assign(self.keys, held, kv_zeros_like(self.keys, room))
-            kv_assign(self.values, held, kv_zeros_like(self.values, room))
+        tail = kv_len(self.keys) - held  # >= room; all of it, not just what this file stores,
+        if tail and self._room_dirty:  # or a later, longer save would find trimmed tokens there
+            kv_assign(self.keys, held, kv_zeros_like(self.keys, tail))
+            kv_assign(self.values, held, kv_zeros_like(self.values, tail))
         self._room_dirty = False
         k, v = kv_slice(self.keys, 0, held + room), kv_slice(self.values, 0, held + room)
         return [a[...] for a in kv_flatten(k) + kv_flatten(v)]

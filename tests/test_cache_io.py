@@ -379,3 +379,23 @@ def test_file_changed_or_shortened_after_header_check(good_file, tmp_path):
         f.truncate(blind.data_start + 4)
     with pytest.raises(CacheFileError, match="shrank or changed"):
         read_arrays(blind, names)
+
+
+@pytest.mark.parametrize("make", [KVCache, lambda: QuantizedKVCache(32, 8)], ids=["float", "q8"])
+@pytest.mark.parametrize("keep, grow", [(10, 290), (KVCache.step, 10)])  # room after the trim; none
+def test_trimmed_tokens_beyond_the_saved_room_never_reach_a_later_file(tmp_path, make, keep, grow):
+    """Trim far back, save (which stores only up to the next step), grow past that
+    step again, save: the slots the second file stores past the live tokens are
+    zero, not the tokens trimmed before the first save."""
+    from mlx_chatcache.safetensors_file import read_arrays, read_header
+
+    c = make()
+    c.update_and_fetch(rnd(500, 1) + 5.0, rnd(500, 2) + 5.0)  # nothing near zero
+    c.trim(500 - keep)
+    save_prompt_cache(tmp_path / "a.safetensors", [c], tokens=list(range(keep)))
+    c.update_and_fetch(rnd(grow, 3), rnd(grow, 4))  # past the next step: the second file stores more
+    n = keep + grow
+    save_prompt_cache(tmp_path / "b.safetensors", [c], tokens=list(range(n)))
+    for name, arr in read_arrays(read_header(tmp_path / "b.safetensors")).items():
+        assert arr.shape[2] == -(-n // KVCache.step) * KVCache.step
+        assert not mx.any(arr[..., n:, :]).item(), name
