@@ -399,3 +399,26 @@ def test_trimmed_tokens_beyond_the_saved_room_never_reach_a_later_file(tmp_path,
     for name, arr in read_arrays(read_header(tmp_path / "b.safetensors")).items():
         assert arr.shape[2] == -(-n // KVCache.step) * KVCache.step
         assert not mx.any(arr[..., n:, :]).item(), name
+
+
+def test_reads_version_1_files_without_room(tmp_path):
+    """Files from format version 1 hold exactly the live tokens; they still load,
+    continue like the saved cache, and are written back as version 2 with room."""
+    from mlx_chatcache.cache_base import kv_len
+
+    c = filled(KVCache())
+    p = tmp_path / "v1.safetensors"
+    k, v = c.state
+    meta = {
+        "mlxcc.format": "mlx_chatcache", "mlxcc.format_version": "1", "mlxcc.num_layers": "1",
+        "mlxcc.layer.0.class": "KVCache", "mlxcc.layer.0.meta": json.dumps(list(c.meta_state)),
+        "mlxcc.layer.0.arrays": "2", "mlxcc.tokens": json.dumps(list(range(12))),
+    }  # fmt: skip
+    mx.save_safetensors(str(p), {"layer.0.0": k, "layer.0.1": v}, meta)
+    (old,), info = load_prompt_cache(p, return_metadata=True)
+    assert info.format_version == 1 and kv_len(old.keys) == 12
+    assert_same([c], [old])
+    got, want = old.update_and_fetch(rnd(2, 9), rnd(2, 9)), c.update_and_fetch(rnd(2, 9), rnd(2, 9))
+    assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
+    save_prompt_cache(tmp_path / "v2.safetensors", [old], tokens=list(range(14)))
+    assert read_cache_info(tmp_path / "v2.safetensors").format_version == FORMAT_VERSION == 2
