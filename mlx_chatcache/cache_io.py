@@ -54,6 +54,7 @@ class CacheFileInfo:
     settings: dict = field(default_factory=dict)  # how the cache was shaped (max_kv_size, keep, ...)
     metadata: dict[str, str] = field(default_factory=dict)
     nbytes: int = 0
+    slots: int = 0  # most token slots a (batch, heads, slots, dim) array stores: tokens + room
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -198,6 +199,7 @@ def _info_from_header(header: Header) -> CacheFileInfo:
                 "or mlx-lm cache metadata); pass a file made by mlxcc or mlx-lm"
             )
     info.nbytes = nbytes
+    info.slots = max((t.shape[2] for t in header.tensors.values() if len(t.shape) == 4), default=0)
     return info
 
 

@@ -42,10 +42,19 @@ def summary(info: CacheFileInfo) -> dict:
         "num_layers": len(info.classes),
         "num_tokens": info.num_tokens,
         "nbytes": info.nbytes,
+        "stored_slots": info.slots,
         "file_size": os.path.getsize(info.path),
         "messages": info.messages,
         "metadata": info.metadata,
     }
+
+
+def _room(s: dict) -> str:
+    """How much room to grow the stored K/V arrays carry, if any."""
+    n, slots = s["num_tokens"], s["stored_slots"]
+    if n is None or slots <= n:
+        return ""
+    return f" (K/V stored in {slots} slots: room for {slots - n} more without a copy)"
 
 
 def decoded_preview(info: CacheFileInfo, model_ref: str | None) -> str | None:
@@ -79,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         f"format:      version {s['format_version']}{layout}",
         f"model:       {s['model'] or 'unknown (file does not say)'}",
         f"cache types: {types} ({s['num_layers']} layers)",
-        f"tokens:      {s['num_tokens'] if s['num_tokens'] is not None else 'unknown'}",
+        f"tokens:      {s['num_tokens'] if s['num_tokens'] is not None else 'unknown'}{_room(s)}",
         f"bytes:       {human_bytes(s['nbytes'])} of arrays, {human_bytes(s['file_size'])} on disk",
     ]
     if info.messages is not None:
