@@ -89,19 +89,17 @@ def save_prompt_cache(
     if format != "mlxcc":
         raise CacheFormatError(f"unknown cache file format {format!r}; use 'mlxcc' or 'mlx-lm'")
     _check_tokens_match(path, cache, None if tokens is None else list(tokens))
-    meta = _header_metadata(cache, tokens, model, messages, metadata)
+    stored = [c.file_state() for c in cache]
+    meta = _header_metadata(cache, stored, tokens, model, messages, metadata)
     if text is not None:
         meta["mlxcc.text"] = text
     if settings:
         meta["mlxcc.settings"] = json.dumps(settings)
-    arrays = {}
-    for i, c in enumerate(cache):
-        for j, a in enumerate(c.file_state()):
-            arrays[f"layer.{i}.{j}"] = a
+    arrays = {f"layer.{i}.{j}": a for i, layer in enumerate(stored) for j, a in enumerate(layer)}
     write_atomic(path, arrays, meta)
 
 
-def _header_metadata(cache, tokens, model, messages, metadata) -> dict[str, str]:
+def _header_metadata(cache, stored, tokens, model, messages, metadata) -> dict[str, str]:
     meta = {
         "mlxcc.format": FORMAT_NAME,
         "mlxcc.format_version": str(FORMAT_VERSION),
@@ -111,7 +109,7 @@ def _header_metadata(cache, tokens, model, messages, metadata) -> dict[str, str]
     for i, c in enumerate(cache):
         meta[f"mlxcc.layer.{i}.class"] = type(c).__name__
         meta[f"mlxcc.layer.{i}.meta"] = json.dumps(list(c.meta_state))
-        meta[f"mlxcc.layer.{i}.arrays"] = str(len(c.state))
+        meta[f"mlxcc.layer.{i}.arrays"] = str(len(stored[i]))
     if tokens is not None:
         meta["mlxcc.tokens"] = json.dumps([int(t) for t in tokens])
     if messages is not None:
