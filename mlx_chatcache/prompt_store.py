@@ -21,6 +21,7 @@ from .cache_io import check_cache_fits_model, load_prompt_cache, save_prompt_cac
 from .config import DEFAULTS
 from .errors import CacheFormatError, UsageError
 from .generate import prefill
+from .model_call import call_model
 from .prompt_state import PromptCacheState
 
 
@@ -99,7 +100,7 @@ def feed_all(model, state: PromptCacheState, tokens: list[int], prefill_step_siz
     if state.tokens or cache_offset(state.cache):
         raise UsageError("feed_all needs an empty prompt cache")
     rest = prefill(model, state.cache, tokens, prefill_step_size, progress)
-    model(mx.array(rest, dtype=mx.uint32)[None], cache=state.cache)  # (1, 1) in
+    call_model(model, mx.array(rest, dtype=mx.uint32)[None], state.cache)  # (1, 1) in
     mx.eval([c.eval_arrays() for c in state.cache])
     state.tokens.extend(tokens)
     if progress:
