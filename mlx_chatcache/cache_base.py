@@ -249,11 +249,13 @@ def standard_mask(n: int, offset: int, window_size: int | None, return_array: bo
 
 def fill_mask(n: int, offset: int, window_size: int | None, return_array: bool):
     """The mask of a window cache that has not dropped a token yet, as mlx-lm's
-    ``RotatingKVCache`` makes it: an array only where the window cuts."""
+    ``RotatingKVCache`` makes it: an array only where the window cuts (for one
+    token a 1-D one, and None otherwise even when an array is asked for)."""
+    if n == 1:
+        cut = window_size is not None and offset >= window_size
+        return causal_mask(1, offset, window_size)[0] if cut else None
     if window_size is not None and offset + n > window_size:
         return causal_mask(n, offset, window_size)
-    if n == 1:
-        return None
     if return_array:
         return causal_mask(n, offset)
     return "causal"

@@ -109,9 +109,9 @@ class RotatingKVCache(KVCache, mlx_lm_cache.RotatingKVCache):
             allowed = causal & ((kpos < self.keep) | (kpos > qpos - self._ring))
         else:  # the model's window, over the keys returned: may reach past the ring
             allowed = causal & (kpos > qpos - window_size)
-        if N == 1 and allowed.all() and not return_array:
-            return None
-        if N > 1 and not return_array and np.array_equal(allowed, causal):
+        if N == 1:  # as mlx-lm's: None when every held key is seen (even if an array was asked), else 1-D
+            return None if allowed.all() else mx.array(allowed[0])
+        if not return_array and np.array_equal(allowed, causal):
             return "causal"  # what mlx-lm passes then: the same kernel
         return mx.array(allowed)
 

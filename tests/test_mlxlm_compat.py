@@ -222,6 +222,26 @@ def test_rotating_attention_equals_mlx_lm_for_every_model_window(window):
         assert max_diff(a, b) <= 1e-6, (n, ours.offset)
 
 
+@pytest.mark.parametrize("window", [None, 3, 8, 9])
+@pytest.mark.parametrize("return_array", [False, True])
+def test_rotating_mask_kinds_are_mlx_lm_s(window, return_array):
+    """None / "causal" / an array exactly when mlx-lm's cache gives one (models
+    branch on it: deepseek_v32's sparse indexer takes a mask array apart), and
+    for several tokens the same values."""
+    rng, ours, theirs = np.random.default_rng(3), RotatingKVCache(8, 0), lm.RotatingKVCache(8, 0)
+    for n in [5, 1, 1, 1, 7, 1, 12, 1, 1, 20, 1, 3, 1]:
+        a = ours.make_mask(n, return_array=return_array, window_size=window)
+        b = theirs.make_mask(n, return_array=return_array, window_size=window)
+        assert type(a) is type(b), (n, ours.offset, a, b)
+        if isinstance(a, mx.array):
+            assert a.shape == b.shape
+            if n > 1:
+                assert mx.array_equal(a, b).item()
+        k = _kv(rng, n)
+        ours.update_and_fetch(k, k)
+        theirs.update_and_fetch(k, k)
+
+
 # ------------------------------------------------------------------ models
 @pytest.mark.parametrize("name", sorted(ARCHS))
 def test_chunked_logits_equal_mlx_lm_cache(name):
