@@ -317,7 +317,7 @@ def test_loaded_cache_grows_without_reallocating(tmp_path, dtype, make):
     exactly like the cache that was saved."""
     from mlx.utils import tree_flatten
 
-    from mlx_chatcache.cache_base import kv_len
+    from mlx_chatcache.cache.cache_base import kv_len
 
     saved = make()
     saved.update_and_fetch(rnd(10).astype(dtype), rnd(10, 1).astype(dtype))
@@ -404,7 +404,7 @@ def test_trimmed_tokens_beyond_the_saved_room_never_reach_a_later_file(tmp_path,
 def test_reads_version_1_files_without_room(tmp_path):
     """Files from format version 1 hold exactly the live tokens; they still load,
     continue like the saved cache, and are written back as version 2 with room."""
-    from mlx_chatcache.cache_base import kv_len
+    from mlx_chatcache.cache.cache_base import kv_len
 
     c = filled(KVCache())
     p = tmp_path / "v1.safetensors"
