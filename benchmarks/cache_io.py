@@ -467,7 +467,7 @@ def model_check(prompt_tokens: int, bits_list) -> tuple[list[list], dict[str, fl
     import mlx.core as mx
 
     from mlx_chatcache import cache as cc
-    from mlx_chatcache.loading import demo_model_path, load
+    from mlx_chatcache.models.loading import demo_model_path, load
 
     path = demo_model_path()
     if path is None:

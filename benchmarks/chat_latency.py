@@ -139,7 +139,7 @@ def load_model(tiny: bool, weights: str):
     """(model, tokenizer, description) the MLX engines share."""
     import mlx.core as mx
 
-    from mlx_chatcache.loading import demo_model_path, load, load_tokenizer
+    from mlx_chatcache.models.loading import demo_model_path, load, load_tokenizer
 
     path = demo_model_path()
     if path is None:
@@ -370,7 +370,7 @@ def llama_conversation_worker(args) -> int:
     """Runs in its own process (so MLX's and OpenBLAS's threads do not compete with
     llama.cpp's): the whole llama.cpp conversation, its own replies, per turn:
     resumed-in-a-new-process (at resume turns), prefix reuse, and no reuse."""
-    from mlx_chatcache.loading import load_tokenizer
+    from mlx_chatcache.models.loading import load_tokenizer
 
     job = json.loads(Path(args.llama_job).read_text())
     folder = Path(job["folder"])
@@ -474,7 +474,7 @@ def main(argv=None) -> int:
     import mlx.core as mx
 
     from mlx_chatcache.config import DEFAULTS
-    from mlx_chatcache.loading import demo_model_path
+    from mlx_chatcache.models.loading import demo_model_path
     from mlx_chatcache.session import ChatSession
 
     t_start = time.perf_counter()

@@ -74,7 +74,7 @@ def load_models(names: list[str]):
     out = []
     for name in names:
         if name == "smollm2":
-            from mlx_chatcache.loading import demo_model_path, load
+            from mlx_chatcache.models.loading import demo_model_path, load
 
             path = demo_model_path()
             if path is None:

@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from .loading import load  # noqa: E402
+from .models.loading import load  # noqa: E402
 
 __all__ = ["load", "__version__"]

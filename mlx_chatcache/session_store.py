@@ -35,7 +35,7 @@ from .cache_io import load_prompt_cache, save_prompt_cache
 from .checkpoints import Checkpoint
 from .config import DEFAULTS, GenerationConfig, mlxcc_home
 from .errors import CacheFileError, ModelMismatchError, SessionError
-from .fingerprint import ModelFingerprint
+from .models.fingerprint import ModelFingerprint
 from .prompt_state import PromptCacheState
 from .prompt_store import state_for_model
 

@@ -32,7 +32,7 @@ from mlx_chatcache.errors import (
     ModelMismatchError,
     UnsupportedCacheError,
 )
-from mlx_chatcache.fingerprint import ModelFingerprint
+from mlx_chatcache.models.fingerprint import ModelFingerprint
 
 
 def rnd(n, seed=0):
@@ -287,7 +287,7 @@ def test_model_cache_shapes_fit(llama_model):
 def test_mlx_lm_file_continues_identically(kind, tiny_model_dirs, tmp_path):
     """A cache made and saved by mlx-lm 0.32 itself, loaded by us, continues with
     exactly the logits mlx-lm's own cache gives (and ours can be written back for mlx-lm)."""
-    from mlx_chatcache.loading import load
+    from mlx_chatcache.models.loading import load
 
     model, _ = load(str(tiny_model_dirs[kind]))
     prompt = mx.array([[5, 9, 33, 71, 12, 40, 41, 7, 99, 100, 3, 17, 18, 19, 20, 21, 22, 23, 24, 25]])

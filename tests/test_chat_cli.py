@@ -255,7 +255,7 @@ SAVER = textwrap.dedent(
     """
     import sys
     from mlx_chatcache.config import DEFAULTS
-    from mlx_chatcache.loading import load
+    from mlx_chatcache.models.loading import load
     from mlx_chatcache.session import ChatSession
 
     model, tokenizer = load(sys.argv[1])
@@ -274,7 +274,7 @@ SAVER = textwrap.dedent(
 
 
 def test_kill_during_save_leaves_a_loadable_session(tiny_model_dirs, chat, home, tmp_path):
-    from mlx_chatcache.loading import load
+    from mlx_chatcache.models.loading import load
     from mlx_chatcache.session import ChatSession
 
     d = tiny_model_dirs["hybrid"]
@@ -314,7 +314,7 @@ def test_session_file_refusals(tiny_model_dirs, chat, tmp_path):
 def test_session_file_keeps_its_window_for_mlxcc_generate(tiny_model_dirs, tmp_path, capsys, monkeypatch):
     """A session made with --max-kv-size, continued by `mlxcc generate --prompt-cache-file`,
     keeps its rotating window shape (max_kv_size and the pinned keep)."""
-    from mlx_chatcache.loading import load
+    from mlx_chatcache.models.loading import load
     from mlx_chatcache.prompt_store import load_stored_prompt
 
     model_dir = str(tiny_model_dirs["llama"])

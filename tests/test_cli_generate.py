@@ -13,7 +13,7 @@ from mlx_chatcache.cache_io import load_prompt_cache, read_cache_info
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.generate import common_prefix_len, generate
-from mlx_chatcache.loading import load
+from mlx_chatcache.models.loading import load
 from mlx_chatcache.prompt_store import render_chat
 
 KINDS = ["llama", "sliding", "hybrid"]

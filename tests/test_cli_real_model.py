@@ -10,7 +10,7 @@ from mlx_chatcache.cache_io import read_cache_info
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.generate import generate
-from mlx_chatcache.loading import load
+from mlx_chatcache.models.loading import load
 from mlx_chatcache.prompt_store import render_chat
 
 pytestmark = pytest.mark.real_model

@@ -237,7 +237,7 @@ def test_system_prompt_change_and_clear(llama_model):
 # ------------------------------------------------------------------ files
 @pytest.mark.parametrize("kind", ["llama", "hybrid"])
 def test_save_load_continues_exactly(kind, tiny_model_dirs, tmp_path):
-    from mlx_chatcache.loading import load
+    from mlx_chatcache.models.loading import load
 
     model, tokenizer = load(str(tiny_model_dirs[kind]))
     a = new_session(model, tokenizer, temp=0.8, seed=3)
@@ -314,7 +314,7 @@ REWRITING_TEMPLATE = (
 
 @pytest.mark.parametrize("kind", ["llama", "hybrid"])
 def test_template_rewriting_history_reuses_less_but_stays_exact(kind, tiny_model_dirs):
-    from mlx_chatcache.loading import load
+    from mlx_chatcache.models.loading import load
 
     model, tokenizer = load(str(tiny_model_dirs[kind]))  # a private copy: its template changes
     tokenizer._tokenizer.chat_template = REWRITING_TEMPLATE

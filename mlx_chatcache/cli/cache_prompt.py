@@ -54,7 +54,7 @@ def build(args, tokenizer, prompt: str | None) -> tuple[StoredPrompt, list[int]]
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loading import load
+    from ..models.loading import load
 
     if args.prompt is not None and args.prompt_file is not None:
         raise UsageError("give --prompt or --prompt-file, not both")

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int:
-    from ..loading import load
+    from ..models.loading import load
     from ..chat_input import StreamReader, TerminalReader
     from ..repl import ChatREPL, history_file, plural
 

@@ -80,7 +80,7 @@ def build_prompt(args, tokenizer, stored: StoredPrompt, prompt: str) -> list[int
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loading import load
+    from ..models.loading import load
 
     prompt = read_prompt(args.prompt)
     if not prompt:
