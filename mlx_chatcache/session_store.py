@@ -3,7 +3,7 @@
 Files
 -----
 A session file is one cache file (see ``docs/cache-format.md``), written
-atomically by :func:`~mlx_chatcache.cache_io.save_prompt_cache`: the cache,
+atomically by :func:`~mlx_chatcache.files.cache_io.save_prompt_cache`: the cache,
 its token ids, the messages, the model fingerprint and, in the user metadata
 key ``session``, a JSON object with the settings and the bookkeeping of a
 :class:`~mlx_chatcache.session.ChatSession` (a :class:`SessionRecord`).
@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache_io import load_prompt_cache, save_prompt_cache
+from .files.cache_io import load_prompt_cache, save_prompt_cache
 from .checkpoints import Checkpoint
 from .config import DEFAULTS, GenerationConfig, mlxcc_home
 from .errors import CacheFileError, ModelMismatchError, SessionError

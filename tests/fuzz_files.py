@@ -55,7 +55,7 @@ from mlx_chatcache.cache import (
     QuantizedRotatingKVCache,
     RotatingKVCache,
 )
-from mlx_chatcache.cache_io import load_prompt_cache, read_cache_info, save_prompt_cache
+from mlx_chatcache.files.cache_io import load_prompt_cache, read_cache_info, save_prompt_cache
 from mlx_chatcache.errors import ChatCacheError
 from mlx_chatcache.models.fingerprint import ModelFingerprint
 

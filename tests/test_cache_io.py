@@ -18,7 +18,7 @@ from mlx_chatcache.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
-from mlx_chatcache.cache_io import (
+from mlx_chatcache.files.cache_io import (
     FORMAT_VERSION,
     check_cache_fits_model,
     load_prompt_cache,
@@ -101,7 +101,7 @@ def test_file_holds_live_tokens_and_zeroed_room_like_mlx_lm(tmp_path):
     """K/V arrays are stored with their buffer's room to the next 256-token step
     (as mlx-lm stores them), the room zeroed: the arrays take as many bytes as
     (at most) mlx-lm's, trimmed tokens never reach the file, ``state`` stays exact."""
-    from mlx_chatcache.safetensors_file import read_arrays, read_header
+    from mlx_chatcache.files.safetensors_file import read_arrays, read_header
 
     ours, theirs = KVCache(), lm.KVCache()
     for c in (ours, theirs):
@@ -367,7 +367,7 @@ def test_state_setter_takes_only_the_declared_spare_room():
 def test_file_changed_or_shortened_after_header_check(good_file, tmp_path):
     import dataclasses
 
-    from mlx_chatcache.safetensors_file import read_arrays, read_header
+    from mlx_chatcache.files.safetensors_file import read_arrays, read_header
 
     header = read_header(good_file)
     names = list(header.tensors)
@@ -387,7 +387,7 @@ def test_trimmed_tokens_beyond_the_saved_room_never_reach_a_later_file(tmp_path,
     """Trim far back, save (which stores only up to the next step), grow past that
     step again, save: the slots the second file stores past the live tokens are
     zero, not the tokens trimmed before the first save."""
-    from mlx_chatcache.safetensors_file import read_arrays, read_header
+    from mlx_chatcache.files.safetensors_file import read_arrays, read_header
 
     c = make()
     c.update_and_fetch(rnd(500, 1) + 5.0, rnd(500, 2) + 5.0)  # nothing near zero

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from mlx_chatcache.cache import can_trim_prompt_cache
-from mlx_chatcache.cache_io import load_prompt_cache, read_cache_info
+from mlx_chatcache.files.cache_io import load_prompt_cache, read_cache_info
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.generate import common_prefix_len, generate

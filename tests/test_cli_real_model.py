@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from mlx_chatcache.cache_io import read_cache_info
+from mlx_chatcache.files.cache_io import read_cache_info
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.generate import generate

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from mlx_chatcache.cache import KVCache, RotatingKVCache, cache_offset
-from mlx_chatcache.cache_io import read_cache_info, save_prompt_cache as save_cache
+from mlx_chatcache.files.cache_io import read_cache_info, save_prompt_cache as save_cache
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import ModelMismatchError, SessionError, UsageError
 from mlx_chatcache.generate import stream_generate

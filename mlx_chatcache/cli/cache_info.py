@@ -7,7 +7,7 @@ import json
 import os
 from collections import Counter
 
-from ..cache_io import CacheFileInfo, read_cache_info
+from ..files.cache_io import CacheFileInfo, read_cache_info
 from .common import human_bytes
 
 PREVIEW_CHARS = 240

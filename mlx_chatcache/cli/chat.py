@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from ..errors import SessionError
-from ..safetensors_file import remove_stale_temp_files
+from ..files.safetensors_file import remove_stale_temp_files
 from ..session import ChatSession
 from ..session_store import SessionLock, session_path
 from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args, config_overrides

@@ -27,10 +27,10 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from . import __version__
-from .cache import BaseCache, cache_class
-from .errors import CacheFileError, CacheFormatError, ChatCacheError, ModelMismatchError
-from .models.fingerprint import ModelFingerprint
+from .. import __version__
+from ..cache import BaseCache, cache_class
+from ..errors import CacheFileError, CacheFormatError, ChatCacheError, ModelMismatchError
+from ..models.fingerprint import ModelFingerprint
 from .safetensors_file import Header, read_arrays, read_header, write_atomic
 
 FORMAT_NAME = "mlx_chatcache"

@@ -24,9 +24,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from .cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
-from .cache.cache_base import BaseCache, shown
-from .errors import CacheFormatError, UnsupportedCacheError
+from ..cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
+from ..cache.cache_base import BaseCache, shown
+from ..errors import CacheFormatError, UnsupportedCacheError
 from .safetensors_file import Header, write_file_atomic
 
 _INDEX = re.compile(r"^\d{1,6}$")
