@@ -4,12 +4,12 @@ both stopping on request, and what the turn cost.
 Contract
 --------
 :func:`feed_prompt` feeds ``ids[len(state.tokens):upto]`` into a
-:class:`~mlx_chatcache.prompt_state.PromptCacheState` in
+:class:`~mlx_chatcache.generation.prompt_state.PromptCacheState` in
 ``prefill_step_size`` chunks, recording each chunk in ``state.tokens``. It
 polls ``should_stop`` before every chunk and raises :class:`TurnCancelled`
 when it says so; the state then holds the chunks fed so far (the caller rolls
 the turn back). When ``upto == len(ids) - 1`` (the prompt up to the token the
-reply starts from), the tokens :func:`~mlx_chatcache.generate.final_call_size`
+reply starts from), the tokens :func:`~mlx_chatcache.generation.generate.final_call_size`
 gives (the prompt's last chunk, or only its last token for a quantized model)
 are left to :func:`stream_reply`: the generate loop feeds them in the model
 call that samples the first reply token, one call instead of two.
@@ -19,7 +19,7 @@ call that samples the first reply token, one call instead of two.
 of, passing each text piece to ``on_text``. It polls ``should_stop`` after
 every token that does not end the reply and ends the reply there
 ("interrupted"), then passes on the text the detokenizer held back. The state
-is left as :mod:`mlx_chatcache.generate` documents for a reply that ends:
+is left as :mod:`mlx_chatcache.generation.generate` documents for a reply that ends:
 every reply token but the last has been fed (after an interruption, the token
 the generate loop fed ahead is trimmed back off).
 
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .config import GenerationConfig
-from .generate import GenerationResponse, final_call_size, make_kv_quantizer, prefill, stream_generate
-from .prompt_state import PromptCacheState, trim_state
+from .generation.generate import GenerationResponse, final_call_size, make_kv_quantizer, prefill, stream_generate
+from .generation.prompt_state import PromptCacheState, trim_state
 
 TextCallback = Callable[[str], None]
 StopCheck = Callable[[], bool]

@@ -1,7 +1,7 @@
 """A multi-turn chat whose history is never fed to the model twice.
 
 :class:`ChatSession` holds the conversation (``messages``), a prompt cache with
-the exact token ids it has been fed (a :class:`~mlx_chatcache.prompt_state.PromptCacheState`),
+the exact token ids it has been fed (a :class:`~mlx_chatcache.generation.prompt_state.PromptCacheState`),
 the settings (a :class:`GenerationConfig`) and per-turn checkpoints. This
 module decides what each turn feeds and keeps; the model work of a turn
 (feeding and streaming that stop on request, statistics) is in
@@ -17,12 +17,12 @@ encoding of the rest of the text. So the reply tokens stay in the cache exactly
 as generated, never re-tokenized. When it is not a prefix (a template that
 rewrites history, e.g. drops an earlier reply's reasoning) the prompt keeps the
 longest run of held tokens whose decoded text starts the rendering and encodes
-the rest; :func:`~mlx_chatcache.prompt_state.reuse_prefix` then trims the cache to
+the rest; :func:`~mlx_chatcache.generation.prompt_state.reuse_prefix` then trims the cache to
 that run, and a cache that cannot be trimmed restarts from the latest turn
 checkpoint inside it. Such templates just reuse less.
 
 The generate loop never feeds the last token it yields (see
-:mod:`mlx_chatcache.generate`): after a reply ``r1..rn`` the cache holds
+:mod:`mlx_chatcache.generation.generate`): after a reply ``r1..rn`` the cache holds
 everything but ``rn``, which waits in ``pending`` and is fed first next turn.
 The session's full token sequence is ``state.tokens + pending``.
 
@@ -74,9 +74,9 @@ from .chat_turn import (
 from .checkpoints import Checkpoint, RollbackResult, drop_old_copies, restore, rewind_cache, snapshot
 from .config import DEFAULT_MAX_CHECKPOINTS, DEFAULTS, GenerationConfig
 from .errors import SessionError, UsageError
-from .generate import as_tokenizer_wrapper
-from .prompt_state import PromptCacheState, common_prefix_len, reuse_prefix
-from .prompt_store import chat_text, encode_text, has_chat_template
+from .generation.generate import as_tokenizer_wrapper
+from .generation.prompt_state import PromptCacheState, common_prefix_len, reuse_prefix
+from .generation.prompt_store import chat_text, encode_text, has_chat_template
 from .session_store import SessionRecord, load_session, save_session, session_metadata
 
 MIN_WINDOW = 8  # tokens a rotating window must hold beyond the pinned system prompt

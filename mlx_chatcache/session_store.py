@@ -36,8 +36,8 @@ from .checkpoints import Checkpoint
 from .config import DEFAULTS, GenerationConfig, mlxcc_home
 from .errors import CacheFileError, ModelMismatchError, SessionError
 from .models.fingerprint import ModelFingerprint
-from .prompt_state import PromptCacheState
-from .prompt_store import state_for_model
+from .generation.prompt_state import PromptCacheState
+from .generation.prompt_store import state_for_model
 
 SESSION_FORMAT = 1
 SESSION_KEY = "session"  # user metadata key holding the session JSON

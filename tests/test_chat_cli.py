@@ -315,7 +315,7 @@ def test_session_file_keeps_its_window_for_mlxcc_generate(tiny_model_dirs, tmp_p
     """A session made with --max-kv-size, continued by `mlxcc generate --prompt-cache-file`,
     keeps its rotating window shape (max_kv_size and the pinned keep)."""
     from mlx_chatcache.models.loading import load
-    from mlx_chatcache.prompt_store import load_stored_prompt
+    from mlx_chatcache.generation.prompt_store import load_stored_prompt
 
     model_dir = str(tiny_model_dirs["llama"])
     f = tmp_path / "s.safetensors"

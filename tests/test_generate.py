@@ -1,4 +1,4 @@
-"""Tests of :mod:`mlx_chatcache.generate` on the tiny models (float32, CPU).
+"""Tests of :mod:`mlx_chatcache.generation.generate` on the tiny models (float32, CPU).
 
 References are computed without any reuse: the model is called on the whole
 token sequence for every step (no cache, or a fresh cache per call).
@@ -34,7 +34,7 @@ from mlx_chatcache.cache import (
 )
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import UsageError
-from mlx_chatcache.generate import (
+from mlx_chatcache.generation.generate import (
     PromptCacheState,
     forward,
     generate,

@@ -1,4 +1,4 @@
-"""Tests of how :func:`mlx_chatcache.generate.generate_step` schedules model calls.
+"""Tests of how :func:`mlx_chatcache.generation.generate.generate_step` schedules model calls.
 
 - Feeding ahead: with a trimmable cache and no logits processors, token ``k >= 2``
   is fed (and token ``k+1`` computed) before token ``k`` is yielded. At every
@@ -27,7 +27,7 @@ from tiny_models import SLIDING_WINDOW
 from mlx_chatcache.cache import KVCache, cache_offset, can_trim_prompt_cache
 from mlx_chatcache.chat_turn import stream_reply
 from mlx_chatcache.config import DEFAULTS
-from mlx_chatcache.generate import PromptCacheState, final_call_size, generate_step, prefill
+from mlx_chatcache.generation.generate import PromptCacheState, final_call_size, generate_step, prefill
 from mlx_chatcache.session import ChatSession
 
 GREEDY = DEFAULTS.updated(temp=0.0)
@@ -208,8 +208,8 @@ def test_seeded_sampling_is_unchanged_by_feeding_ahead(llama_model, kind_state):
 
 def test_seeded_sampling_matches_the_synchronous_step_by_step_loop(llama_model):
     """The old loop (prefill + decode_one_token per token) as the reference."""
-    from mlx_chatcache.generate import decode_one_token
-    from mlx_chatcache.sample import make_sampler
+    from mlx_chatcache.generation.generate import decode_one_token
+    from mlx_chatcache.generation.sample import make_sampler
 
     model, tok = llama_model
     prompt = prompt_ids(tok, 1)  # one token: the first call is the same in both

@@ -13,8 +13,8 @@ import argparse
 import sys
 
 from ..errors import UsageError
-from ..generate import PromptCacheState, encode_prompt, stream_generate
-from ..prompt_store import StoredPrompt, load_stored_prompt, render_chat, save_stored_prompt
+from ..generation.generate import PromptCacheState, encode_prompt, stream_generate
+from ..generation.prompt_store import StoredPrompt, load_stored_prompt, render_chat, save_stored_prompt
 from .common import (
     add_cache_args,
     add_model_arg,

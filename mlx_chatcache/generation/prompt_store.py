@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .cache import cache_offset, make_prompt_cache
-from .files.cache_io import check_cache_fits_model, load_prompt_cache, save_prompt_cache
-from .config import DEFAULTS
-from .errors import CacheFormatError, UsageError
+from ..cache import cache_offset, make_prompt_cache
+from ..files.cache_io import check_cache_fits_model, load_prompt_cache, save_prompt_cache
+from ..config import DEFAULTS
+from ..errors import CacheFormatError, UsageError
 from .generate import prefill
 from .prompt_state import PromptCacheState
 

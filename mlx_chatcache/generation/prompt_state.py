@@ -8,7 +8,7 @@ empty cache of the same shape can be rebuilt. The functions here keep that
 pairing when a state is reused for a new prompt: :func:`reuse_prefix` reduces
 a state to the longest part of a prompt it already holds, :func:`trim_state`
 trims it back to a given length when every layer can be trimmed. Feeding and
-sampling live in :mod:`mlx_chatcache.generate`. All defaults come from
+sampling live in :mod:`mlx_chatcache.generation.generate`. All defaults come from
 :data:`~mlx_chatcache.config.DEFAULTS`.
 """
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .cache import BaseCache, cache_offset, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-from .config import DEFAULTS, GenerationConfig
-from .errors import CacheFormatError, UsageError
+from ..cache import BaseCache, cache_offset, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from ..config import DEFAULTS, GenerationConfig
+from ..errors import CacheFormatError, UsageError
 
 
 # ------------------------------------------------------------------ state

@@ -8,8 +8,8 @@ Layers, each usable on its own (lowest first):
    already holds: it trims the rest, or starts a fresh cache when the cache
    cannot be trimmed.
 
-   (1 and 2 live in :mod:`mlx_chatcache.prompt_state`; they are imported here
-   so that ``from mlx_chatcache.generate import PromptCacheState`` keeps working.)
+   (1 and 2 live in :mod:`mlx_chatcache.generation.prompt_state`; they are imported here
+   so that ``from mlx_chatcache.generation.generate import PromptCacheState`` keeps working.)
 3. :func:`prefill` feeds all prompt tokens but the last few, in chunks;
    :func:`final_call_size` says how many to leave: the last chunk, fed in
    the model call that samples the first token (one call instead of two),
@@ -96,9 +96,9 @@ from typing import Callable, Collection, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 
-from .cache import BaseCache, quantize_prompt_cache
-from .config import DEFAULTS, GenerationConfig
-from .errors import UsageError
+from ..cache import BaseCache, quantize_prompt_cache
+from ..config import DEFAULTS, GenerationConfig
+from ..errors import UsageError
 from .prompt_state import PromptCacheState, common_prefix_len, ensure_state, reuse_prefix, trim_state
 from .sample import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 
