@@ -334,7 +334,7 @@ def resume_worker(args) -> int:
     job = json.loads(Path(args.resume_job).read_text())
     out = {}
     if job["engine"] == "d":
-        from mlx_chatcache.session import ChatSession
+        from mlx_chatcache.chat.session import ChatSession
 
         model, tok, _ = load_model(job["tiny"], job["weights"])
         out["model_load"] = time.perf_counter() - t_start
@@ -475,7 +475,7 @@ def main(argv=None) -> int:
 
     from mlx_chatcache.config import DEFAULTS
     from mlx_chatcache.models.loading import demo_model_path
-    from mlx_chatcache.session import ChatSession
+    from mlx_chatcache.chat.session import ChatSession
 
     t_start = time.perf_counter()
     n_turns = max(1, min(args.turns, len(USER_TURNS)))

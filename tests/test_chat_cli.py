@@ -25,7 +25,7 @@ from tiny_models import IM_END, IM_START
 from mlx_chatcache.files.cache_io import read_cache_info
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.errors import UsageError
-from mlx_chatcache.chat_input import StreamReader, message_text, parse_command, parse_setting, read_input
+from mlx_chatcache.chat.chat_input import StreamReader, message_text, parse_command, parse_setting, read_input
 
 SYSTEM = "Keep your answers short."
 TURNS = [
@@ -256,7 +256,7 @@ SAVER = textwrap.dedent(
     import sys
     from mlx_chatcache.config import DEFAULTS
     from mlx_chatcache.models.loading import load
-    from mlx_chatcache.session import ChatSession
+    from mlx_chatcache.chat.session import ChatSession
 
     model, tokenizer = load(sys.argv[1])
     s = ChatSession(model, tokenizer, config=DEFAULTS.updated(max_tokens=6))
@@ -275,7 +275,7 @@ SAVER = textwrap.dedent(
 
 def test_kill_during_save_leaves_a_loadable_session(tiny_model_dirs, chat, home, tmp_path):
     from mlx_chatcache.models.loading import load
-    from mlx_chatcache.session import ChatSession
+    from mlx_chatcache.chat.session import ChatSession
 
     d = tiny_model_dirs["hybrid"]
     path = tmp_path / "killed.safetensors"

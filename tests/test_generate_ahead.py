@@ -25,10 +25,10 @@ import pytest
 from tiny_models import SLIDING_WINDOW
 
 from mlx_chatcache.cache import KVCache, cache_offset, can_trim_prompt_cache
-from mlx_chatcache.chat_turn import stream_reply
+from mlx_chatcache.chat.chat_turn import stream_reply
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.generation.generate import PromptCacheState, final_call_size, generate_step, prefill
-from mlx_chatcache.session import ChatSession
+from mlx_chatcache.chat.session import ChatSession
 
 GREEDY = DEFAULTS.updated(temp=0.0)
 TEXT = "The weather was cold and windy, so we stayed inside and read our books."

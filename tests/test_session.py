@@ -1,4 +1,4 @@
-"""Tests of :mod:`mlx_chatcache.session` on the tiny models (greedy unless said).
+"""Tests of :mod:`mlx_chatcache.chat.session` on the tiny models (greedy unless said).
 
 What "no re-prefill" means here: a turn's reported ``reused_tokens`` equals the
 tokens the cache held before it, ``recomputed_tokens`` is 0, and
@@ -17,8 +17,8 @@ from mlx_chatcache.files.cache_io import read_cache_info, save_prompt_cache as s
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import ModelMismatchError, SessionError, UsageError
 from mlx_chatcache.generation.generate import stream_generate
-from mlx_chatcache.session import ChatSession
-from mlx_chatcache.session_store import SessionLock, session_path
+from mlx_chatcache.chat.session import ChatSession
+from mlx_chatcache.chat.session_store import SessionLock, session_path
 
 CFG = DEFAULTS.updated(max_tokens=8)
 SYSTEM = "Keep your answers short."

@@ -5,7 +5,7 @@ the exact token ids it has been fed (a :class:`~mlx_chatcache.generation.prompt_
 the settings (a :class:`GenerationConfig`) and per-turn checkpoints. This
 module decides what each turn feeds and keeps; the model work of a turn
 (feeding and streaming that stop on request, statistics) is in
-:mod:`mlx_chatcache.chat_turn`.
+:mod:`mlx_chatcache.chat.chat_turn`.
 
 How a turn is built
 -------------------
@@ -29,10 +29,10 @@ The session's full token sequence is ``state.tokens + pending``.
 Undo and retry
 --------------
 At the start of each turn the session records a
-:class:`~mlx_chatcache.checkpoints.Checkpoint` (message count, token and text
+:class:`~mlx_chatcache.chat.checkpoints.Checkpoint` (message count, token and text
 lengths, and copies of the layers that may not trim back); undo, retry and a
 failed or cancelled turn roll back to it without feeding a history token
-again (see :mod:`mlx_chatcache.checkpoints`). Copies are kept in memory for the
+again (see :mod:`mlx_chatcache.chat.checkpoints`). Copies are kept in memory for the
 last ``max_checkpoints`` turns only. Past those turns (or after loading a
 session from a file) an untrimmable cache cannot be rolled back: the history
 is then recomputed on the next turn, and the session says so.
@@ -49,7 +49,7 @@ Files
 :meth:`ChatSession.save` writes the session to one cache file, atomically;
 :meth:`ChatSession.load` reads it back and refuses a session made with another
 model (:class:`~mlx_chatcache.errors.ModelMismatchError`). The file's layout,
-session names and the session lock are in :mod:`mlx_chatcache.session_store`.
+session names and the session lock are in :mod:`mlx_chatcache.chat.session_store`.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ import os
 import time
 from typing import Mapping, Sequence
 
-from .cache import CacheList, can_trim_prompt_cache, prompt_cache_nbytes
+from ..cache import CacheList, can_trim_prompt_cache, prompt_cache_nbytes
 from .chat_turn import (
     Reply,
     StopCheck,
@@ -72,11 +72,11 @@ from .chat_turn import (
     turn_stats,
 )
 from .checkpoints import Checkpoint, RollbackResult, drop_old_copies, restore, rewind_cache, snapshot
-from .config import DEFAULT_MAX_CHECKPOINTS, DEFAULTS, GenerationConfig
-from .errors import SessionError, UsageError
-from .generation.generate import as_tokenizer_wrapper
-from .generation.prompt_state import PromptCacheState, common_prefix_len, reuse_prefix
-from .generation.prompt_store import chat_text, encode_text, has_chat_template
+from ..config import DEFAULT_MAX_CHECKPOINTS, DEFAULTS, GenerationConfig
+from ..errors import SessionError, UsageError
+from ..generation.generate import as_tokenizer_wrapper
+from ..generation.prompt_state import PromptCacheState, common_prefix_len, reuse_prefix
+from ..generation.prompt_store import chat_text, encode_text, has_chat_template
 from .session_store import SessionRecord, load_session, save_session, session_metadata
 
 MIN_WINDOW = 8  # tokens a rotating window must hold beyond the pinned system prompt

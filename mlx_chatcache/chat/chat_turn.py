@@ -32,9 +32,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import GenerationConfig
-from .generation.generate import GenerationResponse, final_call_size, make_kv_quantizer, prefill, stream_generate
-from .generation.prompt_state import PromptCacheState, trim_state
+from ..config import GenerationConfig
+from ..generation.generate import GenerationResponse, final_call_size, make_kv_quantizer, prefill, stream_generate
+from ..generation.prompt_state import PromptCacheState, trim_state
 
 TextCallback = Callable[[str], None]
 StopCheck = Callable[[], bool]

@@ -6,7 +6,7 @@ A session file is one cache file (see ``docs/cache-format.md``), written
 atomically by :func:`~mlx_chatcache.files.cache_io.save_prompt_cache`: the cache,
 its token ids, the messages, the model fingerprint and, in the user metadata
 key ``session``, a JSON object with the settings and the bookkeeping of a
-:class:`~mlx_chatcache.session.ChatSession` (a :class:`SessionRecord`).
+:class:`~mlx_chatcache.chat.session.ChatSession` (a :class:`SessionRecord`).
 :func:`save_session` writes a record (a previous file survives any failure);
 :func:`load_session` reads one back for a model and refuses, in one line each:
 a missing file and a cache file that is not a session or uses a newer session
@@ -31,13 +31,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .files.cache_io import load_prompt_cache, save_prompt_cache
+from ..files.cache_io import load_prompt_cache, save_prompt_cache
 from .checkpoints import Checkpoint
-from .config import DEFAULTS, GenerationConfig, mlxcc_home
-from .errors import CacheFileError, ModelMismatchError, SessionError
-from .models.fingerprint import ModelFingerprint
-from .generation.prompt_state import PromptCacheState
-from .generation.prompt_store import state_for_model
+from ..config import DEFAULTS, GenerationConfig, mlxcc_home
+from ..errors import CacheFileError, ModelMismatchError, SessionError
+from ..models.fingerprint import ModelFingerprint
+from ..generation.prompt_state import PromptCacheState
+from ..generation.prompt_store import state_for_model
 
 SESSION_FORMAT = 1
 SESSION_KEY = "session"  # user metadata key holding the session JSON

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .cache import BaseCache, CacheList, KVCache, QuantizedKVCache, copy_prompt_cache
-from .generation.prompt_state import PromptCacheState, trim_state
+from ..cache import BaseCache, CacheList, KVCache, QuantizedKVCache, copy_prompt_cache
+from ..generation.prompt_state import PromptCacheState, trim_state
 
 LayerCopies = list[BaseCache | None]  # one entry per layer; None: a plain K/V layer (trimmed instead)
 
