@@ -9,7 +9,7 @@ import pytest
 from mlx_chatcache.files.cache_io import read_cache_info
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.config import DEFAULTS
-from mlx_chatcache.generation.generate import generate
+from mlx_chatcache.generation.text import generate
 from mlx_chatcache.models.loading import load
 from mlx_chatcache.generation.prompt_store import render_chat
 

@@ -37,12 +37,11 @@ from mlx_chatcache.errors import UsageError
 from mlx_chatcache.generation.generate import (
     PromptCacheState,
     forward,
-    generate,
     generate_step,
     prefill,
     reuse_prefix,
-    stream_generate,
 )
+from mlx_chatcache.generation.text import generate, stream_generate
 
 ATOL = 1e-5
 QUANT_RTOL = 0.03  # of the logit range

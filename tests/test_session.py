@@ -16,7 +16,7 @@ from mlx_chatcache.cache import KVCache, RotatingKVCache, cache_offset
 from mlx_chatcache.files.cache_io import read_cache_info, save_prompt_cache as save_cache
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import ModelMismatchError, SessionError, UsageError
-from mlx_chatcache.generation.generate import stream_generate
+from mlx_chatcache.generation.text import stream_generate
 from mlx_chatcache.chat.session import ChatSession
 from mlx_chatcache.chat.session_store import SessionLock, session_path
 

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..config import GenerationConfig
-from ..generation.generate import GenerationResponse, final_call_size, make_kv_quantizer, prefill, stream_generate
+from ..generation.generate import final_call_size, make_kv_quantizer, prefill
 from ..generation.prompt_state import PromptCacheState, trim_state
+from ..generation.text import GenerationResponse, stream_generate
 
 TextCallback = Callable[[str], None]
 StopCheck = Callable[[], bool]

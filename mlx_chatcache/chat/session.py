@@ -74,9 +74,9 @@ from .chat_turn import (
 from .checkpoints import Checkpoint, RollbackResult, drop_old_copies, restore, rewind_cache, snapshot
 from ..config import DEFAULT_MAX_CHECKPOINTS, DEFAULTS, GenerationConfig
 from ..errors import SessionError, UsageError
-from ..generation.generate import as_tokenizer_wrapper
 from ..generation.prompt_state import PromptCacheState, common_prefix_len, reuse_prefix
 from ..generation.prompt_store import chat_text, encode_text, has_chat_template
+from ..generation.text import as_tokenizer_wrapper
 from .session_store import SessionRecord, load_session, save_session, session_metadata
 
 MIN_WINDOW = 8  # tokens a rotating window must hold beyond the pinned system prompt

@@ -15,8 +15,9 @@ import sys
 import time
 
 from ..errors import UsageError
-from ..generation.generate import PromptCacheState, encode_prompt
+from ..generation.generate import PromptCacheState
 from ..generation.prompt_store import StoredPrompt, feed_all, render_chat, save_stored_prompt
+from ..generation.text import encode_prompt
 from .common import add_cache_args, add_model_arg, config_from_args, human_bytes, read_json_arg, read_prompt
 from .progress import ProgressBar
 

@@ -13,8 +13,9 @@ import argparse
 import sys
 
 from ..errors import UsageError
-from ..generation.generate import PromptCacheState, encode_prompt, stream_generate
+from ..generation.generate import PromptCacheState
 from ..generation.prompt_store import StoredPrompt, load_stored_prompt, render_chat, save_stored_prompt
+from ..generation.text import encode_prompt, stream_generate
 from .common import (
     add_cache_args,
     add_model_arg,
