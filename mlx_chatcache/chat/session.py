@@ -71,18 +71,19 @@ from .chat_turn import (
     stream_reply,
     turn_stats,
 )
-from .checkpoints import Checkpoint, RollbackResult, drop_old_copies, restore, rewind_cache, snapshot
+from .checkpoints import Checkpoint, RollbackResult
 from ..config import DEFAULT_MAX_CHECKPOINTS, DEFAULTS, GenerationConfig
 from ..errors import SessionError, UsageError
 from ..generation.prompt_state import PromptCacheState, common_prefix_len, reuse_prefix
 from ..generation.prompt_store import chat_text, encode_text, has_chat_template
 from ..generation.text import as_tokenizer_wrapper
+from .session_rollback import SessionRollback
 from .session_store import SessionRecord, load_session, save_session, session_metadata
 
 MIN_WINDOW = 8  # tokens a rotating window must hold beyond the pinned system prompt
 
 
-class ChatSession:
+class ChatSession(SessionRollback):
     """A chat with a model whose cache follows the conversation (see module doc)."""
 
     def __init__(
@@ -288,84 +289,7 @@ class ChatSession:
             self.checkpoints.clear()
         self.messages.append({"role": "assistant", "content": reply.text})
 
-    def _push_checkpoint(self) -> None:
-        self.checkpoints.append(
-            Checkpoint(len(self.messages), len(self.tokens), len(self.state.tokens), len(self.text),
-                       snapshot(self.state.cache))
-        )  # fmt: skip
-        drop_old_copies(self.checkpoints, self.max_checkpoints)
-
-    def _history_rewritten(
-        self, prompt_ids: list[int], k: int, prompt_text: str, n_text: int, should_stop: StopCheck | None
-    ) -> int | None:
-        """The template changed history from held token ``k`` on (e.g. it drops
-        an earlier reply's reasoning); ``prompt_ids[:k]`` are the held tokens
-        kept. Keep the checkpoints inside that prefix. An untrimmable cache
-        restarts from the latest copy among them and is fed up to ``k`` (all
-        but the last), then copied again, so this turn keeps a checkpoint too.
-        Returns the tokens reused from that copy (None when the cache is left
-        to ``reuse_prefix``)."""
-        turn = self.checkpoints.pop()  # this turn's: its lengths no longer apply
-        kept = [c for c in self.checkpoints if c.n_tokens <= k and prompt_text.startswith(self.text[: c.n_text])]
-        self.checkpoints[:] = kept
-        self.text = prompt_text[:n_text]
-        restored = None
-        if len(self.state.tokens) > k and not can_trim_prompt_cache(self.state.cache):
-            for c in reversed(kept):
-                if c.cache is not None and restore(self.state, c.cache, c.state_len, prompt_ids):
-                    restored = c
-                    break
-        if restored is None:
-            self.checkpoints.append(Checkpoint(turn.n_messages, k, min(k, len(self.state.tokens)), n_text, None))
-            return None
-        self.checkpoints.append(Checkpoint(turn.n_messages, k, restored.state_len, n_text, restored.cache))
-        feed_prompt(self.model, self.state, prompt_ids, k - 1, self.config, should_stop)
-        copies = snapshot(self.state.cache)
-        self.checkpoints[-1] = Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, copies)
-        return restored.state_len
-
     # ------------------------------------------------------------ rollback
-    def _rewind(self, ck: Checkpoint, tokens: list[int] | None = None) -> RollbackResult:
-        """Make messages, tokens, text and cache what they were at ``ck``.
-        ``tokens``: the session's tokens (default ``self.tokens``; a failed turn
-        passes those it started with, since the cache may have been reset)."""
-        tokens = self.tokens if tokens is None else tokens
-        del self.messages[ck.n_messages:]
-        self.text = self.text[: ck.n_text]
-        self.pending = tokens[ck.state_len : ck.n_tokens]
-        how = rewind_cache(self.state, ck, tokens)
-        if how is not None:
-            return RollbackResult(how)
-        # cannot roll back: start a fresh cache; the next turn feeds the history again
-        self.state.reset(self.model)
-        self.pending, self.text = [], ""
-        self.checkpoints.clear()
-        return RollbackResult("recompute", len(tokens[: ck.state_len]))
-
-    def _last_exchange(self) -> int:
-        """Index of the last user message (SessionError if there is none)."""
-        for i in range(len(self.messages) - 1, -1, -1):
-            if self.messages[i]["role"] == "user":
-                return i
-        raise SessionError("there is no exchange to undo or retry yet; send a message first")
-
-    def _rollback_last(self) -> RollbackResult:
-        i = self._last_exchange()
-        while self.checkpoints and self.checkpoints[-1].n_messages > i:
-            self.checkpoints.pop()
-        if self.checkpoints and self.checkpoints[-1].n_messages == i:
-            return self._rewind(self.checkpoints.pop())
-        # no checkpoint for that turn (history was rewritten since): the next turn
-        # renders the conversation afresh; a trimmable cache keeps the common prefix
-        del self.messages[i:]
-        self.pending, self.text = [], ""
-        self.checkpoints.clear()
-        if can_trim_prompt_cache(self.state.cache):
-            return RollbackResult("rerender")
-        held = len(self.state.tokens)
-        self.state.reset(self.model)
-        return RollbackResult("recompute", held)
-
     def undo(self) -> RollbackResult:
         """Drop the last exchange (user message and reply) without re-prefilling."""
         result = self._rollback_last()
