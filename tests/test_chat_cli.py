@@ -25,7 +25,7 @@ from tiny_models import IM_END, IM_START
 from mlx_chatcache.files.cache_io import read_cache_info
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.errors import UsageError
-from mlx_chatcache.chat.chat_input import StreamReader, message_text, parse_command, parse_setting, read_input
+from mlx_chatcache.cli.chat_input import StreamReader, message_text, parse_command, parse_setting, read_input
 
 SYSTEM = "Keep your answers short."
 TURNS = [

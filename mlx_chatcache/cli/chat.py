@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int:
     from ..models.loading import load
-    from ..chat.chat_input import StreamReader, TerminalReader
-    from ..chat.repl import ChatREPL, history_file, plural
+    from .chat_input import StreamReader, TerminalReader
+    from .repl import ChatREPL, history_file, plural
 
     model, tokenizer = load(args.model)
     if path is not None and path.exists():

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
-from ..cli.common import non_negative_float, non_negative_int, positive_int, probability
+from .common import non_negative_float, non_negative_int, positive_int, probability
 from ..errors import UsageError
 
 PROMPT, CONTINUATION = ">>> ", "... "
