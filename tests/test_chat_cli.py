@@ -315,7 +315,7 @@ def test_session_file_keeps_its_window_for_mlxcc_generate(tiny_model_dirs, tmp_p
     """A session made with --max-kv-size, continued by `mlxcc generate --prompt-cache-file`,
     keeps its rotating window shape (max_kv_size and the pinned keep)."""
     from mlx_chatcache.models.loading import load
-    from mlx_chatcache.generation.prompt_store import load_stored_prompt
+    from mlx_chatcache.generation.prompt_state import PromptCache
 
     model_dir = str(tiny_model_dirs["llama"])
     f = tmp_path / "s.safetensors"
@@ -323,7 +323,7 @@ def test_session_file_keeps_its_window_for_mlxcc_generate(tiny_model_dirs, tmp_p
     assert main(["chat", "--model", model_dir, "--session-file", str(f), "--max-kv-size", "48",
                  "--system-prompt", "Be brief.", "-m", "4"]) == 0
     model, _ = load(model_dir)
-    stored = load_stored_prompt(f, model)
-    assert stored.state.max_kv_size == 48 and stored.state.keep > 4
+    stored = PromptCache.load(f, model)
+    assert stored.max_kv_size == 48 and stored.keep > 4
     capsys.readouterr()
     assert main(["generate", "--model", model_dir, "-p", "more", "-m", "3", "--prompt-cache-file", str(f)]) == 0

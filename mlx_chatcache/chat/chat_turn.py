@@ -4,7 +4,7 @@ both stopping on request, and what the turn cost.
 Contract
 --------
 :func:`feed_prompt` feeds ``ids[len(state.tokens):upto]`` into a
-:class:`~mlx_chatcache.generation.prompt_state.PromptCacheState` in
+:class:`~mlx_chatcache.generation.prompt_state.PromptCache` in
 ``prefill_step_size`` chunks, recording each chunk in ``state.tokens``. It
 polls ``should_stop`` before every chunk and raises :class:`TurnCancelled`
 when it says so; the state then holds the chunks fed so far (the caller rolls
@@ -34,7 +34,7 @@ from typing import Callable
 
 from ..config import GenerationConfig
 from ..generation.generate import final_call_size, make_kv_quantizer, prefill
-from ..generation.prompt_state import PromptCacheState, trim_state
+from ..generation.prompt_state import PromptCache, trim_state
 from ..generation.text import GenerationResponse, stream_generate
 
 TextCallback = Callable[[str], None]
@@ -101,7 +101,7 @@ class Reply:
 
 
 def feed_prompt(
-    model, state: PromptCacheState, ids: list[int], upto: int, config: GenerationConfig, should_stop: StopCheck | None
+    model, state: PromptCache, ids: list[int], upto: int, config: GenerationConfig, should_stop: StopCheck | None
 ) -> None:
     """Feed ``ids[len(state.tokens):upto]`` in ``config.prefill_step_size``
     chunks, less the reply's first call when ``upto == len(ids) - 1`` (see the
@@ -126,7 +126,7 @@ def stream_reply(
     model,
     tokenizer,
     prompt_ids: list[int],
-    state: PromptCacheState,
+    state: PromptCache,
     config: GenerationConfig,
     started: float,
     on_text: TextCallback | None,

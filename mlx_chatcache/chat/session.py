@@ -1,7 +1,7 @@
 """A multi-turn chat whose history is never fed to the model twice.
 
 :class:`ChatSession` holds the conversation (``messages``), a prompt cache with
-the exact token ids it has been fed (a :class:`~mlx_chatcache.generation.prompt_state.PromptCacheState`),
+the exact token ids it has been fed (a :class:`~mlx_chatcache.generation.prompt_state.PromptCache`),
 the settings (a :class:`GenerationConfig`) and per-turn checkpoints. This
 module decides what each turn feeds and keeps; the model work of a turn
 (feeding and streaming that stop on request, statistics) is in
@@ -74,7 +74,7 @@ from .chat_turn import (
 from .checkpoints import Checkpoint, RollbackResult
 from ..config import DEFAULT_MAX_CHECKPOINTS, DEFAULTS, GenerationConfig
 from ..errors import SessionError, UsageError
-from ..generation.prompt_state import PromptCacheState, common_prefix_len, reuse_prefix
+from ..generation.prompt_state import PromptCache, common_prefix_len, reuse_prefix
 from ..generation.prompt_store import chat_text, encode_text, has_chat_template
 from ..generation.text import as_tokenizer_wrapper
 from .session_rollback import SessionRollback
@@ -173,10 +173,10 @@ class ChatSession(SessionRollback):
         b = self.encode(self.render(sys_msgs + [{"role": "user", "content": "Z"}]))
         return max(common_prefix_len(a, b), 0)
 
-    def _new_state(self) -> PromptCacheState:
+    def _new_state(self) -> PromptCache:
         size = self.config.max_kv_size
         if size is None:
-            return PromptCacheState.new(self.model)
+            return PromptCache.new(self.model)
         keep = self.pinned_tokens()
         if keep + MIN_WINDOW > size:
             raise SessionError(
@@ -184,7 +184,7 @@ class ChatSession(SessionRollback):
                 f"must hold it plus at least {MIN_WINDOW} tokens: use --max-kv-size "
                 f">= {keep + MIN_WINDOW} (much larger in practice) or a shorter system prompt"
             )
-        return PromptCacheState.new(self.model, size, keep)
+        return PromptCache.new(self.model, size, keep)
 
     def _call_config(self) -> GenerationConfig:
         seed = self.config.seed

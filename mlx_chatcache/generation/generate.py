@@ -2,14 +2,14 @@
 
 Layers, each usable on its own (lowest first):
 
-1. :class:`PromptCacheState` holds a prompt cache (one cache per layer) and
+1. :class:`PromptCache` holds a prompt cache (one cache per layer) and
    ``tokens``, the token ids that cache has been fed, in order.
 2. :func:`reuse_prefix` reduces a state to the longest part of a new prompt it
    already holds: it trims the rest, or starts a fresh cache when the cache
    cannot be trimmed.
 
    (1 and 2 live in :mod:`mlx_chatcache.generation.prompt_state`; they are imported here
-   so that ``from mlx_chatcache.generation.generate import PromptCacheState`` keeps working.)
+   so that ``from mlx_chatcache.generation.generate import PromptCache`` keeps working.)
 3. :func:`prefill` feeds all prompt tokens but the last few, in chunks;
    :func:`final_call_size` says how many to leave: the last chunk, fed in
    the model call that samples the first token (one call instead of two),
@@ -99,7 +99,7 @@ import mlx.core as mx
 from ..cache import BaseCache, quantize_prompt_cache
 from ..config import DEFAULTS, GenerationConfig
 from ..errors import UsageError
-from .prompt_state import PromptCacheState, common_prefix_len, ensure_state, reuse_prefix, trim_state
+from .prompt_state import PromptCache, common_prefix_len, ensure_state, reuse_prefix, trim_state
 from .sample import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens to do)
@@ -109,7 +109,7 @@ KVQuantizer = Callable[[list[BaseCache]], None]
 
 # ------------------------------------------------------------------ errors
 @contextlib.contextmanager
-def _reset_on_error(state: PromptCacheState, model):
+def _reset_on_error(state: PromptCache, model):
     """Model calls inside leave the state consistent or empty, never half-updated."""
     try:
         yield
@@ -225,7 +225,7 @@ def sample_token(
 
 def decode_one_token(
     model,
-    state: PromptCacheState,
+    state: PromptCache,
     tokens: Sequence[int],
     sampler: Sampler,
     processors: Sequence[LogitsProcessor] = (),
@@ -247,7 +247,7 @@ def decode_one_token(
 # ------------------------------------------------------------------ generate_step
 def _start_step(
     model,
-    state: PromptCacheState,
+    state: PromptCache,
     inputs: mx.array,
     sampler: Sampler,
     processors: Sequence[LogitsProcessor],
@@ -286,7 +286,7 @@ def _always_undoable(layer: BaseCache) -> bool:
     return layer.is_trimmable() and not hasattr(layer, "max_size") and not hasattr(layer, "caches")
 
 
-def _take_back_one(state: PromptCacheState, model, layers: list[BaseCache]) -> None:
+def _take_back_one(state: PromptCache, model, layers: list[BaseCache]) -> None:
     """Unfeed the last token (checked possible by :func:`_can_take_back`).
 
     ``layers`` are the cache's layers before that token was fed: the model
@@ -308,7 +308,7 @@ def generate_step(
     prompt_tokens: Sequence[int],
     model,
     *,
-    state: PromptCacheState | None = None,
+    state: PromptCache | None = None,
     config: GenerationConfig | None = None,
     sampler: Sampler | None = None,
     logits_processors: Sequence[LogitsProcessor] | None = None,
@@ -385,7 +385,7 @@ def generate_step(
 
 
 __all__ = [
-    "PromptCacheState",
+    "PromptCache",
     "ensure_state",
     "common_prefix_len",
     "reuse_prefix",

@@ -19,7 +19,7 @@ import mlx.core as mx
 from ..config import DEFAULTS, GenerationConfig
 from ..errors import UsageError
 from .generate import Progress, generate_step
-from .prompt_state import PromptCacheState, ensure_state, reuse_prefix
+from .prompt_state import PromptCache, ensure_state, reuse_prefix
 from .sample import LogitsProcessor, Sampler
 
 @dataclass
@@ -100,7 +100,7 @@ def stream_generate(
     tokenizer,
     prompt: str | Sequence[int] | mx.array,
     *,
-    state: PromptCacheState | None = None,
+    state: PromptCache | None = None,
     config: GenerationConfig | None = None,
     sampler: Sampler | None = None,
     logits_processors: Sequence[LogitsProcessor] | None = None,
@@ -155,7 +155,7 @@ def generate(
     tokenizer,
     prompt: str | Sequence[int] | mx.array,
     *,
-    state: PromptCacheState | None = None,
+    state: PromptCache | None = None,
     config: GenerationConfig | None = None,
     sampler: Sampler | None = None,
     logits_processors: Sequence[LogitsProcessor] | None = None,
