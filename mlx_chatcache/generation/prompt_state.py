@@ -1,21 +1,24 @@
-"""A prompt cache together with the exact token ids it has been fed, and what they are.
+"""A prompt cache together with the exact token ids it has been fed.
 
-Contract: a :class:`PromptCache` pairs ``cache`` (one cache per layer) with ``tokens``, the ids that
-cache has been fed, in order, so ``len(tokens)`` equals the cache offset; ``max_kv_size``/``keep``
-record the cache's shape (a rotating window pinning its first ``keep`` tokens) so an empty cache of
-the same shape can be rebuilt. It also carries what a cache file records with it: the ``fingerprint``
-of the model that made it, the chat ``messages`` or raw ``text`` the tokens render (None when
-unknown) and JSON-able ``settings``. :meth:`PromptCache.save` writes all of it to one cache file,
-atomically; :meth:`PromptCache.load` reads one back for a model and refuses a file made for another
-model, one whose layers the model does not make and one that does not list its token ids. It is the
-one value type for "a cache and what it holds": ``generate``/``stream_generate`` reuse and update
-it, ``mlxcc cache-prompt``/``generate`` save and load it, a chat session holds one.
-
-The functions here keep the cache/tokens pairing when a prompt cache is reused for a new prompt:
-:func:`reuse_prefix` reduces it to the longest part of a prompt it already holds, :func:`trim_state`
-trims it back to a given length when every layer can be trimmed. Feeding and sampling live in
-:mod:`mlx_chatcache.generation.generate`. All defaults come from
+Contract: a :class:`PromptCache` pairs ``cache`` (one cache per layer)
+with ``tokens``, the ids that cache has been fed, in order, so
+``len(tokens)`` equals the cache offset; ``max_kv_size``/``keep`` record the
+cache's shape (a rotating window pinning its first ``keep`` tokens) so an
+empty cache of the same shape can be rebuilt. The functions here keep that
+pairing when a state is reused for a new prompt: :func:`reuse_prefix` reduces
+a state to the longest part of a prompt it already holds, :func:`trim_state`
+trims it back to a given length when every layer can be trimmed. Feeding and
+sampling live in :mod:`mlx_chatcache.generation.generate`. All defaults come from
 :data:`~mlx_chatcache.config.DEFAULTS`.
+
+It is the one value type for "a cache and what it holds": it also carries the
+``fingerprint`` of the model that made it, the chat ``messages`` or raw
+``text`` the tokens are (None when unknown) and JSON-able ``settings``.
+:meth:`PromptCache.save` writes all of it to one cache file, atomically;
+:meth:`PromptCache.load` reads one back for a model and refuses a file made
+for another model, one whose layers the model does not make and one that does
+not list its token ids. ``generate``/``stream_generate`` reuse and update it,
+``mlxcc cache-prompt``/``generate`` save and load it, a chat session holds one.
 """
 
 from __future__ import annotations

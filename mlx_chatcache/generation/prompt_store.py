@@ -1,11 +1,14 @@
-"""Turning a prompt into the token ids a prompt cache holds, and feeding them all.
+"""What a prompt cache holds: chat messages rendered to token ids, or all of a prompt fed.
 
-``render_chat`` turns messages into token ids with the tokenizer's chat template (``chat_text``
-then ``encode_text``, which chat sessions use too); ``feed_all`` feeds every token of a prompt into
-an empty :class:`~mlx_chatcache.generation.prompt_state.PromptCache` without sampling (what
-``mlxcc cache-prompt`` saves). Saving and loading a prompt cache is
-:meth:`PromptCache.save <mlx_chatcache.generation.prompt_state.PromptCache.save>` /
-:meth:`PromptCache.load <mlx_chatcache.generation.prompt_state.PromptCache.load>`.
+A :class:`~mlx_chatcache.generation.prompt_state.PromptCache` (cache + token ids)
+holds either the chat ``messages`` or the raw ``text`` (caches made
+without a chat template); saving and loading it is
+:meth:`~mlx_chatcache.generation.prompt_state.PromptCache.save` /
+:meth:`~mlx_chatcache.generation.prompt_state.PromptCache.load`.
+``feed_all`` feeds every token of a prompt into an empty one, without
+sampling (what ``mlxcc cache-prompt`` saves).
+``render_chat`` turns messages into token ids with the tokenizer's chat
+template (``chat_text`` then ``encode_text``, which chat sessions use too).
 """
 
 from __future__ import annotations
