@@ -19,14 +19,15 @@ import timeit
 import mlx.core as mx
 import pytest
 
-import mlx_chatcache.loading
+import mlx_chatcache.models.loading as loading
 from mlx_chatcache.cache import ArraysCache, CacheList, KVCache, cache_offset
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import CacheNotUpdatedError, UnsupportedCacheError
-from mlx_chatcache.generate import PromptCacheState, generate
-from mlx_chatcache.model_call import call_model
-from mlx_chatcache.prompt_store import feed_all
+from mlx_chatcache.generation.model_call import call_model
+from mlx_chatcache.generation.prompt_state import PromptCache
+from mlx_chatcache.generation.prompt_store import feed_all
+from mlx_chatcache.generation.text import generate
 
 
 class CacheIgnoringModel:
@@ -51,7 +52,7 @@ class CacheIgnoringModel:
 @pytest.mark.parametrize("kind", ["llama", "mamba"])
 def test_generate_refuses_a_model_that_ignores_its_cache(kind, make_tiny_model):
     model, tokenizer = make_tiny_model(kind, seed=0)
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     config = DEFAULTS.updated(max_tokens=4, prefill_step_size=8)
     with pytest.raises(CacheNotUpdatedError, match=r"the stub_ignores_cache model .* in layer 0's cache"):
         generate(CacheIgnoringModel(model), tokenizer, "Good morning! How are you today?", state=state,
@@ -74,7 +75,7 @@ def test_feeding_a_whole_prompt_is_checked(make_tiny_model):
     model, tokenizer = make_tiny_model("llama", seed=0)
     stub = CacheIgnoringModel(model)
     with pytest.raises(CacheNotUpdatedError):
-        feed_all(stub, PromptCacheState.new(stub), tokenizer.encode("Good morning!"), 4)
+        feed_all(stub, PromptCache.new(stub), tokenizer.encode("Good morning!"), 4)
 
 
 def test_a_cache_list_part_is_named():
@@ -94,7 +95,7 @@ def test_a_cache_list_part_is_named():
 @pytest.mark.parametrize("kind", ["mamba", "ssm"])  # mamba never calls advance(); mamba2 ("ssm") does
 def test_offsets_count_the_tokens_fed(kind, make_tiny_model):
     model, tokenizer = make_tiny_model(kind, seed=0)
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     generate(model, tokenizer, "Good morning! How are you today?", state=state,
              config=DEFAULTS.updated(max_tokens=5, prefill_step_size=4))
     assert [c.offset for c in state.cache] == [len(state.tokens)] * len(state.cache)
@@ -119,8 +120,8 @@ def test_the_check_is_cheap():
 
 
 def test_mlxcc_chat_prints_one_error_line(tiny_model_dirs, tmp_path, monkeypatch, capsys):
-    real_load = mlx_chatcache.loading.load
-    monkeypatch.setattr(mlx_chatcache.loading, "load", lambda ref=None: _wrapped(real_load(ref)))
+    real_load = loading.load
+    monkeypatch.setattr(loading, "load", lambda ref=None: _wrapped(real_load(ref)))
     monkeypatch.setenv("MLXCC_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(sys, "stdin", io.StringIO("Good morning!\n"))
     capsys.readouterr()

@@ -35,7 +35,7 @@ from mlx_lm.models import cache as mlx_lm_cache
 
 from .cache_base import Absent, fill_mask, kv_assign, kv_concat, kv_len, kv_slice, parse_ints
 from .cache_kv import KVCache, QuantizedKVCache, check_quant_params
-from .errors import CacheFormatError
+from ..errors import CacheFormatError
 
 
 class RotatingKVCache(KVCache, mlx_lm_cache.RotatingKVCache):

@@ -39,7 +39,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
-from .errors import CacheFormatError, UnsupportedCacheError
+from ..errors import CacheFormatError, UnsupportedCacheError
 
 BATCH_ONLY_METHODS: dict[str, str] = {
     name: "mlx-lm's batched generation (BatchGenerator, batch_generate) only; mlx_chatcache caches "

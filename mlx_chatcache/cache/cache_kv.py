@@ -29,7 +29,7 @@ from .cache_base import (
     parse_ints,
     standard_mask,
 )
-from .errors import CacheFormatError
+from ..errors import CacheFormatError
 
 
 class KVCache(BaseCache, mlx_lm_cache.KVCache):

@@ -26,8 +26,8 @@ from mlx_lm.models import cache as mlx_lm_cache
 from .cache_base import BATCH_ONLY_METHODS, BaseCache, check_arrays, parse_ints, shown
 from .cache_kv import ChunkedKVCache, KVCache, QuantizedKVCache
 from .cache_rotating import QuantizedRotatingKVCache, RotatingKVCache
-from .config import DEFAULTS
-from .errors import CacheFormatError, UnsupportedCacheError
+from ..config import DEFAULTS
+from ..errors import CacheFormatError, UnsupportedCacheError
 
 
 class ArraysCache(BaseCache, mlx_lm_cache.ArraysCache):
@@ -35,7 +35,7 @@ class ArraysCache(BaseCache, mlx_lm_cache.ArraysCache):
     the state after n tokens cannot be rolled back to n - k.
 
     ``offset`` counts tokens seen: models call ``advance(n)``, and for those
-    that only replace the slots (mamba), :func:`~mlx_chatcache.model_call.call_model`
+    that only replace the slots (mamba), :func:`~mlx_chatcache.generation.model_call.call_model`
     advances it."""
 
     def __init__(self, size: int, left_padding=None):

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .cache import ArraysCache, BaseCache, CacheList
-from .errors import CacheNotUpdatedError
+from ..cache import ArraysCache, BaseCache, CacheList
+from ..errors import CacheNotUpdatedError
 
 
 def _leaves(cache: list[BaseCache]) -> list[BaseCache]:
