@@ -65,9 +65,14 @@ BASE: dict = {
     # multi-head latent attention
     "kv_lora_rank": 32,
     "q_lora_rank": 32,
-    "qk_rope_head_dim": 16,
-    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 32,  # cached k_pe: 32 wide, so 32-wide KV quantization groups fit
+    "qk_nope_head_dim": 32,
     "v_head_dim": 32,
+    # sparse-attention indexers (deepseek_v32, glm_moe_dsa): top-k below the
+    # prompt length, so the sparse path runs
+    "index_topk": 8,
+    "index_head_dim": 32,
+    "index_n_heads": 2,
     # state space / linear attention
     "state_size": 16,
     "conv_kernel": 4,
@@ -127,8 +132,7 @@ OVERRIDES: dict[str, dict] = {
     "gear": {"layer_types": ["sliding_attention", "full_attention"]},
     "gemma3_text": {"sliding_window_pattern": 2},
     "glm4_moe": {"use_qk_norm": True, "rope_scaling": None},
-    "glm_moe_dsa": {"index_head_dim": 32, "index_n_heads": 2, "index_topk": 8,
-                    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1,
+    "glm_moe_dsa": {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1,
                     "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
     "gpt_neox": {"rotary_emb_base": 10000, "rotary_pct": 0.5},
     "gptj": {"rotary_dim": 16},
