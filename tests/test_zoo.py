@@ -33,9 +33,7 @@ exception is loaded vs live after a wrapped window (``RING_TOL``).
 Architectures that cannot run here are in ``SKIPPED`` (reason), helper modules
 in ``HELPERS``; ``test_every_module_is_swept_or_explained`` fails on a module
 that is neither, so a new mlx-lm architecture cannot be missed silently.
-Known failures are strict xfails: ``ISSUE10_FIXED_ON_BRANCH`` (all XPASS with
-branch issue10's library code: delete the dict when merging it) and
-``KNOWN_LIMITS`` (failures that remain by design, with the reason).
+Known failures are strict xfails in ``KNOWN_LIMITS``, each with the reason.
 """
 
 from __future__ import annotations
@@ -55,7 +53,7 @@ from mlx_lm.models import cache as lm
 from mlx_lm.utils import MODEL_REMAPPING
 
 from mlx_chatcache.cache import copy_prompt_cache, make_prompt_cache
-from mlx_chatcache.cache_io import load_prompt_cache, save_prompt_cache
+from mlx_chatcache.files.cache_io import load_prompt_cache, save_prompt_cache
 from mlx_chatcache.errors import UnsupportedCacheError
 from zoo_configs import VOCAB, config
 
@@ -102,44 +100,6 @@ REFUSED: dict[str, str] = {
     "deepseek_v41": "LayerCache (compressed attention) is listed in mlx_chatcache.cache.UNSUPPORTED",
 }
 
-_ISSUE10 = "issue 10: fixed on branch issue10"
-# Known failures, fixed on branch issue10 (library side). Delete after merging it.
-ISSUE10_FIXED_ON_BRANCH: dict[tuple[str, str], str] = {
-    **{
-        (arch, check): f"{_ISSUE10} (model checks isinstance(cache, mlx-lm ArraysCache))"
-        for arch in ("mamba", "falcon_mamba")
-        for check in ("logits", "rotating", "generate", "generate_kv8")
-    },
-    **{
-        (arch, check): f"{_ISSUE10} (model calls cache.keys_and_values())"
-        for arch in ("afm7", "gemma3n")
-        for check in ("logits", "save_load", "rotating", "generate", "generate_kv8")
-    },
-    **{
-        ("plamo3", check): f"{_ISSUE10} (model asks for a mask one wider than its window)"
-        for check in ("logits", "rotating", "generate")
-    },
-    # generate_step(kv_bits=8) calls to_quantized on every layer that has it;
-    # our QuantizedKVCache inherits it and raises "already quantized"
-    **{
-        (arch, "generate_kv8"): f"{_ISSUE10} (kv_bits hook: our quantized classes have to_quantized)"
-        for arch in (
-            "Klear apertus bailing_moe bailing_moe_linear cohere dbrx deepseek deepseek_v2 dots1 "
-            "ernie4_5 ernie4_5_moe exaone gemma glm glm4 glm4_moe gpt2 gpt_bigcode gpt_neox gptj "
-            "granite granitemoe granitemoehybrid helium hunyuan hunyuan_v1_dense internlm2 "
-            "internlm3 jamba laguna lfm2 lfm2-vl lfm2_moe lille-130m llama llama4_text mimo "
-            "minicpm minicpm3 minimax ministral3 mistral3 mixtral nanbeige nanochat nemotron "
-            "nemotron-nas nemotron_h olmo2 olmo_hybrid olmoe openelm phi3 phimoe pixtral qwen "
-            "qwen2 qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl "
-            "qwen3_vl_moe seed_oss smollm3 solar_open starcoder2 talkie telechat3 youtu_llm"
-        ).split()
-    },
-    # found by this sweep, also fixed on branch issue10 (XPASS there)
-    ("llama4", "generate_kv8"): f"{_ISSUE10} (found by the zoo sweep: our "
-    "ChunkedKVCache.to_quantized raises CacheFormatError 'ChunkedKVCache cannot be quantized', so "
-    "generate_step(kv_bits=8) fails; mlx-lm's ChunkedKVCache turns into a plain QuantizedKVCache)",
-}
-
 _SLOT_ORDER = (
     "known limit (docs/mlx-lm-compat.md on branch issue10): files and copy_prompt_cache store a "
     "wrapped window in temporal order, a live ring buffer is rotated; this model's sparse "
@@ -180,7 +140,7 @@ def arch_params(check: str) -> list:
     each model once), with the issue-10 strict xfails for ``check``."""
     params = []
     for arch in SWEPT:
-        reason = ISSUE10_FIXED_ON_BRANCH.get((arch, check)) or KNOWN_LIMITS.get((arch, check))
+        reason = KNOWN_LIMITS.get((arch, check))
         marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
         params.append(pytest.param(arch, marks=marks, id=arch))
     return params
@@ -380,8 +340,7 @@ def test_every_module_is_swept_or_explained():
             f"mlx_lm.models.{name} is new and not an architecture: add it to HELPERS with a reason"
         )
     assert len(SWEPT) >= 100  # mlx-lm 0.32.2: 122 swept
-    assert not set(ISSUE10_FIXED_ON_BRANCH) & set(KNOWN_LIMITS)
-    stale = {key for key in {**ISSUE10_FIXED_ON_BRANCH, **KNOWN_LIMITS} if key[0] not in SWEPT}
+    stale = {key for key in KNOWN_LIMITS if key[0] not in SWEPT}
     assert not stale, stale
 
 
