@@ -16,6 +16,10 @@ computes over the whole token history the cache stands for:
 Tolerances are those of tests/test_cache_models.py (measured there): 1e-5
 within the window, 5e-5 past it (ring order), 3e-2 / 1e-1 past it once
 quantized at 8 / 4 bits (reordering noise can flip a quantization bucket).
+A second property: a rotating cache copied or saved and loaded at any point of
+a random append/trim/quantize sequence has the live cache's buffer slot for
+slot (the same ring position) and continues with bit-identical logits.
+
 Examples: ``MLXCC_HYPOTHESIS_EXAMPLES`` (default 40), derandomized, no database.
 """
 
@@ -228,3 +232,93 @@ def test_random_operation_sequences_match_reference(llama_model, shape, ops, las
                 cache = copy
             check_layers(cache, len(history), shape, q_point is not None)
         append(last, limit=MAX_HISTORY + len(last))  # always checks the final state
+
+
+# ---------------------------------------------------------------- resumed == live, slot for slot
+def used_slots(c) -> list[mx.array]:
+    """The buffers as laid out (not ``state``, which is temporal): slots ``[0, size())``."""
+    if c.keys is None:
+        return []
+    return [t for b in (c.keys, c.values) for t in (b if isinstance(b, tuple) else (b,))
+            for t in [t[..., : c.size(), :]]]
+
+
+def assert_same_layout(a, b, what):
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert type(x) is type(y) and x.meta_state == y.meta_state, f"{what}: layer {i}"
+        if isinstance(x, RotatingKVCache) and x.offset > x.max_size:  # before, _idx means nothing
+            assert x._idx == y._idx, f"{what}: layer {i} ring starts at slot {x._idx}, live {y._idx}"
+        xs, ys = used_slots(x), used_slots(y)
+        assert len(xs) == len(ys) and all(
+            s.shape == t.shape and mx.array_equal(s, t).item() for s, t in zip(xs, ys)
+        ), f"{what}: layer {i} slots differ"
+
+
+step_st = st.one_of(
+    st.tuples(st.just("append"), tokens_st),
+    st.tuples(st.just("append"), st.lists(st.integers(3, 383), min_size=1, max_size=1)),  # ring steps
+    st.tuples(st.just("trim"), st.integers(0, 9)),
+    st.tuples(st.just("quantize"), st.sampled_from([8, 4])),
+)
+window_st = st.sampled_from([(8, 0), (12, 2), (16, 4), (20, 1), (5, 4)])
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(shape=window_st, before=st.lists(step_st, min_size=1, max_size=10),
+       after=st.lists(step_st, min_size=1, max_size=8))
+# wrapped by single steps (ring mid-buffer), quantized after the checkpoint
+@example(shape=(12, 2), before=[("append", list(range(10, 22))), ("append", [3]), ("append", [4]),
+                                ("append", [5])],
+         after=[("append", [6]), ("quantize", 8), ("append", [7, 8]), ("append", [9])])
+# overflowing chunk, ring steps, quantized before the checkpoint
+@example(shape=(8, 0), before=[("append", list(range(30, 41))), ("append", [3]), ("quantize", 4),
+                               ("append", [4]), ("append", [5])],
+         after=[("append", [6]), ("append", list(range(50, 60))), ("append", [7])])
+def test_copied_and_loaded_windows_continue_exactly_like_the_live_one(llama_model, shape, before, after):
+    """A rotating cache copied (``copy_prompt_cache``) or saved and loaded at any
+    point has the live cache's buffer slot for slot (same ring position) and,
+    fed the same operations, gives bit-identical logits and stays slot-identical."""
+    model, _ = llama_model
+    max_kv, keep = shape
+    live = make_prompt_cache(model, max_kv_size=max_kv, keep=keep)
+    history = []
+
+    def apply(caches, op, arg):
+        nonlocal history
+        if op == "append":
+            toks = arg[: max(0, MAX_HISTORY - len(history))]
+            if toks:
+                history = history + toks
+            return [forward(model, c, toks) for c in caches] if toks else []
+        if op == "trim":
+            trimmed = {trim_prompt_cache(c, arg) for c in caches}
+            assert len(trimmed) == 1, f"trim {arg}: the caches trimmed {trimmed}"
+            history = history[: len(history) - trimmed.pop()]
+        else:
+            for c in caches:
+                quantize_prompt_cache(c, group_size=GROUP, bits=arg)
+        return []
+
+    for op, arg in before:
+        apply([live], op, arg)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ring.safetensors"
+        save_prompt_cache(path, live, tokens=history)
+        loaded = load_prompt_cache(path)
+    copied = copy_prompt_cache(live)
+    for other, what in ((loaded, "loaded"), (copied, "copied")):
+        assert_same_layout(other, live, f"{what} at {len(history)} tokens")
+    for op, arg in after:
+        logits = apply([live, loaded, copied], op, arg)
+        if logits:
+            assert np.array_equal(logits[1], logits[0]) and np.array_equal(logits[2], logits[0]), (
+                f"{op} after {history}: resumed != live (shape={shape})"
+            )
+        assert_same_layout(loaded, live, f"loaded, then {op}")
+        assert_same_layout(copied, live, f"copied, then {op}")

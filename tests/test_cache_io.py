@@ -158,6 +158,11 @@ def test_reads_mlx_lm_032_file(tmp_path):
     assert [c.offset for c in ours] == [14, 14, 14]
     assert mx.array_equal(ours[0].state[0], theirs[0].keys[..., :14, :])
     assert mx.array_equal(ours[1].state[0], theirs[1]._temporal_order(theirs[1].keys))
+    # the wrapped ring keeps mlx-lm's slot order, and continues as mlx-lm's own
+    assert ours[1]._idx == theirs[1]._idx == 6 and mx.array_equal(ours[1].keys, theirs[1].keys)
+    k, v = rnd(1, 30), rnd(1, 31)
+    got, want = ours[1].update_and_fetch(k, v), theirs[1].update_and_fetch(k, v)
+    assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
 
 
 def test_writes_file_mlx_lm_loads(tmp_path):
@@ -167,6 +172,11 @@ def test_writes_file_mlx_lm_loads(tmp_path):
     back, meta = lm.load_prompt_cache(str(p), return_metadata=True)
     assert meta == {"k": "v"} and [c.offset for c in back] == [12, 12, 12]
     assert mx.array_equal(back[0].state[0][..., :12, :], cache[0].state[0])
+    # the wrapped ring is written as it is: mlx-lm's cache has our slot order
+    assert back[1]._idx == cache[1]._idx == 4 and mx.array_equal(back[1].keys, cache[1].keys)
+    k, v = rnd(1, 30), rnd(1, 31)
+    got, want = back[1].update_and_fetch(k, v), cache[1].update_and_fetch(k, v)
+    assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
     with pytest.raises(UnsupportedCacheError):
         save_prompt_cache(tmp_path / "q.safetensors", [filled(QuantizedRotatingKVCache(8, 2, 32, 8))], format="mlx-lm")
 
@@ -196,6 +206,7 @@ def test_reads_legacy_layout(tmp_path):
     assert mx.array_equal(ours[0].state[0], kv.keys[..., :13, :])
     assert mx.array_equal(ours[1].state[0], rot._temporal_order(rot.keys))
     assert ours[1].offset == 13
+    assert ours[1]._idx == rot._idx == 5 and mx.array_equal(ours[1].keys, rot.keys)  # mlx-lm's slot order
 
 
 # ----------------------------------------------------------------- bad files
@@ -403,7 +414,7 @@ def test_trimmed_tokens_beyond_the_saved_room_never_reach_a_later_file(tmp_path,
 
 def test_reads_version_1_files_without_room(tmp_path):
     """Files from format version 1 hold exactly the live tokens; they still load,
-    continue like the saved cache, and are written back as version 2 with room."""
+    continue like the saved cache, and are written back in the current version with room."""
     from mlx_chatcache.cache.cache_base import kv_len
 
     c = filled(KVCache())
@@ -420,5 +431,58 @@ def test_reads_version_1_files_without_room(tmp_path):
     assert_same([c], [old])
     got, want = old.update_and_fetch(rnd(2, 9), rnd(2, 9)), c.update_and_fetch(rnd(2, 9), rnd(2, 9))
     assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
-    save_prompt_cache(tmp_path / "v2.safetensors", [old], tokens=list(range(14)))
-    assert read_cache_info(tmp_path / "v2.safetensors").format_version == FORMAT_VERSION == 2
+    save_prompt_cache(tmp_path / "v3.safetensors", [old], tokens=list(range(14)))
+    assert read_cache_info(tmp_path / "v3.safetensors").format_version == FORMAT_VERSION == 3
+
+
+def wrapped_rings():
+    """Wrapped windows whose ring does not start at slot ``keep`` (float and quantized)."""
+    return [filled(RotatingKVCache(8, 2), (10, 1, 1, 1)), filled(QuantizedRotatingKVCache(8, 2, 32, 8), (5, 1, 5, 1, 1))]
+
+
+def same_buffers(a, b) -> bool:
+    xs, ys = a.eval_arrays(), b.eval_arrays()
+    return len(xs) == len(ys) and all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(xs, ys))
+
+
+def step_both(a, b, seed):
+    """One more token into each: the returned keys/values (the whole ring) are identical."""
+    got, want = a.update_and_fetch(rnd(1, seed), rnd(1, seed + 1)), b.update_and_fetch(rnd(1, seed), rnd(1, seed + 1))
+    flat = lambda kv: [t for x in kv for t in (x if isinstance(x, tuple) else (x,))]
+    return all(mx.array_equal(x, y).item() for x, y in zip(flat(got), flat(want), strict=True))
+
+
+def test_rotating_files_keep_the_live_slot_order(tmp_path):
+    """A wrapped ring saved and loaded has the live buffer slot for slot (its ring
+    position is in meta_state); both continue bit-identically, also past a wrap."""
+    cache = wrapped_rings()
+    assert [c._idx for c in cache] == [5, 4]  # the ring starts mid-buffer
+    p = tmp_path / "ring.safetensors"
+    save_prompt_cache(p, cache, tokens=list(range(13)))
+    loaded = load_prompt_cache(p)
+    assert_same(cache, loaded)  # state: temporal, as before; meta_state: the same ring_idx
+    for c, l in zip(cache, loaded):
+        assert l._idx == c._idx and same_buffers(l, c)
+        for i in range(8):  # once around the ring and more
+            assert step_both(l, c, 40 + 2 * i) and l._idx == c._idx
+
+
+def test_reads_version_2_rotating_files_in_temporal_order(tmp_path):
+    """Version 1/2 files have no ring_idx (3 / 5 meta values): they load as before,
+    the ring starting at slot keep, holding the same tokens in temporal order."""
+    cache = wrapped_rings()
+    for c in cache:
+        meta = list(c.meta_state)
+        old_meta = meta[:3] if len(meta) == 4 else meta[:5]  # without ring_idx
+        arrays = {f"layer.0.{j}": a for j, a in enumerate(c.state)}
+        p = tmp_path / f"v2-{type(c).__name__}.safetensors"
+        mx.save_safetensors(str(p), arrays, {
+            "mlxcc.format": "mlx_chatcache", "mlxcc.format_version": "2", "mlxcc.num_layers": "1",
+            "mlxcc.layer.0.class": type(c).__name__, "mlxcc.layer.0.meta": json.dumps(old_meta),
+            "mlxcc.layer.0.arrays": str(len(arrays)),
+        })  # fmt: skip
+        (old,), info = load_prompt_cache(p, return_metadata=True)
+        assert info.format_version == 2 and old._idx == old.keep
+        assert old.meta_state == tuple(old_meta) + (str(old.keep),)
+        assert all(mx.array_equal(x, y).item() for x, y in zip(old.state, c.state))
+        assert same_buffers(old, type(c).from_state(c.state, old_meta))  # temporal slots

@@ -15,8 +15,10 @@ random values so no output is constant. On the same 30 token ids (``TOKENS``):
 - ``rotating``: with ``make_prompt_cache(model, max_kv_size=16, keep=4)``, the
   window wrapped by single tokens, the logits equal mlx-lm's own
   ``RotatingKVCache(16, keep=4)`` put in place of each plain ``KVCache`` layer
-  (exact); saved after 24 tokens, loaded and continued: exactly an in-memory
-  copy and within ``RING_TOL`` of the live cache. Then the same save/load after
+  (exact); saved after 24 tokens, loaded (and copied): the same buffers slot
+  for slot as the live cache, and continued: exactly the live cache's logits
+  (a wrapped ring keeps its slot order through files and copies: models whose
+  sparse indexers select keys by slot need it). Then the same save/load after
   a 12-token chunk overflowed the window (not compared with mlx-lm there: its
   window mask drops the ``keep`` tokens inside such a chunk, ours pins them);
 - ``generate`` / ``generate_kv8``: mlx-lm's ``generate_step`` (greedy,
@@ -26,14 +28,14 @@ random values so no output is constant. On the same 30 token ids (``TOKENS``):
   refuses ``kv_bits`` (``RotatingKVCache`` layers: "Quantization NYI") the
   ``generate_kv8`` check is skipped with mlx-lm's message.
 
-All comparisons but one are exact (``np.array_equal``): both sides run the
-same mlx operations on the same arrays, so any difference is a cache bug. The
-exception is loaded vs live after a wrapped window (``RING_TOL``).
+All comparisons are exact (``np.array_equal``): both sides run the same mlx
+operations on the same arrays, so any difference is a cache bug.
 
 Architectures that cannot run here are in ``SKIPPED`` (reason), helper modules
 in ``HELPERS``; ``test_every_module_is_swept_or_explained`` fails on a module
 that is neither, so a new mlx-lm architecture cannot be missed silently.
-Known failures are strict xfails in ``KNOWN_LIMITS``, each with the reason.
+Known failures would be strict xfails in ``KNOWN_LIMITS``, each with the
+reason; there are none (mlx-lm 0.32.2).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as lm
 from mlx_lm.utils import MODEL_REMAPPING
 
-from mlx_chatcache.cache import copy_prompt_cache, make_prompt_cache
+from mlx_chatcache.cache import CacheList, KVCache, copy_prompt_cache, make_prompt_cache
+from mlx_chatcache.cache.cache_base import kv_slice
 from mlx_chatcache.files.cache_io import load_prompt_cache, save_prompt_cache
 from mlx_chatcache.errors import UnsupportedCacheError
 from zoo_configs import VOCAB, config
@@ -63,10 +66,6 @@ SAVE_AT = 20  # save_load: after the 7, 1, 12 chunks
 MAX_KV, KEEP = 16, 4
 ROT_SAVE_AT = 24  # rotating: past the 16-token window
 GEN_PROMPT, GEN_TOKENS = 20, 8
-# A live ring buffer holds keys in another slot order than a loaded (or copied)
-# one, which is temporal, so attention sums in another order: measured <= 1.2e-6
-# (recurrent_gemma), 2.2e-7 (muse_glimmer), 0.0 elsewhere.
-RING_TOL = 1e-5
 
 # Modules of mlx_lm.models that are not architectures (no Model / ModelArgs).
 HELPERS: dict[str, str] = {
@@ -100,23 +99,10 @@ REFUSED: dict[str, str] = {
     "deepseek_v41": "LayerCache (compressed attention) is listed in mlx_chatcache.cache.UNSUPPORTED",
 }
 
-_SLOT_ORDER = (
-    "known limit (docs/mlx-lm-compat.md on branch issue10): files and copy_prompt_cache store a "
-    "wrapped window in temporal order, a live ring buffer is rotated; this model's sparse "
-    "indexer selects keys by cache slot, so a loaded cache continues differently from the live "
-    "one (max_kv_size=16, keep=4, 24 tokens, next 6 tokens: max |diff| {})"
-)
-# Failures that stay after the issue-10 fix: strict xfail, kept until the design changes.
-KNOWN_LIMITS: dict[tuple[str, str], str] = {
-    ("deepseek_v32", "rotating"): _SLOT_ORDER.format("1.40")
-    + "; on main it raises first: RotatingKVCache.make_mask(1, return_array=True) gives an "
-    "array where mlx-lm gives None and the indexer's take_along_axis fails (fixed on issue10)",
-    ("glm_moe_dsa", "rotating"): _SLOT_ORDER.format("1.10")
-    + "; on main it raises first: RotatingKVCache.make_mask(1, return_array=True) gives an "
-    "array where mlx-lm gives None and the indexer's take_along_axis fails (fixed on issue10)",
-    ("minimax_m3_vl", "rotating"): _SLOT_ORDER.format("2.02")
-    + "; mlx-lm's own save/load keeps the ring order and is exact",
-}
+# Known failures: (architecture, check) -> reason, run as strict xfails. Empty:
+# the last three (the rotating check of deepseek_v32, glm_moe_dsa and
+# minimax_m3_vl: a loaded window lost the live ring's slot order) are fixed.
+KNOWN_LIMITS: dict[tuple[str, str], str] = {}
 
 
 # ----------------------------------------------------------------- module lists
@@ -137,7 +123,7 @@ SWEPT = sorted(
 
 def arch_params(check: str) -> list:
     """``SWEPT`` as pytest params (same order for every check, so pytest builds
-    each model once), with the issue-10 strict xfails for ``check``."""
+    each model once), with the ``KNOWN_LIMITS`` strict xfails for ``check``."""
     params = []
     for arch in SWEPT:
         reason = KNOWN_LIMITS.get((arch, check))
@@ -209,6 +195,26 @@ def assert_same(a: np.ndarray, b: np.ndarray, what: str) -> None:
     assert np.array_equal(a, b), f"{what}: max |diff| {max_diff(a, b):.3g}"
 
 
+def used_slots(c) -> list:
+    """A layer's buffers as they are laid out (not ``state``): for a K/V cache the
+    slots in use (``[0, size())``; a live cache may also have zeroed room), so a
+    ring shows its slot order; for other layers their arrays; CacheLists recurse."""
+    if isinstance(c, CacheList):
+        return [a for child in c.caches for a in used_slots(child)]
+    if isinstance(c, KVCache):
+        return [] if c.keys is None else [kv_slice(b, 0, c.size()) for b in (c.keys, c.values)]
+    return c.eval_arrays()
+
+
+def assert_same_slots(a: list, b: list, what: str) -> None:
+    """Every layer holds the same arrays in the same buffer slots."""
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        xs, ys = tree_flatten(used_slots(x)), tree_flatten(used_slots(y))
+        assert len(xs) == len(ys), f"{what}: layer {i}"
+        for (_, s), (_, t) in zip(xs, ys):
+            assert s.shape == t.shape and mx.array_equal(s, t).item(), f"{what}: layer {i} slots differ"
+
+
 def save_load(cache, tokens, tmp_path):
     path = tmp_path / "zoo.safetensors"
     save_prompt_cache(path, cache, tokens=tokens)
@@ -264,6 +270,8 @@ def test_rotating_window_save_load(zoo, tmp_path):
     rest = TOKENS[ROT_SAVE_AT:]
     loaded = save_load(cache, TOKENS[:ROT_SAVE_AT], tmp_path)
     copied = copy_prompt_cache(cache)
+    assert_same_slots(loaded, cache, f"{arch}: loaded vs live (window wrapped)")
+    assert_same_slots(copied, cache, f"{arch}: copy vs live (window wrapped)")
     from_file = feed(model, loaded, rest, [1] * len(rest))
     assert_same(
         from_file,
@@ -272,16 +280,18 @@ def test_rotating_window_save_load(zoo, tmp_path):
     )
     in_memory = feed(model, cache, rest, [1] * len(rest))
     assert_same(in_memory, feed(model, theirs_cache, rest, [1] * len(rest)), f"{arch}: continued")
-    assert max_diff(from_file, in_memory) <= RING_TOL, f"{arch}: loaded vs live"
+    assert_same(from_file, in_memory, f"{arch}: loaded vs live")
     # 2. a 12-token chunk overflows the window (our semantics: keep stays pinned)
     cache = make_prompt_cache(model, max_kv_size=MAX_KV, keep=KEEP)
     feed(model, cache, TOKENS[:ROT_SAVE_AT], [7, 1, 12] + [1] * (ROT_SAVE_AT - SAVE_AT))
     loaded = save_load(cache, TOKENS[:ROT_SAVE_AT], tmp_path)
     copied = copy_prompt_cache(cache)
+    assert_same_slots(loaded, cache, f"{arch}: loaded vs live (chunk overflowed)")
+    assert_same_slots(copied, cache, f"{arch}: copy vs live (chunk overflowed)")
     from_file = feed(model, loaded, rest, [1] * len(rest))
     assert_same(from_file, feed(model, copied, rest, [1] * len(rest)), f"{arch}: loaded vs copy")
     live = feed(model, cache, rest, [1] * len(rest))
-    assert max_diff(from_file, live) <= RING_TOL, f"{arch}: loaded vs live {max_diff(from_file, live)}"
+    assert_same(from_file, live, f"{arch}: loaded vs live (chunk overflowed)")
 
 
 def generate(model, cache, **quant) -> tuple[list[int], np.ndarray]:

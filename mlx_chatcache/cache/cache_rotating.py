@@ -22,6 +22,16 @@ last update returned until the next update (held for models that share a
 layer's keys, gemma3n; mlx-lm's cache holds the same until its next update).
 
 The cache is trimmable until it first drops a token (``offset <= max_size``).
+
+Contract: ``state`` is in temporal order (as every cache's); ``meta_state`` is
+``offset, max_size, keep, ring_idx`` where ``ring_idx`` is ``_idx`` once the
+window has wrapped (``keep`` before: the buffer is then in temporal order).
+Setting ``state`` after ``meta_state`` (``from_state``, a loaded file,
+``copy_prompt_cache``) rotates the ring back to that slot order, so a rebuilt
+cache has exactly the live cache's buffer layout: models that select keys by
+buffer slot (deepseek_v32's sparse indexer) and attention's summation order
+continue bit-identically. A ``meta_state`` of three values (files written
+before ``ring_idx`` existed) means ``ring_idx = keep``.
 """
 
 from __future__ import annotations
@@ -201,20 +211,42 @@ class RotatingKVCache(KVCache, mlx_lm_cache.RotatingKVCache):
 
     @state.setter
     def state(self, v: Sequence[mx.array]) -> None:
+        """Temporal-order arrays; stored in the slot order ``_idx`` says."""
         self._returned = None
         KVCache.state.fset(self, v)
+        if self.keys is not None and self._wrapped() and self._idx != self.keep:
+            self.keys, self.values = self._to_ring(self.keys), self._to_ring(self.values)
+
+    def _wrapped(self) -> bool:
+        return self.offset > self.max_size
+
+    def _ring_idx(self) -> int:
+        """``_idx`` where it means something (wrapped), else ``keep``."""
+        return self._idx if self._wrapped() else self.keep
+
+    def _to_ring(self, x):
+        """Temporal ``[pinned, oldest .. newest]`` -> the ring with the oldest at ``_idx``."""
+        k, m = self.keep, self.max_size
+        cut = m - (self._idx - k)  # temporal slot that lands on slot k (the newest ones wrap)
+        return kv_concat([kv_slice(x, 0, k), kv_slice(x, cut, m), kv_slice(x, k, cut)])
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        return (str(self.offset), str(self.max_size), str(self.keep))
+        return (str(self.offset), str(self.max_size), str(self.keep), str(self._ring_idx()))
 
     @meta_state.setter
     def meta_state(self, v: Sequence[str]) -> None:
-        self.offset, self.max_size, self.keep = parse_ints(
-            type(self).__name__, v, ["offset", "max_size", "keep"]
-        )
+        names = ["offset", "max_size", "keep", "ring_idx"][: max(3, min(len(v), 4))]
+        vals = parse_ints(type(self).__name__, v, names)
+        self.offset, self.max_size, self.keep = vals[:3]
         self._check_window()
-        self._idx = self.keep
+        self._idx = vals[3] if len(vals) == 4 else self.keep
+        if not (self.keep <= self._idx < self.max_size) or (self._idx != self.keep and not self._wrapped()):
+            raise CacheFormatError(
+                f"{type(self).__name__} meta state ring_idx={self._idx} is outside the ring "
+                f"[keep={self.keep}, max_size={self.max_size}) or set before the window wrapped "
+                f"(offset={self.offset})"
+            )
         self._returned = None
 
     def is_trimmable(self) -> bool:
@@ -228,10 +260,9 @@ class RotatingKVCache(KVCache, mlx_lm_cache.RotatingKVCache):
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedRotatingKVCache":
         q = QuantizedRotatingKVCache(self.max_size, self.keep, group_size=group_size, bits=bits)
-        q.offset = self.offset
-        q._idx = self.keep  # the copy is stored in temporal order
-        if self.keys is not None:
-            k, v = self._temporal()
+        q.offset, q._idx = self.offset, self._ring_idx()
+        if self.keys is not None:  # same slot order: wrapped, the whole ring; else the held tokens
+            k, v = (self.keys, self.values) if self._wrapped() else self._temporal()
             q.keys, q.values = q._encode(k), q._encode(v)
         return q
 
@@ -252,12 +283,16 @@ class QuantizedRotatingKVCache(RotatingKVCache, mlx_lm_cache.QuantizedKVCache):
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        return RotatingKVCache.meta_state.fget(self) + (str(self.group_size), str(self.bits))
+        """``offset, max_size, keep, group_size, bits, ring_idx`` (ring_idx appended
+        after the quantization fields, so files without it parse as before)."""
+        rot = RotatingKVCache.meta_state.fget(self)
+        return rot[:3] + (str(self.group_size), str(self.bits), rot[3])
 
     @meta_state.setter
     def meta_state(self, v: Sequence[str]) -> None:
         name = type(self).__name__
-        vals = parse_ints(name, v, ["offset", "max_size", "keep", "group_size", "bits"])
-        RotatingKVCache.meta_state.fset(self, tuple(v[:3]))
+        names = ["offset", "max_size", "keep", "group_size", "bits", "ring_idx"]
+        vals = parse_ints(name, v, names[: max(5, min(len(v), 6))])  # no ring_idx: older file
+        RotatingKVCache.meta_state.fset(self, tuple(v[:3]) + tuple(v[5:]))
         self.group_size, self.bits = vals[3], vals[4]
         check_quant_params(name, self.group_size, self.bits)

@@ -6,11 +6,14 @@ validates everything it reads and returns our cache objects; it also reads files
 written by mlx-lm (0.32 layout and the older meta_state layout). With
 ``format="mlx-lm"`` we write a file mlx-lm 0.32's ``load_prompt_cache`` accepts.
 
-Layout of our files (format version 2):
+Layout of our files (format version 3):
 - tensors ``layer.{i}.{j}``: array ``j`` of layer ``i``'s ``file_state()``: its
   ``state``, or for a K/V cache the live tokens followed by zeroed room up to
   the next multiple of 256 tokens (``spare_slots``), so a loaded cache grows
-  in place (version 1 files, live tokens only, load too);
+  in place (version 1 files, live tokens only, load too); rotating caches in
+  temporal order, their ``meta_state`` ending in the ring position
+  (``ring_idx``) that restores the live slot order (version 1 and 2 files lack
+  it and load in temporal slot order);
 - metadata ``mlxcc.format_version``, ``mlxcc.num_layers``,
   ``mlxcc.layer.{i}.class`` / ``.meta`` (JSON list of strings) / ``.arrays`` (count),
   ``mlxcc.tokens`` (JSON list of ints), ``mlxcc.messages`` (JSON, chats only),
@@ -35,7 +38,7 @@ from .formats import CacheFileInfo
 from .safetensors_file import Header, read_arrays, read_header, write_atomic
 
 FORMAT_NAME = "mlx_chatcache"
-FORMAT_VERSION = 2  # 2: K/V arrays may carry their zeroed room (1: live tokens only)
+FORMAT_VERSION = 3  # 3: rotating meta_state ends in ring_idx; 2: K/V room; 1: live tokens only
 MAX_LAYERS = 4096
 MAX_TOKEN_ID = 2**31 - 1
 

@@ -12,8 +12,9 @@ Two layouts exist, both with tensors named by ``tree_flatten`` paths
   K/V arrays are already sliced to ``offset``; a rotating buffer keeps its ring
   order, described by ``(keep, max_size, offset, _idx)``.
 
-Both are converted to our classes: live tokens only, rotating caches in temporal
-order. Writing (``save_mlx_lm``) builds mlx-lm cache objects and uses mlx-lm's
+Both are converted to our classes: live tokens only; a wrapped rotating ring of
+``max_size`` slots keeps mlx-lm's slot order (its ``_idx`` becomes our
+``ring_idx``), any other rotating buffer is put in temporal order. Writing (``save_mlx_lm``) builds mlx-lm cache objects and uses mlx-lm's
 own writer, so the file is exactly what the installed mlx-lm expects.
 """
 
@@ -216,7 +217,12 @@ def _rotating(keys, values, offset: int, keep: int, max_size: int, idx: int) -> 
     if k.shape[2] > held:  # keep the pinned prefix and the most recent tokens
         k = mx.concatenate([k[..., :keep, :], k[..., k.shape[2] - (held - keep):, :]], axis=2)
         v = mx.concatenate([v[..., :keep, :], v[..., v.shape[2] - (held - keep):, :]], axis=2)
-    return RotatingKVCache.from_state([k, v], (str(offset), str(max_size), str(keep)))
+    # a wrapped ring of exactly max_size slots: keep mlx-lm's slot order (its _idx, the
+    # next slot to write, is the oldest token's); a longer buffer (after a multi-token
+    # update) has no ring layout we hold, so it stays in temporal order
+    ring = offset > max_size and keys.shape[2] == max_size and keep <= idx < max_size
+    meta = (str(offset), str(max_size), str(keep), str(idx if ring else keep))
+    return RotatingKVCache.from_state([k, v], meta)
 
 
 def _arrays(slots) -> ArraysCache:
@@ -242,9 +248,12 @@ def _to_mlx_lm(c: BaseCache):
         out.offset = c.offset
     elif name == "RotatingKVCache":
         out = lm.RotatingKVCache(c.max_size, c.keep)
-        out.keys, out.values = c._temporal()
         out.offset = c.offset
-        out._idx = out.keys.shape[2] if out.keys is not None else 0
+        if c.keys is not None and c._wrapped():  # the ring as it is: mlx-lm's _idx is our oldest slot
+            out.keys, out.values, out._idx = c.keys, c.values, c._idx
+        else:
+            out.keys, out.values = c._temporal()
+            out._idx = out.keys.shape[2] if out.keys is not None else 0
     elif name == "ArraysCache":
         out = lm.ArraysCache(len(c.cache))
         out.cache = list(c.cache)
