@@ -11,9 +11,10 @@ chat session rely on):
   buffers whole (live tokens, then ``spare_slots()`` zeroed slots), so that a
   loaded cache grows in place as the saved one would.
 - ``meta_state``: a tuple of plain strings with everything that is not an array
-  (offsets, window size, keep, bits, group size). Settable; parsing errors raise
-  :class:`CacheFormatError`.
-- ``from_state(state, meta_state)`` rebuilds an equivalent cache, so
+  (offsets, window size, keep, a window's ring position, bits, group size).
+  Settable; parsing errors raise :class:`CacheFormatError`.
+- ``from_state(state, meta_state)`` rebuilds an equivalent cache with the same
+  buffer layout (a wrapped window's ring back in its slots), so
   ``type(c).from_state(c.state, c.meta_state)`` continues exactly like ``c``.
 - ``offset`` (tokens seen), ``size()`` (tokens held), ``is_trimmable()``,
   ``trim(n) -> int``, ``nbytes``, ``empty()``, ``eval_arrays()`` (what to pass to
