@@ -538,7 +538,10 @@ def m_meta_state(rng, s):
     elif op == 2:
         lst = lst[: rng.randrange(len(lst) + 1)] if lst and rng.random() < 0.5 else lst + ["1"]
     elif op == 3:  # semantic lies the classes must refuse
-        if "Rotating" in cls and len(lst) >= 3:
+        if "Rotating" in cls and len(lst) in (4, 6) and rng.random() < 0.5:  # ring_idx outside the ring
+            keep, max_size = int(lst[2]), int(lst[1])
+            lst[-1] = str(rng.choice([max_size, max_size + 1, 10**6] + ([keep - 1] if keep else [])))
+        elif "Rotating" in cls and len(lst) >= 3:
             lst[2] = str(int(lst[1]) + rng.choice([0, 1, 100]))  # keep >= max_size
         elif "Quantized" in cls and len(lst) >= 3:
             lst[-1] = _pick(rng, ["7", "0", "1", "9", "16", "32"])  # bits

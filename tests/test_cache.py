@@ -547,11 +547,20 @@ BAD_META = [
     (RotatingKVCache, ("0", "0", "0")),
     (RotatingKVCache, ("0", "x", "1")),
     (RotatingKVCache, ("0", "8", "-1")),
+    (RotatingKVCache, ("20", "8", "2", "8")),  # ring_idx == max_size
+    (RotatingKVCache, ("20", "8", "2", "1")),  # ring_idx < keep
+    (RotatingKVCache, ("5", "8", "2", "4")),  # ring_idx set before the window wrapped
+    (RotatingKVCache, ("20", "8", "2", "3", "4")),
+    (RotatingKVCache, ("20", "8", "2", "x")),
     (QuantizedRotatingKVCache, ("0", "8", "2")),
     (QuantizedRotatingKVCache, ("0", "8", "2", "64")),
     (QuantizedRotatingKVCache, ("0", "8", "8", "64", "8")),
     (QuantizedRotatingKVCache, ("0", "8", "2", "64", "1")),
     (QuantizedRotatingKVCache, ("0", "8", "2", "sixty", "8")),
+    (QuantizedRotatingKVCache, ("20", "8", "2", "64", "8", "8")),
+    (QuantizedRotatingKVCache, ("5", "8", "2", "64", "8", "3")),
+    (QuantizedRotatingKVCache, ("20", "8", "2", "64", "8", "3", "1")),
+    (QuantizedRotatingKVCache, ("20", "8", "2", "3")),  # ring_idx where group_size goes
     (ChunkedKVCache, ("0", "0", "0")),
     (ChunkedKVCache, ("1", "4", "2")),
     (ChunkedKVCache, ("a", "4", "0")),
