@@ -19,7 +19,9 @@ from .common import (
     add_cache_args,
     add_model_arg,
     add_sampling_args,
+    add_verbose_arg,
     config_from_args,
+    load_model,
     read_json_arg,
     read_prompt,
 )
@@ -34,7 +36,8 @@ def add_parser(sub) -> None:
         "with the cached tokens is reused; --save-prompt-cache writes prompt and reply back.",
     )
     add_model_arg(p)
-    p.add_argument("--prompt", "-p", required=True, help="the prompt text ('-' reads stdin)")
+    p.add_argument("--prompt", "-p", help="the prompt text ('-' reads stdin)")
+    p.add_argument("--prompt-file", "-f", help="read the prompt from this file")
     p.add_argument("--system-prompt", help="system message (replaces a cached chat's system message)")
     add_sampling_args(p)
     add_cache_args(p)
@@ -43,7 +46,7 @@ def add_parser(sub) -> None:
     p.add_argument("--extra-eos-token", nargs="+", default=[], metavar="TOKEN", help="more tokens that end generation")
     p.add_argument("--prompt-cache-file", help="start from this cache file (made by mlxcc)")
     p.add_argument("--save-prompt-cache", metavar="FILE", help="after the completion save the cache (prompt and reply) here; may equal --prompt-cache-file")
-    p.add_argument("--verbose", action="store_true", help="report prompt tokens, reused tokens, TTFT, speeds and peak memory on stderr")
+    add_verbose_arg(p, "report prompt tokens, reused tokens, TTFT, speeds and peak memory on stderr")
     p.set_defaults(run=run)
 
 
@@ -80,12 +83,26 @@ def build_prompt(args, tokenizer, stored: StoredPrompt, prompt: str) -> list[int
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loading import load
+    """Holds the session lock of the files it reads and writes (a chat may have one open)."""
+    from contextlib import ExitStack
+    from pathlib import Path
 
-    prompt = read_prompt(args.prompt)
+    from ..session_store import SessionLock
+
+    with ExitStack() as held:
+        for f in dict.fromkeys(f for f in (args.prompt_cache_file, args.save_prompt_cache) if f):
+            lock = SessionLock(Path(f).expanduser(), f)
+            held.callback(lock.acquire(required=False).release)
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.prompt is not None and args.prompt_file is not None:
+        raise UsageError("give --prompt or --prompt-file, not both")
+    prompt = read_prompt(args.prompt, args.prompt_file)
     if not prompt:
-        raise UsageError("the prompt is empty; pass --prompt TEXT (or '-' to read stdin)")
-    model, tokenizer = load(args.model)
+        raise UsageError("the prompt is empty; pass --prompt TEXT ('-' reads stdin) or --prompt-file FILE")
+    model, tokenizer = load_model(args)
     config = config_from_args(args)
     stored = load_or_new(args, model, config)
     tokens = build_prompt(args, tokenizer, stored, prompt)

@@ -12,11 +12,15 @@ import sys
 
 from ..errors import ChatCacheError
 
-SUBCOMMANDS = ("generate", "cache_prompt", "chat", "cache_info")
+SUBCOMMANDS = ("generate", "cache_prompt", "chat", "cache_info", "sessions")
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are a single line on stderr (exit 2)."""
+    """An ArgumentParser whose errors are a single line on stderr (exit 2) and that
+    takes no abbreviated long flags (``--prompt-cache`` is not ``--prompt-cache-file``)."""
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):  # noqa: D107 - argparse API
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
 
     def error(self, message: str):  # noqa: D401 - argparse API
         sys.stderr.write(f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
