@@ -52,7 +52,13 @@ def add_parser(sub) -> None:
 
 def load_or_new(args, model, config) -> StoredPrompt:
     if args.prompt_cache_file:
-        stored = load_stored_prompt(args.prompt_cache_file, model)
+        from ..cache_io import read_cache_info
+        from ..prompt_recovery import load_untokenized
+
+        if read_cache_info(args.prompt_cache_file).tokens is None:  # mlx-lm's files: see prompt_recovery
+            stored = load_untokenized(args.prompt_cache_file, model, args.ignore_chat_template)
+        else:
+            stored = load_stored_prompt(args.prompt_cache_file, model)
         if args.max_kv_size is not None and args.max_kv_size != stored.state.max_kv_size:
             raise UsageError(
                 f"{args.prompt_cache_file} was made with max_kv_size={stored.state.max_kv_size}; "
@@ -106,6 +112,10 @@ def _run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     stored = load_or_new(args, model, config)
     tokens = build_prompt(args, tokenizer, stored, prompt)
+    from ..prompt_recovery import adopt_prompt_prefix, needs_tokens
+
+    if needs_tokens(stored.state):
+        sys.stderr.write(adopt_prompt_prefix(stored.state, tokens, model, args.prompt_cache_file) + "\n")
     bar = ProgressBar("prompt", enabled=args.verbose)
     reply, last = [], None
     for last in stream_generate(
