@@ -29,6 +29,23 @@ def mlxcc(*args, home=None, input=None) -> subprocess.CompletedProcess:
                           env=env, input=input, timeout=180)  # fmt: skip
 
 
+@pytest.fixture
+def cli(capsys):
+    """The same entry point in-process (faster) for the further calls of a test."""
+    from mlx_chatcache.cli.main import main
+
+    def run(*args) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse errors
+            code = e.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
+
+
 @pytest.fixture(scope="module")
 def adapter_dir(tiny_model_dirs, tmp_path_factory):
     """A LoRA adapter for the tiny llama, written as mlx_lm.lora writes one (random, non-zero B)."""
@@ -50,39 +67,39 @@ def adapter_dir(tiny_model_dirs, tmp_path_factory):
     return folder
 
 
-def test_verbose_takes_mlx_lm_booleans_and_v_everywhere(tiny_model_dirs, tmp_path):
+def test_verbose_takes_mlx_lm_booleans_and_v_everywhere(tiny_model_dirs, tmp_path, cli):
     d = str(tiny_model_dirs["llama"])
     base = ("generate", "--model", d, "-p", PROMPT, "-n", "6")
     quiet = mlxcc(*base, "--verbose", "False")
-    loud = mlxcc(*base, "--verbose", "True")
-    short = mlxcc(*base, "-v")
+    loud = cli(*base, "--verbose", "True")
+    short = cli(*base, "-v")
     for r in (quiet, loud, short):
         assert r.returncode == 0, r.stderr
     assert quiet.stdout == loud.stdout == short.stdout and quiet.stdout.strip()
     assert "Prompt:" not in quiet.stderr
     assert "Prompt:" in loud.stderr and "Prompt:" in short.stderr
-    bad = mlxcc(*base, "--verbose", "maybe")
+    bad = cli(*base, "--verbose", "maybe")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "True or False" in bad.stderr
     # -v on every command that has a --verbose: cache-prompt and chat too
     f = tmp_path / "c.safetensors"
-    cp = mlxcc("cache-prompt", "--model", d, "-p", PROMPT, "--prompt-cache-file", str(f), "-v")
+    cp = cli("cache-prompt", "--model", d, "-p", PROMPT, "--prompt-cache-file", str(f), "-v")
     assert cp.returncode == 0 and "Peak memory" in cp.stderr, cp.stderr
     chat = mlxcc("chat", "--model", d, "-n", "3", "-v", input="Hi\n", home=tmp_path)
     assert chat.returncode == 0 and "[stats]" in chat.stderr, chat.stderr
 
 
-def test_prompt_file_and_n_alias(tiny_model_dirs, tmp_path):
+def test_prompt_file_and_n_alias(tiny_model_dirs, tmp_path, cli):
     d = str(tiny_model_dirs["llama"])
     pf = tmp_path / "prompt.txt"
     pf.write_text(PROMPT)
     from_file = mlxcc("generate", "--model", d, "-f", str(pf), "-n", "5", "-v")
-    inline = mlxcc("generate", "--model", d, "--prompt", PROMPT, "--max-tokens", "5")
+    inline = cli("generate", "--model", d, "--prompt", PROMPT, "--max-tokens", "5")
     assert from_file.returncode == 0 and inline.returncode == 0, from_file.stderr
     assert from_file.stdout == inline.stdout
     assert "Generation: 5 tokens" in from_file.stderr
-    both = mlxcc("generate", "--model", d, "-f", str(pf), "-p", "x")
+    both = cli("generate", "--model", d, "-f", str(pf), "-p", "x")
     assert both.returncode == 1 and "not both" in both.stderr
-    none = mlxcc("generate", "--model", d)
+    none = cli("generate", "--model", d)
     assert none.returncode == 1 and "--prompt-file" in none.stderr and "Traceback" not in none.stderr
 
 
@@ -134,13 +151,13 @@ def test_trust_remote_code_reaches_the_tokenizer(tiny_model_dirs, monkeypatch, c
     assert seen == [{"trust_remote_code": True}, None]
 
 
-def test_adapter_path_loads_like_mlx_lm_and_keeps_caches_apart(tiny_model_dirs, adapter_dir, tmp_path):
+def test_adapter_path_loads_like_mlx_lm_and_keeps_caches_apart(tiny_model_dirs, adapter_dir, tmp_path, cli):
     from mlx_lm.generate import generate as lm_generate
     from mlx_lm.utils import load as lm_load
 
     d = str(tiny_model_dirs["llama"])
     raw = ("generate", "--model", d, "-p", PROMPT, "-n", "12", "--ignore-chat-template")
-    base = mlxcc(*raw)
+    base = cli(*raw)
     adapted = mlxcc(*raw, "--adapter-path", str(adapter_dir))
     assert base.returncode == 0 and adapted.returncode == 0, adapted.stderr
     assert adapted.stdout != base.stdout  # the adapter changes the model
@@ -152,13 +169,13 @@ def test_adapter_path_loads_like_mlx_lm_and_keeps_caches_apart(tiny_model_dirs, 
     # a cache made with the base model does not pair with the adapted one, nor the other way
     fb, fa = tmp_path / "base.safetensors", tmp_path / "adapted.safetensors"
     for f, extra in ((fb, ()), (fa, ("--adapter-path", str(adapter_dir)))):
-        r = mlxcc("cache-prompt", "--model", d, "--system-prompt", "Be brief.", "--prompt-cache-file", str(f), *extra)
+        r = cli("cache-prompt", "--model", d, "--system-prompt", "Be brief.", "--prompt-cache-file", str(f), *extra)
         assert r.returncode == 0, r.stderr
     assert read_cache_info(fb).model.weights_hash != read_cache_info(fa).model.weights_hash
     for f, extra in ((fb, ("--adapter-path", str(adapter_dir))), (fa, ())):
-        r = mlxcc("generate", "--model", d, "-p", PROMPT, "--prompt-cache-file", str(f), *extra)
+        r = cli("generate", "--model", d, "-p", PROMPT, "--prompt-cache-file", str(f), *extra)
         assert r.returncode == 1 and "differ" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    ok = mlxcc("generate", "--model", d, "-p", PROMPT, "--prompt-cache-file", str(fa), "--adapter-path", str(adapter_dir))
+    ok = cli("generate", "--model", d, "-p", PROMPT, "--prompt-cache-file", str(fa), "--adapter-path", str(adapter_dir))
     assert ok.returncode == 0, ok.stderr
-    bad = mlxcc("generate", "--model", d, "-p", PROMPT, "--adapter-path", str(tmp_path))
+    bad = cli("generate", "--model", d, "-p", PROMPT, "--adapter-path", str(tmp_path))
     assert bad.returncode == 1 and "not an adapter folder" in bad.stderr
