@@ -238,8 +238,8 @@ class SessionLock:
     folder, where no chat can lock or save either).
     """
 
-    def __init__(self, path: Path, label: str | None = None):
-        self.path = lock_path_for(path)
+    def __init__(self, path: Path, label: str | None = None, *, lock_file: Path | None = None):
+        self.path = Path(lock_file) if lock_file is not None else lock_path_for(path)
         self.label = label or str(path)
         self._fd: int | None = None
 
@@ -316,8 +316,7 @@ def _same_file(fd: int, path: Path) -> bool:
 
 def remove_stale_lock(lock_file: Path) -> bool:
     """Remove ``lock_file`` if no process holds it (left by a killed chat); True if removed."""
-    lock = SessionLock(Path(lock_file))
-    lock.path = Path(lock_file)
+    lock = SessionLock(Path(lock_file), lock_file=Path(lock_file))
     try:
         lock.acquire(required=False)
     except SessionError:
