@@ -4,17 +4,24 @@ stdout carries only the generated text; progress and statistics go to stderr.
 With ``--prompt-cache-file F --save-prompt-cache F`` the file is a rolling cache:
 each call reuses what F holds, adds its prompt and reply, and saves it back.
 A chat cache keeps its messages, so the next call renders the whole
-conversation with the chat template and reuses the cached prefix.
+conversation with the chat template and reuses the cached prefix. A cache file
+without token ids (mlx-lm's) is used as :mod:`mlx_chatcache.prompt_recovery`
+says. The files it reads and writes are locked like a chat session's.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import ExitStack
+from pathlib import Path
 
+from ..cache_io import read_cache_info
 from ..errors import UsageError
 from ..generate import PromptCacheState, encode_prompt, stream_generate
+from ..prompt_recovery import adopt_prompt_prefix, load_untokenized, needs_tokens
 from ..prompt_store import StoredPrompt, load_stored_prompt, render_chat, save_stored_prompt
+from ..session_store import SessionLock
 from .common import (
     add_cache_args,
     add_model_arg,
@@ -44,7 +51,8 @@ def add_parser(sub) -> None:
     p.add_argument("--ignore-chat-template", action="store_true", help="use the prompt as raw text")
     p.add_argument("--chat-template-config", help="JSON object (or file) of extra chat template arguments")
     p.add_argument("--extra-eos-token", nargs="+", default=[], metavar="TOKEN", help="more tokens that end generation")
-    p.add_argument("--prompt-cache-file", help="start from this cache file (made by mlxcc)")
+    p.add_argument("--prompt-cache-file", help="start from this cache file (made by mlxcc, or by mlx-lm: then it "
+                   "is taken to hold the first tokens of this prompt, checked and said on stderr)")  # fmt: skip
     p.add_argument("--save-prompt-cache", metavar="FILE", help="after the completion save the cache (prompt and reply) here; may equal --prompt-cache-file")
     add_verbose_arg(p, "report prompt tokens, reused tokens, TTFT, speeds and peak memory on stderr")
     p.set_defaults(run=run)
@@ -52,9 +60,6 @@ def add_parser(sub) -> None:
 
 def load_or_new(args, model, config) -> StoredPrompt:
     if args.prompt_cache_file:
-        from ..cache_io import read_cache_info
-        from ..prompt_recovery import load_untokenized
-
         if read_cache_info(args.prompt_cache_file).tokens is None:  # mlx-lm's files: see prompt_recovery
             stored = load_untokenized(args.prompt_cache_file, model, args.ignore_chat_template)
         else:
@@ -90,11 +95,6 @@ def build_prompt(args, tokenizer, stored: StoredPrompt, prompt: str) -> list[int
 
 def run(args: argparse.Namespace) -> int:
     """Holds the session lock of the files it reads and writes (a chat may have one open)."""
-    from contextlib import ExitStack
-    from pathlib import Path
-
-    from ..session_store import SessionLock
-
     with ExitStack() as held:
         for f in dict.fromkeys(f for f in (args.prompt_cache_file, args.save_prompt_cache) if f):
             lock = SessionLock(Path(f).expanduser(), f)
@@ -112,8 +112,6 @@ def _run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     stored = load_or_new(args, model, config)
     tokens = build_prompt(args, tokenizer, stored, prompt)
-    from ..prompt_recovery import adopt_prompt_prefix, needs_tokens
-
     if needs_tokens(stored.state):
         sys.stderr.write(adopt_prompt_prefix(stored.state, tokens, model, args.prompt_cache_file) + "\n")
     bar = ProgressBar("prompt", enabled=args.verbose)
