@@ -252,7 +252,8 @@ class SessionLock:
 
     def _open(self, required: bool) -> int | None:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if required:  # a session's folder is ours to make; another file's is not
+                self.path.parent.mkdir(parents=True, exist_ok=True)
             return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             if not required:
