@@ -16,11 +16,7 @@ SUBCOMMANDS = ("generate", "cache_prompt", "chat", "cache_info", "sessions")
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are a single line on stderr (exit 2) and that
-    takes no abbreviated long flags (``--prompt-cache`` is not ``--prompt-cache-file``)."""
-
-    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):  # noqa: D107 - argparse API
-        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+    """An ArgumentParser whose errors are a single line on stderr (exit 2)."""
 
     def error(self, message: str):  # noqa: D401 - argparse API
         sys.stderr.write(f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
@@ -41,7 +37,18 @@ def build_parser() -> OneLineParser:
     for name in SUBCOMMANDS:
         module = importlib.import_module(f".{name}", __package__)
         module.add_parser(sub)
+    _no_abbreviations(parser)
     return parser
+
+
+def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
+    """No parser takes a prefix of a long flag (``--prompt-cache`` silently meant
+    ``--prompt-cache-file``): every flag is typed in full, as documented."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _no_abbreviations(child)
 
 
 def main(argv: list[str] | None = None) -> int:
