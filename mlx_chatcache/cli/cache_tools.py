@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..cache_tools import FORMATS, convert_cache_file, diff_cache_files, trim_cache_file
+from ..files.cache_tools import FORMATS, convert_cache_file, diff_cache_files, trim_cache_file
 from .common import non_negative_int
 
 
@@ -56,6 +56,14 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def run_trim(args: argparse.Namespace) -> int:
+    from ..chat.session_store import SESSION_KEY
+    from ..errors import UsageError
+    from ..files.cache_io import read_cache_info
+
+    info = read_cache_info(args.file)
+    if SESSION_KEY in info.metadata and info.messages is not None:
+        raise UsageError(f"{args.file} is a chat session: trimming would break its bookkeeping; use /undo "
+                         "in 'mlxcc chat' (or export it with 'mlxcc cache convert' first)")  # fmt: skip
     before, after = trim_cache_file(args.file, args.output or args.file, args.n, args.drop)
     print(f"{args.output or args.file}: {before} -> {after} tokens")
     return 0

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 from ..errors import SessionError
-from ..safetensors_file import remove_stale_temp_files
-from ..session import ChatSession
-from ..session_store import SessionLock, session_path
+from ..files.safetensors_file import remove_stale_temp_files
+from ..chat.session import ChatSession
+from ..chat.session_store import SessionLock, session_path
 from .common import (
     add_cache_args,
     add_model_arg,
@@ -69,12 +69,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int:
-    from ..chat_input import StreamReader, TerminalReader
-    from ..repl import ChatREPL, history_file, plural
+    from .chat_input import StreamReader, TerminalReader
+    from .repl import ChatREPL, history_file, plural
 
     source = None
     if path is not None and path.exists() and args.model is None:
-        from ..session_catalog import resume_source
+        from ..chat.session_catalog import resume_source
 
         source = resume_source(path, label)
         if args.adapter_path is not None:

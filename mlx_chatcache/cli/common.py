@@ -56,7 +56,7 @@ def add_model_arg(p: argparse.ArgumentParser, default_help: str | None = None) -
 def load_model(args: argparse.Namespace, source: dict | None = None):
     """``(model, tokenizer)`` for the model flags; ``source`` (``{"model", "adapter_path"}``,
     e.g. what a session recorded) replaces ``--model``/``--adapter-path``."""
-    from ..loading import load
+    from ..models.loading import load
 
     ref, adapter = (source["model"], source["adapter_path"]) if source else (args.model, args.adapter_path)
     return load(ref, adapter_path=adapter, trust_remote_code=args.trust_remote_code)

@@ -16,12 +16,13 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from ..cache_io import read_cache_info
+from ..files.cache_io import read_cache_info
 from ..errors import UsageError
-from ..generate import PromptCacheState, encode_prompt, stream_generate
-from ..prompt_recovery import adopt_prompt_prefix, load_untokenized, needs_tokens
-from ..prompt_store import StoredPrompt, load_stored_prompt, render_chat, save_stored_prompt
-from ..session_store import SessionLock
+from ..chat.session_store import SessionLock
+from ..generation.generate import PromptCache
+from ..generation.prompt_recovery import adopt_prompt_prefix, load_untokenized, needs_tokens
+from ..generation.prompt_store import render_chat
+from ..generation.text import encode_prompt, stream_generate
 from .common import (
     add_cache_args,
     add_model_arg,
@@ -58,23 +59,24 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def load_or_new(args, model, config) -> StoredPrompt:
+def load_or_new(args, model, config) -> PromptCache:
     if args.prompt_cache_file:
         if read_cache_info(args.prompt_cache_file).tokens is None:  # mlx-lm's files: see prompt_recovery
             stored = load_untokenized(args.prompt_cache_file, model, args.ignore_chat_template)
         else:
-            stored = load_stored_prompt(args.prompt_cache_file, model)
-        if args.max_kv_size is not None and args.max_kv_size != stored.state.max_kv_size:
+            stored = PromptCache.load(args.prompt_cache_file, model)
+        if args.max_kv_size is not None and args.max_kv_size != stored.max_kv_size:
             raise UsageError(
-                f"{args.prompt_cache_file} was made with max_kv_size={stored.state.max_kv_size}; "
+                f"{args.prompt_cache_file} was made with max_kv_size={stored.max_kv_size}; "
                 "drop --max-kv-size or use the same value"
             )
         return stored
-    state = PromptCacheState.new(model, config.max_kv_size, config.keep)
-    return StoredPrompt(state, None if args.ignore_chat_template else [], "" if args.ignore_chat_template else None)
+    stored = PromptCache.new(model, config.max_kv_size, config.keep)
+    stored.messages, stored.text = (None, "") if args.ignore_chat_template else ([], None)
+    return stored
 
 
-def build_prompt(args, tokenizer, stored: StoredPrompt, prompt: str) -> list[int]:
+def build_prompt(args, tokenizer, stored: PromptCache, prompt: str) -> list[int]:
     """The full prompt's token ids; updates ``stored.messages``/``stored.text`` to include it."""
     if args.ignore_chat_template:
         if stored.mode == "chat" and stored.messages:
@@ -112,12 +114,12 @@ def _run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     stored = load_or_new(args, model, config)
     tokens = build_prompt(args, tokenizer, stored, prompt)
-    if needs_tokens(stored.state):
-        sys.stderr.write(adopt_prompt_prefix(stored.state, tokens, model, args.prompt_cache_file) + "\n")
+    if needs_tokens(stored):
+        sys.stderr.write(adopt_prompt_prefix(stored, tokens, model, args.prompt_cache_file) + "\n")
     bar = ProgressBar("prompt", enabled=args.verbose)
     reply, last = [], None
     for last in stream_generate(
-        model, tokenizer, tokens, state=stored.state, config=config,
+        model, tokenizer, tokens, state=stored, config=config,
         extra_eos_tokens=args.extra_eos_token, progress=bar.update,
     ):  # fmt: skip
         reply.append(last.text)
@@ -131,9 +133,9 @@ def _run(args: argparse.Namespace) -> int:
     else:
         stored.text += text
     if args.save_prompt_cache:
-        save_stored_prompt(args.save_prompt_cache, model, stored)
+        stored.save(args.save_prompt_cache)
     if args.verbose and last is not None:
-        report(last, stored.state)
+        report(last, stored)
     return 0
 
 

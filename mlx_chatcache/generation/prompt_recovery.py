@@ -20,35 +20,34 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .cache import can_trim_prompt_cache, cache_offset, make_prompt_cache, trim_prompt_cache
-from .cache_io import load_prompt_cache
-from .errors import CacheFileError, UsageError
-from .prompt_state import PromptCacheState
-from .prompt_store import StoredPrompt, state_for_model
+from ..cache import can_trim_prompt_cache, cache_offset, make_prompt_cache, trim_prompt_cache
+from ..errors import CacheFileError, UsageError
+from ..files.cache_io import load_prompt_cache
+from .prompt_state import PromptCache
 
 CHECK_TOKENS = 8  # assumed tokens recomputed at each end of the cache
 TOLERANCE = 0.05  # max |cached - recomputed| relative to max |recomputed|, per layer
 
 
-def load_untokenized(path, model, raw: bool) -> StoredPrompt:
-    """A cache file without token ids as a StoredPrompt whose ``state.tokens`` is
-    still empty (:func:`adopt_prompt_prefix` fills it from the prompt)."""
+def load_untokenized(path, model, raw: bool) -> PromptCache:
+    """A cache file without token ids as a PromptCache whose ``tokens`` are
+    still empty (:func:`adopt_prompt_prefix` fills them from the prompt)."""
     cache, info = load_prompt_cache(path, return_metadata=True, model=getattr(model, "fingerprint", None))
     max_kv, keep = info.settings.get("max_kv_size"), info.settings.get("keep")
     rotating = next((c for c in cache if type(c).__name__ == "RotatingKVCache"), None)
     if max_kv is None and rotating is not None:
         max_kv, keep = rotating.max_size, rotating.keep
-    state = state_for_model(model, cache, [], max_kv, keep if type(keep) is int else 4, path)
-    if raw:
-        return StoredPrompt(state, None, "", dict(info.settings))
-    return StoredPrompt(state, [], None, dict(info.settings))
+    prompt = PromptCache.fitted(model, cache, [], max_kv, keep if type(keep) is int else 4, path)
+    prompt.messages, prompt.text = (None, "") if raw else ([], None)
+    prompt.settings = dict(info.settings)
+    return prompt
 
 
-def needs_tokens(state: PromptCacheState) -> bool:
+def needs_tokens(state: PromptCache) -> bool:
     return not state.tokens and cache_offset(state.cache) > 0
 
 
-def adopt_prompt_prefix(state: PromptCacheState, prompt_tokens: list[int], model, path) -> str:
+def adopt_prompt_prefix(state: PromptCache, prompt_tokens: list[int], model, path) -> str:
     """Take the cache's tokens to be the first ones of ``prompt_tokens`` after
     checking what can be checked; returns the one-line note saying what was assumed."""
     n, m = cache_offset(state.cache), len(prompt_tokens)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 from .fingerprint import ModelFingerprint, hash_files
 
 ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")

@@ -11,7 +11,7 @@ mlx-lm's, trim, and compare two files.
   Layers that cannot drop tokens (recurrent state, a rotating window that has
   wrapped) are refused. A trimmed chat keeps its token ids but not its
   messages (they no longer match): a later ``generate`` reuses the common
-  prefix. Chat session files are refused (``/undo`` does that in a chat).
+  prefix. (``mlxcc cache trim`` refuses chat session files: ``/undo`` does that in a chat.)
 - :func:`diff_cache_files` compares two headers (no arrays read).
 
 Every write goes through :func:`save_prompt_cache` (atomic: temp file + rename).
@@ -22,12 +22,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from .cache import can_trim_prompt_cache, cache_offset, trim_prompt_cache
+from ..cache import can_trim_prompt_cache, cache_offset, trim_prompt_cache
+from ..errors import UnsupportedCacheError, UsageError
 from .cache_io import CacheFileInfo, load_prompt_cache, read_cache_info, save_prompt_cache
-from .errors import UnsupportedCacheError, UsageError
 from .mlxlm_compat import recorded_metadata
-from .prompt_state import common_prefix_len
-from .session_store import SESSION_KEY
 
 FORMATS = ("mlx-lm", "mlxcc")
 
@@ -67,9 +65,6 @@ def trim_cache_file(src, dst, n: int, drop: bool = False) -> tuple[int, int]:
     ``n``) and write it to ``dst`` (may equal ``src``) in the same layout;
     returns (tokens before, tokens after)."""
     cache, info = load_prompt_cache(src, return_metadata=True)
-    if SESSION_KEY in info.metadata and info.messages is not None:
-        raise UsageError(f"{src} is a chat session: trimming would break its bookkeeping; use /undo "
-                         "in 'mlxcc chat' (or export it with 'mlxcc cache convert' first)")  # fmt: skip
     held = cache_offset(cache)
     if n > held:
         raise UsageError(f"{src} holds {held} tokens; cannot {'drop' if drop else 'keep'} {n}")
@@ -122,7 +117,8 @@ def _layer_settings(info: CacheFileInfo, i: int) -> tuple[str, ...] | None:
 def diff_cache_files(path_a, path_b) -> CacheDiff:
     a, b = read_cache_info(path_a), read_cache_info(path_b)
     same = a.model.matches(b.model) if a.model and b.model else None
-    prefix = common_prefix_len(a.tokens, b.tokens) if a.tokens is not None and b.tokens is not None else None
+    known = a.tokens is not None and b.tokens is not None
+    prefix = len(os.path.commonprefix([a.tokens, b.tokens])) if known else None  # works on lists too
     d = CacheDiff(a, b, same, prefix)
     if len(a.classes) != len(b.classes):
         d.layer_differences.append(f"{len(a.classes)} layers vs {len(b.classes)}")
