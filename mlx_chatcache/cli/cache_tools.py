@@ -1,5 +1,5 @@
 """``mlxcc cache convert|trim|diff``: whole-file operations on cache files
-(thin wrappers over :mod:`mlx_chatcache.cache_tools`)."""
+(thin wrappers over :mod:`mlx_chatcache.files.cache_tools`)."""
 
 from __future__ import annotations
 

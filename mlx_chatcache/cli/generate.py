@@ -5,7 +5,7 @@ With ``--prompt-cache-file F --save-prompt-cache F`` the file is a rolling cache
 each call reuses what F holds, adds its prompt and reply, and saves it back.
 A chat cache keeps its messages, so the next call renders the whole
 conversation with the chat template and reuses the cached prefix. A cache file
-without token ids (mlx-lm's) is used as :mod:`mlx_chatcache.prompt_recovery`
+without token ids (mlx-lm's) is used as :mod:`mlx_chatcache.generation.prompt_recovery`
 says. The files it reads and writes are locked like a chat session's.
 """
 
