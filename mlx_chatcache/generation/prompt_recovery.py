@@ -23,6 +23,7 @@ import mlx.core as mx
 from ..cache import can_trim_prompt_cache, cache_offset, make_prompt_cache, trim_prompt_cache
 from ..errors import CacheFileError, UsageError
 from ..files.cache_io import load_prompt_cache
+from .model_call import call_model
 from .prompt_state import PromptCache
 
 CHECK_TOKENS = 8  # assumed tokens recomputed at each end of the cache
@@ -92,7 +93,7 @@ def _check_head(model, cache, tokens: list[int], path) -> int:
     if not layers or k == 0:
         return 0
     fresh = make_prompt_cache(model)
-    model(mx.array(tokens[:k], dtype=mx.uint32)[None], cache=fresh)  # (1, k) in
+    call_model(model, mx.array(tokens[:k], dtype=mx.uint32)[None], fresh)  # (1, k) in
     for i in layers:
         for a, b in zip(cache[i].state, fresh[i].state):  # (B, H, T, D) each
             if not _close(a[..., :k, :], b):
@@ -111,7 +112,7 @@ def _check_tail(model, cache, tokens: list[int], path) -> int:
     old = {i: [a[..., n - w :, :] for a in cache[i].state] for i in layers}
     mx.eval(old)
     trim_prompt_cache(cache, w)
-    model(mx.array(tokens[n - w :], dtype=mx.uint32)[None], cache=cache)  # (1, w) in
+    call_model(model, mx.array(tokens[n - w :], dtype=mx.uint32)[None], cache)  # (1, w) in
     for i in layers:
         for a, b in zip(old[i], cache[i].state):
             if not _close(a, b[..., n - w :, :]):
