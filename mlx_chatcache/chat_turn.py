@@ -32,8 +32,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import GenerationConfig
-from .generate import GenerationResponse, final_call_size, make_kv_quantizer, prefill, stream_generate
+from .config import INTERRUPTIBLE_CALL_SECONDS, GenerationConfig
+from .generate import GenerationResponse, Progress, final_call_size, make_kv_quantizer, prefill, stream_generate
+from .pacing import CallPacer
 from .prompt_state import PromptCacheState, trim_state
 
 TextCallback = Callable[[str], None]
@@ -100,25 +101,54 @@ class Reply:
 
 
 def feed_prompt(
-    model, state: PromptCacheState, ids: list[int], upto: int, config: GenerationConfig, should_stop: StopCheck | None
+    model,
+    state: PromptCacheState,
+    ids: list[int],
+    upto: int,
+    config: GenerationConfig,
+    should_stop: StopCheck | None,
+    progress: Progress | None = None,
 ) -> None:
     """Feed ``ids[len(state.tokens):upto]`` in ``config.prefill_step_size``
     chunks, less the reply's first call when ``upto == len(ids) - 1`` (see the
-    module doc); TurnCancelled on a stop request."""
+    module doc); TurnCancelled on a stop request. With ``should_stop`` the
+    chunks (and the call left to the reply) are also sized to take at most
+    about ``INTERRUPTIBLE_CALL_SECONDS`` (:mod:`mlx_chatcache.pacing`), so a
+    stop request is honoured within a second. ``progress`` gets ``(fed, to
+    feed)`` after each chunk."""
     step = config.prefill_step_size
     quantizer = make_kv_quantizer(config)
-    end = upto
+    pacer = CallPacer(model, INTERRUPTIBLE_CALL_SECONDS) if should_stop is not None else None
+    first, final = len(state.tokens), 0
     if upto == len(ids) - 1 and len(state.tokens) <= upto:  # the reply comes next
-        end = len(ids) - final_call_size(model, len(ids) - len(state.tokens), step)
+        final = final_call_size(model, len(ids) - len(state.tokens), step)
+    end = _feed_end(upto, len(ids), final, pacer)
     while len(state.tokens) < end:
         if should_stop is not None and should_stop():
             raise TurnCancelled
         a = len(state.tokens)
-        b = min(a + step, end)
+        b = min(a + (step if pacer is None else pacer.size(step)), end)
+        if pacer is not None:
+            pacer.start()
         prefill(model, state.cache, ids[a : b + 1], step, kv_quantizer=quantizer)  # feeds ids[a:b]
+        if pacer is not None:
+            pacer.record(b - a)
         state.tokens.extend(ids[a:b])
+        if progress:
+            progress(b - first, len(ids) - first)
+        end = _feed_end(upto, len(ids), final, pacer)
     if end < upto and should_stop is not None and should_stop():  # before the chunk left to the reply
         raise TurnCancelled
+
+
+def _feed_end(upto: int, n_ids: int, final: int, pacer: CallPacer | None) -> int:
+    """Where :func:`feed_prompt` stops: ``upto``, or before the ``final`` tokens
+    left to the reply's first call (fewer when the pacer says they would take too long)."""
+    if not final:
+        return upto
+    if pacer is not None:
+        final = min(final, max(pacer.size(final), 1))
+    return n_ids - final
 
 
 def stream_reply(

@@ -14,11 +14,13 @@ import os
 import sys
 import time
 
+from ..config import INTERRUPTIBLE_CALL_SECONDS
 from ..errors import UsageError
 from ..generate import PromptCacheState, encode_prompt
 from ..prompt_store import StoredPrompt, feed_all, render_chat, save_stored_prompt
-from .common import add_cache_args, add_model_arg, config_from_args, human_bytes, read_json_arg, read_prompt
-from .progress import ProgressBar
+from ..save_target import check_save_target
+from .common import add_cache_args, add_force_arg, add_model_arg, config_from_args, human_bytes, read_json_arg, read_prompt
+from .progress import ProgressBar, load_model
 
 
 def add_parser(sub) -> None:
@@ -33,6 +35,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-file", help="read the prompt from this file")
     p.add_argument("--system-prompt", help="system message to cache")
     p.add_argument("--prompt-cache-file", required=True, help="the cache file to write")
+    add_force_arg(p)
     add_cache_args(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="cache the text as is (raw prefix)")
     p.add_argument("--chat-template-config", help="JSON object (or file) of extra chat template arguments")
@@ -54,20 +57,25 @@ def build(args, tokenizer, prompt: str | None) -> tuple[StoredPrompt, list[int]]
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loading import load
-
     if args.prompt is not None and args.prompt_file is not None:
         raise UsageError("give --prompt or --prompt-file, not both")
     prompt = read_prompt(args.prompt, args.prompt_file)
     if not prompt and not args.system_prompt:
         raise UsageError("nothing to cache: pass --prompt, --prompt-file or --system-prompt")
-    model, tokenizer = load(args.model)
+    check_save_target(args.prompt_cache_file, args.force)  # before any work: see save_target
+    model, tokenizer = load_model(args.model)
     config = config_from_args(args)
     stored, tokens = build(args, tokenizer, prompt)
     stored.state = PromptCacheState.new(model, config.max_kv_size, config.keep)
     start = time.perf_counter()
     bar = ProgressBar("caching")
-    feed_all(model, stored.state, tokens, config.prefill_step_size, bar.update)
+    try:
+        feed_all(model, stored.state, tokens, config.prefill_step_size, bar.update,
+                 max_call_seconds=INTERRUPTIBLE_CALL_SECONDS)  # fmt: skip
+    except KeyboardInterrupt:
+        bar.close()
+        sys.stderr.write(f"mlxcc: interrupted; nothing saved to {args.prompt_cache_file}\n")
+        return 130
     bar.close()
     if config.kv_bits is not None:
         from ..cache import quantize_prompt_cache

@@ -17,7 +17,8 @@ from ..errors import SessionError
 from ..safetensors_file import remove_stale_temp_files
 from ..session import ChatSession
 from ..session_store import SessionLock, session_path
-from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args, config_overrides
+from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args, config_overrides, lenient_stdin
+from .progress import load_model
 
 
 def add_parser(sub) -> None:
@@ -61,11 +62,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int:
-    from ..loading import load
     from ..chat_input import StreamReader, TerminalReader
     from ..repl import ChatREPL, history_file, plural
 
-    model, tokenizer = load(args.model)
+    model, tokenizer = load_model(args.model)
     if path is not None and path.exists():
         overrides = config_overrides(args)
         session = ChatSession.load(path, model, tokenizer, overrides=overrides)
@@ -81,7 +81,7 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int
         if path is not None:
             _note(f"new session {label} (saved after every turn to {path})")
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
-    reader = TerminalReader(history_file()) if interactive else StreamReader(sys.stdin)
+    reader = TerminalReader(history_file()) if interactive else StreamReader(lenient_stdin())
     repl = ChatREPL(
         session,
         reader,

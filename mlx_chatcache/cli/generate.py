@@ -5,25 +5,34 @@ With ``--prompt-cache-file F --save-prompt-cache F`` the file is a rolling cache
 each call reuses what F holds, adds its prompt and reply, and saves it back.
 A chat cache keeps its messages, so the next call renders the whole
 conversation with the chat template and reuses the cached prefix.
+
+The save path is checked before the model is loaded (writable; an existing
+file must be a prompt cache unless ``--force``). Ctrl-C is acted upon within
+about a second, also while the prompt is processed: the printed line is ended
+and nothing is saved (a previous file stays as it was).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from ..config import INTERRUPTIBLE_CALL_SECONDS
 from ..errors import UsageError
 from ..generate import PromptCacheState, encode_prompt, stream_generate
 from ..prompt_store import StoredPrompt, load_stored_prompt, render_chat, save_stored_prompt
+from ..save_target import check_save_target
 from .common import (
     add_cache_args,
+    add_force_arg,
     add_model_arg,
     add_sampling_args,
     config_from_args,
     read_json_arg,
     read_prompt,
 )
-from .progress import ProgressBar
+from .progress import ProgressBar, load_model
 
 
 def add_parser(sub) -> None:
@@ -43,6 +52,7 @@ def add_parser(sub) -> None:
     p.add_argument("--extra-eos-token", nargs="+", default=[], metavar="TOKEN", help="more tokens that end generation")
     p.add_argument("--prompt-cache-file", help="start from this cache file (made by mlxcc)")
     p.add_argument("--save-prompt-cache", metavar="FILE", help="after the completion save the cache (prompt and reply) here; may equal --prompt-cache-file")
+    add_force_arg(p)
     p.add_argument("--verbose", action="store_true", help="report prompt tokens, reused tokens, TTFT, speeds and peak memory on stderr")
     p.set_defaults(run=run)
 
@@ -80,24 +90,30 @@ def build_prompt(args, tokenizer, stored: StoredPrompt, prompt: str) -> list[int
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loading import load
-
     prompt = read_prompt(args.prompt)
     if not prompt:
         raise UsageError("the prompt is empty; pass --prompt TEXT (or '-' to read stdin)")
-    model, tokenizer = load(args.model)
+    if args.save_prompt_cache:
+        check_save_target(args.save_prompt_cache, args.force)  # before any work: see save_target
+    model, tokenizer = load_model(args.model)
     config = config_from_args(args)
     stored = load_or_new(args, model, config)
     tokens = build_prompt(args, tokenizer, stored, prompt)
-    bar = ProgressBar("prompt", enabled=args.verbose)
+    bar = ProgressBar("prompt")
     reply, last = [], None
-    for last in stream_generate(
-        model, tokenizer, tokens, state=stored.state, config=config,
-        extra_eos_tokens=args.extra_eos_token, progress=bar.update,
-    ):  # fmt: skip
-        reply.append(last.text)
-        sys.stdout.write(last.text)
-        sys.stdout.flush()
+    try:
+        for last in stream_generate(
+            model, tokenizer, tokens, state=stored.state, config=config,
+            extra_eos_tokens=args.extra_eos_token, progress=bar.update,
+            max_call_seconds=INTERRUPTIBLE_CALL_SECONDS,
+        ):  # fmt: skip
+            bar.close()  # before the reply is printed
+            reply.append(last.text)
+            sys.stdout.write(last.text)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        bar.close()
+        return interrupted(bool("".join(reply)), args.save_prompt_cache)
     sys.stdout.write("\n")
     bar.close()
     text = "".join(reply)
@@ -110,6 +126,22 @@ def run(args: argparse.Namespace) -> int:
     if args.verbose and last is not None:
         report(last, stored.state)
     return 0
+
+
+def interrupted(printed: bool, save_path: str | None) -> int:
+    """Ctrl-C during generation: end the printed line, say what was (not) saved; exit code 130."""
+    if printed:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if save_path:
+        unchanged = "it is unchanged" if os.path.exists(save_path) else "no file was written"
+        saved = f"; nothing saved to {save_path} ({unchanged}): run the command again to save a complete reply"
+    else:
+        saved = ""
+    what = "the reply was cut short" if printed else "before the reply started"
+    sys.stderr.write(f"mlxcc: interrupted {what}{saved}\n")
+    sys.stderr.flush()
+    return 130
 
 
 def report(r, state) -> None:

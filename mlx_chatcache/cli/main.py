@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from ..errors import ChatCacheError
+from .common import check_utf8_args
 
 SUBCOMMANDS = ("generate", "cache_prompt", "chat", "cache_info")
 
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
+        check_utf8_args(args)
         return args.run(args) or 0
     except ChatCacheError as e:
         sys.stderr.write(f"mlxcc: error: {e}\n")
