@@ -28,6 +28,7 @@ the generate loop fed ahead is trimmed back off).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -130,7 +131,8 @@ def feed_prompt(
         b = min(a + (step if pacer is None else pacer.size(step)), end)
         if pacer is not None:
             pacer.start()
-        prefill(model, state.cache, ids[a : b + 1], step, kv_quantizer=quantizer)  # feeds ids[a:b]
+        with _consistent_on_error(model, state):
+            prefill(model, state.cache, ids[a : b + 1], step, kv_quantizer=quantizer)  # feeds ids[a:b]
         if pacer is not None:
             pacer.record(b - a)
         state.tokens.extend(ids[a:b])
@@ -139,6 +141,22 @@ def feed_prompt(
         end = _feed_end(upto, len(ids), final, pacer)
     if end < upto and should_stop is not None and should_stop():  # before the chunk left to the reply
         raise TurnCancelled
+
+
+@contextlib.contextmanager
+def _consistent_on_error(model, state: PromptCacheState):
+    """A chunk that fails (a second Ctrl-C, a bad KV setting) leaves every layer
+    holding exactly ``state.tokens`` again (trimmed back), or the state empty."""
+    try:
+        yield
+    except BaseException:
+        n = len(state.tokens)
+        for c in state.cache:
+            extra = c.offset - n
+            if extra > 0 and not (c.is_trimmable() and c.trim(extra) == extra and c.offset == n):
+                state.reset(model)
+                break
+        raise
 
 
 def _feed_end(upto: int, n_ids: int, final: int, pacer: CallPacer | None) -> int:

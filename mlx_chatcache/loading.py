@@ -67,6 +67,7 @@ def _load_hf(ref: str):
     local = Path(ref)
     if not local.exists() and (ref.startswith((".", "/", "~")) or os.sep in ref.strip("/").split("/", 1)[-1]):
         raise ModelLoadError(f"model folder not found: {ref}; check the path")
+    check_model_folder(local)
     try:
         folder = Path(_download(ref)) if not local.exists() else local
         model, config = load_model(folder)
@@ -79,6 +80,18 @@ def _load_hf(ref: str):
             "model folder, a .gguf file, or a hub id available offline"
         ) from e
     return model, tokenizer, folder_fingerprint(ref, folder)
+
+
+def check_model_folder(path: Path) -> None:
+    """ModelLoadError for a local path that cannot be a model: a folder without
+    config.json, or a file that is not a .gguf (a missing path is left to the hub)."""
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"{path} is not a model folder: no config.json; pass a model folder "
+            "(config.json, weights, tokenizer), a .gguf file or a hub id"
+        )
+    if path.is_file():
+        raise ModelLoadError(f"{path} is not a model: pass a model folder or a .gguf file")
 
 
 def load_tokenizer(ref: str):
