@@ -13,7 +13,11 @@ reply starts from), the tokens :func:`~mlx_chatcache.generate.final_call_size`
 gives (the prompt's last chunk, or only its last token for a quantized model)
 are left to :func:`stream_reply`: the generate loop feeds them in the model
 call that samples the first reply token, one call instead of two.
-``should_stop`` is polled before that chunk too.
+``should_stop`` is polled before that chunk too. With ``should_stop`` the
+chunks are paced (:mod:`mlx_chatcache.pacing`): each model call, the one left
+to the reply included, is sized to take about ``INTERRUPTIBLE_CALL_SECONDS``
+at most, so a stop request is honoured within a second. A chunk that raises
+leaves the layers holding ``state.tokens`` (trimmed back) or an empty state.
 
 :func:`stream_reply` generates the reply to a prompt the state holds a prefix
 of, passing each text piece to ``on_text``. It polls ``should_stop`` after

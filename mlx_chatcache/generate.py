@@ -13,7 +13,9 @@ Layers, each usable on its own (lowest first):
 3. :func:`prefill` feeds all prompt tokens but the last few, in chunks;
    :func:`final_call_size` says how many to leave: the last chunk, fed in
    the model call that samples the first token (one call instead of two),
-   or the last token for a quantized model.
+   or the last token for a quantized model. With ``max_call_seconds`` the
+   chunks are paced to a time budget so Ctrl-C is acted upon
+   (:mod:`mlx_chatcache.pacing`; results equal within float tolerance).
 4. :func:`decode_one_token` feeds tokens, records them in the state and samples
    the next token, one synchronous step.
 5. :func:`generate_step` yields ``(token, logprobs)`` pairs. While decoding

@@ -13,7 +13,17 @@ three double quotes.
 
 Ctrl-C while a reply streams stops it after the current token (the partial
 reply stays in the conversation); a second Ctrl-C aborts the turn at once.
-Ctrl-C at the prompt clears the line; Ctrl-D (end of input) ends the chat.
+While the prompt is read, Ctrl-C cancels the message within about a second
+(the prompt's model calls are paced, see :mod:`mlx_chatcache.pacing`), and a
+progress line on a terminal shows how far it got (erased when the reply
+starts). Ctrl-C at the prompt clears the line; Ctrl-D (end of input) ends the chat.
+
+Nothing a user typed is lost to a failed save: ``/save`` and autosave errors
+are one line and the chat goes on; a failed autosave is retried after the
+next change and, if it still fails when the chat ends on a terminal, the user
+is asked once to ``/save`` elsewhere. ``/save`` refuses to replace a file that
+is not a prompt cache unless ``--force``. A line that is not valid UTF-8 is
+refused in one line (nothing sent).
 """
 
 from __future__ import annotations

@@ -15,6 +15,11 @@ and a failed write (full disk, kill -9) leaves the old file intact. A writer
 killed with -9 leaves its temp file (``.NAME.HOST-PID.XXXXXXXX.tmp.safetensors``);
 the next write to the same path removes such leftovers when their writer is
 gone (same host, dead pid) or they have not been touched for an hour.
+Every failure of a write, creating the temp file included (a read-only
+folder, ``/proc``), is one :class:`CacheFileError` line saying what failed
+and what to do; :func:`check_writable` probes the same before any work.
+A file that does not start like a safetensors file (a text file) is refused
+as "not a safetensors file", not by its byte counts.
 """
 
 from __future__ import annotations

@@ -231,9 +231,12 @@ class ChatSession:
     ) -> TurnResult:
         """Send a user message; stream the reply through ``on_text``.
 
-        ``should_stop`` is polled after every token; when it returns True the
-        reply ends there (``finish_reason == "interrupted"``) and what was
-        generated so far stays in the conversation and the cache.
+        ``should_stop`` is polled between the prompt's model calls (then sized
+        to take under a second, see :mod:`mlx_chatcache.pacing`: a stop there
+        cancels the turn, ``finish_reason == "cancelled"``) and after every
+        token; when it returns True during the reply the reply ends there
+        (``finish_reason == "interrupted"``) and what was generated so far
+        stays in the conversation and the cache.
         """
         if not isinstance(content, str):
             raise UsageError("a chat message must be text")
