@@ -122,11 +122,11 @@ def read_header(path: str | os.PathLike) -> Header:
 
 def _looks_like_safetensors(head: bytes) -> bool:
     """Whether the first 9 bytes can start a safetensors file: an 8-byte header
-    length no larger than we accept, then the header's opening brace."""
+    length (checked against the file later), then the header's opening brace."""
     if len(head) < 9:
         return False
     (n,) = struct.unpack("<Q", head[:8])
-    return 2 <= n <= MAX_HEADER_BYTES and head[8:9] == b"{"
+    return n >= 2 and head[8:9] == b"{"
 
 
 def not_safetensors(path: Path) -> CacheFileError:
