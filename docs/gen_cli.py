@@ -42,7 +42,7 @@ def render() -> str:
 
 def _chat_commands() -> list[str]:
     """What ``/help`` prints inside ``mlxcc chat``."""
-    from mlx_chatcache.repl import HELP
+    from mlx_chatcache.cli.repl import HELP
 
     return ["", "## Commands inside mlxcc chat (/help)", "", "```", HELP.rstrip(), "```"]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_chatcache.cache_io import read_cache_info
+from mlx_chatcache.files.cache_io import read_cache_info
 
 TIMEOUT = 60
 

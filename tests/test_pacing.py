@@ -1,4 +1,4 @@
-"""Paced prompt processing (:mod:`mlx_chatcache.pacing`): calls sized to a time
+"""Paced prompt processing (:mod:`mlx_chatcache.generation.pacing`): calls sized to a time
 budget so Ctrl-C is acted upon, with the same results as unpaced calls.
 
 Tolerance: as tests/test_generate.py, any chunking gives last-token logits
@@ -10,11 +10,11 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlx_chatcache import pacing
+from mlx_chatcache.chat.session import ChatSession
 from mlx_chatcache.config import DEFAULTS
-from mlx_chatcache.generate import PromptCacheState, generate_step, prefill
-from mlx_chatcache.pacing import PROBE_TOKENS, CallPacer
-from mlx_chatcache.session import ChatSession
+from mlx_chatcache.generation import pacing
+from mlx_chatcache.generation.generate import PromptCache, generate_step, prefill
+from mlx_chatcache.generation.pacing import PROBE_TOKENS, CallPacer
 
 ATOL = 1e-5
 GREEDY = DEFAULTS.updated(temp=0.0, max_tokens=6)
@@ -69,9 +69,9 @@ def test_pacer_sizes_follow_the_measured_time_per_token(monkeypatch):
 def test_paced_generation_equals_unpaced(tiny_model):
     kind, model, tok = tiny_model
     prompt = tok.encode(TEXT, add_special_tokens=False)[:60]
-    ref = list(generate_step(prompt, model, state=PromptCacheState.new(model), config=GREEDY))
+    ref = list(generate_step(prompt, model, state=PromptCache.new(model), config=GREEDY))
     counting = CountingModel(model)
-    paced = list(generate_step(prompt, counting, state=PromptCacheState.new(model), config=GREEDY,
+    paced = list(generate_step(prompt, counting, state=PromptCache.new(model), config=GREEDY,
                                max_call_seconds=1e-9))  # fmt: skip
     n_prompt_calls = len(counting.calls) - (len(paced) - 1)
     assert counting.calls[0] == PROBE_TOKENS and max(counting.calls[:n_prompt_calls]) <= PROBE_TOKENS
@@ -85,10 +85,10 @@ def test_paced_prefill_with_a_generous_budget_is_one_probe_then_full_steps(llama
     model, tok = llama_model
     prompt = tok.encode(TEXT, add_special_tokens=False)[:40]
     counting = CountingModel(model)
-    rest = prefill(counting, PromptCacheState.new(model).cache, prompt, 16, leave=1, max_call_seconds=1e9)
+    rest = prefill(counting, PromptCache.new(model).cache, prompt, 16, leave=1, max_call_seconds=1e9)
     assert counting.calls == [PROBE_TOKENS, 8, 16, 11] and rest == prompt[-1:]
     counting.calls.clear()  # measured now: the next prompt starts at full steps
-    prefill(counting, PromptCacheState.new(model).cache, prompt, 16, leave=1, max_call_seconds=1e9)
+    prefill(counting, PromptCache.new(model).cache, prompt, 16, leave=1, max_call_seconds=1e9)
     assert counting.calls == [16, 16, 7]
 
 
@@ -96,7 +96,7 @@ def test_prefill_feeds_more_than_leave_when_the_rest_would_take_too_long(llama_m
     model, tok = llama_model
     prompt = tok.encode(TEXT, add_special_tokens=False)[:20]
     counting = CountingModel(model)
-    rest = prefill(counting, PromptCacheState.new(model).cache, prompt, 512, leave=20, max_call_seconds=1e-9)
+    rest = prefill(counting, PromptCache.new(model).cache, prompt, 512, leave=20, max_call_seconds=1e-9)
     assert len(rest) == 1 and sum(counting.calls) == 19 and max(counting.calls) <= PROBE_TOKENS
 
 
@@ -110,7 +110,7 @@ def test_chat_turns_polling_a_stop_are_paced_with_equal_replies(tiny_model, budg
     s = ChatSession(counting, tok, system_prompt="Be brief.", config=GREEDY)
     if budget is not None:
         monkey = pytest.MonkeyPatch()
-        monkey.setattr("mlx_chatcache.chat_turn.INTERRUPTIBLE_CALL_SECONDS", budget)
+        monkey.setattr("mlx_chatcache.chat.chat_turn.INTERRUPTIBLE_CALL_SECONDS", budget)
     try:
         replies = [s.ask(t, should_stop=lambda: False).text for t in turns]
     finally:

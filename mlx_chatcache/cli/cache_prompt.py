@@ -16,9 +16,10 @@ import time
 
 from ..config import INTERRUPTIBLE_CALL_SECONDS
 from ..errors import UsageError
-from ..generate import PromptCacheState, encode_prompt
-from ..prompt_store import StoredPrompt, feed_all, render_chat, save_stored_prompt
-from ..save_target import check_save_target
+from ..files.save_target import check_save_target
+from ..generation.generate import PromptCache
+from ..generation.prompt_store import feed_all, render_chat
+from ..generation.text import encode_prompt
 from .common import add_cache_args, add_force_arg, add_model_arg, config_from_args, human_bytes, read_json_arg, read_prompt
 from .progress import ProgressBar, load_model
 
@@ -42,10 +43,11 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def build(args, tokenizer, prompt: str | None) -> tuple[StoredPrompt, list[int]]:
+def build(args, tokenizer, prompt: str | None) -> tuple[list[dict] | None, str | None, list[int]]:
+    """``(messages, text, tokens)``: what the file will hold (chat messages or raw text) and its ids."""
     if args.ignore_chat_template:
         text = (args.system_prompt or "") + (prompt or "")
-        return StoredPrompt(None, None, text), encode_prompt(tokenizer, text)
+        return None, text, encode_prompt(tokenizer, text)
     messages = []
     if args.system_prompt:
         messages.append({"role": "system", "content": args.system_prompt})
@@ -53,7 +55,7 @@ def build(args, tokenizer, prompt: str | None) -> tuple[StoredPrompt, list[int]]
         messages.append({"role": "user", "content": prompt})
     template = read_json_arg(args.chat_template_config, "--chat-template-config")
     tokens = render_chat(tokenizer, messages, add_generation_prompt=False, template_kwargs=template)
-    return StoredPrompt(None, messages), tokens
+    return messages, None, tokens
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,12 +67,13 @@ def run(args: argparse.Namespace) -> int:
     check_save_target(args.prompt_cache_file, args.force)  # before any work: see save_target
     model, tokenizer = load_model(args.model)
     config = config_from_args(args)
-    stored, tokens = build(args, tokenizer, prompt)
-    stored.state = PromptCacheState.new(model, config.max_kv_size, config.keep)
+    messages, text, tokens = build(args, tokenizer, prompt)
+    stored = PromptCache.new(model, config.max_kv_size, config.keep)
+    stored.messages, stored.text = messages, text
     start = time.perf_counter()
     bar = ProgressBar("caching")
     try:
-        feed_all(model, stored.state, tokens, config.prefill_step_size, bar.update,
+        feed_all(model, stored, tokens, config.prefill_step_size, bar.update,
                  max_call_seconds=INTERRUPTIBLE_CALL_SECONDS)  # fmt: skip
     except KeyboardInterrupt:
         bar.close()
@@ -80,9 +83,9 @@ def run(args: argparse.Namespace) -> int:
     if config.kv_bits is not None:
         from ..cache import quantize_prompt_cache
 
-        quantize_prompt_cache(stored.state.cache, config.kv_group_size, config.kv_bits, config.quantized_kv_start)
+        quantize_prompt_cache(stored.cache, config.kv_group_size, config.kv_bits, config.quantized_kv_start)
     elapsed = time.perf_counter() - start
-    save_stored_prompt(args.prompt_cache_file, model, stored)
+    stored.save(args.prompt_cache_file)
     size = os.path.getsize(args.prompt_cache_file)
     sys.stdout.write(
         f"Cached {len(tokens)} tokens in {elapsed:.2f} s ({len(tokens) / max(elapsed, 1e-9):.1f} tokens-per-sec) "

@@ -85,7 +85,7 @@ def _isatty(stream) -> bool:
 
 def load_model(ref: str | None):
     """``loading.load(ref)`` with a spinner on a terminal: ``(model, tokenizer)``."""
-    from ..loading import load, resolve_model_ref
+    from ..models.loading import load, resolve_model_ref
 
     name = os.path.basename(resolve_model_ref(ref).rstrip("/"))
     with Spinner(f"loading model {name}"):

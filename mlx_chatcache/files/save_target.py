@@ -19,17 +19,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import CacheFileError
+from ..errors import CacheFileError
+from . import formats
 from .safetensors_file import check_writable, read_header
 
 FORCE_HINT = "add --force to replace it, or choose another file name"
 
 
 def cache_file_kind(path: str | os.PathLike) -> str | None:
-    """``"mlxcc"`` / ``"mlx-lm"`` when ``path`` is a prompt cache file, else None
-    (not a safetensors file, damaged, or a safetensors file of something else)."""
+    """``"mlxcc"`` or the registered format's layout (``"mlx-lm"``, ...) when
+    ``path`` is a prompt cache file, else None (not a safetensors file,
+    damaged, or a safetensors file of something else)."""
     from .cache_io import FORMAT_NAME
-    from .mlxlm_compat import detect_mlx_lm
 
     try:
         header = read_header(path)
@@ -37,7 +38,8 @@ def cache_file_kind(path: str | os.PathLike) -> str | None:
         return None
     if header.metadata.get("mlxcc.format") == FORMAT_NAME:
         return "mlxcc"
-    return "mlx-lm" if detect_mlx_lm(header) is not None else None
+    info = formats.detect(header)
+    return None if info is None else info.layout
 
 
 def check_overwrite(path: str | os.PathLike, force: bool = False) -> None:

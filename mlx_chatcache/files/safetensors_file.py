@@ -40,7 +40,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .errors import CacheFileError, CacheFormatError
+from ..errors import CacheFileError, CacheFormatError
 
 MAX_HEADER_BYTES = 64 << 20
 MAX_DIMS = 8

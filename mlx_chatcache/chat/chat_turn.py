@@ -4,17 +4,17 @@ both stopping on request, and what the turn cost.
 Contract
 --------
 :func:`feed_prompt` feeds ``ids[len(state.tokens):upto]`` into a
-:class:`~mlx_chatcache.prompt_state.PromptCacheState` in
+:class:`~mlx_chatcache.generation.prompt_state.PromptCache` in
 ``prefill_step_size`` chunks, recording each chunk in ``state.tokens``. It
 polls ``should_stop`` before every chunk and raises :class:`TurnCancelled`
 when it says so; the state then holds the chunks fed so far (the caller rolls
 the turn back). When ``upto == len(ids) - 1`` (the prompt up to the token the
-reply starts from), the tokens :func:`~mlx_chatcache.generate.final_call_size`
+reply starts from), the tokens :func:`~mlx_chatcache.generation.generate.final_call_size`
 gives (the prompt's last chunk, or only its last token for a quantized model)
 are left to :func:`stream_reply`: the generate loop feeds them in the model
 call that samples the first reply token, one call instead of two.
 ``should_stop`` is polled before that chunk too. With ``should_stop`` the
-chunks are paced (:mod:`mlx_chatcache.pacing`): each model call, the one left
+chunks are paced (:mod:`mlx_chatcache.generation.pacing`): each model call, the one left
 to the reply included, is sized to take about ``INTERRUPTIBLE_CALL_SECONDS``
 at most, so a stop request is honoured within a second. A chunk that raises
 leaves the layers holding ``state.tokens`` (trimmed back) or an empty state.
@@ -23,7 +23,7 @@ leaves the layers holding ``state.tokens`` (trimmed back) or an empty state.
 of, passing each text piece to ``on_text``. It polls ``should_stop`` after
 every token that does not end the reply and ends the reply there
 ("interrupted"), then passes on the text the detokenizer held back. The state
-is left as :mod:`mlx_chatcache.generate` documents for a reply that ends:
+is left as :mod:`mlx_chatcache.generation.generate` documents for a reply that ends:
 every reply token but the last has been fed (after an interruption, the token
 the generate loop fed ahead is trimmed back off).
 
@@ -37,10 +37,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import INTERRUPTIBLE_CALL_SECONDS, GenerationConfig
-from .generate import GenerationResponse, Progress, final_call_size, make_kv_quantizer, prefill, stream_generate
-from .pacing import CallPacer
-from .prompt_state import PromptCacheState, trim_state
+from ..config import INTERRUPTIBLE_CALL_SECONDS, GenerationConfig
+from ..generation.generate import Progress, final_call_size, make_kv_quantizer, prefill
+from ..generation.pacing import CallPacer
+from ..generation.prompt_state import PromptCache, trim_state
+from ..generation.text import GenerationResponse, stream_generate
 
 TextCallback = Callable[[str], None]
 StopCheck = Callable[[], bool]
@@ -107,7 +108,7 @@ class Reply:
 
 def feed_prompt(
     model,
-    state: PromptCacheState,
+    state: PromptCache,
     ids: list[int],
     upto: int,
     config: GenerationConfig,
@@ -118,7 +119,7 @@ def feed_prompt(
     chunks, less the reply's first call when ``upto == len(ids) - 1`` (see the
     module doc); TurnCancelled on a stop request. With ``should_stop`` the
     chunks (and the call left to the reply) are also sized to take at most
-    about ``INTERRUPTIBLE_CALL_SECONDS`` (:mod:`mlx_chatcache.pacing`), so a
+    about ``INTERRUPTIBLE_CALL_SECONDS`` (:mod:`mlx_chatcache.generation.pacing`), so a
     stop request is honoured within a second. ``progress`` gets ``(fed, to
     feed)`` after each chunk."""
     step = config.prefill_step_size
@@ -148,7 +149,7 @@ def feed_prompt(
 
 
 @contextlib.contextmanager
-def _consistent_on_error(model, state: PromptCacheState):
+def _consistent_on_error(model, state: PromptCache):
     """A chunk that fails (a second Ctrl-C, a bad KV setting) leaves every layer
     holding exactly ``state.tokens`` again (trimmed back), or the state empty."""
     try:
@@ -177,7 +178,7 @@ def stream_reply(
     model,
     tokenizer,
     prompt_ids: list[int],
-    state: PromptCacheState,
+    state: PromptCache,
     config: GenerationConfig,
     started: float,
     on_text: TextCallback | None,

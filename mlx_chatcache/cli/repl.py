@@ -1,6 +1,6 @@
 """The interactive loop behind ``mlxcc chat``: commands, streaming output, Ctrl-C.
 
-:class:`ChatREPL` reads with a reader from :mod:`mlx_chatcache.chat_input`
+:class:`ChatREPL` reads with a reader from :mod:`mlx_chatcache.cli.chat_input`
 (a terminal, or line by line from a stream, so a chat can be scripted:
 ``printf 'Hi\\n/bye\\n' | mlxcc chat``) until the input ends or ``/bye``.
 Replies stream to ``out``; notes, errors and statistics go to ``err``, so
@@ -14,7 +14,7 @@ three double quotes.
 Ctrl-C while a reply streams stops it after the current token (the partial
 reply stays in the conversation); a second Ctrl-C aborts the turn at once.
 While the prompt is read, Ctrl-C cancels the message within about a second
-(the prompt's model calls are paced, see :mod:`mlx_chatcache.pacing`), and a
+(the prompt's model calls are paced, see :mod:`mlx_chatcache.generation.pacing`), and a
 progress line on a terminal shows how far it got (erased when the reply
 starts). Ctrl-C at the prompt clears the line; Ctrl-D (end of input) ends the chat.
 
@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from .chat_input import FENCE, message_text, parse_command, parse_save_arg, parse_setting, read_input
-from .cli.common import human_bytes, require_utf8
-from .cli.progress import ProgressBar
-from .config import mlxcc_home
-from .errors import ChatCacheError, UsageError
-from .save_target import check_save_target
-from .session import ChatSession, RollbackResult, TurnResult
+from .common import human_bytes, require_utf8
+from .progress import ProgressBar
+from ..config import mlxcc_home
+from ..errors import ChatCacheError, UsageError
+from ..files.save_target import check_save_target
+from ..chat.session import ChatSession, RollbackResult, TurnResult
 
 HELP = f"""\
 Commands (anything else is sent to the model):
