@@ -45,7 +45,7 @@ class FakeClock:
 def test_pacer_sizes_follow_the_measured_time_per_token(monkeypatch):
     clock, model = FakeClock(monkeypatch), CountingModel(None)
     p = CallPacer(model, 0.5)
-    assert p.size(512) == PROBE_TOKENS and p.size(3) == 3 and p.size(1) == 1
+    assert p.size(512) == PROBE_TOKENS == 1 and p.size(0) == 0
     p.start()
     clock.now += 4 * 0.12  # 0.12 s per token
     p.record(4)
@@ -81,12 +81,12 @@ def test_paced_generation_equals_unpaced(tiny_model):
         assert mx.max(mx.abs(a - b)).item() <= ATOL
 
 
-def test_paced_prefill_with_a_generous_budget_is_one_probe_then_full_steps(llama_model):
+def test_paced_prefill_with_a_generous_budget_grows_to_full_steps(llama_model):
     model, tok = llama_model
     prompt = tok.encode(TEXT, add_special_tokens=False)[:40]
     counting = CountingModel(model)
     rest = prefill(counting, PromptCache.new(model).cache, prompt, 16, leave=1, max_call_seconds=1e9)
-    assert counting.calls == [PROBE_TOKENS, 8, 16, 11] and rest == prompt[-1:]
+    assert counting.calls == [1, 2, 4, 8, 16, 8] and rest == prompt[-1:]  # growing 2x per call
     counting.calls.clear()  # measured now: the next prompt starts at full steps
     prefill(counting, PromptCache.new(model).cache, prompt, 16, leave=1, max_call_seconds=1e9)
     assert counting.calls == [16, 16, 7]

@@ -19,7 +19,8 @@ order, so logits are equal within the float tolerance that any chunking
 gives (tests/test_generate.py: max abs diff <= 1e-5 on float32, whatever the
 chunks). Since sizes follow measured times, two runs may split a long prompt
 differently. Calls that take well under ``max_seconds`` (a GPU, a short
-prompt) are not split, beyond the first probe of a model.
+prompt) are not split, beyond the ramp-up of a model's first prompt in a
+process (1, 2, 4, ... tokens: a few extra small calls).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import contextlib
 import time
 import weakref
 
-PROBE_TOKENS = 4  # first call of a model never measured
+PROBE_TOKENS = 1  # first call of a model never measured (also pays one-time warm-up)
 
 # id(model) -> (model, seconds per token, tokens of the call it was measured on)
 _RATES: dict[int, tuple[weakref.ref, float, int]] = {}
