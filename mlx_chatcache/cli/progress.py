@@ -1,11 +1,10 @@
 """Progress on stderr, drawn only when stderr is a terminal (nothing on a pipe):
 :class:`ProgressBar` for prompt processing (one update per model call),
-:class:`Spinner` for one long call (loading a model, :func:`load_model`).
+:class:`Spinner` for one long call (loading a model: ``common.load_model``).
 Both erase their line when closed, before a reply is printed."""
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -82,11 +81,3 @@ def _isatty(stream) -> bool:
     except (AttributeError, ValueError):
         return False
 
-
-def load_model(ref: str | None):
-    """``loading.load(ref)`` with a spinner on a terminal: ``(model, tokenizer)``."""
-    from ..models.loading import load, resolve_model_ref
-
-    name = os.path.basename(resolve_model_ref(ref).rstrip("/"))
-    with Spinner(f"loading model {name}"):
-        return load(ref)
