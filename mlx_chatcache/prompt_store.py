@@ -87,6 +87,8 @@ def state_for_model(model, cache, tokens, max_kv_size: int | None, keep: int, pa
 def save_stored_prompt(path, model, stored: StoredPrompt, metadata: dict | None = None) -> None:
     settings = dict(stored.settings)
     settings.update(max_kv_size=stored.state.max_kv_size, keep=stored.state.keep)
+    if getattr(model, "weight_report", None) is not None:  # informational: caches of all policies load
+        settings["weights"] = model.weight_report.policy
     save_prompt_cache(
         path, stored.state.cache, tokens=stored.state.tokens, model=model.fingerprint,
         messages=stored.messages, text=stored.text, settings=settings, metadata=metadata,

@@ -452,7 +452,8 @@ class ChatSession:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the session to ``path`` atomically (a previous file survives any failure)."""
-        save_session(path, self.record(), self.fingerprint)
+        report = getattr(self.model, "weight_report", None)
+        save_session(path, self.record(), self.fingerprint, report.policy if report else None)
 
     @classmethod
     def load(

@@ -71,15 +71,20 @@ def session_metadata(record: SessionRecord) -> dict:
     }
 
 
-def save_session(path: str | os.PathLike, record: SessionRecord, fingerprint: ModelFingerprint | None) -> None:
-    """Write ``record`` to ``path`` atomically."""
+def save_session(
+    path: str | os.PathLike, record: SessionRecord, fingerprint: ModelFingerprint | None, weights: str | None = None
+) -> None:
+    """Write ``record`` to ``path`` atomically (``weights``: the model's weight policy, recorded)."""
+    settings = {"max_kv_size": record.state.max_kv_size, "keep": record.state.keep}
+    if weights is not None:
+        settings["weights"] = weights
     save_prompt_cache(
         path,
         record.state.cache,
         tokens=record.state.tokens,
         model=fingerprint,
         messages=record.messages,
-        settings={"max_kv_size": record.state.max_kv_size, "keep": record.state.keep},
+        settings=settings,
         metadata={SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)},
     )
 

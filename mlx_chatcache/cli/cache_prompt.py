@@ -17,7 +17,15 @@ import time
 from ..errors import UsageError
 from ..generate import PromptCacheState, encode_prompt
 from ..prompt_store import StoredPrompt, feed_all, render_chat, save_stored_prompt
-from .common import add_cache_args, add_model_arg, config_from_args, human_bytes, read_json_arg, read_prompt
+from .common import (
+    add_cache_args,
+    add_model_arg,
+    add_weights_arg,
+    config_from_args,
+    human_bytes,
+    read_json_arg,
+    read_prompt,
+)
 from .progress import ProgressBar
 
 
@@ -29,6 +37,7 @@ def add_parser(sub) -> None:
         "generate/chat calls start from it.",
     )
     add_model_arg(p)
+    add_weights_arg(p)
     p.add_argument("--prompt", "-p", help="prompt text ('-' reads stdin)")
     p.add_argument("--prompt-file", help="read the prompt from this file")
     p.add_argument("--system-prompt", help="system message to cache")
@@ -61,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt, args.prompt_file)
     if not prompt and not args.system_prompt:
         raise UsageError("nothing to cache: pass --prompt, --prompt-file or --system-prompt")
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, weights=args.weights)
     config = config_from_args(args)
     stored, tokens = build(args, tokenizer, prompt)
     stored.state = PromptCacheState.new(model, config.max_kv_size, config.keep)

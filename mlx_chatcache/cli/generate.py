@@ -19,9 +19,11 @@ from .common import (
     add_cache_args,
     add_model_arg,
     add_sampling_args,
+    add_weights_arg,
     config_from_args,
     read_json_arg,
     read_prompt,
+    runtime_lines,
 )
 from .progress import ProgressBar
 
@@ -34,6 +36,7 @@ def add_parser(sub) -> None:
         "with the cached tokens is reused; --save-prompt-cache writes prompt and reply back.",
     )
     add_model_arg(p)
+    add_weights_arg(p)
     p.add_argument("--prompt", "-p", required=True, help="the prompt text ('-' reads stdin)")
     p.add_argument("--system-prompt", help="system message (replaces a cached chat's system message)")
     add_sampling_args(p)
@@ -85,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt)
     if not prompt:
         raise UsageError("the prompt is empty; pass --prompt TEXT (or '-' to read stdin)")
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, weights=args.weights)
     config = config_from_args(args)
     stored = load_or_new(args, model, config)
     tokens = build_prompt(args, tokenizer, stored, prompt)
@@ -108,11 +111,11 @@ def run(args: argparse.Namespace) -> int:
     if args.save_prompt_cache:
         save_stored_prompt(args.save_prompt_cache, model, stored)
     if args.verbose and last is not None:
-        report(last, stored.state)
+        report(last, stored.state, runtime_lines(model))
     return 0
 
 
-def report(r, state) -> None:
+def report(r, state, runtime: list[str] = ()) -> None:
     new = r.prompt_tokens - r.reused_tokens
     lines = [
         f"Prompt: {r.prompt_tokens} tokens ({r.reused_tokens} reused, {new} new), "
@@ -122,5 +125,6 @@ def report(r, state) -> None:
         f"(finish: {r.finish_reason})",
         f"Cache: {len(state.tokens)} tokens held",
         f"Peak memory: {r.peak_memory:.3f} GB",
+        *runtime,
     ]
     sys.stderr.write("\n".join(lines) + "\n")
