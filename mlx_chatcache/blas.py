@@ -283,3 +283,19 @@ def measure_gflops(n: int = 512, repeats: int = 5) -> float:
             mx.eval(a @ b)
             times.append(time.perf_counter() - start)
     return 2 * n**3 / sorted(times)[len(times) // 2] / 1e9
+
+
+def sgemm_provider() -> str | None:
+    """Path of the library whose ``cblas_sgemm`` the global symbol scope resolves to:
+    the one MLX's CPU matmuls call (libmlx's relocations search that scope first)."""
+    try:
+        address = ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                lo, hi = (int(v, 16) for v in parts[0].split("-"))
+                if lo <= address < hi and len(parts) >= 6:
+                    return parts[-1]
+    except (AttributeError, OSError, ValueError):
+        pass
+    return None

@@ -38,11 +38,14 @@ def report(model_ref: str | None, weights: str | None) -> dict:
 
     gflops = blas.measure_gflops()
     s = blas.STATUS
-    fast = gflops >= blas.FAST_GFLOPS
+    provider = blas.sgemm_provider()
+    swapped = s.active and provider == s.library
     if s.active:
-        check = "optimized BLAS in effect" if fast else "SLOW: the OpenBLAS swap did not take effect (or the machine is very busy)"
+        check = "the optimized BLAS is in effect" if swapped else "NOT in effect: cblas_sgemm resolves elsewhere"
+        if swapped and gflops < blas.FAST_GFLOPS:
+            check += " (but slow now: the machine is busy?)"
     else:
-        check = "fast" if fast else "slow: MLX's bundled reference BLAS"
+        check = "fast" if gflops >= blas.FAST_GFLOPS else "slow: MLX's bundled reference BLAS"
     out = {
         "mlxcc": __version__,
         "python": platform.python_version(),
@@ -56,6 +59,8 @@ def report(model_ref: str | None, weights: str | None) -> dict:
         "blas_config": s.config,
         "blas_threads": s.threads,
         "blas_mapped": blas.mapped_blas_libraries(),
+        "cblas_sgemm_from": provider,
+        "blas_in_effect": swapped,
         "sgemm_512_gflops": round(gflops, 1),
         "check": check,
         "weights_default": WEIGHTS,
@@ -83,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     ]
     if r["blas_library"]:
         lines.append(f"          {r['blas_library']}")
-    lines.append(f"check:    float32 512^3 matmul at {r['sgemm_512_gflops']} GF/s: {r['check']}")
+    lines.append(f"check:    cblas_sgemm from {r['cblas_sgemm_from']}; float32 512^3 matmul at "
+                 f"{r['sgemm_512_gflops']} GF/s: {r['check']}")
     if r["blas_mapped"]:
         lines.append("mapped:   " + "\n          ".join(r["blas_mapped"]))
     lines.append(f"weights:  default {r['weights_default']} ({r['weights_rule']})")
