@@ -73,6 +73,11 @@ def blas_in_use() -> str:
     """Which BLAS this process has mapped (call after MLX ran a matmul)."""
     import mlx.core as mx
 
+    from mlx_chatcache import blas
+
+    if blas.STATUS.active:  # mlx_chatcache was imported before mlx.core: its OpenBLAS swap
+        return blas.describe()
+
     a = mx.ones((8, 8))
     mx.eval(a @ a)
     libs = set()
