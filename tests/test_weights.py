@@ -157,3 +157,36 @@ def test_smollm2_policies_keep_the_answer(demo_gguf):
             assert mx.array_equal(r.argmax(-1), g.argmax(-1))
         text = generate(model, tok, ids, config=DEFAULTS.updated(max_tokens=12))
         assert text.strip() == "The capital of France is Paris.", (policy, text)
+
+
+# ------------------------------------------------------------------ CLI
+def test_cli_weights_flag_verbose_and_cache_info(tiny_model_dirs, tmp_path, capsys):
+    from mlx_chatcache.cli.main import main
+
+    folder, cache = str(tiny_model_dirs["llama"]), str(tmp_path / "c.safetensors")
+    argv = ["generate", "--model", folder, "-p", "hi", "-m", "2", "--verbose", "--save-prompt-cache", cache]
+    assert main([*argv, "--weights", "float32"]) == 0
+    err = capsys.readouterr().err
+    assert "\nBLAS: " in err and "\nWeights: float32 (as requested" in err
+    assert main(["cache", "info", cache]) == 0
+    assert "weights:     float32" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--weights", "f16"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--weights: invalid choice: 'f16'" in err
+
+
+def test_doctor_reports_the_blas_in_effect(capsys):
+    import json
+
+    from mlx_chatcache import blas
+    from mlx_chatcache.cli.main import main
+
+    assert main(["doctor", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["blas_active"] == blas.STATUS.active and r["blas"] == blas.describe()
+    assert r["blas_in_effect"] == (blas.STATUS.active and r["cblas_sgemm_from"] == blas.STATUS.library)
+    if blas.STATUS.active:  # the swap took effect in this process: cblas_sgemm is ours
+        assert r["blas_in_effect"] and r["blas_threads"] >= 1
+    assert r["sgemm_512_gflops"] > 0 and r["weights_default"] == "auto"
