@@ -113,8 +113,8 @@ def bundled_blas() -> Path | None:
 
 
 def _cuda_installed() -> bool:
-    names = {(d.metadata["Name"] or "").lower().replace("_", "-") for d in importlib.metadata.distributions()}
-    return any(n.startswith("mlx-cuda") for n in names)
+    """Whether an ``mlx-cuda*`` distribution sits on ``sys.path`` (a glob, not a metadata scan)."""
+    return any(glob.glob(os.path.join(p, "mlx_cuda*")) for p in sys.path if p and os.path.isdir(p))
 
 
 def source_library() -> Path:
