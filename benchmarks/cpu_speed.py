@@ -61,7 +61,7 @@ def job(engine: str, spec: dict) -> dict:
         out = _llama_cpp(spec)
         out["blas"] = "llama.cpp's own kernels (ggml)"
     else:
-        from mlx_chatcache import blas  # first import of mlx_chatcache: the BLAS swap (unless MLXCC_BLAS=off)
+        from mlx_chatcache.backend import blas  # first import of mlx_chatcache: the BLAS swap (unless MLXCC_BLAS=off)
 
         out = _mlx(engine, spec)
         out["blas"] = blas.describe()
@@ -71,8 +71,8 @@ def job(engine: str, spec: dict) -> dict:
 
 def workload(prefill: int, decode: int) -> dict:
     """The token ids every engine gets (tokenized once, by our GGUF tokenizer)."""
-    from mlx_chatcache import blas
-    from mlx_chatcache.loading import demo_model_path, load_tokenizer
+    from mlx_chatcache.backend import blas
+    from mlx_chatcache.models.loading import demo_model_path, load_tokenizer
 
     path = str(demo_model_path())
     tok = load_tokenizer(path)
@@ -85,7 +85,7 @@ def workload(prefill: int, decode: int) -> dict:
 def _stream(engine: str, model):
     """``(prompt ids, max tokens) -> iterator of token ids`` for an MLX engine."""
     from mlx_chatcache.config import DEFAULTS
-    from mlx_chatcache.generate import generate_step
+    from mlx_chatcache.generation.generate import generate_step
 
     if engine == "mlx-lm default":
         from mlx_lm.generate import generate_step as lm_step
@@ -112,7 +112,7 @@ def _timed(stream, ids, n) -> tuple[float, float | None]:
 def _mlx(engine: str, spec: dict) -> dict:
     import mlx.core as mx
 
-    from mlx_chatcache.loading import load
+    from mlx_chatcache.models.loading import load
 
     demo_ids, long_ids, decode = spec["demo_ids"], spec["long_ids"], spec["decode"]
     weights = {"mlxcc float32": "float32", "mlxcc q": "q"}.get(engine, "loaded")

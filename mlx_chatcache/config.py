@@ -40,8 +40,8 @@ class GenerationConfig:
 
 DEFAULTS = GenerationConfig()
 
-# CPU backend (Linux): OpenBLAS threads for MLX's float matmuls (see mlx_chatcache.blas;
-# MLXCC_BLAS_THREADS overrides) and how weights are held (see mlx_chatcache.weights).
+# CPU backend (Linux): OpenBLAS threads for MLX's float matmuls (see mlx_chatcache.backend.blas;
+# MLXCC_BLAS_THREADS overrides) and how weights are held (see mlx_chatcache.models.weights).
 # "auto": the cores this process may use minus the 1-minute load average (rounded), 1 to 8:
 # on a busy 2-core machine 2 OpenBLAS threads were 2-5x slower than 1, on an idle one ~2x faster.
 BLAS_THREADS: int | str = "auto"

@@ -1,4 +1,4 @@
-"""The OpenBLAS swap (mlx_chatcache.blas), each case in a fresh Python process:
+"""The OpenBLAS swap (mlx_chatcache.backend.blas), each case in a fresh Python process:
 on by default on Linux with the CPU wheel, off with MLXCC_BLAS=off, not done
 when mlx.core came first, a silent fallback when anything fails, and the
 unprefixed copy made once (cached) and reused."""
@@ -13,8 +13,8 @@ import textwrap
 
 import pytest
 
-from mlx_chatcache import blas
-from mlx_chatcache.blas_elf import dynamic_symbols
+from mlx_chatcache.backend import blas
+from mlx_chatcache.backend.blas_elf import dynamic_symbols
 
 linux_cpu = pytest.mark.skipif(
     not sys.platform.startswith("linux") or blas.bundled_blas() is None,
@@ -26,7 +26,7 @@ PROBE = textwrap.dedent(
     import json, sys
     FIRST
     import mlx_chatcache
-    from mlx_chatcache import blas
+    from mlx_chatcache.backend import blas
     import mlx.core as mx
     a = mx.arange(64 * 64, dtype=mx.float32).reshape(64, 64) / 4096
     product = (a @ a).sum().item()

@@ -1,4 +1,4 @@
-"""The CPU weight policy (mlx_chatcache.weights): same answers within float32
+"""The CPU weight policy (mlx_chatcache.models.weights): same answers within float32
 rounding, stated memory, fingerprint unchanged, caches of one policy continue
 under another.
 
@@ -21,12 +21,14 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_chatcache import weights as W
+from mlx_chatcache.models import weights as W
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import UsageError
-from mlx_chatcache.generate import PromptCacheState, generate
-from mlx_chatcache.loading import load
-from mlx_chatcache.prompt_store import StoredPrompt, feed_all, load_stored_prompt, save_stored_prompt
+from mlx_chatcache.files.cache_io import read_cache_info
+from mlx_chatcache.generation.text import generate
+from mlx_chatcache.models.loading import load
+from mlx_chatcache.generation.prompt_state import PromptCache
+from mlx_chatcache.generation.prompt_store import feed_all
 
 PROMPT = [3, 17, 42, 99, 5, 8, 61, 23, 77, 14, 2, 31]  # 12 tokens: the prefill path (>= 8 rows)
 
@@ -129,14 +131,16 @@ def test_cache_of_one_policy_continues_under_another(tiny_policies, tmp_path):
     the next logits are the q model's uncached logits within the policy tolerance,
     and the file records the policy it was computed with."""
     f32, q = tiny_policies["float32"], tiny_policies["q"]
-    state = PromptCacheState.new(f32)
+    state = PromptCache.new(f32)
     feed_all(f32, state, PROMPT, 512)
     path = tmp_path / "f32.safetensors"
+    state.text = ""
+    state.save(path)
+    assert read_cache_info(path).settings["weights"] == "float32"
     f32.fingerprint = q.fingerprint  # same folder, same fingerprint (checked above)
-    save_stored_prompt(path, f32, StoredPrompt(state, None, ""))
-    stored = load_stored_prompt(path, q)
-    assert stored.settings["weights"] == "float32"
-    cont = q(mx.array([[7]]), cache=stored.state.cache)
+    stored = PromptCache.load(path, q)
+    assert stored.settings["weights"] == "q"  # saved again, it names the policy that continued it
+    cont = q(mx.array([[7]]), cache=stored.cache)
     uncached = q(mx.array([PROMPT + [7]]))[:, -1:]
     assert rel_err(uncached, cont) <= 1e-3
 
@@ -180,7 +184,7 @@ def test_cli_weights_flag_verbose_and_cache_info(tiny_model_dirs, tmp_path, caps
 def test_doctor_reports_the_blas_in_effect(capsys):
     import json
 
-    from mlx_chatcache import blas
+    from mlx_chatcache.backend import blas
     from mlx_chatcache.cli.main import main
 
     assert main(["doctor", "--json"]) == 0

@@ -59,7 +59,7 @@ def add_weights_arg(p: argparse.ArgumentParser) -> None:
 
 def runtime_lines(model) -> list[str]:
     """What --verbose says about the BLAS and the weights in use."""
-    from .. import blas
+    from ..backend import blas
 
     lines = [f"BLAS: {blas.describe()}"]
     report = getattr(model, "weight_report", None)

@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
 
 
 def report(model_ref: str | None, weights: str | None) -> dict:
-    from .. import __version__, blas
+    from .. import __version__
+    from ..backend import blas
 
     import mlx.core as mx
 
@@ -68,7 +69,7 @@ def report(model_ref: str | None, weights: str | None) -> dict:
         "and a quarter of RAM, else q; other backends: as loaded",
     }
     if model_ref is not None:
-        from ..loading import load
+        from ..models.loading import load
 
         model, _ = load(None if model_ref == "demo" else model_ref, weights=weights)
         out["model"] = model.fingerprint.model_id

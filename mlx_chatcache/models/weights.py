@@ -35,8 +35,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from .config import FLOAT32_MAX_BYTES, PREFILL_DEQUANT_ROWS
-from .errors import UsageError
+from ..config import FLOAT32_MAX_BYTES, PREFILL_DEQUANT_ROWS
+from ..errors import UsageError
 
 POLICIES = ("q", "float32", "auto")
 LIBRARY_POLICIES = (*POLICIES, "loaded")
