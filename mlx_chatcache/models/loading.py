@@ -52,7 +52,7 @@ def resolve_model_ref(ref: str | None) -> str:
 def load(ref: str | None = None, weights: str | None = None):
     """Load ``(model, tokenizer)``; ``model.fingerprint`` identifies the pair.
 
-    ``weights``: the weight policy (``q``, ``float32``, ``auto``; default
+    ``weights``: the weight policy (``q``, ``float32``, ``auto``, or ``loaded`` to keep the weights as read; default
     :data:`mlx_chatcache.config.WEIGHTS`)."""
     from .weights import apply_weight_policy
 
