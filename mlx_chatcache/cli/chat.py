@@ -75,9 +75,6 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int
     from .repl import ChatREPL, history_file, plural
 
     model, tokenizer = load(args.model, weights=args.weights)
-    if args.verbose:
-        for line in runtime_lines(model):
-            _note(line)
     if path is not None and path.exists():
         overrides = config_overrides(args)
         session = ChatSession.load(path, model, tokenizer, overrides=overrides)
@@ -92,6 +89,9 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int
         session = ChatSession(model, tokenizer, system_prompt=args.system_prompt, config=config_from_args(args))
         if path is not None:
             _note(f"new session {label} (saved after every turn to {path})")
+    if args.verbose:  # once the session is known to be usable (errors stay one line)
+        for line in runtime_lines(model):
+            _note(line)
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     reader = TerminalReader(history_file()) if interactive else StreamReader(sys.stdin)
     repl = ChatREPL(
