@@ -25,7 +25,7 @@ class GenerationConfig:
     repetition_context_size: int = 20
     seed: int | None = None
     # prompt processing
-    prefill_step_size: int = 512
+    prefill_step_size: int = 2048  # as mlx_lm.generate (DEFAULT_PREFILL_STEP_SIZE)
     # cache shape
     max_kv_size: int | None = None
     keep: int = 4  # tokens pinned by a rotating cache when nothing better is known

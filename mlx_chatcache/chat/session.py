@@ -369,7 +369,7 @@ class ChatSession(SessionRollback):
     def record(self) -> SessionRecord:
         """What a session file holds of this session (shares its lists and cache)."""
         return SessionRecord(self.state, self.messages, self.config, self.pending, self.text,
-                             self.checkpoints, self.attempt)  # fmt: skip
+                             self.checkpoints, self.attempt, getattr(self.model, "source", None))  # fmt: skip
 
     def session_metadata(self) -> dict:
         return session_metadata(self.record())

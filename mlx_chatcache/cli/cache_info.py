@@ -14,7 +14,8 @@ PREVIEW_CHARS = 240
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("cache", help="inspect cache files", description="Inspect prompt cache files.")
+    p = sub.add_parser("cache", help="inspect, convert, trim and compare cache files",
+                       description="Inspect, convert, trim and compare prompt cache files.")
     csub = p.add_subparsers(dest="cache_command", metavar="ACTION", parser_class=type(p))
     info = csub.add_parser(
         "info",
@@ -26,6 +27,9 @@ def add_parser(sub) -> None:
     info.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     info.add_argument("--model", help="tokenizer to decode the preview with (default: the model named in the file, if present)")
     info.set_defaults(run=run)
+    from .cache_tools import add_actions
+
+    add_actions(csub)
     p.set_defaults(run=lambda args: (p.print_help(), 2)[1])
 
 

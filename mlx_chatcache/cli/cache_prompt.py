@@ -21,9 +21,11 @@ from ..generation.text import encode_prompt
 from .common import (
     add_cache_args,
     add_model_arg,
+    add_verbose_arg,
     add_weights_arg,
     config_from_args,
     human_bytes,
+    load_model,
     read_json_arg,
     read_prompt,
 )
@@ -40,12 +42,13 @@ def add_parser(sub) -> None:
     add_model_arg(p)
     add_weights_arg(p)
     p.add_argument("--prompt", "-p", help="prompt text ('-' reads stdin)")
-    p.add_argument("--prompt-file", help="read the prompt from this file")
+    p.add_argument("--prompt-file", "-f", help="read the prompt from this file")
     p.add_argument("--system-prompt", help="system message to cache")
     p.add_argument("--prompt-cache-file", required=True, help="the cache file to write")
     add_cache_args(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="cache the text as is (raw prefix)")
     p.add_argument("--chat-template-config", help="JSON object (or file) of extra chat template arguments")
+    add_verbose_arg(p, "also report the peak memory on stderr")
     p.set_defaults(run=run)
 
 
@@ -65,14 +68,12 @@ def build(args, tokenizer, prompt: str | None) -> tuple[list[dict] | None, str |
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..models.loading import load
-
     if args.prompt is not None and args.prompt_file is not None:
         raise UsageError("give --prompt or --prompt-file, not both")
     prompt = read_prompt(args.prompt, args.prompt_file)
     if not prompt and not args.system_prompt:
         raise UsageError("nothing to cache: pass --prompt, --prompt-file or --system-prompt")
-    model, tokenizer = load(args.model, weights=args.weights)
+    model, tokenizer = load_model(args)
     config = config_from_args(args)
     messages, text, tokens = build(args, tokenizer, prompt)
     stored = PromptCache.new(model, config.max_kv_size, config.keep)
@@ -92,4 +93,8 @@ def run(args: argparse.Namespace) -> int:
         f"Cached {len(tokens)} tokens in {elapsed:.2f} s ({len(tokens) / max(elapsed, 1e-9):.1f} tokens-per-sec) "
         f"to {args.prompt_cache_file} ({human_bytes(size)})\n"
     )
+    if args.verbose:
+        import mlx.core as mx
+
+        sys.stderr.write(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB\n")
     return 0

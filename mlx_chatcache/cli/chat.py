@@ -13,17 +13,19 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..errors import SessionError
 from ..chat.session import ChatSession
 from ..chat.session_store import SessionLock, session_path
+from ..errors import SessionError
 from ..files.safetensors_file import remove_stale_temp_files
 from .common import (
     add_cache_args,
     add_model_arg,
     add_sampling_args,
+    add_verbose_arg,
     add_weights_arg,
     config_from_args,
     config_overrides,
+    load_model,
     runtime_lines,
 )
 
@@ -46,10 +48,10 @@ def add_parser(sub) -> None:
     where.add_argument(
         "--session", metavar="NAME",
         help="keep the chat in MLXCC_HOME/sessions/NAME.safetensors (default MLXCC_HOME: "
-        "~/.mlxcc) and resume it when it exists",
+        "~/.mlxcc) and resume it when it exists (with the model it was made with unless --model is given)",
     )  # fmt: skip
     where.add_argument("--session-file", metavar="PATH", help="keep the chat in this file (resumed when it exists)")
-    p.add_argument("--verbose", "-v", action="store_true", help="print each turn's statistics on stderr")
+    add_verbose_arg(p, "print each turn's statistics on stderr")
     p.set_defaults(run=run)
 
 
@@ -70,11 +72,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int:
-    from ..models.loading import load
     from .chat_input import StreamReader, TerminalReader
     from .repl import ChatREPL, history_file, plural
 
-    model, tokenizer = load(args.model, weights=args.weights)
+    source = None
+    if path is not None and path.exists() and args.model is None:
+        from ..chat.session_catalog import resume_source
+
+        source = resume_source(path, label)
+        if args.adapter_path is not None:
+            source["adapter_path"] = args.adapter_path
+        _note(f"[model: {source['model']} (recorded in the session)]")
+    model, tokenizer = load_model(args, source)
     if path is not None and path.exists():
         overrides = config_overrides(args)
         session = ChatSession.load(path, model, tokenizer, overrides=overrides)
@@ -102,7 +111,7 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int
         autosave=path,
         verbose=args.verbose,
         interactive=interactive,
-        model_ref=args.model,
+        model_ref=source["model"] if source else args.model,
         session_label=label,
     )
     return repl.run()

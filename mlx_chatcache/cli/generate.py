@@ -4,24 +4,33 @@ stdout carries only the generated text; progress and statistics go to stderr.
 With ``--prompt-cache-file F --save-prompt-cache F`` the file is a rolling cache:
 each call reuses what F holds, adds its prompt and reply, and saves it back.
 A chat cache keeps its messages, so the next call renders the whole
-conversation with the chat template and reuses the cached prefix.
+conversation with the chat template and reuses the cached prefix. A cache file
+without token ids (mlx-lm's) is used as :mod:`mlx_chatcache.generation.prompt_recovery`
+says. The files it reads and writes are locked like a chat session's.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import ExitStack
+from pathlib import Path
 
+from ..files.cache_io import read_cache_info
 from ..errors import UsageError
+from ..chat.session_store import SessionLock
 from ..generation.generate import PromptCache
+from ..generation.prompt_recovery import adopt_prompt_prefix, load_untokenized, needs_tokens
 from ..generation.prompt_store import render_chat
 from ..generation.text import encode_prompt, stream_generate
 from .common import (
     add_cache_args,
     add_model_arg,
     add_sampling_args,
+    add_verbose_arg,
     add_weights_arg,
     config_from_args,
+    load_model,
     read_json_arg,
     read_prompt,
     runtime_lines,
@@ -38,22 +47,27 @@ def add_parser(sub) -> None:
     )
     add_model_arg(p)
     add_weights_arg(p)
-    p.add_argument("--prompt", "-p", required=True, help="the prompt text ('-' reads stdin)")
+    p.add_argument("--prompt", "-p", help="the prompt text ('-' reads stdin)")
+    p.add_argument("--prompt-file", "-f", help="read the prompt from this file")
     p.add_argument("--system-prompt", help="system message (replaces a cached chat's system message)")
     add_sampling_args(p)
     add_cache_args(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="use the prompt as raw text")
     p.add_argument("--chat-template-config", help="JSON object (or file) of extra chat template arguments")
     p.add_argument("--extra-eos-token", nargs="+", default=[], metavar="TOKEN", help="more tokens that end generation")
-    p.add_argument("--prompt-cache-file", help="start from this cache file (made by mlxcc)")
+    p.add_argument("--prompt-cache-file", help="start from this cache file (made by mlxcc, or by mlx-lm: then it "
+                   "is taken to hold the first tokens of this prompt, checked and said on stderr)")  # fmt: skip
     p.add_argument("--save-prompt-cache", metavar="FILE", help="after the completion save the cache (prompt and reply) here; may equal --prompt-cache-file")
-    p.add_argument("--verbose", action="store_true", help="report prompt tokens, reused tokens, TTFT, speeds and peak memory on stderr")
+    add_verbose_arg(p, "report prompt tokens, reused tokens, TTFT, speeds and peak memory on stderr")
     p.set_defaults(run=run)
 
 
 def load_or_new(args, model, config) -> PromptCache:
     if args.prompt_cache_file:
-        stored = PromptCache.load(args.prompt_cache_file, model)
+        if read_cache_info(args.prompt_cache_file).tokens is None:  # mlx-lm's files: see prompt_recovery
+            stored = load_untokenized(args.prompt_cache_file, model, args.ignore_chat_template)
+        else:
+            stored = PromptCache.load(args.prompt_cache_file, model)
         if args.max_kv_size is not None and args.max_kv_size != stored.max_kv_size:
             raise UsageError(
                 f"{args.prompt_cache_file} was made with max_kv_size={stored.max_kv_size}; "
@@ -85,15 +99,26 @@ def build_prompt(args, tokenizer, stored: PromptCache, prompt: str) -> list[int]
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..models.loading import load
+    """Holds the session lock of the files it reads and writes (a chat may have one open)."""
+    with ExitStack() as held:
+        for f in dict.fromkeys(f for f in (args.prompt_cache_file, args.save_prompt_cache) if f):
+            lock = SessionLock(Path(f).expanduser(), f)
+            held.callback(lock.acquire(required=False).release)
+        return _run(args)
 
-    prompt = read_prompt(args.prompt)
+
+def _run(args: argparse.Namespace) -> int:
+    if args.prompt is not None and args.prompt_file is not None:
+        raise UsageError("give --prompt or --prompt-file, not both")
+    prompt = read_prompt(args.prompt, args.prompt_file)
     if not prompt:
-        raise UsageError("the prompt is empty; pass --prompt TEXT (or '-' to read stdin)")
-    model, tokenizer = load(args.model, weights=args.weights)
+        raise UsageError("the prompt is empty; pass --prompt TEXT ('-' reads stdin) or --prompt-file FILE")
+    model, tokenizer = load_model(args)
     config = config_from_args(args)
     stored = load_or_new(args, model, config)
     tokens = build_prompt(args, tokenizer, stored, prompt)
+    if needs_tokens(stored):
+        sys.stderr.write(adopt_prompt_prefix(stored, tokens, model, args.prompt_cache_file) + "\n")
     bar = ProgressBar("prompt", enabled=args.verbose)
     reply, last = [], None
     for last in stream_generate(

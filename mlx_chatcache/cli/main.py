@@ -12,7 +12,7 @@ import sys
 
 from ..errors import ChatCacheError
 
-SUBCOMMANDS = ("generate", "cache_prompt", "chat", "cache_info", "doctor")
+SUBCOMMANDS = ("generate", "cache_prompt", "chat", "cache_info", "sessions", "doctor")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -37,7 +37,18 @@ def build_parser() -> OneLineParser:
     for name in SUBCOMMANDS:
         module = importlib.import_module(f".{name}", __package__)
         module.add_parser(sub)
+    _no_abbreviations(parser)
     return parser
+
+
+def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
+    """No parser takes a prefix of a long flag (``--prompt-cache`` silently meant
+    ``--prompt-cache-file``): every flag is typed in full, as documented."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _no_abbreviations(child)
 
 
 def main(argv: list[str] | None = None) -> int:

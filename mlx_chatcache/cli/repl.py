@@ -41,6 +41,7 @@ Commands (anything else is sent to the model):
   /system [TEXT]         show or set the system prompt (empty quotes \"\" removes it)
   /set NAME VALUE        change a setting: temp, top_p, top_k, min_p, max_tokens,
                          seed (or 'none'), repetition_penalty (or 'none')
+  /history               the conversation so far
   /show info|cache|stats|template
                          the model and settings, the cache, the last turn's
                          statistics, the chat template
@@ -317,6 +318,11 @@ class ChatREPL:
             f"{t.generated_tokens} generated, {t.seconds:.2f} s"
         )
 
+    def _history(self, arg: str) -> None:
+        from ..chat.session_catalog import format_conversation
+
+        self.say(format_conversation(self.session.messages))
+
     def _show_template(self) -> None:
         self.say(getattr(self.session.tokenizer, "chat_template", None) or "(no chat template)")
 
@@ -331,6 +337,7 @@ COMMANDS: dict[str, Callable[[ChatREPL, str], None]] = {
     "system": ChatREPL._system,
     "set": ChatREPL._set,
     "show": ChatREPL.show,
+    "history": ChatREPL._history,
     "save": ChatREPL._save,
     "load": ChatREPL._load,
 }

