@@ -41,6 +41,16 @@ class GenerationConfig:
 
 DEFAULTS = GenerationConfig()
 
+# CPU backend (Linux): OpenBLAS threads for MLX's float matmuls (see mlx_chatcache.backend.blas;
+# MLXCC_BLAS_THREADS overrides) and how weights are held (see mlx_chatcache.models.weights).
+# "auto": the cores this process may use minus the 1-minute load average (rounded), 1 to 8:
+# on a busy 2-core machine 2 OpenBLAS threads were 2-5x slower than 1, on an idle one ~2x faster.
+BLAS_THREADS: int | str = "auto"
+BLAS_MAX_AUTO_THREADS = 8
+WEIGHTS = "auto"  # q | float32 | auto (--weights)
+FLOAT32_MAX_BYTES = 2 * 10**9  # auto: float32 weights when they take at most this (and RAM/4)
+PREFILL_DEQUANT_ROWS = 8  # q: calls of at least this many rows use dequantized float32 weights
+
 DEFAULT_MAX_CHECKPOINTS = 4  # chat turns whose cache copies are kept for undo/retry (ChatSession)
 
 # the longest a model call should take where Ctrl-C must be acted upon (the CLI,

@@ -51,6 +51,7 @@ def summary(info: CacheFileInfo) -> dict:
         "num_tokens": info.num_tokens,
         "nbytes": info.nbytes,
         "stored_slots": info.slots,
+        "weights": info.settings.get("weights"),
         "file_size": os.path.getsize(info.path),
         "messages": info.messages,
         "metadata": info.metadata,
@@ -121,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         f"tokens:      {s['num_tokens'] if s['num_tokens'] is not None else 'unknown'}{_room(s)}",
         f"bytes:       {human_bytes(s['nbytes'])} of arrays, {human_bytes(s['file_size'])} on disk",
     ]
+    if s["weights"]:
+        lines.append(f"weights:     {s['weights']} (the weight policy it was computed with; any policy can continue it)")
     if info.messages is not None:
         roles = ", ".join(m["role"] for m in info.messages)
         lines.append(f"messages:    {len(info.messages)} ({roles})")

@@ -25,6 +25,7 @@ from .common import (
     add_force_arg,
     add_model_arg,
     add_verbose_arg,
+    add_weights_arg,
     config_from_args,
     human_bytes,
     load_model,
@@ -42,6 +43,7 @@ def add_parser(sub) -> None:
         "generate/chat calls start from it.",
     )
     add_model_arg(p)
+    add_weights_arg(p)
     p.add_argument("--prompt", "-p", help="prompt text ('-' reads stdin)")
     p.add_argument("--prompt-file", "-f", help="read the prompt from this file")
     p.add_argument("--system-prompt", help="system message to cache")

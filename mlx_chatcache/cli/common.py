@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..config import DEFAULTS, GenerationConfig
+from ..config import DEFAULTS, WEIGHTS, GenerationConfig
 from ..errors import UsageError
 
 D = DEFAULTS
@@ -62,8 +62,9 @@ def load_model(args: argparse.Namespace, source: dict | None = None):
 
     ref, adapter = (source["model"], source["adapter_path"]) if source else (args.model, args.adapter_path)
     name = os.path.basename(resolve_model_ref(ref).rstrip("/"))
+    weights = getattr(args, "weights", None)  # --weights (generate, chat, cache-prompt)
     with Spinner(f"loading model {name}"):  # on a terminal only
-        return load(ref, adapter_path=adapter, trust_remote_code=args.trust_remote_code)
+        return load(ref, adapter_path=adapter, trust_remote_code=args.trust_remote_code, weights=weights)
 
 
 def str2bool(s: str) -> bool:
@@ -80,6 +81,26 @@ def add_verbose_arg(p: argparse.ArgumentParser, help: str) -> None:
     """``-v``/``--verbose`` alone mean True; ``--verbose True|False`` as mlx-lm takes it."""
     p.add_argument("--verbose", "-v", type=str2bool, nargs="?", const=True, default=False,
                    metavar="BOOL", help=help + " (--verbose False turns it off)")  # fmt: skip
+
+
+def add_weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--weights", choices=("q", "float32", "auto"),
+        help="how the CPU backend holds the weights: q keeps quantized layers quantized (prompt "
+        "chunks multiplied in float32), float32 dequantizes them (fastest, 4 bytes per weight), "
+        f"auto picks float32 for small models (default {WEIGHTS}; see 'mlxcc doctor')",
+    )  # fmt: skip
+
+
+def runtime_lines(model) -> list[str]:
+    """What --verbose says about the BLAS and the weights in use."""
+    from ..backend import blas
+
+    lines = [f"BLAS: {blas.describe()}"]
+    report = getattr(model, "weight_report", None)
+    if report is not None:
+        lines.append(f"Weights: {report.describe()}")
+    return lines
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

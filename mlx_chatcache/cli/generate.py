@@ -37,10 +37,12 @@ from .common import (
     add_model_arg,
     add_sampling_args,
     add_verbose_arg,
+    add_weights_arg,
     config_from_args,
     load_model,
     read_json_arg,
     read_prompt,
+    runtime_lines,
 )
 from .progress import ProgressBar
 
@@ -53,6 +55,7 @@ def add_parser(sub) -> None:
         "with the cached tokens is reused; --save-prompt-cache writes prompt and reply back.",
     )
     add_model_arg(p)
+    add_weights_arg(p)
     p.add_argument("--prompt", "-p", help="the prompt text ('-' reads stdin)")
     p.add_argument("--prompt-file", "-f", help="read the prompt from this file")
     p.add_argument("--system-prompt", help="system message (replaces a cached chat's system message)")
@@ -153,7 +156,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.save_prompt_cache:
         stored.save(args.save_prompt_cache)
     if args.verbose and last is not None:
-        report(last, stored)
+        report(last, stored, runtime_lines(model))
     return 0
 
 
@@ -173,7 +176,7 @@ def interrupted(printed: bool, save_path: str | None) -> int:
     return 130
 
 
-def report(r, state) -> None:
+def report(r, state, runtime: list[str] = ()) -> None:
     new = r.prompt_tokens - r.reused_tokens
     lines = [
         f"Prompt: {r.prompt_tokens} tokens ({r.reused_tokens} reused, {new} new), "
@@ -183,5 +186,6 @@ def report(r, state) -> None:
         f"(finish: {r.finish_reason})",
         f"Cache: {len(state.tokens)} tokens held",
         f"Peak memory: {r.peak_memory:.3f} GB",
+        *runtime,
     ]
     sys.stderr.write("\n".join(lines) + "\n")
