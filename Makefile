@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow demo bench clean
+.PHONY: install test test-blas-off test-slow demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# the same suite with MLX's bundled BLAS (the OpenBLAS swap turned off); CI runs both
+test-blas-off: $(STAMP)
+	MLXCC_BLAS=off $(PY) -m pytest -q
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -73,6 +73,11 @@ def blas_in_use() -> str:
     """Which BLAS this process has mapped (call after MLX ran a matmul)."""
     import mlx.core as mx
 
+    from mlx_chatcache.backend import blas
+
+    if blas.STATUS.active:  # mlx_chatcache was imported before mlx.core: its OpenBLAS swap
+        return blas.describe()
+
     a = mx.ones((8, 8))
     mx.eval(a @ a)
     libs = set()
@@ -472,7 +477,7 @@ def model_check(prompt_tokens: int, bits_list) -> tuple[list[list], dict[str, fl
     path = demo_model_path()
     if path is None:
         return [], {}
-    model, tok = load(str(path))
+    model, tok = load(str(path), weights="loaded")  # the GGUF as loaded, as recorded before the weight policy
     text = (
         "The history of computing is a story of machines that remember. Early computers "
         "stored programs on punched cards, then on magnetic drums and core memory. "

@@ -158,7 +158,7 @@ def load_model(tiny: bool, weights: str):
         mx.eval(model.parameters())
         model.eval()
         return model, tok, "tiny random llama (2 layers, h64) with the demo model's tokenizer"
-    model, tok = load(str(path))
+    model, tok = load(str(path), weights="loaded")  # this script dequantizes itself (--weights)
     desc = "SmolLM2-135M-Instruct Q4_1 GGUF via mlx_chatcache.load"
     if weights == "f32":
         model = dequantized(model, mx.float32)

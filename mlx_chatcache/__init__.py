@@ -7,6 +7,13 @@ itself imports neither MLX nor mlx-lm. The layers and what each may import: docs
 
 from typing import TYPE_CHECKING
 
+# First, before anything imports mlx.core: on Linux with the CPU backend, MLX's
+# float matmuls switch to OpenBLAS (mlx_chatcache/backend/blas.py, standard
+# library only; MLXCC_BLAS=off keeps the bundled BLAS). The only import at run time.
+from .backend import blas as _blas
+
+_blas.activate()
+
 __version__ = "0.1.0"
 
 # public name -> the module (under mlx_chatcache) that defines it

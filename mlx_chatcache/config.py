@@ -1,5 +1,6 @@
-"""Every default of mlx_chatcache: generation settings in one dataclass, and
-the one default of a chat session that is not a generation setting.
+"""Every default of mlx_chatcache: generation settings in one dataclass, the
+one default of a chat session that is not a generation setting, and the time
+budget of an interruptible model call.
 
 Library functions take ``None`` for "use the default" and read it from
 :data:`DEFAULTS`; the CLI builds its flag defaults from the same object.
@@ -40,7 +41,21 @@ class GenerationConfig:
 
 DEFAULTS = GenerationConfig()
 
+# CPU backend (Linux): OpenBLAS threads for MLX's float matmuls (see mlx_chatcache.backend.blas;
+# MLXCC_BLAS_THREADS overrides) and how weights are held (see mlx_chatcache.models.weights).
+# "auto": the cores this process may use minus the 1-minute load average (rounded), 1 to 8:
+# on a busy 2-core machine 2 OpenBLAS threads were 2-5x slower than 1, on an idle one ~2x faster.
+BLAS_THREADS: int | str = "auto"
+BLAS_MAX_AUTO_THREADS = 8
+WEIGHTS = "auto"  # q | float32 | auto (--weights)
+FLOAT32_MAX_BYTES = 2 * 10**9  # auto: float32 weights when they take at most this (and RAM/4)
+PREFILL_DEQUANT_ROWS = 8  # q: calls of at least this many rows use dequantized float32 weights
+
 DEFAULT_MAX_CHECKPOINTS = 4  # chat turns whose cache copies are kept for undo/retry (ChatSession)
+
+# the longest a model call should take where Ctrl-C must be acted upon (the CLI,
+# a chat turn that polls a stop request): prompt processing is split to fit (pacing.py)
+INTERRUPTIBLE_CALL_SECONDS = 0.5
 
 
 def mlxcc_home() -> Path:

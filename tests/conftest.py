@@ -22,7 +22,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import mlx.core as mx
+import mlx_chatcache  # noqa: F401  (first: it switches MLX's BLAS before mlx.core loads; MLXCC_BLAS=off keeps it)
+import mlx.core as mx  # noqa: I001
 import numpy as np
 import pytest
 

@@ -19,6 +19,7 @@ PKG = "mlx_chatcache"
 RANK = {
     "errors": 0,
     "config": 1,
+    "backend": 2,
     "cache": 2,
     "models": 2,
     "files": 3,
@@ -110,15 +111,19 @@ def test_imports_point_down_the_layers(graph):
             dst = layer_of(t)
             if dst is None:  # the top-level package: only __version__ lives there at run time
                 continue
-            if src is None:
+            if src is None and t != f"{PKG}.backend.blas":  # the BLAS switch must run first
                 bad.append(f"{name} -> {t} (the top-level package imports its API lazily)")
+            elif src is None:
+                continue
             elif dst != src and RANK[dst] >= RANK[src]:
                 bad.append(f"{name} -> {t} ({src} may not import {dst})")
     assert not bad, "imports against the layer order:\n" + "\n".join(sorted(bad))
 
 
-def test_top_level_package_imports_nothing_at_run_time(graph):
-    assert graph[PKG] == set()
+def test_top_level_package_imports_only_the_blas_switch_at_run_time(graph):
+    # backend.blas must run before anything imports mlx.core (docs/architecture.md)
+    assert graph[PKG] == {f"{PKG}.backend.blas"}
+    assert graph[f"{PKG}.backend.blas"] <= {f"{PKG}.backend.blas_elf", f"{PKG}.config"}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -180,10 +185,13 @@ def test_flat_public_api():
 
 
 def test_import_is_cheap():
-    """``import mlx_chatcache`` loads none of its subpackages and no mlx-lm."""
+    """``import mlx_chatcache`` loads only the (standard-library) BLAS switch and the
+    config, and neither MLX nor mlx-lm."""
     code = (
         "import sys, mlx_chatcache; "
-        "print(sorted(m for m in sys.modules if m.startswith('mlx_chatcache.') or m.startswith('mlx_lm')))"
+        "print(sorted(m for m in sys.modules if m.startswith(('mlx_chatcache.', 'mlx_lm', 'mlx.', 'mlx'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    switch = ["mlx_chatcache", "mlx_chatcache.backend", "mlx_chatcache.backend.blas", "mlx_chatcache.backend.blas_elf",
+              "mlx_chatcache.config"]
+    assert out.strip() == repr(switch)

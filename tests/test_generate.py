@@ -32,6 +32,7 @@ from mlx_chatcache.cache import (
     make_prompt_cache,
     trim_prompt_cache,
 )
+from mlx_chatcache.backend import blas
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import UsageError
 from mlx_chatcache.generation.generate import (
@@ -43,7 +44,10 @@ from mlx_chatcache.generation.generate import (
 )
 from mlx_chatcache.generation.text import generate, stream_generate
 
-ATOL = 1e-5
+# cached vs uncached logits: float32 rounding. With the Linux OpenBLAS swap one-row and many-row
+# products run different kernels (measured <= 3.9e-5 in tests/test_cache_models.py's setting;
+# bit-exact with the bundled BLAS); CI runs the suite both ways.
+ATOL = 1e-4 if blas.STATUS.active else 1e-5
 QUANT_RTOL = 0.03  # of the logit range
 TEXT = "The weather was cold and windy, so we stayed inside and read our books."
 GREEDY = DEFAULTS.updated(temp=0.0)

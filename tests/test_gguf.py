@@ -245,6 +245,8 @@ def test_load_time_and_quantized_layers(smollm, demo_path):
     model, _, seconds = smollm
     assert seconds < 30, f"loading took {seconds:.1f}s"
     assert model.fingerprint.model_id == str(demo_path)
+    assert model.weight_report.policy == ("float32" if mx.default_device() == mx.cpu else "loaded")
+    model = mlx_chatcache.load(str(demo_path), weights="loaded")[0]  # the GGUF's own layers
     assert not model.training and model.args.tie_word_embeddings
     embed = model.model.embed_tokens
     assert isinstance(embed, nn.QuantizedEmbedding) and embed.bits == 8  # Q8_0

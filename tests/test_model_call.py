@@ -121,7 +121,12 @@ def test_the_check_is_cheap():
 
 def test_mlxcc_chat_prints_one_error_line(tiny_model_dirs, tmp_path, monkeypatch, capsys):
     real_load = loading.load
-    monkeypatch.setattr(loading, "load", lambda ref=None: _wrapped(real_load(ref)))
+    monkeypatch.setattr(
+        loading, "load",
+        lambda ref=None, adapter_path=None, trust_remote_code=False: _wrapped(
+            real_load(ref, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+        ),
+    )
     monkeypatch.setenv("MLXCC_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(sys, "stdin", io.StringIO("Good morning!\n"))
     capsys.readouterr()

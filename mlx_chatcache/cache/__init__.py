@@ -27,7 +27,7 @@ from .cache_base import BATCH_ONLY_METHODS, BaseCache, check_arrays, parse_ints,
 from .cache_kv import ChunkedKVCache, KVCache, QuantizedKVCache
 from .cache_rotating import QuantizedRotatingKVCache, RotatingKVCache
 from ..config import DEFAULTS
-from ..errors import CacheFormatError, UnsupportedCacheError
+from ..errors import CacheFormatError, UnsupportedCacheError, UsageError
 
 
 class ArraysCache(BaseCache, mlx_lm_cache.ArraysCache):
@@ -274,6 +274,7 @@ def quantize_prompt_cache(
 
     def q(c):
         if type(c) in (KVCache, RotatingKVCache) and c.offset >= start:
+            check_group_size(c, group_size)
             return c.to_quantized(group_size=group_size, bits=bits)
         if isinstance(c, CacheList):
             return CacheList(*(q(x) for x in c.caches))
@@ -281,6 +282,21 @@ def quantize_prompt_cache(
 
     cache[:] = [q(c) for c in cache]
     return cache
+
+
+def check_group_size(c: BaseCache, group_size: int) -> None:
+    """UsageError when the K/V head sizes of ``c`` are not multiples of ``group_size``
+    (quantization groups run along the last axis), naming the group sizes that work."""
+    keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+    if keys is None or values is None:
+        return
+    dims = {keys.shape[-1], values.shape[-1]}  # (B, H, T, D)
+    if all(d % group_size == 0 for d in dims):
+        return
+    ok = [g for g in (32, 64, 128) if all(d % g == 0 for d in dims)]
+    use = ("use --kv-group-size " + " or ".join(map(str, ok))) if ok else "this model's KV cache cannot be quantized: drop --kv-bits"
+    size = "/".join(map(str, sorted(dims)))
+    raise UsageError(f"KV quantization group size {group_size} does not divide this model's head size {size}; {use}")
 
 
 def copy_prompt_cache(cache: Sequence[BaseCache]) -> list[BaseCache]:

@@ -78,7 +78,8 @@ def session_metadata(record: SessionRecord) -> dict:
 def save_session(path: str | os.PathLike, record: SessionRecord, fingerprint: ModelFingerprint | None) -> None:
     """Write ``record`` to ``path`` atomically: its prompt cache, with the
     conversation as its messages and the session JSON as user metadata."""
-    prompt = dataclasses.replace(record.state, fingerprint=fingerprint, messages=record.messages, text=None, settings={})
+    kept = {k: v for k, v in record.state.settings.items() if k == "weights"}  # the weight policy (informational)
+    prompt = dataclasses.replace(record.state, fingerprint=fingerprint, messages=record.messages, text=None, settings=kept)
     prompt.save(path, metadata={SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)})
 
 

@@ -14,14 +14,18 @@ import os
 import sys
 import time
 
+from ..config import INTERRUPTIBLE_CALL_SECONDS
 from ..errors import UsageError
+from ..files.save_target import check_save_target
 from ..generation.generate import PromptCache
 from ..generation.prompt_store import feed_all, render_chat
 from ..generation.text import encode_prompt
 from .common import (
     add_cache_args,
+    add_force_arg,
     add_model_arg,
     add_verbose_arg,
+    add_weights_arg,
     config_from_args,
     human_bytes,
     load_model,
@@ -39,10 +43,12 @@ def add_parser(sub) -> None:
         "generate/chat calls start from it.",
     )
     add_model_arg(p)
+    add_weights_arg(p)
     p.add_argument("--prompt", "-p", help="prompt text ('-' reads stdin)")
     p.add_argument("--prompt-file", "-f", help="read the prompt from this file")
     p.add_argument("--system-prompt", help="system message to cache")
     p.add_argument("--prompt-cache-file", required=True, help="the cache file to write")
+    add_force_arg(p)
     add_cache_args(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="cache the text as is (raw prefix)")
     p.add_argument("--chat-template-config", help="JSON object (or file) of extra chat template arguments")
@@ -71,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt, args.prompt_file)
     if not prompt and not args.system_prompt:
         raise UsageError("nothing to cache: pass --prompt, --prompt-file or --system-prompt")
+    check_save_target(args.prompt_cache_file, args.force)  # before any work: see save_target
     model, tokenizer = load_model(args)
     config = config_from_args(args)
     messages, text, tokens = build(args, tokenizer, prompt)
@@ -78,7 +85,13 @@ def run(args: argparse.Namespace) -> int:
     stored.messages, stored.text = messages, text
     start = time.perf_counter()
     bar = ProgressBar("caching")
-    feed_all(model, stored, tokens, config.prefill_step_size, bar.update)
+    try:
+        feed_all(model, stored, tokens, config.prefill_step_size, bar.update,
+                 max_call_seconds=INTERRUPTIBLE_CALL_SECONDS)  # fmt: skip
+    except KeyboardInterrupt:
+        bar.close()
+        sys.stderr.write(f"mlxcc: interrupted; nothing saved to {args.prompt_cache_file}\n")
+        return 130
     bar.close()
     if config.kv_bits is not None:
         from ..cache import quantize_prompt_cache

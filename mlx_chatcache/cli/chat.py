@@ -13,18 +13,21 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..errors import SessionError
-from ..files.safetensors_file import remove_stale_temp_files
 from ..chat.session import ChatSession
 from ..chat.session_store import SessionLock, session_path
+from ..errors import SessionError
+from ..files.safetensors_file import remove_stale_temp_files
 from .common import (
     add_cache_args,
     add_model_arg,
     add_sampling_args,
     add_verbose_arg,
+    add_weights_arg,
     config_from_args,
     config_overrides,
+    lenient_stdin,
     load_model,
+    runtime_lines,
 )
 
 
@@ -38,6 +41,7 @@ def add_parser(sub) -> None:
         "Type /help in the chat for its commands.",
     )
     add_model_arg(p)
+    add_weights_arg(p)
     p.add_argument("--system-prompt", help="the system prompt (pinned in the cache window with --max-kv-size)")
     add_sampling_args(p)
     add_cache_args(p)
@@ -95,8 +99,11 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int
         session = ChatSession(model, tokenizer, system_prompt=args.system_prompt, config=config_from_args(args))
         if path is not None:
             _note(f"new session {label} (saved after every turn to {path})")
+    if args.verbose:  # once the session is known to be usable (errors stay one line)
+        for line in runtime_lines(model):
+            _note(line)
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
-    reader = TerminalReader(history_file()) if interactive else StreamReader(sys.stdin)
+    reader = TerminalReader(history_file()) if interactive else StreamReader(lenient_stdin())
     repl = ChatREPL(
         session,
         reader,

@@ -7,31 +7,42 @@ A chat cache keeps its messages, so the next call renders the whole
 conversation with the chat template and reuses the cached prefix. A cache file
 without token ids (mlx-lm's) is used as :mod:`mlx_chatcache.generation.prompt_recovery`
 says. The files it reads and writes are locked like a chat session's.
+
+The save path is checked before the model is loaded (writable; an existing
+file must be a prompt cache unless ``--force``). Ctrl-C is acted upon within
+about a second, also while the prompt is processed: the printed line is ended
+and nothing is saved (a previous file stays as it was).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from ..files.cache_io import read_cache_info
-from ..errors import UsageError
 from ..chat.session_store import SessionLock
+from ..config import INTERRUPTIBLE_CALL_SECONDS
+from ..errors import UsageError
+from ..files.cache_io import read_cache_info
+from ..files.save_target import check_save_target
 from ..generation.generate import PromptCache
 from ..generation.prompt_recovery import adopt_prompt_prefix, load_untokenized, needs_tokens
 from ..generation.prompt_store import render_chat
 from ..generation.text import encode_prompt, stream_generate
 from .common import (
     add_cache_args,
+    add_force_arg,
     add_model_arg,
     add_sampling_args,
     add_verbose_arg,
+    add_weights_arg,
     config_from_args,
     load_model,
     read_json_arg,
     read_prompt,
+    runtime_lines,
 )
 from .progress import ProgressBar
 
@@ -44,6 +55,7 @@ def add_parser(sub) -> None:
         "with the cached tokens is reused; --save-prompt-cache writes prompt and reply back.",
     )
     add_model_arg(p)
+    add_weights_arg(p)
     p.add_argument("--prompt", "-p", help="the prompt text ('-' reads stdin)")
     p.add_argument("--prompt-file", "-f", help="read the prompt from this file")
     p.add_argument("--system-prompt", help="system message (replaces a cached chat's system message)")
@@ -55,6 +67,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-cache-file", help="start from this cache file (made by mlxcc, or by mlx-lm: then it "
                    "is taken to hold the first tokens of this prompt, checked and said on stderr)")  # fmt: skip
     p.add_argument("--save-prompt-cache", metavar="FILE", help="after the completion save the cache (prompt and reply) here; may equal --prompt-cache-file")
+    add_force_arg(p)
     add_verbose_arg(p, "report prompt tokens, reused tokens, TTFT, speeds and peak memory on stderr")
     p.set_defaults(run=run)
 
@@ -110,21 +123,29 @@ def _run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt, args.prompt_file)
     if not prompt:
         raise UsageError("the prompt is empty; pass --prompt TEXT ('-' reads stdin) or --prompt-file FILE")
+    if args.save_prompt_cache:
+        check_save_target(args.save_prompt_cache, args.force)  # before any work: see save_target
     model, tokenizer = load_model(args)
     config = config_from_args(args)
     stored = load_or_new(args, model, config)
     tokens = build_prompt(args, tokenizer, stored, prompt)
     if needs_tokens(stored):
         sys.stderr.write(adopt_prompt_prefix(stored, tokens, model, args.prompt_cache_file) + "\n")
-    bar = ProgressBar("prompt", enabled=args.verbose)
+    bar = ProgressBar("prompt")
     reply, last = [], None
-    for last in stream_generate(
-        model, tokenizer, tokens, state=stored, config=config,
-        extra_eos_tokens=args.extra_eos_token, progress=bar.update,
-    ):  # fmt: skip
-        reply.append(last.text)
-        sys.stdout.write(last.text)
-        sys.stdout.flush()
+    try:
+        for last in stream_generate(
+            model, tokenizer, tokens, state=stored, config=config,
+            extra_eos_tokens=args.extra_eos_token, progress=bar.update,
+            max_call_seconds=INTERRUPTIBLE_CALL_SECONDS,
+        ):  # fmt: skip
+            bar.close()  # before the reply is printed
+            reply.append(last.text)
+            sys.stdout.write(last.text)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        bar.close()
+        return interrupted(bool("".join(reply)), args.save_prompt_cache)
     sys.stdout.write("\n")
     bar.close()
     text = "".join(reply)
@@ -135,11 +156,27 @@ def _run(args: argparse.Namespace) -> int:
     if args.save_prompt_cache:
         stored.save(args.save_prompt_cache)
     if args.verbose and last is not None:
-        report(last, stored)
+        report(last, stored, runtime_lines(model))
     return 0
 
 
-def report(r, state) -> None:
+def interrupted(printed: bool, save_path: str | None) -> int:
+    """Ctrl-C during generation: end the printed line, say what was (not) saved; exit code 130."""
+    if printed:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if save_path:
+        unchanged = "it is unchanged" if os.path.exists(save_path) else "no file was written"
+        saved = f"; nothing saved to {save_path} ({unchanged}): run the command again to save a complete reply"
+    else:
+        saved = ""
+    what = "the reply was cut short" if printed else "before the reply started"
+    sys.stderr.write(f"mlxcc: interrupted {what}{saved}\n")
+    sys.stderr.flush()
+    return 130
+
+
+def report(r, state, runtime: list[str] = ()) -> None:
     new = r.prompt_tokens - r.reused_tokens
     lines = [
         f"Prompt: {r.prompt_tokens} tokens ({r.reused_tokens} reused, {new} new), "
@@ -149,5 +186,6 @@ def report(r, state) -> None:
         f"(finish: {r.finish_reason})",
         f"Cache: {len(state.tokens)} tokens held",
         f"Peak memory: {r.peak_memory:.3f} GB",
+        *runtime,
     ]
     sys.stderr.write("\n".join(lines) + "\n")

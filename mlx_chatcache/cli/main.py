@@ -11,8 +11,9 @@ import argparse
 import sys
 
 from ..errors import ChatCacheError
+from .common import check_utf8_args
 
-SUBCOMMANDS = ("generate", "cache_prompt", "chat", "cache_info", "sessions")
+SUBCOMMANDS = ("generate", "cache_prompt", "chat", "cache_info", "sessions", "doctor")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
+        check_utf8_args(args)
         return args.run(args) or 0
     except ChatCacheError as e:
         sys.stderr.write(f"mlxcc: error: {e}\n")

