@@ -41,3 +41,9 @@ class UsageError(ChatCacheError):
 class CacheNotUpdatedError(UnsupportedCacheError):
     """A model was given tokens but one of its layers' caches did not take them
     (the model does not use our cache for that layer): its output would be wrong."""
+
+
+def shown(v, limit: int = 40) -> str:
+    """``repr(v)`` cut to ``limit`` characters: values quoted from a hostile file can be huge."""
+    r = " ".join(repr(v).split())  # one line, even for an array's repr
+    return r if len(r) <= limit else r[: limit - 3] + "..."

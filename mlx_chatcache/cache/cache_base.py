@@ -40,7 +40,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
-from ..errors import CacheFormatError, UnsupportedCacheError
+from ..errors import CacheFormatError, UnsupportedCacheError, shown  # noqa: F401  (shown: re-exported)
 
 BATCH_ONLY_METHODS: dict[str, str] = {
     name: "mlx-lm's batched generation (BatchGenerator, batch_generate) only; mlx_chatcache caches "
@@ -162,12 +162,6 @@ def parse_ints(cls_name: str, meta: Sequence[str], names: Sequence[str]) -> list
             raise CacheFormatError(f"{cls_name} meta state '{name}' is not a non-negative integer: {shown(s)}")
         out.append(int(s))
     return out
-
-
-def shown(v, limit: int = 40) -> str:
-    """``repr(v)`` cut to ``limit`` characters: values quoted from a hostile file can be huge."""
-    r = " ".join(repr(v).split())  # one line, even for an array's repr
-    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 def check_arrays(cls_name: str, state: Sequence, count: int) -> None:

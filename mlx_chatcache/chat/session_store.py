@@ -33,13 +33,16 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..files.cache_io import load_prompt_cache
-from .checkpoints import Checkpoint
 from ..config import DEFAULTS, GenerationConfig, mlxcc_home
 from ..errors import CacheFileError, ModelMismatchError, SessionError
 from ..models.fingerprint import ModelFingerprint
-from ..generation.prompt_state import PromptCache
+
+if TYPE_CHECKING:  # imported where a session is loaded: names, paths and locks need no MLX or mlx-lm
+    from ..generation.prompt_state import PromptCache
+    from .checkpoints import Checkpoint
 
 SESSION_FORMAT = 1
 SESSION_KEY = "session"  # user metadata key holding the session JSON
@@ -101,6 +104,8 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
             f"{path} is a cache file but not a chat session (no messages or session "
             "settings); use it with 'mlxcc generate --prompt-cache' instead"
         )
+    from ..generation.prompt_state import PromptCache
+
     meta = _parse_session_json(path, raw)
     config = _parse_config(path, meta.get("settings"))
     max_kv, keep = _parse_window(path, meta)
@@ -174,6 +179,8 @@ def _parse_text(path, meta: dict) -> tuple[list[int], str]:
 
 
 def _parse_checkpoints(path, meta: dict) -> list[Checkpoint]:
+    from .checkpoints import Checkpoint
+
     checkpoints = []
     for ck in meta.get("checkpoints", []):
         if not (isinstance(ck, list) and len(ck) == 4 and all(_is_int(v) for v in ck)):

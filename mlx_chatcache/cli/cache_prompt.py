@@ -17,9 +17,6 @@ import time
 from ..config import INTERRUPTIBLE_CALL_SECONDS
 from ..errors import UsageError
 from ..files.save_target import check_save_target
-from ..generation.generate import PromptCache
-from ..generation.prompt_store import feed_all, render_chat
-from ..generation.text import encode_prompt
 from .common import (
     add_cache_args,
     add_force_arg,
@@ -58,6 +55,9 @@ def add_parser(sub) -> None:
 
 def build(args, tokenizer, prompt: str | None) -> tuple[list[dict] | None, str | None, list[int]]:
     """``(messages, text, tokens)``: what the file will hold (chat messages or raw text) and its ids."""
+    from ..generation.prompt_store import render_chat  # generation/ (hence mlx-lm): only when a model runs
+    from ..generation.text import encode_prompt
+
     if args.ignore_chat_template:
         text = (args.system_prompt or "") + (prompt or "")
         return None, text, encode_prompt(tokenizer, text)
@@ -72,6 +72,9 @@ def build(args, tokenizer, prompt: str | None) -> tuple[list[dict] | None, str |
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..generation.prompt_state import PromptCache
+    from ..generation.prompt_store import feed_all
+
     if args.prompt is not None and args.prompt_file is not None:
         raise UsageError("give --prompt or --prompt-file, not both")
     prompt = read_prompt(args.prompt, args.prompt_file)

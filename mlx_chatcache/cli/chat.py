@@ -13,7 +13,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..chat.session import ChatSession
 from ..chat.session_store import SessionLock, session_path
 from ..errors import SessionError
 from ..files.safetensors_file import remove_stale_temp_files
@@ -73,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int:
+    from ..chat.session import ChatSession  # imports mlx-lm: only when the chat starts, not for --help
     from .chat_input import StreamReader, TerminalReader
     from .repl import ChatREPL, history_file, plural
 

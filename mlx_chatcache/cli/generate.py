@@ -21,16 +21,13 @@ import os
 import sys
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..chat.session_store import SessionLock
 from ..config import INTERRUPTIBLE_CALL_SECONDS
 from ..errors import UsageError
 from ..files.cache_io import read_cache_info
 from ..files.save_target import check_save_target
-from ..generation.generate import PromptCache
-from ..generation.prompt_recovery import adopt_prompt_prefix, load_untokenized, needs_tokens
-from ..generation.prompt_store import render_chat
-from ..generation.text import encode_prompt, stream_generate
 from .common import (
     add_cache_args,
     add_force_arg,
@@ -45,6 +42,9 @@ from .common import (
     runtime_lines,
 )
 from .progress import ProgressBar
+
+if TYPE_CHECKING:  # generation/ (hence mlx-lm) is imported where a model runs, not for --help
+    from ..generation.prompt_state import PromptCache
 
 
 def add_parser(sub) -> None:
@@ -73,6 +73,9 @@ def add_parser(sub) -> None:
 
 
 def load_or_new(args, model, config) -> PromptCache:
+    from ..generation.prompt_recovery import load_untokenized
+    from ..generation.prompt_state import PromptCache
+
     if args.prompt_cache_file:
         if read_cache_info(args.prompt_cache_file).tokens is None:  # mlx-lm's files: see prompt_recovery
             stored = load_untokenized(args.prompt_cache_file, model, args.ignore_chat_template)
@@ -91,6 +94,9 @@ def load_or_new(args, model, config) -> PromptCache:
 
 def build_prompt(args, tokenizer, stored: PromptCache, prompt: str) -> list[int]:
     """The full prompt's token ids; updates ``stored.messages``/``stored.text`` to include it."""
+    from ..generation.prompt_store import render_chat
+    from ..generation.text import encode_prompt
+
     if args.ignore_chat_template:
         if stored.mode == "chat" and stored.messages:
             raise UsageError(f"{args.prompt_cache_file} holds a chat; drop --ignore-chat-template")
@@ -118,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ..generation.prompt_recovery import adopt_prompt_prefix, needs_tokens
+    from ..generation.text import stream_generate
+
     if args.prompt is not None and args.prompt_file is not None:
         raise UsageError("give --prompt or --prompt-file, not both")
     prompt = read_prompt(args.prompt, args.prompt_file)

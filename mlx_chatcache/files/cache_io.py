@@ -25,22 +25,27 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Sequence
-
-import mlx.core as mx
+from typing import TYPE_CHECKING, Sequence
 
 from .. import __version__
-from ..cache import BaseCache, cache_class
 from ..errors import CacheFileError, CacheFormatError, ChatCacheError, ModelMismatchError
 from ..models.fingerprint import ModelFingerprint
 from . import formats
 from .formats import CacheFileInfo
 from .safetensors_file import Header, read_arrays, read_header, write_atomic
 
+if TYPE_CHECKING:  # the cache classes (and so mlx-lm) load only when arrays become layers
+    from ..cache import BaseCache
+
 FORMAT_NAME = "mlx_chatcache"
 FORMAT_VERSION = 3  # 3: rotating meta_state ends in ring_idx; 2: K/V room; 1: live tokens only
 MAX_LAYERS = 4096
 MAX_TOKEN_ID = 2**31 - 1
+# the names in mlx_chatcache.cache.CACHE_CLASSES (a test keeps them equal): reading a header checks a
+# layer's class name against these without importing the cache classes, hence mlx-lm; any other
+# name goes to cache.cache_class, which refuses it with the reason
+CACHE_CLASS_NAMES = frozenset({"KVCache", "QuantizedKVCache", "RotatingKVCache", "QuantizedRotatingKVCache",
+                               "ChunkedKVCache", "ArraysCache", "CacheList"})
 
 
 # ------------------------------------------------------------------ save
@@ -140,6 +145,8 @@ def load_prompt_cache(
 
 
 def _build_layers(header: Header, info: CacheFileInfo) -> list[BaseCache]:
+    from ..cache import cache_class
+
     arrays = read_arrays(header)
     cache = []
     for i, name in enumerate(info.classes):
@@ -194,7 +201,10 @@ def _parse_ours(header: Header) -> CacheFileInfo:
     classes, layers = [], []
     for i in range(n):
         name = meta.get(f"mlxcc.layer.{i}.class")
-        cache_class(name)  # unknown or hostile names fail here, before any array is read
+        if name not in CACHE_CLASS_NAMES:  # unknown or hostile names fail here, before any array is read
+            from ..cache import cache_class
+
+            cache_class(name)
         lm = _json_field(path, meta, f"mlxcc.layer.{i}.meta")
         if not isinstance(lm, list) or not all(isinstance(s, str) for s in lm):
             raise CacheFormatError(f"{path}: layer {i} meta state is not a list of strings")

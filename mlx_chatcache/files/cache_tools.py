@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..cache import can_trim_prompt_cache, cache_offset, trim_prompt_cache
 from ..errors import UnsupportedCacheError, UsageError
 from .cache_io import CacheFileInfo, load_prompt_cache, read_cache_info, save_prompt_cache
 from .mlxlm_compat import recorded_metadata
@@ -64,6 +63,8 @@ def trim_cache_file(src, dst, n: int, drop: bool = False) -> tuple[int, int]:
     """Keep the first ``n`` tokens of ``src``'s cache (``drop``: all but the last
     ``n``) and write it to ``dst`` (may equal ``src``) in the same layout;
     returns (tokens before, tokens after)."""
+    from ..cache import can_trim_prompt_cache, cache_offset, trim_prompt_cache  # imports mlx-lm
+
     cache, info = load_prompt_cache(src, return_metadata=True)
     held = cache_offset(cache)
     if n > held:

@@ -31,15 +31,17 @@ recovers them (:func:`recorded_metadata` / ``_read_recorded``).
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from ..cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
-from ..cache.cache_base import BaseCache, shown
-from ..errors import CacheFormatError, UnsupportedCacheError
+from ..errors import CacheFormatError, UnsupportedCacheError, shown
+
 from .formats import CacheFileInfo, ForeignFormat, register_format
 from .safetensors_file import Header, write_file_atomic
+
+if TYPE_CHECKING:  # the cache classes (and so mlx-lm) load only when arrays become layers
+    from ..cache import ArraysCache, BaseCache, KVCache, RotatingKVCache
 
 _INDEX = re.compile(r"^\d{1,6}$")
 _MLX_LM_CLASSES = {"KVCache", "RotatingKVCache", "QuantizedKVCache", "ArraysCache",
@@ -196,6 +198,8 @@ def _kv(keys, values, offset: int, start: int = 0) -> tuple:
 
 def _from_032(name: str, s: list) -> BaseCache:
     """Our cache from an mlx-lm 0.32 ``state`` list (scalars already decoded)."""
+    from ..cache import CacheList, ChunkedKVCache, KVCache, QuantizedKVCache
+
     if name in ("KVCache", "ConcatenateKVCache"):
         keys, values = s[0], s[1]
         offset = _int(s[2]) if len(s) > 2 else keys.shape[2]
@@ -221,6 +225,8 @@ def _from_032(name: str, s: list) -> BaseCache:
 
 def _from_legacy(name: str, s: list, meta) -> BaseCache:
     """Our cache from an mlx-lm <= 0.31 ``state`` plus ``meta_state`` strings."""
+    from ..cache import CacheList, ChunkedKVCache, KVCache, QuantizedKVCache
+
     meta = _as_list(meta) if isinstance(meta, dict) else meta
     if name in ("KVCache", "ConcatenateKVCache"):
         return _kv_cache(KVCache(), s[0], s[1], s[0].shape[2])
@@ -258,6 +264,8 @@ def _kv_cache(c: KVCache, keys, values, offset: int) -> KVCache:
 
 def _rotating(keys, values, offset: int, keep: int, max_size: int, idx: int) -> RotatingKVCache:
     """mlx-lm ring buffer -> our temporal layout (pinned + last max_size - keep)."""
+    from ..cache import RotatingKVCache
+
     def temporal(x):
         L = x.shape[2]
         if idx >= L:
@@ -282,6 +290,8 @@ def _rotating(keys, values, offset: int, keep: int, max_size: int, idx: int) -> 
 
 
 def _arrays(slots) -> ArraysCache:
+    from ..cache import ArraysCache
+
     slots = slots if isinstance(slots, list) else [slots]
     c = ArraysCache(len(slots))
     c.cache = [a if isinstance(a, mx.array) else None for a in slots]
