@@ -24,7 +24,8 @@ from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.files.cache_io import CACHE_CLASS_NAMES, read_cache_info, save_prompt_cache
 from mlx_chatcache.files.cache_tools import convert_cache_file
 
-HEAVY = ("mlx_lm", "transformers")
+HEAVY = ("mlx_lm", "transformers")  # seconds of imports
+OPTIONAL = ("mlx.core",)  # 0.2 s; see test_header_only_commands_do_not_load_mlx
 REPO = Path(__file__).resolve().parent.parent
 PROBE = """
 import json, sys
@@ -34,19 +35,20 @@ try:
 except SystemExit as e:  # --help, --version and bad flags exit through argparse
     code = e.code
 sys.stdout.flush()
-sys.stderr.write("\\n@@" + json.dumps({"code": code, "heavy": [m for m in %r if m in sys.modules]}) + "\\n")
-""" % (HEAVY,)
+sys.stderr.write("\\n@@" + json.dumps({"code": code, "loaded": [m for m in %r if m in sys.modules]}) + "\\n")
+""" % (HEAVY + OPTIONAL,)
 
 
-def mlxcc_light(*args, home: Path) -> tuple[int, str, str]:
-    """``(exit code, stdout, stderr)`` of ``mlxcc ARGS``; asserts no heavy module was imported."""
+def mlxcc_light(*args, home: Path, banned=HEAVY) -> tuple[int, str, str]:
+    """``(exit code, stdout, stderr)`` of ``mlxcc ARGS``; asserts none of ``banned`` was imported."""
     env = {**os.environ, "MLXCC_HOME": str(home), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", PROBE, json.dumps([str(a) for a in args])], capture_output=True,
                        text=True, env=env, timeout=120, cwd=REPO)  # fmt: skip
     err, _, probe = r.stderr.rpartition("\n@@")
     assert probe, f"mlxcc {' '.join(map(str, args))} did not finish: {r.stderr}"
     result = json.loads(probe)
-    assert result["heavy"] == [], f"mlxcc {' '.join(map(str, args))} imported {result['heavy']}"
+    loaded = [m for m in result["loaded"] if m in banned]
+    assert loaded == [], f"mlxcc {' '.join(map(str, args))} imported {loaded}"
     return result["code"], r.stdout, err.strip()
 
 
@@ -145,3 +147,11 @@ def test_error_paths_stay_light(files, tmp_path):
     assert code == 1 and "no session named 'nobody'" in err
     code, _, err = mlxcc_light("cache", "info", home=files["home"])
     assert code == 2 and "the following arguments are required: file" in err
+
+
+def test_header_only_commands_do_not_load_mlx(files):
+    """Not even mlx.core: help, listing sessions and reading headers touch no array."""
+    for args in (["--help"], ["sessions"], ["cache", "info", files["ours"]], ["cache", "info", files["mlx-lm"]],
+                 ["cache", "diff", files["ours"], files["other"]]):  # fmt: skip
+        code, _, err = mlxcc_light(*args, home=files["home"], banned=HEAVY + OPTIONAL)
+        assert code == 0, err

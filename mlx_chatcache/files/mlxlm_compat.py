@@ -33,14 +33,14 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
-
 from ..errors import CacheFormatError, UnsupportedCacheError, shown
 
 from .formats import CacheFileInfo, ForeignFormat, register_format
 from .safetensors_file import Header, write_file_atomic
 
-if TYPE_CHECKING:  # the cache classes (and so mlx-lm) load only when arrays become layers
+if TYPE_CHECKING:  # mlx and the cache classes (and so mlx-lm) load only when arrays become layers
+    import mlx.core as mx
+
     from ..cache import ArraysCache, BaseCache, KVCache, RotatingKVCache
 
 _INDEX = re.compile(r"^\d{1,6}$")
@@ -181,6 +181,8 @@ def _scalar(a: mx.array, kind: str):
 
 
 def _int(v) -> int:
+    import mlx.core as mx
+
     if isinstance(v, mx.array):
         v = v.item()
     if isinstance(v, str) and v.isascii() and v.isdigit():
@@ -264,6 +266,8 @@ def _kv_cache(c: KVCache, keys, values, offset: int) -> KVCache:
 
 def _rotating(keys, values, offset: int, keep: int, max_size: int, idx: int) -> RotatingKVCache:
     """mlx-lm ring buffer -> our temporal layout (pinned + last max_size - keep)."""
+    import mlx.core as mx
+
     from ..cache import RotatingKVCache
 
     def temporal(x):
@@ -290,6 +294,8 @@ def _rotating(keys, values, offset: int, keep: int, max_size: int, idx: int) -> 
 
 
 def _arrays(slots) -> ArraysCache:
+    import mlx.core as mx
+
     from ..cache import ArraysCache
 
     slots = slots if isinstance(slots, list) else [slots]

@@ -36,30 +36,31 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import mlx.core as mx
-import numpy as np
+from typing import TYPE_CHECKING
 
 from ..errors import CacheFileError, CacheFormatError
+
+if TYPE_CHECKING:  # mlx loads when arrays are read or written: parsing a header needs none
+    import mlx.core as mx
 
 MAX_HEADER_BYTES = 64 << 20
 MAX_DIMS = 8
 MAX_DIM = 2**31 - 1  # mlx shapes are int32
 
-# safetensors dtype -> (numpy dtype to read the bytes, mlx dtype to view them as)
-DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
-    "F32": (np.dtype("<f4"), mx.float32),
-    "F16": (np.dtype("<f2"), mx.float16),
-    "BF16": (np.dtype("<u2"), mx.bfloat16),
-    "U32": (np.dtype("<u4"), mx.uint32),
-    "I32": (np.dtype("<i4"), mx.int32),
-    "U16": (np.dtype("<u2"), mx.uint16),
-    "I16": (np.dtype("<i2"), mx.int16),
-    "U8": (np.dtype("u1"), mx.uint8),
-    "I8": (np.dtype("i1"), mx.int8),
-    "U64": (np.dtype("<u8"), mx.uint64),
-    "I64": (np.dtype("<i8"), mx.int64),
-    "BOOL": (np.dtype("?"), mx.bool_),
+# safetensors dtype -> (bytes per element, the name of the mlx dtype to read it as)
+DTYPES: dict[str, tuple[int, str]] = {
+    "F32": (4, "float32"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "U32": (4, "uint32"),
+    "I32": (4, "int32"),
+    "U16": (2, "uint16"),
+    "I16": (2, "int16"),
+    "U8": (1, "uint8"),
+    "I8": (1, "int8"),
+    "U64": (8, "uint64"),
+    "I64": (8, "int64"),
+    "BOOL": (1, "bool_"),
 }
 
 
@@ -168,7 +169,7 @@ def _parse_entry(path: Path, name: str, e, data_len: int) -> TensorEntry:
     if not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs):
         raise _bad(path, f"tensor {name!r} has invalid data offsets")
     begin, end = offs
-    nbytes = math.prod(shape) * DTYPES[dtype][0].itemsize
+    nbytes = math.prod(shape) * DTYPES[dtype][0]
     if not 0 <= begin <= end <= data_len or end - begin != nbytes:
         raise _bad(path, f"tensor {name!r} byte range {offs} does not fit its shape or the file")
     return TensorEntry(name, dtype, tuple(shape), begin, end)
@@ -194,6 +195,8 @@ def read_arrays(header: Header, names=None) -> dict[str, mx.array]:
     into a bytes object and copying it into an mx.array. Its own header parse
     must agree with ours on every tensor's shape and dtype.
     """
+    import mlx.core as mx
+
     names = list(header.tensors) if names is None else list(names)
     if not names:
         return {}
@@ -214,7 +217,7 @@ def read_arrays(header: Header, names=None) -> dict[str, mx.array]:
             out = {}
             for name in names:
                 t, a = header.tensors[name], loaded.get(name)
-                if a is None or tuple(a.shape) != t.shape or a.dtype != DTYPES[t.dtype][1]:
+                if a is None or tuple(a.shape) != t.shape or a.dtype != getattr(mx, DTYPES[t.dtype][1]):
                     raise _bad(path, changed)
                 out[name] = a
             mx.eval(list(out.values()))
@@ -246,6 +249,8 @@ def memory_limit() -> int | None:
 
 def write_atomic(path: str | os.PathLike, arrays: dict[str, mx.array], metadata: dict[str, str]) -> None:
     """Write a safetensors file atomically (temp file + fsync + rename)."""
+    import mlx.core as mx
+
     write_file_atomic(path, lambda tmp: mx.save_safetensors(tmp, arrays, metadata))
 
 
