@@ -1,0 +1,95 @@
+"""The prompt-cache store: tiers (memory, then disk, then a remote tier) behind
+one lookup/put interface.
+
+Contract
+--------
+``PromptStore(tiers)``; tiers are asked in order (fastest first).
+
+- :meth:`PromptStore.checkout` ``(scope, prompt, expected, key)`` returns a
+  :class:`Checkout`: a cache the caller owns and the exact token ids it holds,
+  from the tier whose entry serves the longest prefix of ``prompt[:-1]`` (the
+  last prompt token is always left to feed, so the model yields logits; an
+  earlier tier wins ties), or None when no tier has one. An entry that turns
+  out unusable (a corrupt file) is dropped and counted, and the next best is
+  tried: the caller sees a shorter hit or none, never an error.
+  The cache may hold more tokens than the prefix it serves; the caller trims
+  it (``reuse_prefix``), which is what makes the hit length exact.
+- :meth:`PromptStore.put` ``(scope, tokens, cache, key)`` stores a cache
+  holding ``tokens`` in every tier: files are written first (from the
+  arrays), then the memory tier keeps ``cache`` itself, so the caller must not
+  use ``cache`` after the call. A trimmable entry replaces the stored entries
+  it extends (their tokens are a prefix of its own); ``key`` (a conversation
+  id) pins it: pinned entries outlive unpinned ones under eviction, and a
+  lookup with that key prefers them.
+- What a hit returns holds the same tokens the prompt would otherwise have
+  been fed with: generation results do not depend on whether there was a hit
+  (up to the floating-point differences of feeding a prompt in other chunks).
+
+All calls must come from one thread (the server's generation worker).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..cache import BaseCache
+from .tiers import Scope, Tier
+
+
+@dataclass
+class Checkout:
+    cache: list[BaseCache]
+    tokens: list[int]  # what ``cache`` holds (may extend past the prompt's shared prefix)
+    served: int  # prompt tokens the entry shares with the request
+    tier: str
+
+
+class PromptStore:
+    def __init__(self, tiers: Sequence[Tier] = ()):
+        self.tiers = list(tiers)
+        self.lookups = 0
+        self.misses = 0
+
+    def checkout(self, scope: Scope, prompt: Sequence[int], expected: Sequence[BaseCache],
+                 key: str | None = None) -> Checkout | None:  # fmt: skip
+        self.lookups += 1
+        query = list(prompt[:-1])
+        tried = 0
+        while tried < 16:  # each failed fetch drops an entry; bounded all the same
+            best = self._best(scope, query, key)
+            if best is None:
+                break
+            tier, entry, served = best
+            cache = tier.fetch(entry, scope, expected)
+            if cache is not None:
+                return Checkout(cache, list(entry.tokens), served, tier.name)
+            tried += 1
+        self.misses += 1
+        return None
+
+    def _best(self, scope, query, key):
+        best = None
+        for tier in self.tiers:
+            found = tier.find(scope, query, key)
+            if found and (best is None or found[1] > best[2]):
+                best = (tier, found[0], found[1])
+        return best
+
+    def put(self, scope: Scope, tokens: Sequence[int], cache: list[BaseCache], key: str | None = None) -> dict:
+        """Store ``cache`` (holding ``tokens``) in every tier; ``{tier: stored?}``."""
+        if not tokens:
+            return {}
+        stored = {}
+        for tier in sorted(self.tiers, key=lambda t: t.name == "memory"):  # memory last: it keeps ``cache``
+            stored[tier.name] = tier.add(scope, tokens, cache, key)
+        return stored
+
+    def stats(self) -> dict:
+        return {"lookups": self.lookups, "misses": self.misses, **{t.name: t.stats() for t in self.tiers}}
+
+    def memory_bytes(self) -> int:
+        return sum(t.index.nbytes for t in self.tiers if t.name == "memory")
+
+
+__all__ = ["PromptStore", "Checkout"]
