@@ -83,7 +83,7 @@ class GenerationWorker:
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._thread = threading.Thread(target=self._loop, name="mlxcc-generation", daemon=True)
         self.stats = {"jobs": 0, "cancelled": 0, "errors": 0, "busy": False, "peak_memory": 0,
-                      "active_memory": 0, "store": store.stats()}  # fmt: skip
+                      "active_memory": 0, "queue_wait_s_total": 0.0, "queue_wait_s_max": 0.0}  # fmt: skip
 
     def start(self) -> None:
         self._thread.start()
@@ -130,15 +130,18 @@ class GenerationWorker:
                 log.exception("generation failed")
                 job.emit(("error", "internal error while generating; see the server log"))
             finally:
-                self.stats.update(busy=False, jobs=self.stats["jobs"] + 1, store=self.store.stats(),
+                self.stats.update(busy=False, jobs=self.stats["jobs"] + 1,
                                   peak_memory=mx.get_peak_memory(), active_memory=mx.get_active_memory())  # fmt: skip
 
     def _run(self, job: Job) -> None:
+        waited = time.perf_counter() - job.submitted  # in the queue, behind other requests
+        self.stats["queue_wait_s_total"] += waited
+        self.stats["queue_wait_s_max"] = max(self.stats["queue_wait_s_max"], waited)
         state, cached = self._checkout(job)
         checkpoint = None
         try:
             checkpoint = self._checkpoint(job, state)
-            job.emit(("start", {"cached_tokens": cached, "queued_s": time.perf_counter() - job.submitted}))
+            job.emit(("start", {"cached_tokens": cached, "queued_s": waited}))
             finish, n = self._generate(job, state)
         except _Cancelled:
             finish, n = "cancelled", 0
