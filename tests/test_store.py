@@ -198,3 +198,27 @@ def test_deferred_file_writes_wait_for_flush(llama_model, tmp_path):
     entry = store.tiers[0].index.get(scope(model).namespace, tuple(a))
     np.testing.assert_array_equal(arrays(entry.payload), want)
     assert entry.nbytes == sum(c.nbytes for c in entry.payload)
+
+
+@pytest.mark.parametrize("kind,bits", [("sliding", None), ("llama", 4)])
+def test_rotating_and_quantized_caches_round_trip_through_both_tiers(tiny_model_dirs, tmp_path, kind, bits):
+    from mlx_chatcache.cache import quantize_prompt_cache
+    from mlx_chatcache.loading import load
+
+    model, _ = load(str(tiny_model_dirs[kind]))
+    base = tokens_of(12)  # inside the sliding window: still trimmable
+    state = filled(model, base)
+    if bits:
+        quantize_prompt_cache(state.cache, 64, bits)
+    want = arrays(state.cache)
+    sc = make_scope(model.fingerprint, {**SETTINGS, "kv_bits": bits})
+    mem = PromptStore([MemoryTier(1 << 30)])
+    mem.put(sc, base, state.cache)
+    PromptStore([DiskTier(tmp_path, 1 << 30)]).put(sc, base, state.cache)
+    for store in (mem, PromptStore([DiskTier(tmp_path, 1 << 30)])):
+        got = store.checkout(sc, base + [5, 6], make_prompt_cache(model))
+        assert got.served == 12 and [type(c) for c in got.cache] == [type(c) for c in state.cache]
+        got_arrays = arrays(got.cache)
+        assert len(got_arrays) == len(want)
+        for g, w in zip(got_arrays, want):  # a file stores the buffers' room: compare the live part
+            np.testing.assert_array_equal(g[..., : w.shape[-2], :] if g.ndim == 4 else g, w)
