@@ -13,7 +13,8 @@ A job reports through ``job.emit(event)``, called on the worker thread, with:
 - ``("text", str)`` for each piece of reply text (stop strings held back
   until they can no longer match, and cut off when they do);
 - ``("done", {"finish_reason", "prompt_tokens", "completion_tokens",
-  "cached_tokens"})`` at the end, or ``("error", message)`` instead.
+  "cached_tokens", "timing"})`` at the end (``timing``: seconds queued, from
+  leaving the queue to the first token, and in all), or ``("error", message)``.
 
 ``job.cancel()`` (a client that went away) stops the job before it starts,
 during its prompt (between prefill chunks) or between tokens. Whatever a job
@@ -151,19 +152,23 @@ class GenerationWorker:
         waited = time.perf_counter() - job.submitted  # in the queue, behind other requests
         self.stats["queue_wait_s_total"] += waited
         self.stats["queue_wait_s_max"] = max(self.stats["queue_wait_s_max"], waited)
+        t0 = time.perf_counter()
         state, cached = self._checkout(job)
-        checkpoint = None
+        checkpoint, timing = None, {}
         try:
             checkpoint = self._checkpoint(job, state)
             job.emit(("start", {"cached_tokens": cached, "queued_s": waited}))
-            finish, n = self._generate(job, state)
+            finish, n = self._generate(job, state, timing)
         except _Cancelled:
             finish, n = "cancelled", 0
+        timing = {"queued_s": round(waited, 4), "first_token_s": round(timing.get("first", t0) - t0, 4),
+                  "total_s": round(time.perf_counter() - t0, 4)}  # fmt: skip
+        self.stats["last_job"] = {**timing, "cached_tokens": cached, "prompt_tokens": len(job.prompt)}
         if finish == "cancelled":
             self.stats["cancelled"] += 1
         else:
             job.emit(("done", {"finish_reason": finish, "prompt_tokens": len(job.prompt),
-                               "completion_tokens": n, "cached_tokens": cached}))  # fmt: skip
+                               "completion_tokens": n, "cached_tokens": cached, "timing": timing}))  # fmt: skip
         if checkpoint is not None:
             self._put(job.prompt[: job.boundary], checkpoint, job.key)
         if state.tokens:
@@ -208,7 +213,7 @@ class GenerationWorker:
 
         return check
 
-    def _generate(self, job: Job, state: PromptCacheState) -> tuple[str, int]:
+    def _generate(self, job: Job, state: PromptCacheState, timing: dict) -> tuple[str, int]:
         stops = StopMatcher(job.stop)
         steps = stream_generate(self.model, self.tokenizer, job.prompt, state=state, config=job.config,
                                 progress=self._progress(job))  # fmt: skip
@@ -216,6 +221,7 @@ class GenerationWorker:
         try:
             for r in steps:
                 n = r.generation_tokens
+                timing.setdefault("first", time.perf_counter())
                 text, hit = stops.feed(r.text)
                 if text:
                     job.emit(("text", text))
