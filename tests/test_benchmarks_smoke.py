@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_chatcache.loading import demo_model_path
+from mlx_chatcache.models.loading import demo_model_path
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
