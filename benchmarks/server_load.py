@@ -236,7 +236,7 @@ def build_model(args, folder: Path) -> tuple[Path, str]:
     from chat_latency import dequantized
     from mlx.utils import tree_flatten
 
-    from mlx_chatcache.loading import demo_model_path, load
+    from mlx_chatcache.models.loading import demo_model_path, load
 
     path = demo_model_path()
     if path is None:

@@ -45,9 +45,11 @@ import mlx.core as mx
 from ..cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 from ..config import GenerationConfig
 from ..errors import ChatCacheError
-from ..generate import PromptCacheState, make_kv_quantizer, prefill, reuse_prefix, stream_generate
-from ..store import PromptStore, Scope, make_scope
-from ..store.tiers import compact_copy
+from ..generation.generate import make_kv_quantizer, prefill
+from ..generation.prompt_state import PromptCache, reuse_prefix
+from ..generation.text import stream_generate
+from ..store.store import PromptStore
+from ..store.tiers import Scope, compact_copy, make_scope
 
 log = logging.getLogger("mlxcc.serve")
 MAX_PENDING = 4  # cache files whose writing may wait for an idle moment
@@ -182,15 +184,15 @@ class GenerationWorker:
             self.stats["store_errors"] = self.stats.get("store_errors", 0) + 1
             log.warning("could not store a prompt cache: %s", e)
 
-    def _checkout(self, job: Job) -> tuple[PromptCacheState, int]:
+    def _checkout(self, job: Job) -> tuple[PromptCache, int]:
         c = self.config
         got = self.store.checkout(self.scope, job.prompt, make_prompt_cache(self.model, c.max_kv_size, c.keep), job.key)
         if got is None:
-            return PromptCacheState.new(self.model, c.max_kv_size, c.keep), 0
-        state = PromptCacheState(got.cache, got.tokens, c.max_kv_size, c.keep)
+            return PromptCache.new(self.model, c.max_kv_size, c.keep), 0
+        state = PromptCache(got.cache, got.tokens, c.max_kv_size, c.keep)
         return state, reuse_prefix(state, job.prompt, self.model)
 
-    def _checkpoint(self, job: Job, state: PromptCacheState):
+    def _checkpoint(self, job: Job, state: PromptCache):
         """Feed the prompt up to the end of its last message and copy the cache
         there, when the cache could not be trimmed back to it later."""
         b = job.boundary
@@ -213,7 +215,7 @@ class GenerationWorker:
 
         return check
 
-    def _generate(self, job: Job, state: PromptCacheState, timing: dict) -> tuple[str, int]:
+    def _generate(self, job: Job, state: PromptCache, timing: dict) -> tuple[str, int]:
         stops = StopMatcher(job.stop)
         steps = stream_generate(self.model, self.tokenizer, job.prompt, state=state, config=job.config,
                                 progress=self._progress(job))  # fmt: skip
