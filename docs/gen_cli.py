@@ -36,7 +36,15 @@ def render() -> str:
         nested = list(_subparsers(sub))
         for full, parser in [(name, sub)] + [(f"{name} {n}", p) for n, p in nested]:
             parts += ["", f"## mlxcc {full}", "", "```", _help(parser), "```"]
+    parts += _chat_commands()
     return "\n".join(parts) + "\n"
+
+
+def _chat_commands() -> list[str]:
+    """What ``/help`` prints inside ``mlxcc chat``."""
+    from mlx_chatcache.cli.repl import HELP
+
+    return ["", "## Commands inside mlxcc chat (/help)", "", "```", HELP.rstrip(), "```"]
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Every default of mlx_chatcache: generation settings in one dataclass, and
-the one default of a chat session that is not a generation setting.
+"""Every default of mlx_chatcache: generation settings in one dataclass, the
+one default of a chat session that is not a generation setting, and the time
+budget of an interruptible model call.
 
 Library functions take ``None`` for "use the default" and read it from
 :data:`DEFAULTS`; the CLI builds its flag defaults from the same object.
@@ -25,7 +26,7 @@ class GenerationConfig:
     repetition_context_size: int = 20
     seed: int | None = None
     # prompt processing
-    prefill_step_size: int = 512
+    prefill_step_size: int = 2048  # as mlx_lm.generate (DEFAULT_PREFILL_STEP_SIZE)
     # cache shape
     max_kv_size: int | None = None
     keep: int = 4  # tokens pinned by a rotating cache when nothing better is known
@@ -41,6 +42,10 @@ class GenerationConfig:
 DEFAULTS = GenerationConfig()
 
 DEFAULT_MAX_CHECKPOINTS = 4  # chat turns whose cache copies are kept for undo/retry (ChatSession)
+
+# the longest a model call should take where Ctrl-C must be acted upon (the CLI,
+# a chat turn that polls a stop request): prompt processing is split to fit (pacing.py)
+INTERRUPTIBLE_CALL_SECONDS = 0.5
 
 
 def mlxcc_home() -> Path:

@@ -36,3 +36,8 @@ class SessionError(ChatCacheError):
 
 class UsageError(ChatCacheError):
     """A command-line flag or argument has a bad value."""
+
+
+class CacheNotUpdatedError(UnsupportedCacheError):
+    """A model was given tokens but one of its layers' caches did not take them
+    (the model does not use our cache for that layer): its output would be wrong."""

@@ -12,8 +12,10 @@ Invariants checked (issue #2):
 - a bad ``meta_state`` raises ``CacheFormatError``;
 - attention through a rotating cache (``make_mask`` + ``update_and_fetch``)
   equals a brute-force reference in which query ``p`` sees key ``k`` iff
-  ``k <= p`` and (``k < keep`` or ``k > p - (max_size - keep)``) and, with a
-  model window, ``k > p - window_size``.
+  ``k <= p`` and (``k < keep`` or ``k > p - (max_size - keep)``); with a model
+  window, iff ``k <= p``, ``k > p - window_size`` and the update returns ``k``
+  (the window decides, and within a multi-token update may reach past the
+  ring: issue 10, plamo3).
 """
 
 from __future__ import annotations
@@ -81,6 +83,17 @@ def window_of(c):
     return 0, None
 
 
+def returned_by_update(offset, N, keep, ring) -> np.ndarray:
+    """Which positions ``0..offset+N-1`` an update of ``N`` tokens returns (a
+    window cache: the pinned prefix, then the last ``ring`` held or, for several
+    tokens past the window, the last ``ring - 1`` held and all new ones)."""
+    k = np.arange(offset + N)
+    if ring is None or offset + N <= keep + ring:
+        return np.ones(offset + N, dtype=bool)
+    recent = ring if N == 1 else ring - 1 + N
+    return (k < min(keep, offset)) | (k >= offset + N - recent)
+
+
 def reference_attention(q, K, V, offset, keep, ring, window):
     """Brute force, float64: q (B,HQ,N,D) at positions offset.., K/V all positions."""
     q, K, V = (np.array(a, dtype=np.float64) for a in (q, K, V))
@@ -90,10 +103,10 @@ def reference_attention(q, K, V, offset, keep, ring, window):
     p = np.arange(offset, offset + N)[:, None]
     k = np.arange(T)[None]
     allowed = k <= p
-    if ring is not None:
+    if window is not None:  # the model's window decides, among the keys returned
+        allowed &= (k > p - window) & returned_by_update(offset, N, keep, ring)[None]
+    elif ring is not None:
         allowed &= (k < keep) | (k > p - ring)
-    if window is not None:
-        allowed &= k > p - window
     assert allowed.any(axis=1).all()
     s = np.einsum("bhqd,bhkd->bhqk", q, K) * SCALE
     s = np.where(allowed, s, -np.inf)
@@ -225,8 +238,11 @@ def test_to_quantized_of_empty_and_of_quantized():
     for c in (KVCache(), RotatingKVCache(8, 2)):
         q = c.to_quantized()
         assert q.empty() and q.offset == 0 and q.state == []
+    # as on mlx-lm's classes, which its generate loop relies on (it quantizes
+    # every layer that has the method): quantized and chunked caches have none
     for c in (QuantizedKVCache(), QuantizedRotatingKVCache(8, 2), ChunkedKVCache(8)):
-        with pytest.raises(CacheFormatError):
+        assert not hasattr(c, "to_quantized")
+        with pytest.raises(AttributeError, match="has no to_quantized"):
             c.to_quantized()
 
 

@@ -35,6 +35,13 @@ Kinds (``KINDS``) and what their ``model.make_cache()`` returns:
 - ``"hybrid"``: mlx-lm ``lfm2``; short-conv layers get ``ArraysCache``, the
   attention layer ``KVCache``.
 - ``"ssm"``: mlx-lm ``mamba2``, pure state space; every layer ``ArraysCache``.
+
+Extra kinds (``EXTRA_KINDS``: built on request, e.g. ``make_tiny_model_dir("mamba")``,
+not part of the fixtures parametrised over ``KINDS``):
+
+- ``"mamba"``: mlx-lm ``mamba`` (Mamba-1), every layer ``ArraysCache``. Unlike
+  mamba2 the model stores its state only in a cache that is an mlx-lm
+  ``ArraysCache`` and never calls ``advance`` (issue 10).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from pathlib import Path
 import numpy as np
 
 KINDS = ("llama", "sliding", "hybrid", "ssm")
+EXTRA_KINDS = ("mamba",)
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2 in this order
@@ -103,8 +111,8 @@ Keep your answers short, clear and kind. Ask a question if something is unclear.
 
 def build_tiny_model(kind: str, folder: Path, seed: int = 0) -> Path:
     """Write a complete tiny model of ``kind`` into ``folder`` and return it."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown tiny model kind {kind!r}; choose from {KINDS}")
+    if kind not in KINDS + EXTRA_KINDS:
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose from {KINDS + EXTRA_KINDS}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = model_config(kind)
@@ -197,11 +205,26 @@ def _ssm_config() -> dict:
     }
 
 
+def _mamba_config() -> dict:
+    return {
+        "model_type": "mamba",
+        "architectures": ["MambaForCausalLM"],
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "state_size": 16,
+        "conv_kernel": 4,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "time_step_rank": "auto",
+    }
+
+
 _KIND_CONFIGS = {
     "llama": _llama_config,
     "sliding": _sliding_config,
     "hybrid": _hybrid_config,
     "ssm": _ssm_config,
+    "mamba": _mamba_config,
 }
 
 
@@ -243,6 +266,9 @@ def _init_parameter(name: str, template: np.ndarray, rng: np.random.Generator) -
         return table
     if template.ndim >= 2:
         return rng.normal(0.0, MATRIX_GAIN / math.sqrt(math.prod(shape[1:])), size=shape)
+    if name.endswith(("dt_bias", "dt_proj.bias")):  # SSM steps dt log-uniform in [1e-3, 3e-2]: long memory
+        dt = np.exp(rng.uniform(math.log(1e-3), math.log(3e-2), size=shape))
+        return dt + np.log(-np.expm1(-dt))  # inverse softplus
     if name.endswith(".bias"):
         return np.zeros(shape)
     if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
@@ -251,9 +277,6 @@ def _init_parameter(name: str, template: np.ndarray, rng: np.random.Generator) -
         return np.full(shape, FINAL_NORM_SCALE)
     if name.endswith("A_log"):  # SSM decay rates A in [1, 16], as Mamba-2 does
         return np.log(rng.uniform(1.0, 16.0, size=shape))
-    if name.endswith("dt_bias"):  # SSM steps dt log-uniform in [1e-3, 3e-2]: long memory
-        dt = np.exp(rng.uniform(math.log(1e-3), math.log(3e-2), size=shape))
-        return dt + np.log(-np.expm1(-dt))  # inverse softplus
     if name.endswith(".D"):  # no skip path: it would drown the small-dt state
         return np.zeros(shape)
     return template

@@ -7,7 +7,12 @@ prompt-cache helpers (a prompt cache is a list with one cache per layer).
 - :data:`CACHE_CLASSES` is the explicit registry used to rebuild caches from
   files: names read from a file are looked up here and nowhere else.
 - :data:`UNSUPPORTED` lists mlx-lm cache classes we knowingly do not mirror,
-  each with the reason.
+  each with the reason; :data:`UNSUPPORTED_METHODS` the methods of mlx-lm's
+  caches ours refuse (batched generation), each with the reason.
+
+Every class here is also a subclass of mlx-lm's class of the same name, so
+mlx-lm's models and generate loop treat it as theirs (mamba stores its state
+only in an ``ArraysCache`` it recognises); see ``docs/mlx-lm-compat.md``.
 """
 
 from __future__ import annotations
@@ -16,17 +21,22 @@ import json
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
+from mlx_lm.models import cache as mlx_lm_cache
 
-from .cache_base import BaseCache, check_arrays, parse_ints, shown
+from .cache_base import BATCH_ONLY_METHODS, BaseCache, check_arrays, parse_ints, shown
 from .cache_kv import ChunkedKVCache, KVCache, QuantizedKVCache
 from .cache_rotating import QuantizedRotatingKVCache, RotatingKVCache
 from ..config import DEFAULTS
-from ..errors import CacheFormatError, UnsupportedCacheError
+from ..errors import CacheFormatError, UnsupportedCacheError, UsageError
 
 
-class ArraysCache(BaseCache):
+class ArraysCache(BaseCache, mlx_lm_cache.ArraysCache):
     """Fixed-size state slots (SSM / convolution layers). Not trimmable:
-    the state after n tokens cannot be rolled back to n - k."""
+    the state after n tokens cannot be rolled back to n - k.
+
+    ``offset`` counts tokens seen: models call ``advance(n)``, and for those
+    that only replace the slots (mamba), :func:`~mlx_chatcache.generation.model_call.call_model`
+    advances it."""
 
     def __init__(self, size: int, left_padding=None):
         self._init_empty()
@@ -87,7 +97,7 @@ class ArraysCache(BaseCache):
         return all(a is None for a in self.cache)
 
 
-class CacheList(BaseCache):
+class CacheList(BaseCache, mlx_lm_cache.CacheList):
     """Several caches serving one layer (e.g. an SSM state and a KV cache)."""
 
     def __init__(self, *caches: BaseCache):
@@ -180,6 +190,8 @@ UNSUPPORTED: dict[str, str] = {
     "uses RotatingKVCache",
 }
 
+UNSUPPORTED_METHODS: dict[str, str] = dict(BATCH_ONLY_METHODS)
+
 
 def cache_class(name: str) -> type[BaseCache]:
     """The registered class called ``name``; UnsupportedCacheError otherwise."""
@@ -262,6 +274,7 @@ def quantize_prompt_cache(
 
     def q(c):
         if type(c) in (KVCache, RotatingKVCache) and c.offset >= start:
+            check_group_size(c, group_size)
             return c.to_quantized(group_size=group_size, bits=bits)
         if isinstance(c, CacheList):
             return CacheList(*(q(x) for x in c.caches))
@@ -269,6 +282,21 @@ def quantize_prompt_cache(
 
     cache[:] = [q(c) for c in cache]
     return cache
+
+
+def check_group_size(c: BaseCache, group_size: int) -> None:
+    """UsageError when the K/V head sizes of ``c`` are not multiples of ``group_size``
+    (quantization groups run along the last axis), naming the group sizes that work."""
+    keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+    if keys is None or values is None:
+        return
+    dims = {keys.shape[-1], values.shape[-1]}  # (B, H, T, D)
+    if all(d % group_size == 0 for d in dims):
+        return
+    ok = [g for g in (32, 64, 128) if all(d % g == 0 for d in dims)]
+    use = ("use --kv-group-size " + " or ".join(map(str, ok))) if ok else "this model's KV cache cannot be quantized: drop --kv-bits"
+    size = "/".join(map(str, sorted(dims)))
+    raise UsageError(f"KV quantization group size {group_size} does not divide this model's head size {size}; {use}")
 
 
 def copy_prompt_cache(cache: Sequence[BaseCache]) -> list[BaseCache]:
@@ -296,6 +324,7 @@ __all__ = [
     "CacheList",
     "CACHE_CLASSES",
     "UNSUPPORTED",
+    "UNSUPPORTED_METHODS",
     "cache_class",
     "mirror_cache",
     "make_prompt_cache",

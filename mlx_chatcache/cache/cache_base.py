@@ -18,6 +18,14 @@ chat session rely on):
 - ``offset`` (tokens seen), ``size()`` (tokens held), ``is_trimmable()``,
   ``trim(n) -> int``, ``nbytes``, ``empty()``, ``eval_arrays()`` (what to pass to
   ``mx.eval`` without copying).
+- mlx-lm's batch-only methods (:data:`BATCH_ONLY_METHODS`: ``merge``,
+  ``extract``, ``filter``, ``extend``, ``prepare``, ``finalize``) raise
+  :class:`UnsupportedCacheError`: our caches serve one sequence each.
+
+Each concrete class also subclasses its mlx-lm counterpart, so that mlx-lm's
+models and generate loop, which look at a cache's class, treat it as theirs
+(see ``docs/mlx-lm-compat.md``); everything a model or mlx-lm's generate loop
+calls is defined here, never inherited from mlx-lm.
 
 K/V caches store keys and values as ``(B, n_kv_heads, seq, head_dim)``; a
 quantized cache stores each as a tuple ``(packed, scales, biases)`` sharing that
@@ -31,7 +39,41 @@ from typing import Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
-from ..errors import CacheFormatError
+from ..errors import CacheFormatError, UnsupportedCacheError
+
+BATCH_ONLY_METHODS: dict[str, str] = {
+    name: "mlx-lm's batched generation (BatchGenerator, batch_generate) only; mlx_chatcache caches "
+    "serve one sequence each (a server queues requests on one worker), so use mlx-lm's own "
+    "caches for batched generation"
+    for name in ("merge", "extract", "filter", "extend", "prepare", "finalize")
+}
+
+
+def _batch_only(name: str):
+    def refuse(self, *args, **kwargs):
+        cls = self if isinstance(self, type) else type(self)
+        raise UnsupportedCacheError(f"{cls.__name__}.{name} is not supported: {BATCH_ONLY_METHODS[name]}")
+
+    refuse.__name__ = name
+    return refuse
+
+
+class Absent:
+    """A class attribute that is not there: reading it raises AttributeError, so
+    ``hasattr(obj, name)`` is False although a base class defines ``name``.
+
+    mlx-lm's generate loop quantizes every layer that *has* ``to_quantized``;
+    its quantized caches have none, and neither may ours that inherit one.
+    """
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        raise AttributeError(f"{(owner or type(obj)).__name__} has no {self.name}: {self.reason}")
 
 
 class BaseCache:
@@ -97,6 +139,13 @@ class BaseCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.eval_arrays())
+
+    merge = classmethod(_batch_only("merge"))
+    extract = _batch_only("extract")
+    filter = _batch_only("filter")
+    extend = _batch_only("extend")
+    prepare = _batch_only("prepare")
+    finalize = _batch_only("finalize")
 
 
 # ---------------------------------------------------------------- meta parsing
@@ -186,11 +235,27 @@ def causal_mask(n: int, offset: int, window_size: int | None = None) -> mx.array
 
 
 def standard_mask(n: int, offset: int, window_size: int | None, return_array: bool):
-    """The mask a linear (non-rotating) cache needs, as mlx-lm models expect it."""
-    if window_size is not None and offset + n > window_size:
+    """The mask of a linear (non-rotating) cache, as mlx-lm's linear caches make it:
+    an array whenever the model gives a window, else None for one token and
+    "causal" for several (the same values either way; the same kernels as mlx-lm)."""
+    if window_size is not None:
         return causal_mask(n, offset, window_size)
     if n == 1:
         return None
     if return_array:
+        return causal_mask(n, offset)
+    return "causal"
+
+
+def fill_mask(n: int, offset: int, window_size: int | None, return_array: bool):
+    """The mask of a window cache that has not dropped a token yet, as mlx-lm's
+    ``RotatingKVCache`` makes it: an array only where the window cuts (for one
+    token a 1-D one, and None otherwise even when an array is asked for)."""
+    if n == 1:
+        cut = window_size is not None and offset >= window_size
+        return causal_mask(1, offset, window_size)[0] if cut else None
+    if window_size is not None and offset + n > window_size:
         return causal_mask(n, offset, window_size)
+    if return_array:
+        return causal_mask(n, offset)
     return "causal"

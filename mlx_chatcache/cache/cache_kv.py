@@ -3,6 +3,10 @@
 All three keep keys/values in a buffer that grows in ``step``-sized blocks;
 only ``[0:held]`` is live. ``state`` returns exactly the live part, so a saved
 file never holds padding or trimmed-away tokens.
+
+Each subclasses mlx-lm's class of the same name (see ``docs/mlx-lm-compat.md``).
+``to_quantized`` exists only where mlx-lm's class has it (``KVCache``): mlx-lm's
+generate loop quantizes every layer that has the method.
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ from __future__ import annotations
 from typing import Sequence
 
 import mlx.core as mx
+from mlx_lm.models import cache as mlx_lm_cache
 
 from .cache_base import (
+    Absent,
     BaseCache,
     check_arrays,
     kv_assign,
@@ -26,7 +32,7 @@ from .cache_base import (
 from ..errors import CacheFormatError
 
 
-class KVCache(BaseCache):
+class KVCache(BaseCache, mlx_lm_cache.KVCache):
     """Full-attention cache: every token stays. Trimmable."""
 
     step = 256
@@ -83,6 +89,13 @@ class KVCache(BaseCache):
         if kv_len(self.keys) == held:
             return self.keys, self.values
         return kv_slice(self.keys, 0, held), kv_slice(self.values, 0, held)
+
+    def keys_and_values(self):
+        """What the last ``update_and_fetch`` returned (models that share one
+        layer's keys/values with later layers read them here)."""
+        if self.keys is None:
+            return None, None
+        return self._fetch()
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return standard_mask(N, self.offset, window_size, return_array)
@@ -175,8 +188,8 @@ class KVCache(BaseCache):
     def empty(self) -> bool:
         return self.keys is None
 
-    def to_quantized(self, group_size: int = 64, bits: int = 8) -> "QuantizedKVCache":
-        """A quantized copy holding the same tokens."""
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedKVCache":
+        """A quantized copy holding the same tokens (mlx-lm's defaults)."""
         q = QuantizedKVCache(group_size=group_size, bits=bits)
         q.offset = self.offset
         if self.keys is not None:
@@ -185,8 +198,10 @@ class KVCache(BaseCache):
         return q
 
 
-class QuantizedKVCache(KVCache):
+class QuantizedKVCache(KVCache, mlx_lm_cache.QuantizedKVCache):
     """A KVCache whose keys/values are stored quantized (affine, per group)."""
+
+    to_quantized = Absent("it is already quantized")
 
     def __init__(self, group_size: int = 64, bits: int = 8):
         self._init_empty()
@@ -213,8 +228,6 @@ class QuantizedKVCache(KVCache):
         )
         check_quant_params(type(self).__name__, self.group_size, self.bits)
 
-    def to_quantized(self, group_size: int = 64, bits: int = 8):
-        raise CacheFormatError("QuantizedKVCache is already quantized")
 
 
 def check_quant_params(name: str, group_size: int, bits: int) -> None:
@@ -245,9 +258,16 @@ def check_quantized(name: str, arrays, group_size: int, bits: int) -> None:
         )
 
 
-class ChunkedKVCache(KVCache):
+class ChunkedKVCache(KVCache, mlx_lm_cache.ChunkedKVCache):
     """KVCache for chunked local attention (llama4): keeps at most the last
-    ``chunk_size`` tokens once the model calls ``maybe_trim_front``."""
+    ``chunk_size`` tokens once the model calls ``maybe_trim_front``.
+
+    Like mlx-lm's, it has no ``make_mask`` (the model builds its chunk mask
+    from ``start_position``; a mask asked of it is mlx-lm's default) and no
+    ``to_quantized``."""
+
+    make_mask = Absent("the model builds its chunk mask itself")
+    to_quantized = Absent("chunked caches are not quantized")
 
     def __init__(self, chunk_size: int):
         self._init_empty()
@@ -270,9 +290,6 @@ class ChunkedKVCache(KVCache):
         self.keys = kv_slice(self.keys, extra, held)
         self.values = kv_slice(self.values, extra, held)
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return None  # the model builds its chunk mask itself from start_position
-
     @property
     def meta_state(self) -> tuple[str, ...]:
         return (str(self.offset), str(self.chunk_size), str(self.start_position))
@@ -284,6 +301,3 @@ class ChunkedKVCache(KVCache):
         )
         if self.start_position > self.offset or self.chunk_size == 0:
             raise CacheFormatError("ChunkedKVCache meta state is inconsistent (start > offset or chunk 0)")
-
-    def to_quantized(self, group_size: int = 64, bits: int = 8):
-        raise CacheFormatError("ChunkedKVCache cannot be quantized")

@@ -3,8 +3,13 @@
 Semantics (the reference the tests check): a query at absolute position ``p``
 attends to key positions ``k <= p`` with ``k < keep`` (the pinned prefix) or
 ``k > p - (max_size - keep)`` (the recent window), whatever mix of multi-token
-and single-token updates produced the cache. A model's own ``window_size``
-further limits every key to ``k > p - window_size``.
+and single-token updates produced the cache. When the model gives its own
+``window_size``, that window decides instead: the query sees every key
+``p - window_size < k <= p`` among those the update returns. Only a
+multi-token update returns keys older than the ring (the pinned prefix, the
+last ``R-1`` held and all new ones), so there a window wider than the ring
+(plamo3 asks for ``max_size + 1``) reaches further, as in mlx-lm and as in the
+model run without a cache.
 
 Layout: slots ``[0, keep)`` hold positions ``[0, keep)``. Until ``offset``
 reaches ``max_size`` the buffer is in temporal order. After that the slots
@@ -12,7 +17,9 @@ reaches ``max_size`` the buffer is in temporal order. After that the slots
 ``_idx`` is the ring slot holding the oldest one (the next to overwrite).
 A multi-token update that overflows the window returns ``pinned + last R-1 old
 + new`` (so every new query sees its full window) and then stores
-``pinned + last R`` in temporal order.
+``pinned + last R`` in temporal order; ``keys_and_values()`` returns what the
+last update returned until the next update (held for models that share a
+layer's keys, gemma3n; mlx-lm's cache holds the same until its next update).
 
 The cache is trimmable until it first drops a token (``offset <= max_size``).
 """
@@ -24,13 +31,18 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from .cache_base import kv_assign, kv_concat, kv_len, kv_slice, parse_ints, standard_mask
+from mlx_lm.models import cache as mlx_lm_cache
+
+from .cache_base import Absent, fill_mask, kv_assign, kv_concat, kv_len, kv_slice, parse_ints
 from .cache_kv import KVCache, QuantizedKVCache, check_quant_params
 from ..errors import CacheFormatError
 
 
-class RotatingKVCache(KVCache):
-    """Keeps the first ``keep`` tokens and the last ``max_size - keep`` tokens."""
+class RotatingKVCache(KVCache, mlx_lm_cache.RotatingKVCache):
+    """Keeps the first ``keep`` tokens and the last ``max_size - keep`` tokens.
+
+    Unlike mlx-lm's (which raises NotImplementedError), ``to_quantized`` works:
+    it returns a :class:`QuantizedRotatingKVCache`."""
 
     def __init__(self, max_size: int, keep: int = 0):
         self._init_empty()
@@ -41,6 +53,7 @@ class RotatingKVCache(KVCache):
         super()._init_empty()
         self._idx = 0
         self.max_size, self.keep = 1, 0
+        self._returned = None  # (keys, values) of the last overflowing update, until the next update
 
     def _check_window(self) -> None:
         if not 0 <= self.keep < self.max_size:
@@ -88,19 +101,34 @@ class RotatingKVCache(KVCache):
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if self.offset + N <= self.max_size:
-            return standard_mask(N, self.offset, window_size, return_array)
+            return fill_mask(N, self.offset, window_size, return_array)
         kpos = self._layout(N)[None]
         qpos = np.arange(self.offset, self.offset + N)[:, None]
-        allowed = (kpos <= qpos) & ((kpos < self.keep) | (kpos > qpos - self._ring))
-        if window_size is not None:
-            allowed &= kpos > qpos - window_size
-        if N == 1 and allowed.all() and not return_array:
-            return None
+        causal = kpos <= qpos  # several tokens: keys returned in temporal order, so bottom-right causal
+        if window_size is None:
+            allowed = causal & ((kpos < self.keep) | (kpos > qpos - self._ring))
+        else:  # the model's window, over the keys returned: may reach past the ring
+            allowed = causal & (kpos > qpos - window_size)
+        if N == 1:  # as mlx-lm's: None when every held key is seen (even if an array was asked), else 1-D
+            return None if allowed.all() else mx.array(allowed[0])
+        if not return_array and np.array_equal(allowed, causal):
+            return "causal"  # what mlx-lm passes then: the same kernel
         return mx.array(allowed)
+
+    def keys_and_values(self):
+        """What the last ``update_and_fetch`` returned."""
+        if self._returned is not None:
+            return self._returned
+        if self.keys is None:
+            return None, None
+        if self.offset > self.max_size:
+            return self.keys, self.values  # ring order, as a one-token update returns it
+        return self._temporal()
 
     # ----------------------------------------------------------- updates
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         S = keys.shape[2]
+        self._returned = None
         if self.offset + S <= self.max_size:
             return self._update_fill(keys, values)
         if S == 1:
@@ -146,6 +174,7 @@ class RotatingKVCache(KVCache):
         self.keys = kv_concat([kv_slice(all_k, 0, keep), kv_slice(all_k, L - R, L)])
         self.values = kv_concat([kv_slice(all_v, 0, keep), kv_slice(all_v, L - R, L)])
         self._idx = keep
+        self._returned = (all_k, all_v)
         return all_k, all_v
 
     def _temporal(self):
@@ -167,6 +196,15 @@ class RotatingKVCache(KVCache):
 
     # ----------------------------------------------------------- contract
     @property
+    def state(self) -> list[mx.array]:
+        return KVCache.state.fget(self)
+
+    @state.setter
+    def state(self, v: Sequence[mx.array]) -> None:
+        self._returned = None
+        KVCache.state.fset(self, v)
+
+    @property
     def meta_state(self) -> tuple[str, ...]:
         return (str(self.offset), str(self.max_size), str(self.keep))
 
@@ -177,6 +215,7 @@ class RotatingKVCache(KVCache):
         )
         self._check_window()
         self._idx = self.keep
+        self._returned = None
 
     def is_trimmable(self) -> bool:
         return self.offset <= self.max_size
@@ -184,9 +223,10 @@ class RotatingKVCache(KVCache):
     def trim(self, n: int) -> int:
         if not self.is_trimmable():
             return 0
+        self._returned = None
         return super().trim(n)
 
-    def to_quantized(self, group_size: int = 64, bits: int = 8) -> "QuantizedRotatingKVCache":
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedRotatingKVCache":
         q = QuantizedRotatingKVCache(self.max_size, self.keep, group_size=group_size, bits=bits)
         q.offset = self.offset
         q._idx = self.keep  # the copy is stored in temporal order
@@ -196,8 +236,11 @@ class RotatingKVCache(KVCache):
         return q
 
 
-class QuantizedRotatingKVCache(RotatingKVCache):
-    """A RotatingKVCache storing keys/values quantized (mlx-lm has no such cache)."""
+class QuantizedRotatingKVCache(RotatingKVCache, mlx_lm_cache.QuantizedKVCache):
+    """A RotatingKVCache storing keys/values quantized (mlx-lm has no such cache;
+    it is also an mlx-lm ``QuantizedKVCache``, the class mlx-lm checks for bits)."""
+
+    to_quantized = Absent("it is already quantized")
 
     def __init__(self, max_size: int, keep: int = 0, group_size: int = 64, bits: int = 8):
         super().__init__(max_size, keep)
@@ -218,6 +261,3 @@ class QuantizedRotatingKVCache(RotatingKVCache):
         RotatingKVCache.meta_state.fset(self, tuple(v[:3]))
         self.group_size, self.bits = vals[3], vals[4]
         check_quant_params(name, self.group_size, self.bits)
-
-    def to_quantized(self, group_size: int = 64, bits: int = 8):
-        raise CacheFormatError("QuantizedRotatingKVCache is already quantized")

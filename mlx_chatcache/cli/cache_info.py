@@ -5,16 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import textwrap
 from collections import Counter
 
 from ..files.cache_io import CacheFileInfo, read_cache_info
 from .common import human_bytes
 
 PREVIEW_CHARS = 240
+LABEL_WIDTH = 13  # "cache types: " and the text after it
+LONG_VALUE = 600  # characters of a metadata value shown as text
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("cache", help="inspect cache files", description="Inspect prompt cache files.")
+    p = sub.add_parser("cache", help="inspect, convert, trim and compare cache files",
+                       description="Inspect, convert, trim and compare prompt cache files.")
     csub = p.add_subparsers(dest="cache_command", metavar="ACTION", parser_class=type(p))
     info = csub.add_parser(
         "info",
@@ -26,6 +31,9 @@ def add_parser(sub) -> None:
     info.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     info.add_argument("--model", help="tokenizer to decode the preview with (default: the model named in the file, if present)")
     info.set_defaults(run=run)
+    from .cache_tools import add_actions
+
+    add_actions(csub)
     p.set_defaults(run=lambda args: (p.print_help(), 2)[1])
 
 
@@ -35,7 +43,7 @@ def summary(info: CacheFileInfo) -> dict:
         "file": info.path,
         "format_version": info.format_version,
         "layout": info.layout,
-        "model": info.model.model_id if info.model else None,
+        "model": info.model.model_id if info.model else _recorded_model(info),
         "weights_hash": info.model.weights_hash if info.model else None,
         "tokenizer_hash": info.model.tokenizer_hash if info.model else None,
         "cache_types": dict(counts),
@@ -47,6 +55,27 @@ def summary(info: CacheFileInfo) -> dict:
         "messages": info.messages,
         "metadata": info.metadata,
     }
+
+
+def _recorded_model(info: CacheFileInfo) -> str | None:
+    """The model an mlx-lm file names in its metadata (mlx-lm's cache_prompt writes ``model``)."""
+    model = info.metadata.get("model") if info.layout != "mlxcc" else None
+    return model if isinstance(model, str) and model.strip() else None
+
+
+def field(label: str, text: str, width: int | None = None) -> list[str]:
+    """``label: text`` wrapped to the terminal width, continuation lines indented
+    under the text; a value longer than LONG_VALUE characters is cut (--json has it all)."""
+    width = width or shutil.get_terminal_size((100, 24)).columns
+    indent = " " * LABEL_WIDTH
+    if len(text) > LONG_VALUE:
+        text = text[:LONG_VALUE] + f"… ({len(text)} characters; --json shows all)"
+    lines = []
+    for i, part in enumerate(text.split("\n")):
+        lead = f"{label + ':':<{LABEL_WIDTH}}" if i == 0 else indent
+        lines += textwrap.wrap(part, max(width - 1, LABEL_WIDTH + 20), initial_indent=lead, subsequent_indent=indent,
+                               drop_whitespace=False, replace_whitespace=False) or [lead.rstrip()]  # fmt: skip
+    return lines
 
 
 def _room(s: dict) -> str:
@@ -86,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     lines = [
         f"file:        {s['file']}",
         f"format:      version {s['format_version']}{layout}",
-        f"model:       {s['model'] or 'unknown (file does not say)'}",
+        f"model:       {s['model'] or 'unknown (file does not say)'}"
+        + (" (as recorded by mlx-lm)" if s["model"] and not info.model else ""),
         f"cache types: {types} ({s['num_layers']} layers)",
         f"tokens:      {s['num_tokens'] if s['num_tokens'] is not None else 'unknown'}{_room(s)}",
         f"bytes:       {human_bytes(s['nbytes'])} of arrays, {human_bytes(s['file_size'])} on disk",
@@ -94,12 +124,14 @@ def run(args: argparse.Namespace) -> int:
     if info.messages is not None:
         roles = ", ".join(m["role"] for m in info.messages)
         lines.append(f"messages:    {len(info.messages)} ({roles})")
+    if info.settings:
+        lines += field("settings", ", ".join(f"{k}={v}" for k, v in info.settings.items()))
     for k, v in info.metadata.items():
-        lines.append(f"metadata:    {k} = {v}")
+        lines += field("metadata", f"{k} = {v}")
     if s["preview"]:
-        lines.append("preview:     " + s["preview"].replace("\n", "\n             "))
+        lines += field("preview", s["preview"])
     elif info.messages:
         last = info.messages[-1]
-        lines.append(f"last message ({last['role']}): {last['content'][:PREVIEW_CHARS]}")
+        lines += field(f"last message ({last['role']})", last["content"][:PREVIEW_CHARS])
     print("\n".join(lines))
     return 0

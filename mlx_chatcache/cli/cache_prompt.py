@@ -14,11 +14,23 @@ import os
 import sys
 import time
 
+from ..config import INTERRUPTIBLE_CALL_SECONDS
 from ..errors import UsageError
+from ..files.save_target import check_save_target
 from ..generation.generate import PromptCache
 from ..generation.prompt_store import feed_all, render_chat
 from ..generation.text import encode_prompt
-from .common import add_cache_args, add_model_arg, config_from_args, human_bytes, read_json_arg, read_prompt
+from .common import (
+    add_cache_args,
+    add_force_arg,
+    add_model_arg,
+    add_verbose_arg,
+    config_from_args,
+    human_bytes,
+    load_model,
+    read_json_arg,
+    read_prompt,
+)
 from .progress import ProgressBar
 
 
@@ -31,12 +43,14 @@ def add_parser(sub) -> None:
     )
     add_model_arg(p)
     p.add_argument("--prompt", "-p", help="prompt text ('-' reads stdin)")
-    p.add_argument("--prompt-file", help="read the prompt from this file")
+    p.add_argument("--prompt-file", "-f", help="read the prompt from this file")
     p.add_argument("--system-prompt", help="system message to cache")
     p.add_argument("--prompt-cache-file", required=True, help="the cache file to write")
+    add_force_arg(p)
     add_cache_args(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="cache the text as is (raw prefix)")
     p.add_argument("--chat-template-config", help="JSON object (or file) of extra chat template arguments")
+    add_verbose_arg(p, "also report the peak memory on stderr")
     p.set_defaults(run=run)
 
 
@@ -56,21 +70,26 @@ def build(args, tokenizer, prompt: str | None) -> tuple[list[dict] | None, str |
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..models.loading import load
-
     if args.prompt is not None and args.prompt_file is not None:
         raise UsageError("give --prompt or --prompt-file, not both")
     prompt = read_prompt(args.prompt, args.prompt_file)
     if not prompt and not args.system_prompt:
         raise UsageError("nothing to cache: pass --prompt, --prompt-file or --system-prompt")
-    model, tokenizer = load(args.model)
+    check_save_target(args.prompt_cache_file, args.force)  # before any work: see save_target
+    model, tokenizer = load_model(args)
     config = config_from_args(args)
     messages, text, tokens = build(args, tokenizer, prompt)
     stored = PromptCache.new(model, config.max_kv_size, config.keep)
     stored.messages, stored.text = messages, text
     start = time.perf_counter()
     bar = ProgressBar("caching")
-    feed_all(model, stored, tokens, config.prefill_step_size, bar.update)
+    try:
+        feed_all(model, stored, tokens, config.prefill_step_size, bar.update,
+                 max_call_seconds=INTERRUPTIBLE_CALL_SECONDS)  # fmt: skip
+    except KeyboardInterrupt:
+        bar.close()
+        sys.stderr.write(f"mlxcc: interrupted; nothing saved to {args.prompt_cache_file}\n")
+        return 130
     bar.close()
     if config.kv_bits is not None:
         from ..cache import quantize_prompt_cache
@@ -83,4 +102,8 @@ def run(args: argparse.Namespace) -> int:
         f"Cached {len(tokens)} tokens in {elapsed:.2f} s ({len(tokens) / max(elapsed, 1e-9):.1f} tokens-per-sec) "
         f"to {args.prompt_cache_file} ({human_bytes(size)})\n"
     )
+    if args.verbose:
+        import mlx.core as mx
+
+        sys.stderr.write(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB\n")
     return 0

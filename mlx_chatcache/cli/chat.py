@@ -17,7 +17,16 @@ from ..errors import SessionError
 from ..files.safetensors_file import remove_stale_temp_files
 from ..chat.session import ChatSession
 from ..chat.session_store import SessionLock, session_path
-from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args, config_overrides
+from .common import (
+    add_cache_args,
+    add_model_arg,
+    add_sampling_args,
+    add_verbose_arg,
+    config_from_args,
+    config_overrides,
+    lenient_stdin,
+    load_model,
+)
 
 
 def add_parser(sub) -> None:
@@ -37,10 +46,10 @@ def add_parser(sub) -> None:
     where.add_argument(
         "--session", metavar="NAME",
         help="keep the chat in MLXCC_HOME/sessions/NAME.safetensors (default MLXCC_HOME: "
-        "~/.mlxcc) and resume it when it exists",
+        "~/.mlxcc) and resume it when it exists (with the model it was made with unless --model is given)",
     )  # fmt: skip
     where.add_argument("--session-file", metavar="PATH", help="keep the chat in this file (resumed when it exists)")
-    p.add_argument("--verbose", "-v", action="store_true", help="print each turn's statistics on stderr")
+    add_verbose_arg(p, "print each turn's statistics on stderr")
     p.set_defaults(run=run)
 
 
@@ -61,11 +70,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int:
-    from ..models.loading import load
     from .chat_input import StreamReader, TerminalReader
     from .repl import ChatREPL, history_file, plural
 
-    model, tokenizer = load(args.model)
+    source = None
+    if path is not None and path.exists() and args.model is None:
+        from ..chat.session_catalog import resume_source
+
+        source = resume_source(path, label)
+        if args.adapter_path is not None:
+            source["adapter_path"] = args.adapter_path
+        _note(f"[model: {source['model']} (recorded in the session)]")
+    model, tokenizer = load_model(args, source)
     if path is not None and path.exists():
         overrides = config_overrides(args)
         session = ChatSession.load(path, model, tokenizer, overrides=overrides)
@@ -81,7 +97,7 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int
         if path is not None:
             _note(f"new session {label} (saved after every turn to {path})")
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
-    reader = TerminalReader(history_file()) if interactive else StreamReader(sys.stdin)
+    reader = TerminalReader(history_file()) if interactive else StreamReader(lenient_stdin())
     repl = ChatREPL(
         session,
         reader,
@@ -90,7 +106,7 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int
         autosave=path,
         verbose=args.verbose,
         interactive=interactive,
-        model_ref=args.model,
+        model_ref=source["model"] if source else args.model,
         session_label=label,
     )
     return repl.run()

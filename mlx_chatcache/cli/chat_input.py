@@ -116,6 +116,19 @@ def message_text(text: str) -> str:
     return s[1:] if s.startswith("//") else s
 
 
+def parse_save_arg(arg: str) -> tuple[str, bool]:
+    """``(file, force)`` of ``/save FILE [--force]`` (``--force`` first works too)."""
+    words = arg.strip()
+    for flag in ("--force", "-f"):
+        if words == flag:
+            return "", True
+        if words.endswith(" " + flag):
+            return words[: -len(flag)].strip(), True
+        if words.startswith(flag + " "):
+            return words[len(flag):].strip(), True
+    return words, False
+
+
 # ------------------------------------------------------------------ settings
 def _optional(parse: Callable):
     def f(s: str):
@@ -158,6 +171,7 @@ __all__ = [
     "read_input",
     "parse_command",
     "message_text",
+    "parse_save_arg",
     "SETTINGS",
     "parse_setting",
 ]

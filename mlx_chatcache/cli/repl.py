@@ -13,7 +13,17 @@ three double quotes.
 
 Ctrl-C while a reply streams stops it after the current token (the partial
 reply stays in the conversation); a second Ctrl-C aborts the turn at once.
-Ctrl-C at the prompt clears the line; Ctrl-D (end of input) ends the chat.
+While the prompt is read, Ctrl-C cancels the message within about a second
+(the prompt's model calls are paced, see :mod:`mlx_chatcache.generation.pacing`), and a
+progress line on a terminal shows how far it got (erased when the reply
+starts). Ctrl-C at the prompt clears the line; Ctrl-D (end of input) ends the chat.
+
+Nothing a user typed is lost to a failed save: ``/save`` and autosave errors
+are one line and the chat goes on; a failed autosave is retried after the
+next change and, if it still fails when the chat ends on a terminal, the user
+is asked once to ``/save`` elsewhere. ``/save`` refuses to replace a file that
+is not a prompt cache unless ``--force``. A line that is not valid UTF-8 is
+refused in one line (nothing sent).
 """
 
 from __future__ import annotations
@@ -24,10 +34,12 @@ import threading
 from pathlib import Path
 from typing import Callable, TextIO
 
-from .chat_input import FENCE, message_text, parse_command, parse_setting, read_input
-from .common import human_bytes
+from .chat_input import FENCE, message_text, parse_command, parse_save_arg, parse_setting, read_input
+from .common import human_bytes, require_utf8
+from .progress import ProgressBar
 from ..config import mlxcc_home
 from ..errors import ChatCacheError, UsageError
+from ..files.save_target import check_save_target
 from ..chat.session import ChatSession, RollbackResult, TurnResult
 
 HELP = f"""\
@@ -41,10 +53,12 @@ Commands (anything else is sent to the model):
   /system [TEXT]         show or set the system prompt (empty quotes \"\" removes it)
   /set NAME VALUE        change a setting: temp, top_p, top_k, min_p, max_tokens,
                          seed (or 'none'), repetition_penalty (or 'none')
+  /history               the conversation so far
   /show info|cache|stats|template
                          the model and settings, the cache, the last turn's
                          statistics, the chat template
-  /save FILE             save the session to FILE
+  /save FILE [--force]   save the session to FILE (--force: even over a file
+                         that is not a prompt cache)
   /load FILE             continue the session saved in FILE
   {FENCE}                   start or end a multi-line message
   //text                 send a message that starts with '/'
@@ -114,6 +128,9 @@ class ChatREPL:
         self.session_label = session_label
         self.failed = False
         self._emitted = False
+        self.unsaved = False  # the last autosave failed: retried after the next change
+        self._warned_unsaved = False
+        self._bar: ProgressBar | None = None
 
     # -------------------------------------------------------------- output
     def say(self, text: str = "") -> None:
@@ -129,6 +146,8 @@ class ChatREPL:
         self.note(f"error: {e}")
 
     def _emit(self, text: str) -> None:
+        if self._bar is not None:  # the reply starts: the progress line goes
+            self._bar.close()
         self._emitted = True
         self.out.write(text)
         self.out.flush()
@@ -143,13 +162,15 @@ class ChatREPL:
             self.note("Type a message, /help for commands, /bye or Ctrl-D to quit.")
         while True:
             item = read_input(self.reader)
-            if item is None:
-                break
+            if item is None or not self._valid(item.text):
+                if item is None and not self._keep_unsaved():
+                    break
+                continue
             if not item.multiline:
                 cmd = parse_command(item.text)
                 if cmd is not None:
                     try:
-                        if self.command(*cmd) == "quit":
+                        if self.command(*cmd) == "quit" and not self._keep_unsaved():
                             break
                     except ChatCacheError as e:
                         self.error(e)
@@ -162,9 +183,36 @@ class ChatREPL:
             self.turn(lambda stop: self.session.ask(text, self._emit, stop))
         return 1 if self.failed and not self.interactive else 0
 
+    def _valid(self, text: str) -> bool:
+        """Whether the input is valid text; else one error line (nothing is sent)."""
+        try:
+            require_utf8(text, "the input")
+        except UsageError as e:
+            self.error(f"{e}; nothing was sent")
+            return False
+        return True
+
+    def _keep_unsaved(self) -> bool:
+        """At the end of the chat: retry a failed autosave; True (the chat goes on)
+        the first time it still fails on a terminal, so the user can /save elsewhere."""
+        if not self.unsaved:
+            return False
+        self.save()
+        if not self.unsaved:
+            return False
+        if self.interactive and not self._warned_unsaved:
+            self._warned_unsaved = True
+            self.note(f"[the conversation is NOT saved in {self.autosave}: /save FILE to keep it "
+                      "elsewhere, or quit again to leave without saving]")  # fmt: skip
+            return True
+        self.note(f"[the last changes were NOT saved in {self.autosave}]")
+        return False
+
     def turn(self, action: Callable[[Callable[[], bool]], TurnResult]) -> None:
-        """Run one generation with Ctrl-C handling, then report and autosave."""
+        """Run one generation with Ctrl-C handling and a progress line, then report and autosave."""
         self._emitted = False
+        self._bar = ProgressBar("prompt", stream=self.err)
+        self.session.progress = self._bar.update
         try:
             with StopFlag() as stop:
                 result = action(stop)
@@ -176,6 +224,9 @@ class ChatREPL:
             self._end_line()
             self.error(e)
             return
+        finally:
+            self._bar.close()
+            self._bar = self.session.progress = None
         if result.stats.finish_reason == "cancelled":
             self.note("[cancelled before the reply started; your message was not sent]")
             return
@@ -193,7 +244,13 @@ class ChatREPL:
             try:
                 self.session.save(self.autosave)
             except ChatCacheError as e:
-                self.error(f"could not save the session: {e}")
+                self.unsaved = True
+                self.error(f"could not save the session: {e} (the conversation is kept: saving is "
+                           "retried after the next turn, or /save FILE elsewhere)")  # fmt: skip
+                return
+        if self.unsaved:
+            self.unsaved = False
+            self.note(f"[session saved to {self.autosave} again]")
 
     # -------------------------------------------------------------- commands
     def command(self, name: str, arg: str) -> str | None:
@@ -243,10 +300,13 @@ class ChatREPL:
         self.save()
 
     def _save(self, arg: str) -> None:
-        if not arg:
-            raise UsageError("usage: /save FILE")
-        self.session.save(Path(arg).expanduser())
-        self.note(f"[session saved to {arg}]")
+        name, force = parse_save_arg(arg)
+        if not name:
+            raise UsageError("usage: /save FILE [--force]")
+        path = Path(name).expanduser()
+        check_save_target(path, force)
+        self.session.save(path)
+        self.note(f"[session saved to {name}]")
 
     def _load(self, arg: str) -> None:
         if not arg:
@@ -317,6 +377,11 @@ class ChatREPL:
             f"{t.generated_tokens} generated, {t.seconds:.2f} s"
         )
 
+    def _history(self, arg: str) -> None:
+        from ..chat.session_catalog import format_conversation
+
+        self.say(format_conversation(self.session.messages))
+
     def _show_template(self) -> None:
         self.say(getattr(self.session.tokenizer, "chat_template", None) or "(no chat template)")
 
@@ -331,6 +396,7 @@ COMMANDS: dict[str, Callable[[ChatREPL, str], None]] = {
     "system": ChatREPL._system,
     "set": ChatREPL._set,
     "show": ChatREPL.show,
+    "history": ChatREPL._history,
     "save": ChatREPL._save,
     "load": ChatREPL._load,
 }

@@ -12,7 +12,7 @@ import re
 from ..config import SERVER_DEFAULTS as S
 from ..config import default_cache_dir
 from ..errors import UsageError
-from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args, human_bytes, positive_int
+from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args, human_bytes, load_model, positive_int
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}  # fmt: skip
@@ -61,13 +61,13 @@ def run(args: argparse.Namespace) -> int:
 
     if not all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn")):
         raise UsageError("mlxcc serve needs starlette and uvicorn: pip install 'mlx-chatcache[serve]'")
-    from ..models.loading import load, resolve_model_ref
+    from ..models.loading import resolve_model_ref
     from ..server.app import serve
     from ..server.service import Service
     from ..store.store import build_store
 
     ref = resolve_model_ref(args.model)
-    model, tokenizer = load(ref)
+    model, tokenizer = load_model(args)  # --adapter-path and --trust-remote-code too
     store = build_store(args.cache_bytes, args.disk_cache_bytes, args.cache_dir or default_cache_dir())
     service = Service(model, tokenizer, ref, store, config_from_args(args), args.max_queue, args.context_length)
     serve(service, args.host, args.port, args.log_level)

@@ -15,6 +15,14 @@ Two layouts exist, both with tensors named by ``tree_flatten`` paths
 Both are converted to our classes: live tokens only, rotating caches in temporal
 order. Writing (``save_mlx_lm``) builds mlx-lm cache objects and uses mlx-lm's
 own writer, so the file is exactly what the installed mlx-lm expects.
+
+mlx-lm files hold no token ids. When we write one (``mlxcc cache convert --to
+mlx-lm``) we add user metadata mlx-lm ignores: ``mlxcc_tokens``,
+``mlxcc_messages``, ``mlxcc_text``, ``mlxcc_settings`` (JSON) and
+``mlxcc_model`` (the fingerprint as JSON), next to mlx-lm's own ``model`` and
+``tokenizer_config`` (which ``mlx_lm.generate --prompt-cache-file`` needs).
+Keys have no dots: mlx-lm unflattens its metadata on load. Reading such a file
+recovers them (:func:`recorded_metadata` / ``_read_recorded``).
 """
 
 from __future__ import annotations
@@ -52,8 +60,54 @@ def detect_mlx_lm(header: Header):
         layout, user = "mlx-lm-legacy", _sub(meta, "1")
     else:
         return None
-    return CacheFileInfo(path=str(header.path), format_version=0, layout=layout,
+    info = CacheFileInfo(path=str(header.path), format_version=0, layout=layout,
                          classes=classes, metadata=user)
+    _read_recorded(info)
+    return info
+
+
+RECORDED = ("mlxcc_tokens", "mlxcc_messages", "mlxcc_text", "mlxcc_settings", "mlxcc_model")
+
+
+def recorded_metadata(info) -> dict[str, str]:
+    """User metadata for an mlx-lm file carrying what ``info`` (a CacheFileInfo) knows."""
+    import json
+
+    out = {}
+    if info.tokens is not None:
+        out["mlxcc_tokens"] = json.dumps(info.tokens)
+    if info.messages is not None:
+        out["mlxcc_messages"] = json.dumps(info.messages, ensure_ascii=False)
+    if info.text is not None:
+        out["mlxcc_text"] = info.text
+    if info.settings:
+        out["mlxcc_settings"] = json.dumps(info.settings)
+    if info.model is not None:
+        out["mlxcc_model"] = json.dumps(info.model.to_metadata())
+    return out
+
+
+def _read_recorded(info) -> None:
+    """Fill ``info`` from the ``mlxcc_*`` keys of an mlx-lm file we wrote (validated as ours)."""
+    import json
+
+    from .cache_io import _parse_messages, _parse_settings, _parse_tokens
+    from ..models.fingerprint import ModelFingerprint
+
+    user, path = info.metadata, info.path
+    info.metadata = {k: v for k, v in user.items() if k not in RECORDED}  # shown as tokens, messages, ...
+    info.tokens = _parse_tokens(path, user.get("mlxcc_tokens"))
+    info.messages = _parse_messages(path, user.get("mlxcc_messages"))
+    info.text = user.get("mlxcc_text")
+    info.settings = _parse_settings(path, user.get("mlxcc_settings"))
+    if "mlxcc_model" in user:
+        try:
+            fp = json.loads(user["mlxcc_model"])
+        except (ValueError, RecursionError):
+            fp = None
+        if not (isinstance(fp, dict) and all(isinstance(v, str) for v in fp.values())):
+            raise CacheFormatError(f"{path}: metadata mlxcc_model is malformed; the file is damaged")
+        info.model = ModelFingerprint.from_metadata(fp)
 
 
 def _sub(meta: dict[str, str], prefix: str) -> dict[str, str]:

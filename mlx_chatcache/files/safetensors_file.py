@@ -15,10 +15,16 @@ and a failed write (full disk, kill -9) leaves the old file intact. A writer
 killed with -9 leaves its temp file (``.NAME.HOST-PID.XXXXXXXX.tmp.safetensors``);
 the next write to the same path removes such leftovers when their writer is
 gone (same host, dead pid) or they have not been touched for an hour.
+Every failure of a write, creating the temp file included (a read-only
+folder, ``/proc``), is one :class:`CacheFileError` line saying what failed
+and what to do; :func:`check_writable` probes the same before any work.
+A file that does not start like a safetensors file (a text file) is refused
+as "not a safetensors file", not by its byte counts.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -34,7 +40,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..errors import CacheFileError
+from ..errors import CacheFileError, CacheFormatError
 
 MAX_HEADER_BYTES = 64 << 20
 MAX_DIMS = 8
@@ -93,12 +99,13 @@ def read_header(path: str | os.PathLike) -> Header:
     with open(path, "rb") as f:
         identity = _identity(os.fstat(f.fileno()))
         size = identity[2]
-        head = f.read(8)
-        if len(head) < 8:
-            raise _bad(path, f"only {size} bytes")
-        (n,) = struct.unpack("<Q", head)
+        head = f.read(9)
+        if not _looks_like_safetensors(head):
+            raise not_safetensors(path)
+        (n,) = struct.unpack("<Q", head[:8])
         if n > size - 8 or n > MAX_HEADER_BYTES:
             raise _bad(path, f"header declares {n} bytes but the file has {size}")
+        f.seek(8)
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
@@ -111,6 +118,22 @@ def read_header(path: str | os.PathLike) -> Header:
     tensors = {name: _parse_entry(path, name, e, data_len) for name, e in header.items()}
     _check_ranges(path, tensors, data_len)
     return Header(path, tensors, metadata, 8 + n, size, identity)
+
+
+def _looks_like_safetensors(head: bytes) -> bool:
+    """Whether the first 9 bytes can start a safetensors file: an 8-byte header
+    length (checked against the file later), then the header's opening brace."""
+    if len(head) < 9:
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    return n >= 2 and head[8:9] == b"{"
+
+
+def not_safetensors(path: Path) -> CacheFileError:
+    return CacheFormatError(
+        f"{path} is not a safetensors file (it does not start with a safetensors header); "
+        "pass a prompt cache file made by mlxcc or mlx-lm"
+    )
 
 
 def _identity(st: os.stat_result) -> tuple:
@@ -235,9 +258,9 @@ def write_file_atomic(path: str | os.PathLike, write) -> None:
     if not folder.is_dir():
         raise CacheFileError(f"cannot write {path}: folder {folder} does not exist; create it first")
     remove_stale_temp_files(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_HOST}-{os.getpid()}.", suffix=TEMP_SUFFIX, dir=folder)
-    os.close(fd)
+    tmp = None
     try:
+        tmp = make_temp_file(path, folder)
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -245,13 +268,50 @@ def write_file_atomic(path: str | os.PathLike, write) -> None:
         _fsync_dir(folder)
     except (OSError, RuntimeError, ValueError) as e:
         _remove_quietly(tmp)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise CacheFileError(
-            f"could not write {path}: {reason}; the previous file (if any) is unchanged"
-        ) from e
+        raise write_error(path, folder, e, created=tmp is not None) from e
     except BaseException:
         _remove_quietly(tmp)
         raise
+
+
+def make_temp_file(path: Path, folder: Path) -> str:
+    """Create (empty) and return the temp file a write of ``path`` goes to."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_HOST}-{os.getpid()}.", suffix=TEMP_SUFFIX, dir=folder)
+    os.close(fd)
+    return tmp
+
+
+def write_error(path: Path, folder: Path, e: BaseException, created: bool = True) -> CacheFileError:
+    """The one-line CacheFileError for a failed write of ``path``: what failed, what to do."""
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    if not created:
+        return CacheFileError(
+            f"could not write {path}: cannot create a file in folder {folder} ({reason}); "
+            "nothing was changed: save elsewhere or make the folder writable"
+        )
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = f"folder {folder} cannot be written: save elsewhere or make it writable"
+    elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        hint = "free some disk space or save elsewhere"
+    else:
+        hint = "save elsewhere or check the path"
+    return CacheFileError(f"could not write {path}: {reason}; the previous file (if any) is unchanged; {hint}")
+
+
+def check_writable(path: str | os.PathLike) -> None:
+    """Refuse (CacheFileError) a ``path`` that :func:`write_file_atomic` could not
+    write: its folder is missing, or a temp file cannot be created in it (probed)."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise CacheFileError(f"cannot write {path}: folder {folder} does not exist; create it first")
+    if path.is_dir():
+        raise CacheFileError(f"cannot write {path}: it is a folder; give a file name")
+    try:
+        tmp = make_temp_file(path, folder)
+    except OSError as e:
+        raise write_error(path, folder, e, created=False) from e
+    _remove_quietly(tmp)
 
 
 TEMP_SUFFIX = ".tmp.safetensors"
@@ -329,7 +389,9 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _remove_quietly(p: str) -> None:
+def _remove_quietly(p: str | None) -> None:
+    if p is None:
+        return
     try:
         os.unlink(p)
     except OSError:

@@ -13,7 +13,9 @@ Layers, each usable on its own (lowest first):
 3. :func:`prefill` feeds all prompt tokens but the last few, in chunks;
    :func:`final_call_size` says how many to leave: the last chunk, fed in
    the model call that samples the first token (one call instead of two),
-   or the last token for a quantized model.
+   or the last token for a quantized model. With ``max_call_seconds`` the
+   chunks are paced to a time budget so Ctrl-C is acted upon
+   (:mod:`mlx_chatcache.generation.pacing`; results equal within float tolerance).
 4. :func:`decode_one_token` feeds tokens, records them in the state and samples
    the next token, one synchronous step.
 5. :func:`generate_step` yields ``(token, logprobs)`` pairs. While decoding
@@ -71,6 +73,11 @@ Otherwise (untrimmable layers, processors) the loop is synchronous: token
 that stops early leaves a state holding only tokens it accepted, minus the
 last one.
 
+Every model call goes through :func:`~mlx_chatcache.generation.model_call.call_model`,
+which raises :class:`~mlx_chatcache.errors.CacheNotUpdatedError` when a layer's
+cache did not take the tokens (a model that does not use our cache: its
+replies would be wrong).
+
 If a model call raises (KeyboardInterrupt included), some layers may have been
 updated and others not. The state is then reset to an empty cache of the same
 shape (``tokens == []``) before the exception propagates.
@@ -99,6 +106,8 @@ import mlx.core as mx
 from ..cache import BaseCache, quantize_prompt_cache
 from ..config import DEFAULTS, GenerationConfig
 from ..errors import UsageError
+from .model_call import call_model
+from .pacing import CallPacer
 from .prompt_state import PromptCache, common_prefix_len, ensure_state, reuse_prefix, trim_state
 from .sample import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 
@@ -133,7 +142,7 @@ def make_kv_quantizer(config: GenerationConfig) -> KVQuantizer | None:
 def forward(model, cache: list[BaseCache], tokens: Sequence[int]) -> mx.array:
     """Feed ``tokens`` (updating ``cache``); logits of the last one ``(1, V)``."""
     inputs = mx.array(tokens, dtype=mx.uint32)[None]  # (1, T)
-    return model(inputs, cache=cache)[:, -1, :]  # (1, T, V) -> (1, V)
+    return call_model(model, inputs, cache)[:, -1, :]  # (1, T, V) -> (1, V)
 
 
 def prefill(
@@ -145,29 +154,46 @@ def prefill(
     *,
     kv_quantizer: KVQuantizer | None = None,
     leave: int = 1,
+    max_call_seconds: float | None = None,
 ) -> list[int]:
     """Feed all of ``tokens`` but the last ``leave``, ``prefill_step_size`` at a time.
 
     Each chunk is evaluated before the next (bounded memory). ``progress``
     gets ``(fed, len(tokens))`` before the first chunk and after each.
     Returns the tokens left to feed (see :func:`final_call_size`).
+    With ``max_call_seconds`` every call is sized to take about that long at
+    most (:class:`~mlx_chatcache.generation.pacing.CallPacer`), so that Ctrl-C is acted
+    upon between calls; more than ``leave`` tokens are fed when the ones
+    left would take longer (at least one is always left).
     """
     if prefill_step_size < 1:
         raise UsageError(f"prefill step size must be >= 1, got {prefill_step_size}")
     tokens = list(tokens)
     todo = max(len(tokens) - leave, 0)
+    pacer = CallPacer(model, max_call_seconds) if max_call_seconds else None
     if progress:
         progress(0, len(tokens))
-    for start in range(0, todo, prefill_step_size):
-        chunk = tokens[start : min(start + prefill_step_size, todo)]
-        model(mx.array(chunk, dtype=mx.uint32)[None], cache=cache)  # (1, T) in
+    start, since_clear = 0, 0
+    while start < todo or (pacer is not None and not pacer.fits(len(tokens) - start)):
+        end = todo if start < todo else len(tokens) - 1
+        n = min(prefill_step_size, end - start)
+        if pacer is not None:
+            n = pacer.size(n)
+            pacer.start()
+        chunk = tokens[start : start + n]
+        call_model(model, mx.array(chunk, dtype=mx.uint32)[None], cache)  # (1, T) in
         if kv_quantizer:
             kv_quantizer(cache)
         mx.eval([c.eval_arrays() for c in cache])
-        mx.clear_cache()
+        if pacer is not None:
+            pacer.record(n)
+        start, since_clear = start + n, since_clear + n
+        if since_clear >= prefill_step_size or pacer is None:
+            mx.clear_cache()
+            since_clear = 0
         if progress:
-            progress(start + len(chunk), len(tokens))
-    return tokens[todo:]
+            progress(start, len(tokens))
+    return tokens[start:]
 
 
 def final_call_size(model, n: int, prefill_step_size: int) -> int:
@@ -259,7 +285,7 @@ def _start_step(
     evaluated in the background. The caller records the fed tokens in
     ``state.tokens`` (the processors see them there as the context).
     """
-    logits = model(inputs, cache=state.cache)[:, -1, :]  # (1, V)
+    logits = call_model(model, inputs, state.cache)[:, -1, :]  # (1, V)
     if kv_quantizer:
         kv_quantizer(state.cache)
     token, logprobs = sample_token(logits, state.tokens, sampler, processors)
@@ -314,6 +340,7 @@ def generate_step(
     logits_processors: Sequence[LogitsProcessor] | None = None,
     stop_tokens: Collection[int] = (),
     progress: Progress | None = None,
+    max_call_seconds: float | None = None,
 ) -> Iterator[tuple[int, mx.array]]:
     """Yield ``(token, logprobs (V,))`` for up to ``config.max_tokens`` tokens.
 
@@ -323,7 +350,8 @@ def generate_step(
     (see the module docstring, also for when a token is fed ahead).
     ``sampler``/``logits_processors`` default to those the config describes.
     ``progress`` gets ``(done, total)`` over the prompt tokens that are not
-    reused, ending with ``(total, total)``.
+    reused, ending with ``(total, total)``. ``max_call_seconds``: see
+    :func:`prefill` (the prompt's calls are sized so Ctrl-C is acted upon).
     """
     config = config or DEFAULTS
     prompt = [int(t) for t in prompt_tokens]
@@ -344,7 +372,7 @@ def generate_step(
     with _reset_on_error(state, model):
         rest = prefill(
             model, state.cache, todo, config.prefill_step_size, progress, kv_quantizer=quantizer,
-            leave=final_call_size(model, len(todo), config.prefill_step_size),
+            leave=final_call_size(model, len(todo), config.prefill_step_size), max_call_seconds=max_call_seconds,
         )  # fmt: skip
         state.tokens.extend(todo)
         token_arr, logprobs = _start_step(

@@ -150,7 +150,8 @@ def reuse_prefix(state: PromptCache, prompt_tokens: Sequence[int], model) -> int
         raise UsageError("the prompt is empty; give at least one token")
     held = len(state.tokens)
     offset = cache_offset(state.cache)
-    # some mlx-lm models (mamba, rwkv7) never advance their caches' offsets: 0 is not checked
+    # mlx-lm models that never call advance() (mamba, rwkv7) leave offset 0 in caches fed
+    # outside generation.model_call.call_model (older files, mlx-lm's own loop): 0 is not checked
     if offset != held and offset != 0:
         raise CacheFormatError(
             f"the prompt cache has seen {offset} tokens but its token list has {held}; "

@@ -18,6 +18,7 @@ import mlx.core as mx
 from ..cache import cache_offset
 from ..errors import UsageError
 from .generate import prefill
+from .model_call import call_model
 from .prompt_state import PromptCache
 
 
@@ -47,12 +48,13 @@ def encode_text(tokenizer, text: str) -> list[int]:
 
 
 def feed_all(model, state: PromptCache, tokens: list[int], prefill_step_size: int,
-             progress=None) -> None:
-    """Feed every one of ``tokens`` into an empty ``state`` (no sampling)."""
+             progress=None, max_call_seconds: float | None = None) -> None:
+    """Feed every one of ``tokens`` into an empty ``state`` (no sampling);
+    ``max_call_seconds``: see :func:`~mlx_chatcache.generation.generate.prefill`."""
     if state.tokens or cache_offset(state.cache):
         raise UsageError("feed_all needs an empty prompt cache")
-    rest = prefill(model, state.cache, tokens, prefill_step_size, progress)
-    model(mx.array(rest, dtype=mx.uint32)[None], cache=state.cache)  # (1, 1) in
+    rest = prefill(model, state.cache, tokens, prefill_step_size, progress, max_call_seconds=max_call_seconds)
+    call_model(model, mx.array(rest, dtype=mx.uint32)[None], state.cache)  # (1, 1) in
     mx.eval([c.eval_arrays() for c in state.cache])
     state.tokens.extend(tokens)
     if progress:

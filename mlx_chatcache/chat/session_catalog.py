@@ -1,0 +1,146 @@
+"""The saved chat sessions of ``mlxcc_home()/sessions``: list, show, remove.
+
+Everything here reads file headers only (:func:`read_cache_info`: the token
+ids, messages and session JSON, never the arrays), so listing many large
+sessions is cheap. :func:`remove_session` deletes a session only when no
+process holds it (:class:`SessionLock`); :func:`list_sessions` also removes
+lock files left by killed chats. :func:`session_source` says which model (and
+adapter) a session was made with, so ``mlxcc chat --session NAME`` can resume
+without ``--model``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ChatCacheError, SessionError
+from ..files.cache_io import CacheFileInfo, read_cache_info
+from ..files.safetensors_file import remove_stale_temp_files
+from .session_store import SESSION_KEY, SESSION_SUFFIX, SessionLock, remove_stale_lock, session_path, sessions_dir
+
+
+@dataclass
+class SessionSummary:
+    name: str
+    path: Path
+    size: int  # bytes on disk
+    last_used: float  # modification time (saved after every turn)
+    model: str | None = None
+    adapter_path: str | None = None
+    turns: int = 0
+    tokens: int = 0
+    problem: str | None = None  # why the file could not be read as a session
+
+
+def session_source(info: CacheFileInfo) -> dict:
+    """``{"model": ref | None, "adapter_path": path | None}`` a session file was made with."""
+    source = {}
+    try:
+        meta = json.loads(info.metadata.get(SESSION_KEY, "{}"))
+        source = meta.get("source") if isinstance(meta, dict) else None
+    except (json.JSONDecodeError, RecursionError):
+        source = None
+    source = source if isinstance(source, dict) else {}
+    model = source.get("model")
+    if not isinstance(model, str):  # files from before sessions recorded their source
+        model = info.model.model_id if info.model else None
+    adapter = source.get("adapter_path")
+    return {"model": model, "adapter_path": adapter if isinstance(adapter, str) else None}
+
+
+def summarize(name: str, path: Path) -> SessionSummary:
+    st = path.stat()
+    s = SessionSummary(name, path, st.st_size, st.st_mtime)
+    try:
+        info = read_cache_info(path)
+    except ChatCacheError as e:
+        s.problem = str(e)
+        return s
+    if SESSION_KEY not in info.metadata or info.messages is None:
+        s.problem = "a cache file, not a chat session"
+    src = session_source(info)
+    s.model, s.adapter_path = src["model"], src["adapter_path"]
+    s.turns = sum(1 for m in info.messages or [] if m["role"] == "assistant")
+    s.tokens = info.num_tokens or 0
+    return s
+
+
+def list_sessions(folder: Path | None = None) -> list[SessionSummary]:
+    """Every session in ``folder`` (default :func:`sessions_dir`), most recently used first."""
+    folder = folder or sessions_dir()
+    if not folder.is_dir():
+        return []
+    for lock in folder.glob("*.lock"):
+        remove_stale_lock(lock)
+    out = []
+    for p in folder.iterdir():
+        if p.name.startswith(".") or not p.name.endswith(SESSION_SUFFIX) or not p.is_file():
+            continue  # temp files of a save in progress are dot files
+        out.append(summarize(p.name[: -len(SESSION_SUFFIX)], p))
+    return sorted(out, key=lambda s: (-s.last_used, s.name))
+
+
+def existing_session(name: str) -> Path:
+    path = session_path(name)
+    if not path.is_file():
+        raise SessionError(f"no session named '{name}' in {path.parent}; 'mlxcc sessions' lists them")
+    return path
+
+
+def read_session_info(name: str) -> CacheFileInfo:
+    """The header of session ``name`` (SessionError when it is not a chat session)."""
+    path = existing_session(name)
+    info = read_cache_info(path)
+    if info.messages is None or SESSION_KEY not in info.metadata:
+        raise SessionError(f"{path} is a cache file but not a chat session; inspect it with 'mlxcc cache info'")
+    return info
+
+
+def remove_session(name: str) -> Path:
+    """Delete session ``name`` (and its lock and leftover temp files) unless a chat holds it."""
+    path = existing_session(name)
+    with SessionLock(path, f"'{name}'"):
+        os.unlink(path)
+        remove_stale_temp_files(path)
+    return path
+
+
+def resume_source(path: Path, label: str) -> dict:
+    """The model (and adapter) to resume the session at ``path`` with when no
+    ``--model`` is given; SessionError when it is unknown or no longer on disk."""
+    src = session_source(read_cache_info(path))
+    model = src["model"]
+    if not model:
+        raise SessionError(f"session {label} does not say which model made it; pass --model")
+    for what, ref in (("model", model), ("adapter", src["adapter_path"])):
+        if ref and os.path.isabs(ref) and not os.path.exists(ref):
+            raise SessionError(
+                f"session {label} was made with the {what} {ref}, which no longer exists; "
+                "pass --model PATH (and --adapter-path) to resume it with the same model moved elsewhere"
+            )
+    return src
+
+
+def format_conversation(messages: list[dict]) -> str:
+    """One block per message: ``role:`` then its text, indented (``sessions show``, ``/history``)."""
+    if not messages:
+        return "(no messages yet)"
+    blocks = []
+    for m in messages:
+        body = m["content"].replace("\n", "\n    ")
+        blocks.append(f"{m['role']}:\n    {body}")
+    return "\n".join(blocks)
+
+
+__all__ = [
+    "format_conversation",
+    "SessionSummary",
+    "list_sessions",
+    "read_session_info",
+    "remove_session",
+    "resume_source",
+    "session_source",
+]

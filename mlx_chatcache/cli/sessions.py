@@ -1,0 +1,90 @@
+"""``mlxcc sessions [list|show NAME|rm NAME]``: the chat sessions kept in MLXCC_HOME.
+
+Reads file headers only (no arrays). ``rm`` refuses a session a running chat
+holds (its lock).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from ..chat.session_catalog import format_conversation, list_sessions, read_session_info, remove_session, session_source
+from ..chat.session_store import sessions_dir
+from .common import human_bytes
+
+COLUMNS = ("NAME", "MODEL", "TURNS", "TOKENS", "SIZE", "LAST USED")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "sessions",
+        help="list, show or remove saved chat sessions",
+        description="The chat sessions saved with 'mlxcc chat --session NAME' (in MLXCC_HOME/sessions, "
+        "default MLXCC_HOME: ~/.mlxcc). Without an action: list them, most recently used first.",
+    )
+    p.add_argument("--json", action="store_true", help="list as JSON")
+    ssub = p.add_subparsers(dest="sessions_command", metavar="ACTION", parser_class=type(p))
+    ls = ssub.add_parser("list", help="list the sessions: name, model, turns, tokens, size, last used",
+                         description="List the sessions: name, model, turns, tokens, size on disk, last used.")
+    ls.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    ls.set_defaults(run=run_list)
+    show = ssub.add_parser("show", help="print a session's conversation", description="Print a session's conversation.")
+    show.add_argument("name", help="the session name")
+    show.add_argument("--json", action="store_true", help="print the messages as JSON")
+    show.set_defaults(run=run_show)
+    rm = ssub.add_parser("rm", help="delete a session (not while a chat holds it)",
+                         description="Delete a session file; refused while a chat has the session open.")
+    rm.add_argument("name", nargs="+", help="the session name(s)")
+    rm.set_defaults(run=run_rm)
+    p.set_defaults(run=run_list)
+
+
+def _model_label(ref: str | None, adapter: str | None) -> str:
+    label = os.path.basename(ref.rstrip("/")) if ref and os.path.isabs(ref) else (ref or "?")
+    return label + (f" + {os.path.basename(adapter.rstrip('/'))}" if adapter else "")
+
+
+def run_list(args: argparse.Namespace) -> int:
+    sessions = list_sessions()
+    if args.json:
+        rows = [{"name": s.name, "model": s.model, "adapter_path": s.adapter_path, "turns": s.turns,
+                 "tokens": s.tokens, "size": s.size, "last_used": s.last_used, "path": str(s.path),
+                 "problem": s.problem} for s in sessions]  # fmt: skip
+        print(json.dumps(rows, indent=2, ensure_ascii=False))
+        return 0
+    if not sessions:
+        print(f"no sessions in {sessions_dir()} (start one with 'mlxcc chat --session NAME')")
+        return 0
+    rows = [COLUMNS]
+    for s in sessions:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.last_used))
+        model = f"({s.problem})" if s.problem else _model_label(s.model, s.adapter_path)
+        rows.append((s.name, model, str(s.turns), str(s.tokens), human_bytes(s.size), used))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    return 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    info = read_session_info(args.name)
+    if args.json:
+        print(json.dumps(info.messages, indent=2, ensure_ascii=False))
+        return 0
+    src = session_source(info)
+    turns = sum(1 for m in info.messages if m["role"] == "assistant")
+    print(f"session '{args.name}': model {src['model'] or '?'}"
+          + (f" + adapter {src['adapter_path']}" if src["adapter_path"] else "")
+          + f", {turns} turns, {info.num_tokens} tokens")  # fmt: skip
+    print(format_conversation(info.messages))
+    return 0
+
+
+def run_rm(args: argparse.Namespace) -> int:
+    for name in args.name:
+        path = remove_session(name)
+        print(f"removed session '{name}' ({path})")
+    return 0

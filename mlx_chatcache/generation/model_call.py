@@ -1,0 +1,89 @@
+"""The one place this package runs a model on a prompt cache, and the check
+that every layer's cache took the tokens it was handed.
+
+Contract of :func:`call_model` ``(model, inputs (1, T), cache) -> model output``:
+
+- it runs ``model(inputs, cache=cache)`` and returns what the model returns;
+- before the call it notes each layer's progress (for every cache inside a
+  ``CacheList`` too): the ``offset`` int, and for an ``ArraysCache`` the slot
+  arrays themselves (by identity; no array is evaluated or copied);
+- after the call, a cache whose offset did not move and (``ArraysCache``)
+  whose slots were not replaced did not take the ``T`` tokens: the model does
+  not use it, so continuing would give wrong text from then on. That raises
+  :class:`CacheNotUpdatedError` naming the model type and the layer;
+- an ``ArraysCache`` whose slots were replaced but whose offset did not move
+  (models that never call ``advance``: mamba, falcon_mamba, rwkv7) gets
+  ``offset += T``, so that every layer's offset counts the tokens it has seen.
+
+Every model call in this package (prefill, decode, feeding a whole prompt)
+goes through here. Cost: a few attribute reads per layer per call.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..cache import ArraysCache, BaseCache, CacheList
+from ..errors import CacheNotUpdatedError
+
+
+def _leaves(cache: list[BaseCache]) -> list[BaseCache]:
+    """Every per-layer cache, those inside a CacheList in its place."""
+    out = []
+    for c in cache:
+        if isinstance(c, CacheList):
+            out.extend(c.caches)
+        else:
+            out.append(c)
+    return out
+
+
+def _where(cache: list[BaseCache], leaf: BaseCache) -> str:
+    """Which layer (and CacheList part) ``leaf`` serves, for the message."""
+    for i, c in enumerate(cache):
+        if c is leaf:
+            return f"layer {i}"
+        if isinstance(c, CacheList) and any(x is leaf for x in c.caches):
+            j = next(j for j, x in enumerate(c.caches) if x is leaf)
+            return f"layer {i} (part {j} of its CacheList)"
+    return "a layer"
+
+
+def _took_tokens(c: BaseCache, offset: int, slots) -> bool:
+    """Whether ``c`` moved past ``offset`` or (an ArraysCache) replaced its ``slots``."""
+    if c.offset != offset:
+        return True
+    if slots is None:
+        return False
+    return len(slots) != len(c.cache) or any(a is not b for a, b in zip(slots, c.cache))
+
+
+def model_type(model) -> str:
+    """The model's architecture name (mlx-lm's ``model_type``), for messages."""
+    name = getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", None)
+    return str(name) if name else type(model).__name__
+
+
+def call_model(model, inputs: mx.array, cache: list[BaseCache]):
+    """``model(inputs, cache=cache)``, checked: every layer must take the tokens."""
+    tokens = inputs.shape[-1]
+    leaves = _leaves(cache)
+    # (offset, the slot arrays of an ArraysCache): ints and references, nothing evaluated
+    before = [(c.offset, tuple(c.cache) if isinstance(c, ArraysCache) else None) for c in leaves]
+    out = model(inputs, cache=cache)
+    if tokens == 0:
+        return out
+    for c, (offset, slots) in zip(leaves, before):
+        if not _took_tokens(c, offset, slots):
+            raise CacheNotUpdatedError(
+                f"the {model_type(model)} model was given {tokens} token(s) but did not store them in "
+                f"{_where(cache, c)}'s cache ({type(c).__name__}, offset still {c.offset}), so its replies "
+                "would be wrong; this architecture does not work with mlx_chatcache's caches yet: "
+                "use mlx-lm for it and report the model type"
+            )
+        if c.offset == offset:  # an ArraysCache whose slots the model replaced without advance()
+            c.offset += tokens
+    return out
+
+
+__all__ = ["call_model", "model_type"]

@@ -1,0 +1,120 @@
+"""Clean one-line errors and a readable ``cache info`` (issue 11, item 8),
+through the real ``mlxcc`` in subprocesses (bytes that are not UTF-8 reach it
+as the shell would pass them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TIMEOUT = 60
+
+
+def mlxcc(*args, stdin: bytes | None = None, cwd=None, env=None) -> subprocess.CompletedProcess:
+    argv = [sys.executable.encode(), b"-m", b"mlx_chatcache"]
+    argv += [a if isinstance(a, bytes) else str(a).encode() for a in args]
+    p = subprocess.run(argv, input=stdin, capture_output=True, timeout=TIMEOUT, cwd=cwd, env=env)
+    p.stdout, p.stderr = p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace")
+    return p
+
+
+def one_error_line(p) -> str:
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode != 0 and "Traceback" not in p.stderr and len(lines) == 1, p.stderr
+    return lines[0]
+
+
+def test_an_argument_that_is_not_utf8_is_one_line(tiny_model_dirs):
+    p = mlxcc("generate", "--model", tiny_model_dirs["llama"], "-m", "4", "-p", b"caf\xe9 au lait")
+    line = one_error_line(p)
+    assert line == ("mlxcc: error: argument --prompt is not valid UTF-8 text (byte 0xe9 at character 4); "
+                    "type it again or convert it to UTF-8 (e.g. iconv -t UTF-8)")  # fmt: skip
+    p = mlxcc("generate", "--model", tiny_model_dirs["llama"], "-m", "4", "-p", "-", stdin=b"caf\xe9\n")
+    assert "the prompt read from stdin is not valid UTF-8 text" in one_error_line(p)
+
+
+@pytest.mark.parametrize("lang", ["C.UTF-8", "C"])
+def test_piped_chat_line_that_is_not_utf8_is_skipped_and_the_chat_goes_on(tiny_model_dirs, tmp_path, lang):
+    env = {**os.environ, "MLXCC_HOME": str(tmp_path), "LC_ALL": lang, "LANG": lang, "PYTHONIOENCODING": "utf-8"}
+    p = mlxcc("chat", "--model", tiny_model_dirs["llama"], "-m", "4", "--verbose",
+              stdin=b"caf\xe9 au lait\nGood morning!\n", env=env)  # fmt: skip
+    assert "Traceback" not in p.stderr, p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: the input is not valid UTF-8 text (byte 0xe9 at character 4); type it again "
+                      "or convert it to UTF-8 (e.g. iconv -t UTF-8); nothing was sent"], p.stderr  # fmt: skip
+    assert p.stderr.count("[stats]") == 1  # the next message was answered
+
+
+def test_kv_group_size_that_does_not_divide_the_head_size_names_one_that_does(tiny_model_dirs, tmp_path):
+    model = tiny_model_dirs["llama"]  # head size 64
+    expected = ("KV quantization group size 128 does not divide this model's head size 64; "
+                "use --kv-group-size 32 or 64")  # fmt: skip
+    p = mlxcc("generate", "--model", model, "-p", "Hello", "-m", "4", "--kv-bits", "4", "--kv-group-size", "128")
+    assert one_error_line(p) == "mlxcc: error: " + expected
+    p = mlxcc("chat", "--model", model, "-m", "4", "--kv-bits", "4", "--kv-group-size", "128", "--verbose",
+              stdin=b"Hello\nHello again\n/set max_tokens 3\n", env={**os.environ, "MLXCC_HOME": str(tmp_path)})  # fmt: skip
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: " + expected] * 2, p.stderr  # each turn says so; the chat goes on
+    assert "Traceback" not in p.stderr and "inconsistent" not in p.stderr
+    p = mlxcc("generate", "--model", model, "-p", "Hello", "-m", "4", "--kv-bits", "4", "--kv-group-size", "32")
+    assert p.returncode == 0, p.stderr
+
+
+def test_a_folder_that_is_not_a_model(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    p = mlxcc("generate", "--model", tmp_path, "-p", "Hello")
+    assert one_error_line(p).startswith(f"mlxcc: error: {tmp_path} is not a model folder: no config.json")
+    p = mlxcc("chat", "--model", tmp_path / "notes.txt", stdin=b"")
+    assert f"{tmp_path / 'notes.txt'} is not a model" in one_error_line(p)
+
+
+@pytest.mark.parametrize("content", [b"hello, these are my notes\n", b"", b"x"])
+def test_a_text_file_given_as_a_cache_is_not_a_safetensors_file(tiny_model_dirs, tmp_path, content):
+    f = tmp_path / "notes.txt"
+    f.write_bytes(content)
+    expected = f"{f} is not a safetensors file (it does not start with a safetensors header)"
+    for args in (["cache", "info", f], ["generate", "--model", tiny_model_dirs["llama"], "-p", "Hi",
+                                          "--prompt-cache-file", f]):  # fmt: skip
+        line = one_error_line(mlxcc(*args))
+        assert expected in line and "bytes" not in line, line
+
+
+@pytest.fixture
+def mlx_lm_file(tmp_path):
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, save_prompt_cache
+
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, 2, 3, 64)), mx.zeros((1, 2, 3, 64)))
+    f = tmp_path / "lm.safetensors"
+    config = json.dumps({"chat_template": "{% for m in messages %}" * 40, "eos_token": "<|im_end|>"})
+    save_prompt_cache(str(f), [c], {"model": "/models/Qwen3-0.6B-4bit", "tokenizer_config": config})
+    return f
+
+
+def test_cache_info_shows_the_model_an_mlx_lm_file_records(mlx_lm_file):
+    p = mlxcc("cache", "info", mlx_lm_file)
+    assert p.returncode == 0, p.stderr
+    assert "model:       /models/Qwen3-0.6B-4bit (as recorded by mlx-lm)" in p.stdout.splitlines()
+    p = mlxcc("cache", "info", mlx_lm_file, "--json")
+    assert json.loads(p.stdout)["model"] == "/models/Qwen3-0.6B-4bit"
+
+
+def test_cache_info_wraps_long_values(mlx_lm_file, tiny_model_dirs, tmp_path):
+    env = {**os.environ, "COLUMNS": "80", "MLXCC_HOME": str(tmp_path)}
+    p = mlxcc("cache", "info", mlx_lm_file, env=env)
+    assert p.returncode == 0 and max(map(len, p.stdout.splitlines()[1:])) <= 80, p.stdout  # (a path stays whole)
+    assert "--json shows all" in p.stdout  # the ~1,000-character config is cut, not dumped
+    session = tmp_path / "s.safetensors"
+    p = mlxcc("chat", "--model", tiny_model_dirs["llama"], "-m", "4", "--session-file", session,
+              "--system-prompt", "You are a helpful assistant who answers briefly. " * 8, stdin=b"Hi\n", env=env)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    p = mlxcc("cache", "info", session, env=env)
+    lines = p.stdout.splitlines()
+    assert p.returncode == 0 and max(map(len, lines[1:])) <= 80, p.stdout
+    assert any(line.startswith("settings:    max_kv_size=None") for line in lines)
+    assert any(line.startswith("metadata:    session = {") for line in lines)

@@ -1,0 +1,172 @@
+"""Sessions a user can manage (issue 11 item 5), through the real command:
+``mlxcc sessions`` (list / show / rm), ``/history`` in the REPL (pexpect),
+resuming with the model the session recorded, ``generate`` respecting a
+chat's session lock, and lock files that do not pile up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mlx_chatcache.files.cache_io import read_cache_info
+
+
+def mlxcc(*args, home, input=None, timeout=180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MLXCC_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "mlx_chatcache", *args], capture_output=True, text=True,
+                          env=env, input=input, timeout=timeout)  # fmt: skip
+
+
+def chat(model_dir, home, name, *lines, flags=()) -> subprocess.CompletedProcess:
+    model = ("--model", str(model_dir)) if model_dir else ()
+    r = mlxcc("chat", *model, "--session", name, "-n", "4", "-v", *flags, input="".join(x + "\n" for x in lines), home=home)
+    return r
+
+
+def open_chat(model_dir, home, name):
+    """A chat that holds session ``name`` until its stdin is closed; returns once it is ready."""
+    env = {**os.environ, "MLXCC_HOME": str(home)}
+    p = subprocess.Popen([sys.executable, "-m", "mlx_chatcache", "chat", "--model", str(model_dir), "--session", name,
+                          "-n", "3"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)  # fmt: skip
+    lock = home / "sessions" / f"{name}.lock"
+    deadline = time.time() + 60
+    while not (lock.exists() and lock.read_text().strip() == str(p.pid)):
+        assert time.time() < deadline and p.poll() is None, "the chat did not take its lock"
+        time.sleep(0.05)
+    return p
+
+
+def one_line(r: subprocess.CompletedProcess) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def test_sessions_list_show_rm(tiny_model_dirs, tmp_path):
+    d, home = tiny_model_dirs["llama"], tmp_path
+    assert "no sessions" in mlxcc("sessions", home=home).stdout
+    assert chat(d, home, "alpha", "Hello there", "What is a river?").returncode == 0
+    time.sleep(0.05)
+    assert chat(d, home, "beta", "Good morning").returncode == 0
+    rows = mlxcc("sessions", home=home)
+    assert rows.returncode == 0, rows.stderr
+    lines = rows.stdout.strip().splitlines()
+    assert lines[0].split() == ["NAME", "MODEL", "TURNS", "TOKENS", "SIZE", "LAST", "USED"]
+    assert [ln.split()[0] for ln in lines[1:]] == ["beta", "alpha"]  # most recently used first
+    listed = {x["name"]: x for x in json.loads(mlxcc("sessions", "list", "--json", home=home).stdout)}
+    for name, turns in (("alpha", 2), ("beta", 1)):
+        f = home / "sessions" / f"{name}.safetensors"
+        info = read_cache_info(f)
+        s = listed[name]
+        assert (s["turns"], s["tokens"], s["size"]) == (turns, info.num_tokens, f.stat().st_size)
+        assert s["model"] == str(d.resolve()) and s["last_used"] == pytest.approx(f.stat().st_mtime)
+        row = next(ln.split() for ln in lines if ln.startswith(name + " "))
+        assert row[1:4] == [d.name, str(turns), str(info.num_tokens)]
+
+    shown = mlxcc("sessions", "show", "alpha", home=home)
+    assert shown.returncode == 0
+    info = read_cache_info(home / "sessions" / "alpha.safetensors")
+    for m in info.messages:
+        assert f"{m['role']}:\n    {m['content']}" in shown.stdout
+    assert json.loads(mlxcc("sessions", "show", "alpha", "--json", home=home).stdout) == info.messages
+
+    gone = mlxcc("sessions", "rm", "alpha", home=home)
+    assert gone.returncode == 0 and not (home / "sessions" / "alpha.safetensors").exists()
+    missing = mlxcc("sessions", "show", "alpha", home=home)
+    assert missing.returncode == 1 and "no session named 'alpha'" in one_line(missing)
+    assert sorted(p.name for p in (home / "sessions").iterdir()) == ["beta.safetensors"]  # no lock files left
+
+
+def test_a_chat_holding_a_session_blocks_rm_and_generate(tiny_model_dirs, tmp_path):
+    d, home = tiny_model_dirs["llama"], tmp_path
+    assert chat(d, home, "held", "Hello there").returncode == 0
+    f = home / "sessions" / "held.safetensors"
+    before = f.read_bytes()
+    p = open_chat(d, home, "held")
+    try:
+        rm = mlxcc("sessions", "rm", "held", home=home)
+        assert rm.returncode == 1 and "already open in another mlxcc process" in one_line(rm)
+        for extra in ((), ("--save-prompt-cache", str(f))):
+            g = mlxcc("generate", "--model", str(d), "-p", "Hi", "--prompt-cache-file", str(f), *extra, home=home)
+            assert g.returncode == 1 and f"pid {p.pid}" in one_line(g), g.stderr
+        assert f.read_bytes() == before
+    finally:
+        p.communicate("", timeout=60)
+    assert p.returncode == 0
+    assert not (home / "sessions" / "held.lock").exists()  # released and removed
+    g = mlxcc("generate", "--model", str(d), "-p", "Hi", "-n", "2", "--prompt-cache-file", str(f), home=home)
+    assert g.returncode == 0, g.stderr
+    assert mlxcc("sessions", "rm", "held", home=home).returncode == 0
+    assert list((home / "sessions").iterdir()) == []
+
+
+def test_lock_files_of_killed_chats_are_removed(tiny_model_dirs, tmp_path):
+    d, home = tiny_model_dirs["llama"], tmp_path
+    p = open_chat(d, home, "killed")
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    assert (home / "sessions" / "killed.lock").exists()  # the OS dropped the lock, the file stays
+    live = open_chat(d, home, "live")
+    try:
+        r = mlxcc("sessions", home=home)
+        assert r.returncode == 0
+        assert not (home / "sessions" / "killed.lock").exists()
+        assert (home / "sessions" / "live.lock").exists()  # a held lock is never removed
+    finally:
+        live.communicate("", timeout=60)
+    assert not (home / "sessions" / "live.lock").exists()
+
+
+def test_resume_without_model_uses_the_recorded_one(tiny_model_dirs, tmp_path):
+    home = tmp_path / "home"
+    d = shutil.copytree(tiny_model_dirs["llama"], tmp_path / "my-model")
+    first = chat(d, home, "s", "Hello there")
+    assert first.returncode == 0, first.stderr
+    again = chat(None, home, "s", "What is a river?", "/history")
+    assert again.returncode == 0, again.stderr
+    assert f"[model: {d.resolve()} (recorded in the session)]" in again.stderr
+    assert "resumed session 's': 1 turn" in again.stderr and "(0 recomputed)" in again.stderr
+    info = read_cache_info(home / "sessions" / "s.safetensors")
+    assert [m["content"] for m in info.messages if m["role"] == "user"] == ["Hello there", "What is a river?"]
+    assert "user:\n    Hello there" in again.stdout and "user:\n    What is a river?" in again.stdout  # /history
+    shutil.rmtree(d)
+    moved = chat(None, home, "s", "Hi")
+    assert moved.returncode == 1
+    line = one_line(moved)
+    assert str(d.resolve()) in line and "no longer exists" in line and "--model" in line
+
+
+def test_history_in_the_terminal(tiny_model_dirs, tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    env = {**os.environ, "MLXCC_HOME": str(tmp_path), "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1", "COLUMNS": "200"}
+    args = ["-m", "mlx_chatcache", "chat", "--model", str(tiny_model_dirs["llama"]), "--session", "h", "-n", "4"]
+    try:
+        child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", codec_errors="replace",
+                              timeout=30, dimensions=(40, 200))  # fmt: skip
+    except (OSError, pexpect.ExceptionPexpect) as e:
+        pytest.skip(f"pexpect cannot spawn a terminal here: {e}")
+    try:
+        child.expect(">>>")
+        child.sendline("/history")
+        child.expect(r"\(no messages yet\)")
+        child.expect(">>>")
+        child.sendline("Good morning!")
+        child.expect(">>>")
+        child.sendline("/history")
+        child.expect(r"user:\s+Good morning!\s+assistant:")
+        child.expect(">>>")
+        child.sendline("/bye")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    assert sorted(p.name for p in (tmp_path / "sessions").iterdir()) == ["h.safetensors"]
