@@ -61,3 +61,24 @@ INTERRUPTIBLE_CALL_SECONDS = 0.5
 def mlxcc_home() -> Path:
     """Where sessions live: ``$MLXCC_HOME`` or ``~/.mlxcc``."""
     return Path(os.environ.get("MLXCC_HOME") or Path.home() / ".mlxcc")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Defaults of ``mlxcc serve`` and its prompt-cache store."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    memory_cache_bytes: int = 2_000_000_000  # memory tier budget (0: no memory tier)
+    disk_cache_bytes: int = 16_000_000_000  # disk tier budget (0: no disk tier)
+    cache_dir_name: str = "server-cache"  # under mlxcc_home() unless --cache-dir is given
+    max_queue: int = 64  # requests waiting for the generation worker; more get HTTP 503
+    max_stop_sequences: int = 4  # as OpenAI's API
+
+
+SERVER_DEFAULTS = ServerConfig()
+
+
+def default_cache_dir() -> Path:
+    """Where ``mlxcc serve`` keeps its disk tier: ``$MLXCC_HOME/server-cache``."""
+    return mlxcc_home() / SERVER_DEFAULTS.cache_dir_name

@@ -84,3 +84,15 @@ def test_decode_profile_smoke(tmp_path):
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
     assert {"loaded", "q", "float32"} <= set(rows)
     assert "4-bit kernel, float32 scales (q)" in rows and "float32 GEMV (float32)" in rows
+
+
+def test_server_load_smoke(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    out = run("server_load.py", "--tiny", "--clients", "2", "--turns", "1", "--max-new", "2", "--no-mlx-lm",
+              "--write-results", "--results", str(results), timeout=300)
+    assert re.search(r"^\| turn +\| prompt tok +\| mlxcc \+ store +\| mlxcc, no store", out, re.M)
+    assert "mlxcc + store: 4 requests, 0 errors" in out and "mlxcc, no store: 4 requests, 0 errors" in out
+    assert "after the restart 2 disk hits" in out
+    assert "replies of mlxcc + store identical to mlxcc, no store: 4/4" in out
+    assert "<!-- BEGIN server_load_c2 -->" in results.read_text()
+    assert re.search(r"^\| 1 +\| \d+ +\| \d+ \(\d+\) \[\d+\]", out, re.M)  # TTFT (cached) [server's part]
