@@ -12,7 +12,7 @@ import sys
 
 from ..errors import ChatCacheError
 
-SUBCOMMANDS = ("generate", "cache_prompt", "chat", "cache_info")
+SUBCOMMANDS = ("generate", "cache_prompt", "chat", "cache_info", "serve")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -78,6 +78,17 @@ class Tier:
         return {"entries": len(self.index), "bytes": self.index.nbytes, "budget": self.index.budget, **self.counters}
 
     # shared by the tiers
+    def _covered(self, entry: Entry) -> Entry | None:
+        """A stored trimmable entry that extends ``entry``'s tokens (and so serves
+        everything it would), pinned to the same key or ``entry`` unpinned."""
+        found = self.index.longest(entry.namespace, entry.tokens, entry.key)
+        if found is None:
+            return None
+        other, n = found
+        if n == len(entry.tokens) < len(other.tokens) and other.trimmable and other.key in (None, entry.key):
+            return other
+        return None
+
     def _admit(self, entry: Entry) -> bool:
         """Insert ``entry`` under the budget rule, dropping what it supersedes."""
         replaced = self.index.get(entry.namespace, entry.tokens)
@@ -114,6 +125,10 @@ class MemoryTier(Tier):
         return copy_prompt_cache(entry.payload)
 
     def add(self, scope, tokens, cache, key):
+        covering = self._covered(Entry(scope.namespace, tuple(tokens), 0, True, key))
+        if covering is not None:
+            self.index.touch(covering)
+            return True
         compact = compact_copy(cache)
         entry = Entry(scope.namespace, tuple(tokens), prompt_cache_nbytes(compact),
                       can_trim_prompt_cache(cache), key, compact)  # fmt: skip
@@ -197,14 +212,16 @@ class DiskTier(Tier):
             self._discard(path)
             return None
         self._hit(entry)
-        try:
-            os.utime(path)  # most recently used, also for the next process
-        except OSError:
-            pass
+        _touch(path)
         return cache
 
     def add(self, scope, tokens, cache, key):
         tokens = tuple(tokens)
+        covering = self._covered(Entry(scope.namespace, tokens, 0, True, key))
+        if covering is not None:
+            self.index.touch(covering)
+            _touch(covering.payload)
+            return True
         path = self.folder / _file_name(scope.namespace, tokens)
         trimmable = can_trim_prompt_cache(cache)
         meta = {"store.namespace": scope.namespace, "store.trimmable": "1" if trimmable else "0"}
@@ -224,6 +241,14 @@ class DiskTier(Tier):
         self.index.remove(entry)
         if keep_payload_of is None or keep_payload_of.payload != entry.payload:
             Path(entry.payload).unlink(missing_ok=True)
+
+
+def _touch(path: Path) -> None:
+    """Most recently used, also for the next process (the LRU order is mtimes)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
 
 
 def _file_name(namespace: str, tokens: Sequence[int]) -> str:
