@@ -422,3 +422,32 @@ def test_reads_version_1_files_without_room(tmp_path):
     assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
     save_prompt_cache(tmp_path / "v2.safetensors", [old], tokens=list(range(14)))
     assert read_cache_info(tmp_path / "v2.safetensors").format_version == FORMAT_VERSION == 2
+
+
+def test_cache_bytes_are_the_file_and_load_with_the_same_checks(llama_model, tmp_path):
+    from mlx_chatcache.cache_io import load_prompt_cache_bytes, prompt_cache_bytes
+    from mlx_chatcache.errors import CacheFileError, ModelMismatchError
+    from mlx_chatcache.generate import PromptCacheState
+    from mlx_chatcache.prompt_store import feed_all
+
+    import numpy as np
+
+    model, _ = llama_model
+    tokens = [5 + i % 90 for i in range(70)]
+    state = PromptCacheState.new(model)
+    feed_all(model, state, tokens, 512)
+    data = prompt_cache_bytes(state.cache, tokens=tokens, model=model.fingerprint, metadata={"k": "v"})
+    path = tmp_path / "c.safetensors"
+    save_prompt_cache(path, state.cache, tokens=tokens, model=model.fingerprint, metadata={"k": "v"})
+    on_disk = load_prompt_cache(path, return_metadata=True)
+    cache, info = load_prompt_cache_bytes(data, "mem", model=model.fingerprint)
+    assert info.tokens == tokens and info.metadata == {"k": "v"} == on_disk[1].metadata
+    assert len(data) == path.stat().st_size
+    for a, b in zip(cache, on_disk[0]):
+        for x, y in zip(a.state, b.state):
+            np.testing.assert_array_equal(np.array(x), np.array(y))
+    with pytest.raises(CacheFileError, match="mem is not a valid cache file"):
+        load_prompt_cache_bytes(data[: len(data) // 2], "mem")
+    other = ModelFingerprint("x", "0" * 64, "0" * 64)
+    with pytest.raises(ModelMismatchError):
+        load_prompt_cache_bytes(data, "mem", model=other)

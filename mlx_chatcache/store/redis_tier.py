@@ -229,6 +229,8 @@ class RedisTier(Tier):
         return self.writer.flush(timeout)
 
     def close(self) -> None:
+        """Let queued writes finish (a few seconds at most), then stop."""
+        self.writer.flush(5.0)
         self.writer.close()
         self.link.close()
 

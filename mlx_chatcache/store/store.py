@@ -88,6 +88,10 @@ class PromptStore:
     def stats(self) -> dict:
         return {"lookups": self.lookups, "misses": self.misses, **{t.name: t.stats() for t in self.tiers}}
 
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
     def memory_bytes(self) -> int:
         return sum(t.index.nbytes for t in self.tiers if t.name == "memory")
 
