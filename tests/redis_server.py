@@ -1,9 +1,11 @@
 """A real ``redis-server`` for tests: started on a free loopback port in a temp
 folder (no persistence), stopped after; can be killed and restarted mid-test.
 
-``redis_server`` (fixture) yields a :class:`RedisServer`. When the
-``redis-server`` binary is missing the tests using it are skipped, except
-under CI (``CI=true``), where they fail: .ci/run installs it.
+``redis_server`` (fixture) yields a :class:`RedisServer`; ``shared_redis``
+is one per module. When the ``redis-server`` binary is missing the tests using
+them are skipped, except under CI (``CI=true``), where they fail: .ci/run
+installs it. (benchmarks/redis_replicas.py uses :class:`RedisServer` too,
+passing ``binary``.)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def free_port() -> int:
 
 
 def redis_binary() -> str:
+    """The redis-server binary; skips the test without it (fails it under CI)."""
     path = shutil.which("redis-server")
     if path is None:
         message = "redis-server is not installed (Debian: apt-get install redis-server)"
@@ -35,8 +38,10 @@ def redis_binary() -> str:
 
 
 class RedisServer:
-    def __init__(self, folder: Path, port: int | None = None):
-        self.binary = redis_binary()
+    """``redis-server`` on ``port`` (default: a free one) with its files in ``folder``."""
+
+    def __init__(self, folder: Path, port: int | None = None, binary: str | None = None):
+        self.binary = binary or redis_binary()
         self.folder, self.port = Path(folder), port or free_port()
         self.proc: subprocess.Popen | None = None
 
