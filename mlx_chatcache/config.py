@@ -54,8 +54,8 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8080
-    memory_cache_bytes: int = 2 << 30  # memory tier budget (0: no memory tier)
-    disk_cache_bytes: int = 16 << 30  # disk tier budget (0: no disk tier)
+    memory_cache_bytes: int = 2_000_000_000  # memory tier budget (0: no memory tier)
+    disk_cache_bytes: int = 16_000_000_000  # disk tier budget (0: no disk tier)
     cache_dir_name: str = "server-cache"  # under mlxcc_home() unless --cache-dir is given
     max_queue: int = 64  # requests waiting for the generation worker; more get HTTP 503
     max_stop_sequences: int = 4  # as OpenAI's API

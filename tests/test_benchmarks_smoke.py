@@ -64,6 +64,17 @@ def test_chat_latency_smoke(tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_server_load_smoke(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    out = run("server_load.py", "--tiny", "--clients", "2", "--turns", "1", "--max-new", "2", "--no-mlx-lm",
+              "--write-results", "--results", str(results), timeout=300)
+    assert re.search(r"^\| turn +\| prompt tok +\| mlxcc \+ store TTFT", out, re.M)
+    assert "mlxcc + store: 4 requests, 0 errors" in out and "mlxcc, no store: 4 requests, 0 errors" in out
+    assert "after the restart 2 disk hits" in out
+    assert "replies of mlxcc + store identical to mlxcc, no store: 4/4" in out
+    assert "<!-- BEGIN server_load -->" in results.read_text()
+
+
 def test_redis_replicas_smoke(tmp_path):
     pytest.importorskip("redis")
     from redis_server import redis_binary

@@ -140,6 +140,10 @@ def test_longer_entry_replaces_its_prefixes(llama_model, tmp_path):
     assert len(list(tmp_path.glob("*.safetensors"))) == 1
     got = store.checkout(scope(model), turn1 + [7, 8], make_prompt_cache(model))
     assert got.served == 20 and got.tokens == turn2  # served by trimming the longer entry
+    # a prefix of a stored trimmable entry adds nothing: it is served already
+    assert store.put(scope(model), turn1, filled(model, turn1).cache, key="c") == {"disk": True, "memory": True}
+    for tier in store.tiers:
+        assert [e.tokens for e in tier.index.entries()] == [tuple(turn2)]
 
 
 def test_memory_budget_counts_cache_bytes(llama_model):

@@ -13,7 +13,7 @@ import re
 from ..config import SERVER_DEFAULTS as S
 from ..config import default_cache_dir
 from ..errors import UsageError
-from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args, positive_int
+from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args, human_bytes, positive_int
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}  # fmt: skip
@@ -35,19 +35,21 @@ def add_parser(sub) -> None:
         description="Serve the model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
         "/v1/models, /health). Prompt caches are kept in memory and in --cache-dir, so a conversation's "
         "next turn, and the same conversation after a restart, only computes its new tokens. Requests "
-        "are queued and generated one at a time.",
+        "are queued and generated one at a time. Sampling flags set the defaults of requests that do not "
+        "give them.",
     )
     add_model_arg(p)
     p.add_argument("--host", default=S.host, help=f"address to listen on (default {S.host}: this machine only)")
     p.add_argument("--port", type=int, default=S.port, help=f"port to listen on (default {S.port})")
     p.add_argument("--cache-dir", help="folder of the disk cache tier (default MLXCC_HOME/server-cache)")
     p.add_argument("--cache-bytes", type=byte_size, default=S.memory_cache_bytes,
-                   help=f"memory tier budget, e.g. 2GB; 0 turns it off (default {S.memory_cache_bytes})")
+                   help=f"memory tier budget, e.g. 2GB; 0 turns it off (default {human_bytes(S.memory_cache_bytes)})")
     p.add_argument("--disk-cache-bytes", type=byte_size, default=S.disk_cache_bytes,
-                   help=f"disk tier budget; 0 turns it off (default {S.disk_cache_bytes})")
+                   help=f"disk tier budget; 0 turns it off (default {human_bytes(S.disk_cache_bytes)})")
     p.add_argument("--cache-redis", metavar="URL",
                    help="a Redis tier shared by replicas, e.g. redis://127.0.0.1:6379/0 (needs the redis "
-                   f"package; budget {S.redis_cache_bytes} bytes, entries expire after {S.redis_ttl_seconds} s)")
+                   f"package; budget {human_bytes(S.redis_cache_bytes)}, entries expire after "
+                   f"{S.redis_ttl_seconds} s)")
     p.add_argument("--context-length", type=positive_int,
                    help="tokens a request may use, prompt plus reply (default: the model's own)")
     p.add_argument("--max-queue", type=positive_int, default=S.max_queue,

@@ -42,7 +42,7 @@ import mlx.core as mx
 from ..cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 from ..config import GenerationConfig
 from ..errors import ChatCacheError
-from ..generate import PromptCacheState, prefill, reuse_prefix, stream_generate
+from ..generate import PromptCacheState, make_kv_quantizer, prefill, reuse_prefix, stream_generate
 from ..store import PromptStore, Scope, make_scope
 from ..store.tiers import compact_copy
 
@@ -83,7 +83,7 @@ class GenerationWorker:
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._thread = threading.Thread(target=self._loop, name="mlxcc-generation", daemon=True)
         self.stats = {"jobs": 0, "cancelled": 0, "errors": 0, "busy": False, "peak_memory": 0,
-                      "active_memory": 0, "store": store.stats()}  # fmt: skip
+                      "active_memory": 0, "queue_wait_s_total": 0.0, "queue_wait_s_max": 0.0}  # fmt: skip
 
     def start(self) -> None:
         self._thread.start()
@@ -130,15 +130,18 @@ class GenerationWorker:
                 log.exception("generation failed")
                 job.emit(("error", "internal error while generating; see the server log"))
             finally:
-                self.stats.update(busy=False, jobs=self.stats["jobs"] + 1, store=self.store.stats(),
+                self.stats.update(busy=False, jobs=self.stats["jobs"] + 1,
                                   peak_memory=mx.get_peak_memory(), active_memory=mx.get_active_memory())  # fmt: skip
 
     def _run(self, job: Job) -> None:
+        waited = time.perf_counter() - job.submitted  # in the queue, behind other requests
+        self.stats["queue_wait_s_total"] += waited
+        self.stats["queue_wait_s_max"] = max(self.stats["queue_wait_s_max"], waited)
         state, cached = self._checkout(job)
         checkpoint = None
         try:
             checkpoint = self._checkpoint(job, state)
-            job.emit(("start", {"cached_tokens": cached, "queued_s": time.perf_counter() - job.submitted}))
+            job.emit(("start", {"cached_tokens": cached, "queued_s": waited}))
             finish, n = self._generate(job, state)
         except _Cancelled:
             finish, n = "cancelled", 0
@@ -148,9 +151,17 @@ class GenerationWorker:
             job.emit(("done", {"finish_reason": finish, "prompt_tokens": len(job.prompt),
                                "completion_tokens": n, "cached_tokens": cached}))  # fmt: skip
         if checkpoint is not None:
-            self.store.put(self.scope, job.prompt[: job.boundary], checkpoint, job.key)
+            self._put(job.prompt[: job.boundary], checkpoint, job.key)
         if state.tokens:
-            self.store.put(self.scope, state.tokens, state.cache, job.key)
+            self._put(state.tokens, state.cache, job.key)
+
+    def _put(self, tokens, cache, key) -> None:
+        """Store a cache; a failing tier (a full disk) is logged, the client has its reply."""
+        try:
+            self.store.put(self.scope, tokens, cache, key)
+        except (ChatCacheError, OSError) as e:
+            self.stats["store_errors"] = self.stats.get("store_errors", 0) + 1
+            log.warning("could not store a prompt cache: %s", e)
 
     def _checkout(self, job: Job) -> tuple[PromptCacheState, int]:
         c = self.config
@@ -167,7 +178,12 @@ class GenerationWorker:
         if b is None or not 0 < b < len(job.prompt) or always_trimmable(state.cache) or len(state.tokens) >= b:
             return None
         todo = job.prompt[len(state.tokens) : b]
-        prefill(self.model, state.cache, todo, self.config.prefill_step_size, self._progress(job), leave=0)
+        try:
+            prefill(self.model, state.cache, todo, self.config.prefill_step_size, self._progress(job),
+                    kv_quantizer=make_kv_quantizer(job.config), leave=0)  # fmt: skip
+        except BaseException:  # some chunks fed, not recorded: the cache is unusable
+            state.reset(self.model)
+            raise
         state.tokens.extend(todo)
         return compact_copy(state.cache)
 

@@ -15,9 +15,8 @@ Contract
   The cache may hold more tokens than the prefix it serves; the caller trims
   it (``reuse_prefix``), which is what makes the hit length exact.
 - :meth:`PromptStore.put` ``(scope, tokens, cache, key)`` stores a cache
-  holding ``tokens`` in every tier: files are written first (from the
-  arrays), then the memory tier keeps ``cache`` itself, so the caller must not
-  use ``cache`` after the call. A trimmable entry replaces the stored entries
+  holding ``tokens`` in every tier: the memory tier keeps a compact copy,
+  file tiers write a file; ``cache`` stays the caller's. A trimmable entry replaces the stored entries
   it extends (their tokens are a prefix of its own); ``key`` (a conversation
   id) pins it: pinned entries outlive unpinned ones under eviction, and a
   lookup with that key prefers them.
@@ -81,7 +80,7 @@ class PromptStore:
         if not tokens:
             return {}
         stored = {}
-        for tier in sorted(self.tiers, key=lambda t: t.name == "memory"):  # memory last: it keeps ``cache``
+        for tier in self.tiers:
             stored[tier.name] = tier.add(scope, tokens, cache, key)
         return stored
 

@@ -11,8 +11,8 @@ Contract of a tier (:class:`Tier`)
   ``stats()["corrupt"]``); ``expected`` is an empty cache the model makes, to
   check layer kinds against;
 - ``add(scope, tokens, cache, key) -> bool``: store a cache holding ``tokens``
-  (False: refused by the budget rule). The memory tier keeps ``cache`` itself
-  (the caller must not touch it afterwards); the disk tier writes a file;
+  (False: refused by the budget rule). The memory tier keeps a compact copy,
+  the disk tier writes a file; ``cache`` stays the caller's;
 - ``stats() -> dict``: entries, bytes, budget and counters;
 - ``close()``: at shutdown (a no-op but for the Redis tier).
 
