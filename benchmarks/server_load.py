@@ -3,7 +3,7 @@ and without its prompt-cache store) and mlx-lm's server, on loopback, one run.
 
 One command (from the repository root):
 
-    .venv/bin/python benchmarks/server_load.py                  # SmolLM2 as float32, 3 clients x 3 turns + 1
+    .venv/bin/python benchmarks/server_load.py                  # SmolLM2 as float32, 2 clients x 2 turns + 1
     .venv/bin/python benchmarks/server_load.py --write-results  # also updates RESULTS.md
     .venv/bin/python benchmarks/server_load.py --tiny           # tiny random model, smoke run
 
@@ -28,7 +28,7 @@ serves requests one at a time from a queue), ``cached_tokens`` as reported,
 errors (must be 0), the server's peak RSS (VmHWM) and, for mlxcc, the store's
 memory bytes polled every 0.2 s against its budget. Replies are compared
 between engines (a store must not change an answer). The whole run is bounded
-by ``--time-limit``.
+by ``--time-limit``, each engine by ``--engine-time-limit``.
 """
 
 from __future__ import annotations
@@ -195,6 +195,7 @@ class StorePoller:
 def engine_run(name: str, argv: list[str], env: dict, health: str, model_id: str, args, deadline) -> dict:
     from chat_latency import SYSTEM_PROMPT
 
+    deadline = min(deadline, time.monotonic() + args.engine_time_limit)  # each engine gets its share
     convs = [[{"role": "system", "content": SYSTEM_PROMPT}] for _ in range(args.clients)]
     rows, errors, info = [], [], {"name": name}
     for phase, turns in (("run", range(args.turns)), ("restart", range(args.turns, args.turns + 1))):
@@ -306,12 +307,13 @@ def _mb(v) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny random model (smoke run)")
-    ap.add_argument("--clients", type=int, default=3, help="concurrent clients (max 6)")
-    ap.add_argument("--turns", type=int, default=3, help="turns before the restart (max 3)")
-    ap.add_argument("--max-new", type=int, default=16, help="new tokens per reply at most")
+    ap.add_argument("--clients", type=int, default=2, help="concurrent clients (max 6)")
+    ap.add_argument("--turns", type=int, default=2, help="turns before the restart (max 3)")
+    ap.add_argument("--max-new", type=int, default=8, help="new tokens per reply at most")
     ap.add_argument("--cache-bytes", type=int, default=256_000_000, help="mlxcc memory tier budget")
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's server")
-    ap.add_argument("--time-limit", type=float, default=900, help="seconds for the whole run")
+    ap.add_argument("--time-limit", type=float, default=1800, help="seconds for the whole run")
+    ap.add_argument("--engine-time-limit", type=float, default=480, help="seconds for each engine")
     ap.add_argument("--start-timeout", type=float, default=180)
     ap.add_argument("--no-openblas", action="store_true", help="keep the mlx wheel's reference BLAS")
     ap.add_argument("--write-results", action="store_true")

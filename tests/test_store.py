@@ -177,3 +177,24 @@ def test_untrimmable_entries_serve_only_their_own_prefix(tiny_model_dirs, kind):
     assert reused == 20
     np.testing.assert_allclose(np.array(warm), np.array(cold), atol=1e-4)
     mx.eval(warm)
+
+
+def test_deferred_file_writes_wait_for_flush(llama_model, tmp_path):
+    model, _ = llama_model
+    a, b = tokens_of(20), tokens_of(24, start=50)
+    store = PromptStore([MemoryTier(1 << 30), DiskTier(tmp_path, 1 << 30)])
+    state = filled(model, a)
+    want = arrays(state.cache)
+    assert store.put(scope(model), a, state.cache, defer=True) == {"memory": True, "disk": None}
+    store.put(scope(model), b, filled(model, b).cache, defer=True)
+    assert not list(tmp_path.glob("*.safetensors")) and len(store.pending) == 2
+    assert store.flush(keep=1) == 1 and len(list(tmp_path.glob("*.safetensors"))) == 1
+    store.flush()
+    restarted = PromptStore([DiskTier(tmp_path, 1 << 30)])
+    got = restarted.checkout(scope(model), a + [1], make_prompt_cache(model))
+    assert got.served == 20
+    np.testing.assert_array_equal(arrays(got.cache), want)
+    # the memory entry was shared with the pending write and is still compact and unchanged
+    entry = store.tiers[0].index.get(scope(model).namespace, tuple(a))
+    np.testing.assert_array_equal(arrays(entry.payload), want)
+    assert entry.nbytes == sum(c.nbytes for c in entry.payload)

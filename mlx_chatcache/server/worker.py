@@ -25,7 +25,9 @@ or convolution layers, rotating windows) a checkpoint is taken at the end of
 the last message, so the conversation's next turn or a retry finds its
 prefix; the reply is generated with :func:`~mlx_chatcache.generate.stream_generate`;
 afterwards the cache (prompt + reply) goes into the store, after the client
-has its last event.
+has its last event: into memory at once, into files (disk, remote) while no
+other request waits, at most ``MAX_PENDING`` writes behind, all of them
+before the worker stops.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from ..store import PromptStore, Scope, make_scope
 from ..store.tiers import compact_copy
 
 log = logging.getLogger("mlxcc.serve")
+MAX_PENDING = 4  # cache files whose writing may wait for an idle moment
 
 
 class QueueFull(Exception):
@@ -115,6 +118,7 @@ class GenerationWorker:
         while True:
             job = self._queue.get()
             if job is None:
+                self._flush(0)  # every deferred cache file, before the process ends
                 return
             if job.cancelled:
                 self.stats["cancelled"] += 1
@@ -132,6 +136,16 @@ class GenerationWorker:
             finally:
                 self.stats.update(busy=False, jobs=self.stats["jobs"] + 1,
                                   peak_memory=mx.get_peak_memory(), active_memory=mx.get_active_memory())  # fmt: skip
+            # cache files are written while no request waits; at most MAX_PENDING stay behind
+            self._flush(0, until=lambda: not self._queue.empty())
+            self._flush(MAX_PENDING)
+
+    def _flush(self, keep: int, until=None) -> None:
+        try:
+            self.store.flush(keep, until)
+        except (ChatCacheError, OSError) as e:  # a full disk: logged, serving goes on
+            self.stats["store_errors"] = self.stats.get("store_errors", 0) + 1
+            log.warning("could not write a prompt cache file: %s", e)
 
     def _run(self, job: Job) -> None:
         waited = time.perf_counter() - job.submitted  # in the queue, behind other requests
@@ -158,7 +172,7 @@ class GenerationWorker:
     def _put(self, tokens, cache, key) -> None:
         """Store a cache; a failing tier (a full disk) is logged, the client has its reply."""
         try:
-            self.store.put(self.scope, tokens, cache, key)
+            self.store.put(self.scope, tokens, cache, key, defer=True)
         except (ChatCacheError, OSError) as e:
             self.stats["store_errors"] = self.stats.get("store_errors", 0) + 1
             log.warning("could not store a prompt cache: %s", e)

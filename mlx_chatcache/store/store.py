@@ -16,7 +16,10 @@ Contract
   it (``reuse_prefix``), which is what makes the hit length exact.
 - :meth:`PromptStore.put` ``(scope, tokens, cache, key)`` stores a cache
   holding ``tokens`` in every tier: the memory tier keeps a compact copy,
-  file tiers write a file; ``cache`` stays the caller's. A trimmable entry replaces the stored entries
+  file tiers write a file; ``cache`` stays the caller's. With ``defer=True``
+  the file writes wait in :attr:`PromptStore.pending` (sharing the memory
+  tier's copy) until :meth:`PromptStore.flush`, so a server writes when it
+  has nothing else to do (and before it exits). A trimmable entry replaces the stored entries
   it extends (their tokens are a prefix of its own); ``key`` (a conversation
   id) pins it: pinned entries outlive unpinned ones under eviction, and a
   lookup with that key prefers them.
@@ -29,11 +32,12 @@ All calls must come from one thread (the server's generation worker).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..cache import BaseCache
-from .tiers import Scope, Tier
+from ..cache import BaseCache, copy_prompt_cache
+from .tiers import MemoryTier, Scope, Tier, compact_copy
 
 
 @dataclass
@@ -47,6 +51,7 @@ class Checkout:
 class PromptStore:
     def __init__(self, tiers: Sequence[Tier] = ()):
         self.tiers = list(tiers)
+        self.pending: deque = deque()  # deferred file writes: (tier, scope, tokens, cache, key)
         self.lookups = 0
         self.misses = 0
 
@@ -75,17 +80,40 @@ class PromptStore:
                 best = (tier, found[0], found[1])
         return best
 
-    def put(self, scope: Scope, tokens: Sequence[int], cache: list[BaseCache], key: str | None = None) -> dict:
-        """Store ``cache`` (holding ``tokens``) in every tier; ``{tier: stored?}``."""
+    def put(self, scope: Scope, tokens: Sequence[int], cache: list[BaseCache], key: str | None = None,
+            defer: bool = False) -> dict:  # fmt: skip
+        """Store ``cache`` (holding ``tokens``) in every tier; ``{tier: stored?}``
+        (None: a deferred write, still pending)."""
         if not tokens:
             return {}
+        tokens = tuple(tokens)
         stored = {}
+        files = [t for t in self.tiers if not isinstance(t, MemoryTier)]
+        if defer and files:
+            cache = compact_copy(cache)  # one copy, shared by the memory tier and the pending writes
         for tier in self.tiers:
-            stored[tier.name] = tier.add(scope, tokens, cache, key)
+            if isinstance(tier, MemoryTier):
+                stored[tier.name] = tier.add(scope, tokens, cache, key, compact=defer and bool(files))
+            elif defer:
+                self.pending.append((tier, scope, tokens, cache, key))
+                stored[tier.name] = None
+            else:
+                stored[tier.name] = tier.add(scope, tokens, cache, key)
         return stored
 
+    def flush(self, keep: int = 0, until=None) -> int:
+        """Do pending writes, oldest first, until ``keep`` are left (or ``until()``
+        says stop); returns how many were written."""
+        done = 0
+        while len(self.pending) > keep and not (until and until()):
+            tier, scope, tokens, cache, key = self.pending.popleft()
+            tier.add(scope, tokens, copy_prompt_cache(cache), key)  # a copy: writing pads its buffers
+            done += 1
+        return done
+
     def stats(self) -> dict:
-        return {"lookups": self.lookups, "misses": self.misses, **{t.name: t.stats() for t in self.tiers}}
+        return {"lookups": self.lookups, "misses": self.misses, "pending_writes": len(self.pending),
+                **{t.name: t.stats() for t in self.tiers}}  # fmt: skip
 
     def close(self) -> None:
         for tier in self.tiers:

@@ -128,12 +128,13 @@ class MemoryTier(Tier):
         self._hit(entry)
         return copy_prompt_cache(entry.payload)
 
-    def add(self, scope, tokens, cache, key):
+    def add(self, scope, tokens, cache, key, compact: bool = False):
+        """``compact``: ``cache`` is a compact copy already, kept as it is."""
         covering = self._covered(Entry(scope.namespace, tuple(tokens), 0, True, key))
         if covering is not None:
             self.index.touch(covering)
             return True
-        compact = compact_copy(cache)
+        compact = cache if compact else compact_copy(cache)
         entry = Entry(scope.namespace, tuple(tokens), prompt_cache_nbytes(compact),
                       can_trim_prompt_cache(cache), key, compact)  # fmt: skip
         return self._admit(entry)
