@@ -144,13 +144,16 @@ def report(rows, args, desc) -> str:
     out = [header_block("Two replicas sharing Redis: TTFT of a conversation's next turn on the other replica"),
            f"- model: {desc}; replicas A and B with --cache-redis (memory tier on, disk tier off), C with no store",
            f"- turn 2 of a fresh conversation per repeat ({args.repeats} per length, medians), "
-           f"max_tokens {args.max_tokens}, TTFT measured by the openai client (streaming, first content chunk)",
+           f"max_tokens {args.max_tokens}, TTFT measured by the openai client (streaming, first content chunk); "
+           f"servers with OPENBLAS_NUM_THREADS={args.blas_threads}",
            ""]  # fmt: skip
     table = [[r["tokens"], r["cached"], f"{r['cold'] * 1e3:.0f} ms", f"{r['B via Redis'] * 1e3:.0f} ms",
               f"{r['A memory'] * 1e3:.0f} ms", f"{r['cold'] / r['B via Redis']:.1f}x", r["n"],
               "yes" if r["same"] else "NO"] for r in rows]  # fmt: skip
     out.append(md_table(["prompt tokens", "cached on B", "cold (C, no store)", "B via Redis", "A memory",
                          "cold / B", "repeats", "same output (B = C)"], table))  # fmt: skip
+    extra = ", ".join(f"{(r['B via Redis'] - r['A memory']) * 1e3:.0f} ms at {r['tokens']}" for r in rows)
+    out.append(f"\nB via Redis minus A memory (fetching and checking the entry from Redis): {extra}.")
     return "\n".join(out)
 
 
@@ -163,6 +166,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--max-seconds", type=float, default=420, help="stop adding repeats after this long")
     p.add_argument("--no-openblas", action="store_true", help="keep the BLAS bundled in the mlx-cpu wheel")
+    p.add_argument("--blas-threads", default="1",
+                   help="OPENBLAS_NUM_THREADS of the servers (default 1: more threads thrash on shared cores)")
     p.add_argument("--write-results", action="store_true")
     p.add_argument("--results", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -184,10 +189,11 @@ def main(argv=None) -> int:
         desc = f"random llama f32 {args.layers}L h{args.hidden} (tiny test tokenizer, vocab 384)"
         redis = RedisServer(tmp / "redis", binary=binary).start()
         common = ("--context-length", "8192", "--max-tokens", str(args.max_tokens), "--disk-cache-bytes", "0")
+        kw = {"start_timeout": 300, "env": {"OPENBLAS_NUM_THREADS": args.blas_threads}}
         try:
-            with ServerProcess(model, tmp / "a", "--cache-redis", redis.url, *common, start_timeout=300) as a, \
-                    ServerProcess(model, tmp / "b", "--cache-redis", redis.url, *common, start_timeout=300) as b, \
-                    ServerProcess(model, None, "--cache-bytes", "0", *common, start_timeout=300) as c:  # fmt: skip
+            with ServerProcess(model, tmp / "a", "--cache-redis", redis.url, *common, **kw) as a, \
+                    ServerProcess(model, tmp / "b", "--cache-redis", redis.url, *common, **kw) as b, \
+                    ServerProcess(model, None, "--cache-bytes", "0", *common, **kw) as c:  # fmt: skip
                 timed_turn(c, [{"role": "user", "content": "Warm up."}], 2)  # first-request costs out of the way
                 timed_turn(b, [{"role": "user", "content": "Warm up."}], 2)
                 rows = measure(a, b, c, tokenizer, lengths, args.repeats, args.max_tokens, args.max_seconds)
