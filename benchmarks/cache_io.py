@@ -1,4 +1,4 @@
-"""Cache file benchmark: mlx-lm's save/load_prompt_cache vs mlx_chatcache.cache_io.
+"""Cache file benchmark: mlx-lm's save/load_prompt_cache vs mlx_chatcache.files.cache_io.
 
 One command (from the repository root):
 
@@ -244,7 +244,7 @@ def _arrays_of(cache) -> list:
 
 def _stored_slots(path) -> int:
     """Token slots the file stores per K/V array (live tokens + any room)."""
-    from mlx_chatcache.safetensors_file import read_header
+    from mlx_chatcache.files.safetensors_file import read_header
 
     return max(t.shape[2] for t in read_header(path).tensors.values() if len(t.shape) == 4)
 
@@ -307,7 +307,7 @@ def _load_for(engine: str, path):
     import mlx.core as mx
     from mlx_lm.models import cache as lmc
 
-    from mlx_chatcache import cache_io
+    from mlx_chatcache.files import cache_io
 
     if engine == "mlx-lm":
         c = lmc.load_prompt_cache(str(path))
@@ -332,7 +332,7 @@ def fresh_job(engine: str, path: str) -> int:
     import mlx.core as mx
     from mlx_lm.models import cache as _lmc  # noqa: F401  (imports outside the clock)
 
-    from mlx_chatcache import cache_io as _io  # noqa: F401
+    from mlx_chatcache.files import cache_io as _io  # noqa: F401
 
     mx.eval(mx.zeros(4) + 1)  # MLX initialised before the clock starts
     t0 = time.perf_counter()
@@ -360,7 +360,7 @@ def bench_size(n_tokens: int, folder: Path, repeats: int, cold_repeats: int, bit
     from mlx_lm.models import cache as lmc
 
     from mlx_chatcache import cache as cc
-    from mlx_chatcache import cache_io
+    from mlx_chatcache.files import cache_io
 
     ours, theirs = _fill(n_tokens, seed=n_tokens)
     variants = [("f16", ours, theirs)]
@@ -467,7 +467,7 @@ def model_check(prompt_tokens: int, bits_list) -> tuple[list[list], dict[str, fl
     import mlx.core as mx
 
     from mlx_chatcache import cache as cc
-    from mlx_chatcache.loading import demo_model_path, load
+    from mlx_chatcache.models.loading import demo_model_path, load
 
     path = demo_model_path()
     if path is None:

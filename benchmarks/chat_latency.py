@@ -139,7 +139,7 @@ def load_model(tiny: bool, weights: str):
     """(model, tokenizer, description) the MLX engines share."""
     import mlx.core as mx
 
-    from mlx_chatcache.loading import demo_model_path, load, load_tokenizer
+    from mlx_chatcache.models.loading import demo_model_path, load, load_tokenizer
 
     path = demo_model_path()
     if path is None:
@@ -334,7 +334,7 @@ def resume_worker(args) -> int:
     job = json.loads(Path(args.resume_job).read_text())
     out = {}
     if job["engine"] == "d":
-        from mlx_chatcache.session import ChatSession
+        from mlx_chatcache.chat.session import ChatSession
 
         model, tok, _ = load_model(job["tiny"], job["weights"])
         out["model_load"] = time.perf_counter() - t_start
@@ -370,7 +370,7 @@ def llama_conversation_worker(args) -> int:
     """Runs in its own process (so MLX's and OpenBLAS's threads do not compete with
     llama.cpp's): the whole llama.cpp conversation, its own replies, per turn:
     resumed-in-a-new-process (at resume turns), prefix reuse, and no reuse."""
-    from mlx_chatcache.loading import load_tokenizer
+    from mlx_chatcache.models.loading import load_tokenizer
 
     job = json.loads(Path(args.llama_job).read_text())
     folder = Path(job["folder"])
@@ -474,8 +474,8 @@ def main(argv=None) -> int:
     import mlx.core as mx
 
     from mlx_chatcache.config import DEFAULTS
-    from mlx_chatcache.loading import demo_model_path
-    from mlx_chatcache.session import ChatSession
+    from mlx_chatcache.models.loading import demo_model_path
+    from mlx_chatcache.chat.session import ChatSession
 
     t_start = time.perf_counter()
     n_turns = max(1, min(args.turns, len(USER_TURNS)))

@@ -15,7 +15,7 @@ per engine (interleaved, alternating order, each on a fresh cache); the table
 gives medians:
 
 - ``mlx-lm``: ``mlx_lm.generate.generate_step`` with mlx-lm's own cache;
-- ``mlxcc``: ``mlx_chatcache.generate.generate_step`` with a ``PromptCacheState``;
+- ``mlxcc``: ``mlx_chatcache.generation.generate.generate_step`` with a ``PromptCache``;
 - ``mlx-lm loop + mlxcc cache`` (diagnostic): mlx-lm's loop driving our cache
   classes, which separates the cache's cost from the loop's.
 
@@ -74,7 +74,7 @@ def load_models(names: list[str]):
     out = []
     for name in names:
         if name == "smollm2":
-            from mlx_chatcache.loading import demo_model_path, load
+            from mlx_chatcache.models.loading import demo_model_path, load
 
             path = demo_model_path()
             if path is None:
@@ -99,10 +99,10 @@ def run_engine(engine: str, model, prompt: list[int], n_tokens: int):
     t0 = time.perf_counter()
     if engine == "mlxcc":
         from mlx_chatcache.config import DEFAULTS
-        from mlx_chatcache.generate import PromptCacheState, generate_step
+        from mlx_chatcache.generation.generate import PromptCache, generate_step
 
         config = DEFAULTS.updated(max_tokens=n_tokens, temp=0.0)
-        steps = generate_step(prompt, model, state=PromptCacheState.new(model), config=config)
+        steps = generate_step(prompt, model, state=PromptCache.new(model), config=config)
     else:
         from mlx_lm.generate import generate_step as lm_generate_step
 

@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     from redis_server import RedisServer
     from server_process import ServerProcess
 
-    from mlx_chatcache.loading import load_tokenizer
+    from mlx_chatcache.models.loading import load_tokenizer
 
     lengths = [int(x) for x in args.lengths.split(",") if x]
     with tempfile.TemporaryDirectory(prefix="mlxcc-bench-redis-") as tmp:

@@ -122,12 +122,13 @@ def run_turn(base_url: str, model: str, messages: list[dict], max_new: int, dead
     c = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0,
                       timeout=max(1.0, deadline - time.monotonic()))  # fmt: skip
     start = time.perf_counter()
-    ttft, text, usage = None, [], None
+    ttft, text, usage, timing = None, [], None, None
     stream = c.chat.completions.create(model=model, messages=messages, max_tokens=max_new, temperature=0,
                                        stream=True, stream_options={"include_usage": True})  # fmt: skip
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
+            timing = (chunk.model_extra or {}).get("mlxcc_timing")  # mlxcc's extra field
         if chunk.choices and chunk.choices[0].delta.content:
             if ttft is None:
                 ttft = time.perf_counter() - start
@@ -135,7 +136,9 @@ def run_turn(base_url: str, model: str, messages: list[dict], max_new: int, dead
     details = getattr(usage, "prompt_tokens_details", None) if usage else None
     return {"ttft": ttft if ttft is not None else time.perf_counter() - start, "text": "".join(text),
             "prompt_tokens": usage.prompt_tokens if usage else None,
-            "cached_tokens": getattr(details, "cached_tokens", None) if details else None}  # fmt: skip
+            "cached_tokens": getattr(details, "cached_tokens", None) if details else None,
+            "server_first_s": timing["first_token_s"] if timing else None,
+            "queued_s": timing["queued_s"] if timing else None}  # fmt: skip
 
 
 def run_clients(server: Server, model: str, convs: list[list[dict]], turns: range, args, deadline, rows, engine):
@@ -233,7 +236,7 @@ def build_model(args, folder: Path) -> tuple[Path, str]:
     from chat_latency import dequantized
     from mlx.utils import tree_flatten
 
-    from mlx_chatcache.loading import demo_model_path, load
+    from mlx_chatcache.models.loading import demo_model_path, load
 
     path = demo_model_path()
     if path is None:
@@ -251,14 +254,14 @@ def build_model(args, folder: Path) -> tuple[Path, str]:
 
 # ------------------------------------------------------------------ report
 def report(engines: list[dict], args, desc: str, elapsed: float) -> str:
-    out = [header_block("server_load"), f"- model: {desc}",
+    out = [header_block(f"server_load, {args.clients} client{'s' if args.clients > 1 else ''}"), f"- model: {desc}",
            f"- load: {args.clients} concurrent clients x {args.turns} turns, then a server restart and 1 more turn "
            f"each; streamed, greedy, <= {args.max_new} new tokens; ~300-token shared system prompt",
            f"- mlxcc store: memory budget {args.cache_bytes} bytes, disk tier in a fresh folder; mlxcc serves "
            "one request at a time from a queue (TTFT includes waiting behind the other clients)",
            f"- total time {elapsed:.0f} s", ""]  # fmt: skip
     turns = args.turns + 1
-    headers = ["turn", "prompt tok"] + [f"{e['name']} TTFT ms (cached tok)" for e in engines]
+    headers = ["turn", "prompt tok"] + [e["name"] for e in engines]
     table = []
     for k in range(1, turns + 1):
         line = [f"{k}" + (" (after restart)" if k == turns else "")]
@@ -271,9 +274,15 @@ def report(engines: list[dict], args, desc: str, elapsed: float) -> str:
                 continue
             ttft = sum(r["ttft"] for r in rs) / len(rs) * 1000
             cached = [r["cached_tokens"] for r in rs if r["cached_tokens"] is not None]
-            line.append(f"{ttft:.0f} ({sum(cached) / len(cached):.0f})" if cached else f"{ttft:.0f} (n/a)")
+            cell = f"{ttft:.0f} ({sum(cached) / len(cached):.0f})" if cached else f"{ttft:.0f} (n/a)"
+            served = [r["server_first_s"] for r in rs if r.get("server_first_s") is not None]
+            if served and args.clients > 1:  # the part not spent queued behind other clients
+                cell += f" [{sum(served) / len(served) * 1000:.0f}]"
+            line.append(cell)
         table.append(line)
-    out.append("Mean over clients of TTFT per turn (mean cached_tokens reported by the server):\n")
+    note = (" [in brackets, mlxcc only: the server's own time from taking the request off its queue to the "
+            "first token]") if args.clients > 1 else ""
+    out.append(f"Mean over clients of TTFT per turn in ms (mean cached_tokens reported by the server){note}:\n")
     out.append(md_table(headers, table))
     out.append("")
     for e in engines:
@@ -343,7 +352,7 @@ def main(argv=None) -> int:
         text = report(engines, args, desc, time.monotonic() - t0)
     print(text)
     if args.write_results:
-        write_results_section("server_load", text, args.results)
+        write_results_section(f"server_load_c{args.clients}", text, args.results)
     errors = sum(len(e["errors"]) for e in engines)
     return 1 if errors else 0
 

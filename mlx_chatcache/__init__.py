@@ -1,7 +1,45 @@
-"""mlx_chatcache: multi-turn LLM work on MLX that never pays twice for the same tokens."""
+"""mlx_chatcache: multi-turn LLM work on MLX that never pays twice for the same tokens.
+
+The public API, flat as mlx-lm's (``from mlx_chatcache import load, generate, ...``). The names are
+imported from their subpackages on first use (module ``__getattr__``), so ``import mlx_chatcache``
+itself imports neither MLX nor mlx-lm. The layers and what each may import: docs/architecture.md.
+"""
+
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-from .loading import load  # noqa: E402
+# public name -> the module (under mlx_chatcache) that defines it
+_EXPORTS = {
+    "load": "models.loading",
+    "generate": "generation.text",
+    "stream_generate": "generation.text",
+    "PromptCache": "generation.prompt_state",
+    "make_prompt_cache": "cache",
+    "save_prompt_cache": "files.cache_io",
+    "load_prompt_cache": "files.cache_io",
+    "ChatSession": "chat.session",
+}
 
-__all__ = ["load", "__version__"]
+__all__ = [*_EXPORTS, "__version__"]
+
+if TYPE_CHECKING:  # for type checkers and IDEs only; at run time see __getattr__
+    from .cache import make_prompt_cache
+    from .chat.session import ChatSession
+    from .files.cache_io import load_prompt_cache, save_prompt_cache
+    from .generation.prompt_state import PromptCache
+    from .generation.text import generate, stream_generate
+    from .models.loading import load
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -8,7 +8,7 @@
   another seed, i.e. a *different* model of the same kind ("wrong model" tests).
 - ``make_tiny_model_dir(kind, seed=1)``: that model's folder (e.g. for ``--model``).
 
-Every model comes from ``mlx_chatcache.loading.load(str(folder))``, so it carries
+Every model comes from ``mlx_chatcache.models.loading.load(str(folder))``, so it carries
 ``model.fingerprint`` (whose ``model_id`` is the folder path). The
 session-scoped models are shared: treat them as read-only (do not quantize them
 or change their weights); load a private copy with ``make_tiny_model`` or
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import KINDS, build_tiny_model  # noqa: E402
 
-from mlx_chatcache.loading import load  # noqa: E402
+from mlx_chatcache.models.loading import load  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -86,7 +86,7 @@ def llama_model(tiny_model_dirs):
 @pytest.fixture(scope="session")
 def demo_gguf() -> str:
     """Path of the offline demo model (SmolLM2-135M-Instruct Q4_1 GGUF); skips if absent."""
-    from mlx_chatcache.loading import demo_model_path
+    from mlx_chatcache.models.loading import demo_model_path
 
     path = demo_model_path()
     if path is None:

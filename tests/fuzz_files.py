@@ -55,9 +55,9 @@ from mlx_chatcache.cache import (
     QuantizedRotatingKVCache,
     RotatingKVCache,
 )
-from mlx_chatcache.cache_io import load_prompt_cache, read_cache_info, save_prompt_cache
+from mlx_chatcache.files.cache_io import load_prompt_cache, read_cache_info, save_prompt_cache
 from mlx_chatcache.errors import ChatCacheError
-from mlx_chatcache.fingerprint import ModelFingerprint
+from mlx_chatcache.models.fingerprint import ModelFingerprint
 
 # mlx may allocate at most this multiple of the file size (+ constant) while loading
 MEM_FACTOR = 4

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_chatcache.loading import demo_model_path
+from mlx_chatcache.models.loading import demo_model_path
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -68,11 +68,12 @@ def test_server_load_smoke(tmp_path):
     results = tmp_path / "RESULTS.md"
     out = run("server_load.py", "--tiny", "--clients", "2", "--turns", "1", "--max-new", "2", "--no-mlx-lm",
               "--write-results", "--results", str(results), timeout=300)
-    assert re.search(r"^\| turn +\| prompt tok +\| mlxcc \+ store TTFT", out, re.M)
+    assert re.search(r"^\| turn +\| prompt tok +\| mlxcc \+ store +\| mlxcc, no store", out, re.M)
     assert "mlxcc + store: 4 requests, 0 errors" in out and "mlxcc, no store: 4 requests, 0 errors" in out
     assert "after the restart 2 disk hits" in out
     assert "replies of mlxcc + store identical to mlxcc, no store: 4/4" in out
-    assert "<!-- BEGIN server_load -->" in results.read_text()
+    assert "<!-- BEGIN server_load_c2 -->" in results.read_text()
+    assert re.search(r"^\| 1 +\| \d+ +\| \d+ \(\d+\) \[\d+\]", out, re.M)  # TTFT (cached) [server's part]
 
 
 def test_redis_replicas_smoke(tmp_path):

@@ -41,7 +41,7 @@ from mlx_chatcache.cache import (
     quantize_prompt_cache,
     trim_prompt_cache,
 )
-from mlx_chatcache.cache_io import load_prompt_cache, save_prompt_cache
+from mlx_chatcache.files.cache_io import load_prompt_cache, save_prompt_cache
 
 WITHIN_TOL, BEYOND_TOL = 1e-5, 5e-5
 Q_BEYOND_TOL = {8: 3e-2, 4: 1e-1}

@@ -18,7 +18,7 @@ from mlx_chatcache.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
-from mlx_chatcache.cache_io import (
+from mlx_chatcache.files.cache_io import (
     FORMAT_VERSION,
     check_cache_fits_model,
     load_prompt_cache,
@@ -32,7 +32,7 @@ from mlx_chatcache.errors import (
     ModelMismatchError,
     UnsupportedCacheError,
 )
-from mlx_chatcache.fingerprint import ModelFingerprint
+from mlx_chatcache.models.fingerprint import ModelFingerprint
 
 
 def rnd(n, seed=0):
@@ -101,7 +101,7 @@ def test_file_holds_live_tokens_and_zeroed_room_like_mlx_lm(tmp_path):
     """K/V arrays are stored with their buffer's room to the next 256-token step
     (as mlx-lm stores them), the room zeroed: the arrays take as many bytes as
     (at most) mlx-lm's, trimmed tokens never reach the file, ``state`` stays exact."""
-    from mlx_chatcache.safetensors_file import read_arrays, read_header
+    from mlx_chatcache.files.safetensors_file import read_arrays, read_header
 
     ours, theirs = KVCache(), lm.KVCache()
     for c in (ours, theirs):
@@ -287,7 +287,7 @@ def test_model_cache_shapes_fit(llama_model):
 def test_mlx_lm_file_continues_identically(kind, tiny_model_dirs, tmp_path):
     """A cache made and saved by mlx-lm 0.32 itself, loaded by us, continues with
     exactly the logits mlx-lm's own cache gives (and ours can be written back for mlx-lm)."""
-    from mlx_chatcache.loading import load
+    from mlx_chatcache.models.loading import load
 
     model, _ = load(str(tiny_model_dirs[kind]))
     prompt = mx.array([[5, 9, 33, 71, 12, 40, 41, 7, 99, 100, 3, 17, 18, 19, 20, 21, 22, 23, 24, 25]])
@@ -317,7 +317,7 @@ def test_loaded_cache_grows_without_reallocating(tmp_path, dtype, make):
     exactly like the cache that was saved."""
     from mlx.utils import tree_flatten
 
-    from mlx_chatcache.cache_base import kv_len
+    from mlx_chatcache.cache.cache_base import kv_len
 
     saved = make()
     saved.update_and_fetch(rnd(10).astype(dtype), rnd(10, 1).astype(dtype))
@@ -367,7 +367,7 @@ def test_state_setter_takes_only_the_declared_spare_room():
 def test_file_changed_or_shortened_after_header_check(good_file, tmp_path):
     import dataclasses
 
-    from mlx_chatcache.safetensors_file import read_arrays, read_header
+    from mlx_chatcache.files.safetensors_file import read_arrays, read_header
 
     header = read_header(good_file)
     names = list(header.tensors)
@@ -387,7 +387,7 @@ def test_trimmed_tokens_beyond_the_saved_room_never_reach_a_later_file(tmp_path,
     """Trim far back, save (which stores only up to the next step), grow past that
     step again, save: the slots the second file stores past the live tokens are
     zero, not the tokens trimmed before the first save."""
-    from mlx_chatcache.safetensors_file import read_arrays, read_header
+    from mlx_chatcache.files.safetensors_file import read_arrays, read_header
 
     c = make()
     c.update_and_fetch(rnd(500, 1) + 5.0, rnd(500, 2) + 5.0)  # nothing near zero
@@ -404,7 +404,7 @@ def test_trimmed_tokens_beyond_the_saved_room_never_reach_a_later_file(tmp_path,
 def test_reads_version_1_files_without_room(tmp_path):
     """Files from format version 1 hold exactly the live tokens; they still load,
     continue like the saved cache, and are written back as version 2 with room."""
-    from mlx_chatcache.cache_base import kv_len
+    from mlx_chatcache.cache.cache_base import kv_len
 
     c = filled(KVCache())
     p = tmp_path / "v1.safetensors"
@@ -425,16 +425,16 @@ def test_reads_version_1_files_without_room(tmp_path):
 
 
 def test_cache_bytes_are_the_file_and_load_with_the_same_checks(llama_model, tmp_path):
-    from mlx_chatcache.cache_io import load_prompt_cache_bytes, prompt_cache_bytes
-    from mlx_chatcache.errors import CacheFileError, ModelMismatchError
-    from mlx_chatcache.generate import PromptCacheState
-    from mlx_chatcache.prompt_store import feed_all
-
     import numpy as np
+
+    from mlx_chatcache.errors import CacheFileError, ModelMismatchError
+    from mlx_chatcache.files.cache_io import load_prompt_cache_bytes, prompt_cache_bytes
+    from mlx_chatcache.generation.prompt_state import PromptCache
+    from mlx_chatcache.generation.prompt_store import feed_all
 
     model, _ = llama_model
     tokens = [5 + i % 90 for i in range(70)]
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     feed_all(model, state, tokens, 512)
     data = prompt_cache_bytes(state.cache, tokens=tokens, model=model.fingerprint, metadata={"k": "v"})
     path = tmp_path / "c.safetensors"

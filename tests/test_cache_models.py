@@ -48,7 +48,7 @@ from mlx_chatcache.cache import (
     quantize_prompt_cache,
     trim_prompt_cache,
 )
-from mlx_chatcache.cache_io import load_prompt_cache, save_prompt_cache
+from mlx_chatcache.files.cache_io import load_prompt_cache, save_prompt_cache
 
 WITHIN_TOL = 1e-5
 BEYOND_TOL = 5e-5

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 from tiny_models import IM_END, IM_START
 
-from mlx_chatcache.cache_io import read_cache_info
+from mlx_chatcache.files.cache_io import read_cache_info
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.errors import UsageError
-from mlx_chatcache.chat_input import StreamReader, message_text, parse_command, parse_setting, read_input
+from mlx_chatcache.cli.chat_input import StreamReader, message_text, parse_command, parse_setting, read_input
 
 SYSTEM = "Keep your answers short."
 TURNS = [
@@ -255,8 +255,8 @@ SAVER = textwrap.dedent(
     """
     import sys
     from mlx_chatcache.config import DEFAULTS
-    from mlx_chatcache.loading import load
-    from mlx_chatcache.session import ChatSession
+    from mlx_chatcache.models.loading import load
+    from mlx_chatcache.chat.session import ChatSession
 
     model, tokenizer = load(sys.argv[1])
     s = ChatSession(model, tokenizer, config=DEFAULTS.updated(max_tokens=6))
@@ -274,8 +274,8 @@ SAVER = textwrap.dedent(
 
 
 def test_kill_during_save_leaves_a_loadable_session(tiny_model_dirs, chat, home, tmp_path):
-    from mlx_chatcache.loading import load
-    from mlx_chatcache.session import ChatSession
+    from mlx_chatcache.models.loading import load
+    from mlx_chatcache.chat.session import ChatSession
 
     d = tiny_model_dirs["hybrid"]
     path = tmp_path / "killed.safetensors"
@@ -314,8 +314,8 @@ def test_session_file_refusals(tiny_model_dirs, chat, tmp_path):
 def test_session_file_keeps_its_window_for_mlxcc_generate(tiny_model_dirs, tmp_path, capsys, monkeypatch):
     """A session made with --max-kv-size, continued by `mlxcc generate --prompt-cache-file`,
     keeps its rotating window shape (max_kv_size and the pinned keep)."""
-    from mlx_chatcache.loading import load
-    from mlx_chatcache.prompt_store import load_stored_prompt
+    from mlx_chatcache.models.loading import load
+    from mlx_chatcache.generation.prompt_state import PromptCache
 
     model_dir = str(tiny_model_dirs["llama"])
     f = tmp_path / "s.safetensors"
@@ -323,7 +323,7 @@ def test_session_file_keeps_its_window_for_mlxcc_generate(tiny_model_dirs, tmp_p
     assert main(["chat", "--model", model_dir, "--session-file", str(f), "--max-kv-size", "48",
                  "--system-prompt", "Be brief.", "-m", "4"]) == 0
     model, _ = load(model_dir)
-    stored = load_stored_prompt(f, model)
-    assert stored.state.max_kv_size == 48 and stored.state.keep > 4
+    stored = PromptCache.load(f, model)
+    assert stored.max_kv_size == 48 and stored.keep > 4
     capsys.readouterr()
     assert main(["generate", "--model", model_dir, "-p", "more", "-m", "3", "--prompt-cache-file", str(f)]) == 0

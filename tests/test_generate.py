@@ -1,4 +1,4 @@
-"""Tests of :mod:`mlx_chatcache.generate` on the tiny models (float32, CPU).
+"""Tests of :mod:`mlx_chatcache.generation.generate` on the tiny models (float32, CPU).
 
 References are computed without any reuse: the model is called on the whole
 token sequence for every step (no cache, or a fresh cache per call).
@@ -34,15 +34,14 @@ from mlx_chatcache.cache import (
 )
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import UsageError
-from mlx_chatcache.generate import (
-    PromptCacheState,
+from mlx_chatcache.generation.generate import (
+    PromptCache,
     forward,
-    generate,
     generate_step,
     prefill,
     reuse_prefix,
-    stream_generate,
 )
+from mlx_chatcache.generation.text import generate, stream_generate
 
 ATOL = 1e-5
 QUANT_RTOL = 0.03  # of the logit range
@@ -110,7 +109,7 @@ def pinned_window_cache(model, max_size: int, keep: int) -> list:
 def test_greedy_matches_uncached_reference(tiny_model):
     kind, model, tok = tiny_model
     prompt = prompt_ids(tok, 10)
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     out = run(model, prompt, state, GREEDY.updated(max_tokens=12))
     assert out == reference_greedy(model, prompt, 12)
     assert len(set(out)) > 3  # not a degenerate loop
@@ -162,7 +161,7 @@ def test_trim_then_refeed_gives_identical_logits(tiny_model):
 def test_second_turn_reuses_everything_held(tiny_model):
     kind, model, tok = tiny_model
     p1 = prompt_ids(tok, 9)
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     r1 = list(stream_generate(model, tok, p1, state=state, config=GREEDY.updated(max_tokens=6)))
     reply = [r.token for r in r1]
     assert r1[-1].reused_tokens == 0 and r1[-1].prompt_tokens == 9
@@ -180,7 +179,7 @@ def test_second_turn_reuses_everything_held(tiny_model):
 def test_divergent_prompt_trims_or_rebuilds(tiny_model):
     kind, model, tok = tiny_model
     p1 = prompt_ids(tok, 8)
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     run(model, p1, state, GREEDY.updated(max_tokens=4))
     assert len(state.tokens) == 11 < SLIDING_WINDOW  # sliding layers still trimmable
     trimmable = can_trim_prompt_cache(state.cache)
@@ -197,7 +196,7 @@ def test_divergent_prompt_trims_or_rebuilds(tiny_model):
 def test_reuse_prefix_keeps_one_token_to_feed(tiny_model):
     kind, model, tok = tiny_model
     prompt = prompt_ids(tok, 6)
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     prefill(model, state.cache, prompt + [5], 10)  # the cache holds exactly `prompt`
     state.tokens.extend(prompt)
     reused = reuse_prefix(state, prompt, model)
@@ -215,7 +214,7 @@ def test_max_kv_size_runs_past_the_window(tiny_model):
     config = GREEDY.updated(max_kv_size=max_kv, keep=keep, prefill_step_size=5, max_tokens=10)
     ref_cache = lambda: pinned_window_cache(model, max_kv, keep)  # noqa: E731
     p1 = prompt_ids(tok, 15)  # the prompt alone overflows the window
-    state = PromptCacheState.new(model, max_kv, keep)
+    state = PromptCache.new(model, max_kv, keep)
     out1 = run(model, p1, state, config)
     assert out1 == reference_greedy(model, p1, 10, ref_cache)
     rotating = [c for c in state.cache if isinstance(c, RotatingKVCache) and c.max_size == max_kv]
@@ -238,7 +237,7 @@ def test_max_kv_size_runs_past_the_window(tiny_model):
 
 def test_state_shape_conflict_is_a_usage_error(llama_model):
     model, tok = llama_model
-    state = PromptCacheState.new(model, 32, 4)
+    state = PromptCache.new(model, 32, 4)
     with pytest.raises(UsageError):
         run(model, prompt_ids(tok, 4), state, GREEDY.updated(max_kv_size=64))
 
@@ -248,7 +247,7 @@ def test_kv_bits_8_close_to_float(llama_model):
     model, tok = llama_model
     tokens = prompt_ids(tok, 16)
     config = GREEDY.updated(kv_bits=8, kv_group_size=64, quantized_kv_start=0, max_tokens=1)
-    float_state, q_state = PromptCacheState.new(model), PromptCacheState.new(model)
+    float_state, q_state = PromptCache.new(model), PromptCache.new(model)
     run(model, tokens[:8], float_state, GREEDY.updated(max_tokens=1))
     run(model, tokens[:8], q_state, config)
     assert all(type(c) is QuantizedKVCache and c.bits == 8 for c in q_state.cache)
@@ -263,10 +262,10 @@ def test_quantized_kv_start_delays_quantization(llama_model):
     model, tok = llama_model
     prompt = prompt_ids(tok, 8)
     config = GREEDY.updated(kv_bits=8, quantized_kv_start=12)
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     run(model, prompt, state, config.updated(max_tokens=3))  # fed 10 tokens
     assert all(type(c) is KVCache for c in state.cache)
-    state2 = PromptCacheState.new(model)
+    state2 = PromptCache.new(model)
     run(model, prompt, state2, config.updated(max_tokens=6))  # fed 13 tokens
     assert all(type(c) is QuantizedKVCache for c in state2.cache)
 
@@ -288,7 +287,7 @@ def test_eos_stops_with_finish_reason_stop(llama_model):
     prompt = prompt_ids(tok, 6)
     eos = tok.convert_tokens_to_ids(IM_END)
     assert eos in tok.eos_token_ids
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     config = GREEDY.updated(max_tokens=20)
     rs = list(
         stream_generate(model, tok, prompt, state=state, config=config,
@@ -371,7 +370,7 @@ class ExplodingModel:
 def test_interrupted_model_call_resets_the_state(llama_model):
     model, tok = llama_model
     prompt = prompt_ids(tok, 10)
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     run(model, prompt, state, GREEDY.updated(max_tokens=3))
     assert len(state.tokens) == 12
     more = state.tokens + tok.encode(" and then", add_special_tokens=False)

@@ -1,4 +1,4 @@
-"""Tests of how :func:`mlx_chatcache.generate.generate_step` schedules model calls.
+"""Tests of how :func:`mlx_chatcache.generation.generate.generate_step` schedules model calls.
 
 - Feeding ahead: with a trimmable cache and no logits processors, token ``k >= 2``
   is fed (and token ``k+1`` computed) before token ``k`` is yielded. At every
@@ -25,10 +25,10 @@ import pytest
 from tiny_models import SLIDING_WINDOW
 
 from mlx_chatcache.cache import KVCache, cache_offset, can_trim_prompt_cache
-from mlx_chatcache.chat_turn import stream_reply
+from mlx_chatcache.chat.chat_turn import stream_reply
 from mlx_chatcache.config import DEFAULTS
-from mlx_chatcache.generate import PromptCacheState, final_call_size, generate_step, prefill
-from mlx_chatcache.session import ChatSession
+from mlx_chatcache.generation.generate import PromptCache, final_call_size, generate_step, prefill
+from mlx_chatcache.chat.session import ChatSession
 
 GREEDY = DEFAULTS.updated(temp=0.0)
 TEXT = "The weather was cold and windy, so we stayed inside and read our books."
@@ -73,7 +73,7 @@ def test_token_is_fed_before_it_is_yielded_only_when_trimmable(tiny_model):
     kind, model, tok = tiny_model
     counting = CountingModel(model)
     prompt = prompt_ids(tok, 6)
-    state = PromptCacheState.new(counting)
+    state = PromptCache.new(counting)
     fed_at_yield, prompt_calls = [], None
     for n, (t, _) in enumerate(generate_step(prompt, counting, state=state, config=GREEDY.updated(max_tokens=5)), 1):
         assert consistent(state)
@@ -90,7 +90,7 @@ def test_token_is_fed_before_it_is_yielded_only_when_trimmable(tiny_model):
 def test_logits_processors_keep_the_synchronous_loop(llama_model):
     model, tok = llama_model
     prompt = prompt_ids(tok, 6)
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     gen = generate_step(prompt, model, state=state, config=GREEDY.updated(max_tokens=5), logits_processors=[unchanged])
     for n, _ in enumerate(gen, 1):
         assert len(state.tokens) == len(prompt) + n - 1 and consistent(state)
@@ -100,7 +100,7 @@ def test_same_tokens_and_state_with_and_without_feeding_ahead(tiny_model):
     kind, model, tok = tiny_model
     prompt = prompt_ids(tok, 7)
     config = GREEDY.updated(max_tokens=10)
-    a, b = PromptCacheState.new(model), PromptCacheState.new(model)
+    a, b = PromptCache.new(model), PromptCache.new(model)
     out_a = steps(model, prompt, a, config)
     out_b = steps(model, prompt, b, config, logits_processors=[unchanged])
     assert out_a == out_b
@@ -112,7 +112,7 @@ def test_same_tokens_and_state_with_and_without_feeding_ahead(tiny_model):
 def test_consumer_stopping_early_leaves_the_fed_token_recorded(tiny_model, close):
     kind, model, tok = tiny_model
     prompt = prompt_ids(tok, 6)
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     gen = generate_step(prompt, model, state=state, config=GREEDY.updated(max_tokens=20))
     got = [next(gen)[0] for _ in range(3)]
     if close:
@@ -139,7 +139,7 @@ def test_stop_token_fed_ahead_is_trimmed_back(tiny_model):
     for k, stop in enumerate(ref, 1):
         if stop in ref[: k - 1]:
             continue
-        state = PromptCacheState.new(model)
+        state = PromptCache.new(model)
         out = steps(model, prompt, state, config, stop_tokens={stop})
         assert out == ref[:k], (kind, k)
         assert state.tokens == prompt + out[:-1] and consistent(state), (kind, k)
@@ -154,7 +154,7 @@ def test_stop_token_at_the_edge_of_a_rotating_window(tiny_model):
     k = next(k for k in range(2, len(ref) + 1) if ref[k - 1] not in ref[: k - 1])
     max_kv = len(prompt) + k - 1  # holding prompt + r1..r(k-1) fills the window
     config = GREEDY.updated(max_tokens=8, max_kv_size=max_kv, keep=2)
-    state = PromptCacheState.new(model, max_kv, 2)
+    state = PromptCache.new(model, max_kv, 2)
     out = steps(model, prompt, state, config, stop_tokens={ref[k - 1]})
     assert out == ref[:k]
     assert state.tokens == prompt + out[:-1] and consistent(state)
@@ -171,7 +171,7 @@ def test_stop_token_fed_ahead_undoes_the_kv_quantization_it_started(llama_model)
     ref = steps(model, prompt, None, config)
     stop = ref[1]
     assert stop != ref[0]
-    ahead, sync = PromptCacheState.new(model), PromptCacheState.new(model)
+    ahead, sync = PromptCache.new(model), PromptCache.new(model)
     out = steps(model, prompt, ahead, config, stop_tokens={stop})
     assert out == steps(model, prompt, sync, config, stop_tokens={stop}, logits_processors=[unchanged]) == ref[:2]
     assert ahead.tokens == sync.tokens == prompt + ref[:1] and consistent(ahead)
@@ -208,14 +208,14 @@ def test_seeded_sampling_is_unchanged_by_feeding_ahead(llama_model, kind_state):
 
 def test_seeded_sampling_matches_the_synchronous_step_by_step_loop(llama_model):
     """The old loop (prefill + decode_one_token per token) as the reference."""
-    from mlx_chatcache.generate import decode_one_token
-    from mlx_chatcache.sample import make_sampler
+    from mlx_chatcache.generation.generate import decode_one_token
+    from mlx_chatcache.generation.sample import make_sampler
 
     model, tok = llama_model
     prompt = prompt_ids(tok, 1)  # one token: the first call is the same in both
     config = DEFAULTS.updated(temp=1.2, top_k=50, seed=5, max_tokens=9)
     mx.random.seed(5)
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     sampler = make_sampler(1.2, 1.0, 50, 0.0, 1)
     token, _ = decode_one_token(model, state, prompt, sampler)
     old = [token]
@@ -250,7 +250,7 @@ def test_quantized_model_keeps_the_last_token_alone(make_tiny_model):
     next(generate_step(prompt, counting, config=GREEDY.updated(max_tokens=1, prefill_step_size=16)))
     assert counting.calls == [10, 1]
     seen = []
-    rest = prefill(counting, PromptCacheState.new(model).cache, prompt, 4, lambda d, t: seen.append((d, t)))
+    rest = prefill(counting, PromptCache.new(model).cache, prompt, 4, lambda d, t: seen.append((d, t)))
     assert rest == prompt[-1:] and seen == [(0, 11), (4, 11), (8, 11), (10, 11)]
 
 
@@ -278,7 +278,7 @@ def test_chat_turn_feeds_its_new_tokens_in_one_call(tiny_model):
 def test_interrupted_reply_leaves_the_documented_state(llama_model):
     model, tok = llama_model
     prompt = prompt_ids(tok, 8)
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     calls = []
 
     def stop_after_three():

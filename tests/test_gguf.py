@@ -1,4 +1,4 @@
-"""Tests for mlx_chatcache.gguf: GGUF -> quantized mlx-lm llama + tokenizer.
+"""Tests for mlx_chatcache.models.gguf: GGUF -> quantized mlx-lm llama + tokenizer.
 
 Two groups:
 
@@ -25,8 +25,8 @@ import pytest
 
 import mlx_chatcache
 from mlx_chatcache.errors import ModelLoadError
-from mlx_chatcache.gguf import load_gguf
-from mlx_chatcache.loading import demo_model_path
+from mlx_chatcache.models.gguf import load_gguf
+from mlx_chatcache.models.loading import demo_model_path
 
 REFERENCE = Path(__file__).parent / "data" / "smollm2_reference.json"
 

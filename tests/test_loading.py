@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from mlx_chatcache.errors import ModelLoadError
-from mlx_chatcache.loading import load, resolve_model_ref
+from mlx_chatcache.models.loading import load, resolve_model_ref
 
 
 def test_missing_paths_are_clear(tmp_path):

@@ -15,9 +15,10 @@ pytest.importorskip("redis")
 from redis_server import redis_server  # noqa: E402,F401  (fixture)
 
 from mlx_chatcache.cache import make_prompt_cache  # noqa: E402
-from mlx_chatcache.generate import PromptCacheState  # noqa: E402
-from mlx_chatcache.prompt_store import feed_all  # noqa: E402
-from mlx_chatcache.store import MemoryTier, PromptStore, make_scope  # noqa: E402
+from mlx_chatcache.generation.prompt_state import PromptCache  # noqa: E402
+from mlx_chatcache.generation.prompt_store import feed_all  # noqa: E402
+from mlx_chatcache.store.store import PromptStore  # noqa: E402
+from mlx_chatcache.store.tiers import MemoryTier, make_scope  # noqa: E402
 from mlx_chatcache.store.redis_tier import RedisTier  # noqa: E402
 
 SETTINGS = {"max_kv_size": None, "keep": 4}
@@ -28,7 +29,7 @@ def tokens_of(n, start=3):
 
 
 def filled(model, tokens):
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     feed_all(model, state, tokens, 512)
     return state.cache
 

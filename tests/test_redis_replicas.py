@@ -21,7 +21,7 @@ from redis_server import shared_redis  # noqa: E402,F401  (fixture)
 from server_process import ServerProcess  # noqa: E402
 from test_server import chat, expected_cached, local_reply  # noqa: E402
 
-from mlx_chatcache.prompt_store import render_chat  # noqa: E402
+from mlx_chatcache.generation.prompt_store import render_chat  # noqa: E402
 
 FAILED = "/0 failed ("  # in the one warning line of an outage: "Redis cache tier at URL failed (...)"
 
@@ -126,14 +126,15 @@ def test_slow_redis_only_slows_requests(replicas, shared_redis, llama_model):  #
     written(a, before)
     turn2 = next_turn(turn1, first.choices[0].message.content, "How fast do they move?")
     outages = redis_stats(b)["outages"]
-    shared_redis.client().execute_command("CLIENT", "PAUSE", "2500", "ALL")  # Redis answers nobody for 2.5 s
-    t0 = time.monotonic()
+    paused = time.monotonic()
+    shared_redis.client().execute_command("CLIENT", "PAUSE", "6000", "ALL")  # Redis answers nobody for 6 s
     reply = chat(b, turn2)  # B's lookup times out (1 s): served without Redis, right all the same
-    took = time.monotonic() - t0
+    took = time.monotonic() - paused
     assert reply.choices[0].message.content == local_reply(llama_model, turn2)[1]
-    assert took < 2.4, took  # the socket timeout, not the pause, bounds the wait
-    assert redis_stats(b)["outages"] == outages + 1 and redis_stats(b)["connected"] is False
-    time.sleep(2.6)
+    assert took < 4.5, took  # the socket timeout, not the pause, bounds the wait
+    stats = redis_stats(b)  # no Redis call can succeed during the pause
+    assert stats["outages"] == outages + 1 and stats["connected"] is False and stats["lookup_errors"] >= 1
+    time.sleep(max(0.0, 6.1 - (time.monotonic() - paused)))
     deadline = time.monotonic() + 60
     while not redis_stats(b)["connected"]:
         assert time.monotonic() < deadline, redis_stats(b)

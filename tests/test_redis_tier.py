@@ -15,11 +15,13 @@ import pytest
 fakeredis = pytest.importorskip("fakeredis")
 
 from mlx_chatcache.cache import make_prompt_cache  # noqa: E402
-from mlx_chatcache.cache_io import prompt_cache_bytes  # noqa: E402
+from mlx_chatcache.files.cache_io import prompt_cache_bytes  # noqa: E402
 from mlx_chatcache.errors import UsageError  # noqa: E402
-from mlx_chatcache.generate import PromptCacheState, forward, reuse_prefix  # noqa: E402
-from mlx_chatcache.prompt_store import feed_all  # noqa: E402
-from mlx_chatcache.store import MemoryTier, PromptStore, build_store, make_scope  # noqa: E402
+from mlx_chatcache.generation.generate import forward  # noqa: E402
+from mlx_chatcache.generation.prompt_state import PromptCache, reuse_prefix  # noqa: E402
+from mlx_chatcache.generation.prompt_store import feed_all  # noqa: E402
+from mlx_chatcache.store.store import PromptStore, build_store  # noqa: E402
+from mlx_chatcache.store.tiers import MemoryTier, make_scope  # noqa: E402
 from mlx_chatcache.store.redis_layout import Chain, Manifest  # noqa: E402
 from mlx_chatcache.store.redis_tier import RedisTier  # noqa: E402
 
@@ -32,7 +34,7 @@ def tokens_of(n, start=3):
 
 
 def filled(model, tokens):
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     feed_all(model, state, tokens, 512)
     return state.cache
 
@@ -90,7 +92,7 @@ def test_a_second_instance_continues_from_the_first_ones_entry(llama_model, make
     got = store.checkout(scope(model), prompt, make_prompt_cache(model))
     assert got.tier == "redis" and got.served == 70 and got.tokens == base
     np.testing.assert_array_equal(arrays(got.cache), arrays(filled(model, base)))
-    state = PromptCacheState(got.cache, got.tokens)
+    state = PromptCache(got.cache, got.tokens)
     reused = reuse_prefix(state, prompt, model)
     warm = forward(model, state.cache, prompt[reused:])
     cold = forward(model, make_prompt_cache(model), prompt)
@@ -264,7 +266,7 @@ def test_entries_expire_and_hits_refresh_them(llama_model, make_tier, raw):
 
 
 def test_untrimmable_entries_serve_only_themselves(tiny_model_dirs, make_tier):
-    from mlx_chatcache.loading import load
+    from mlx_chatcache.models.loading import load
 
     model, _ = load(str(tiny_model_dirs["hybrid"]))
     base = tokens_of(40)
@@ -273,7 +275,7 @@ def test_untrimmable_entries_serve_only_themselves(tiny_model_dirs, make_tier):
     assert reader.checkout(scope(model), base[:35] + [1, 2], make_prompt_cache(model)) is None
     got = reader.checkout(scope(model), base + [1, 2], make_prompt_cache(model))
     assert got.served == 40 and got.tier == "redis"
-    state = PromptCacheState(got.cache, got.tokens)
+    state = PromptCache(got.cache, got.tokens)
     prompt = base + [1, 2]
     warm = forward(model, state.cache, prompt[reuse_prefix(state, prompt, model) :])
     cold = forward(model, make_prompt_cache(model), prompt)

@@ -1,4 +1,4 @@
-"""Tests of :mod:`mlx_chatcache.sample` on synthetic distributions (no model).
+"""Tests of :mod:`mlx_chatcache.generation.sample` on synthetic distributions (no model).
 
 - ``temp == 0`` is the argmax; ``top_k == 1`` is the argmax at any temperature.
 - top-k / top-p / min-p never sample outside the allowed set. The set is
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mlx_chatcache.errors import UsageError
-from mlx_chatcache.sample import (
+from mlx_chatcache.generation.sample import (
     make_logits_processors,
     make_sampler,
     min_p_mask,

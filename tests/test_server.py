@@ -18,8 +18,9 @@ openai = pytest.importorskip("openai")
 
 from server_process import ServerProcess  # noqa: E402
 
-from mlx_chatcache.generate import common_prefix_len, stream_generate  # noqa: E402
-from mlx_chatcache.prompt_store import render_chat  # noqa: E402
+from mlx_chatcache.generation.prompt_state import common_prefix_len  # noqa: E402
+from mlx_chatcache.generation.text import stream_generate  # noqa: E402
+from mlx_chatcache.generation.prompt_store import render_chat  # noqa: E402
 
 MAX_TOKENS = 12
 FIRST = [{"role": "system", "content": "Keep your answers short."},
@@ -83,6 +84,8 @@ def test_chat_stream_and_non_stream_agree_with_the_library(server, llama_model):
     assert full.choices[0].finish_reason == "length"
     assert full.usage.prompt_tokens == len(render_chat(llama_model[1], messages))
     assert full.usage.completion_tokens == len(ids) == MAX_TOKENS
+    timing = full.model_extra["mlxcc_timing"]  # our extra field: where the time went
+    assert 0 <= timing["queued_s"] and 0 < timing["first_token_s"] <= timing["total_s"]
     chunks = list(chat(server, messages, stream=True, stream_options={"include_usage": True}))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"

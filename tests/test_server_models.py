@@ -11,9 +11,10 @@ openai = pytest.importorskip("openai")
 
 from server_process import ServerProcess  # noqa: E402
 
-from mlx_chatcache.generate import common_prefix_len, stream_generate  # noqa: E402
-from mlx_chatcache.loading import load  # noqa: E402
-from mlx_chatcache.prompt_store import render_chat  # noqa: E402
+from mlx_chatcache.generation.prompt_state import common_prefix_len  # noqa: E402
+from mlx_chatcache.generation.text import stream_generate  # noqa: E402
+from mlx_chatcache.models.loading import load  # noqa: E402
+from mlx_chatcache.generation.prompt_store import render_chat  # noqa: E402
 
 MAX_TOKENS = 10
 TURN1 = [{"role": "user", "content": "Explain why the sky looks blue during the day."}]

@@ -1,4 +1,4 @@
-"""Tests of :mod:`mlx_chatcache.session` on the tiny models (greedy unless said).
+"""Tests of :mod:`mlx_chatcache.chat.session` on the tiny models (greedy unless said).
 
 What "no re-prefill" means here: a turn's reported ``reused_tokens`` equals the
 tokens the cache held before it, ``recomputed_tokens`` is 0, and
@@ -13,12 +13,12 @@ import json
 import pytest
 
 from mlx_chatcache.cache import KVCache, RotatingKVCache, cache_offset
-from mlx_chatcache.cache_io import read_cache_info, save_prompt_cache as save_cache
+from mlx_chatcache.files.cache_io import read_cache_info, save_prompt_cache as save_cache
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import ModelMismatchError, SessionError, UsageError
-from mlx_chatcache.generate import stream_generate
-from mlx_chatcache.session import ChatSession
-from mlx_chatcache.session_store import SessionLock, session_path
+from mlx_chatcache.generation.text import stream_generate
+from mlx_chatcache.chat.session import ChatSession
+from mlx_chatcache.chat.session_store import SessionLock, session_path
 
 CFG = DEFAULTS.updated(max_tokens=8)
 SYSTEM = "Keep your answers short."
@@ -237,7 +237,7 @@ def test_system_prompt_change_and_clear(llama_model):
 # ------------------------------------------------------------------ files
 @pytest.mark.parametrize("kind", ["llama", "hybrid"])
 def test_save_load_continues_exactly(kind, tiny_model_dirs, tmp_path):
-    from mlx_chatcache.loading import load
+    from mlx_chatcache.models.loading import load
 
     model, tokenizer = load(str(tiny_model_dirs[kind]))
     a = new_session(model, tokenizer, temp=0.8, seed=3)
@@ -314,7 +314,7 @@ REWRITING_TEMPLATE = (
 
 @pytest.mark.parametrize("kind", ["llama", "hybrid"])
 def test_template_rewriting_history_reuses_less_but_stays_exact(kind, tiny_model_dirs):
-    from mlx_chatcache.loading import load
+    from mlx_chatcache.models.loading import load
 
     model, tokenizer = load(str(tiny_model_dirs[kind]))  # a private copy: its template changes
     tokenizer._tokenizer.chat_template = REWRITING_TEMPLATE

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from mlx_chatcache.cache import make_prompt_cache
-from mlx_chatcache.generate import PromptCacheState, forward, reuse_prefix
-from mlx_chatcache.prompt_store import feed_all
-from mlx_chatcache.store import DiskTier, MemoryTier, PromptStore, make_scope
+from mlx_chatcache.generation.generate import forward
+from mlx_chatcache.generation.prompt_state import PromptCache, reuse_prefix
+from mlx_chatcache.generation.prompt_store import feed_all
+from mlx_chatcache.store.store import PromptStore
+from mlx_chatcache.store.tiers import DiskTier, MemoryTier, make_scope
 
 SETTINGS = {"max_kv_size": None, "keep": 4}
 
@@ -20,7 +22,7 @@ def tokens_of(n, start=3):
 
 
 def filled(model, tokens):
-    state = PromptCacheState.new(model)
+    state = PromptCache.new(model)
     feed_all(model, state, tokens, 512)
     return state
 
@@ -47,8 +49,8 @@ def test_memory_hit_continues_like_a_fresh_prefill(llama_model):
     prompt = base[:25] + tokens_of(10, start=100)
     got = store.checkout(scope(model), prompt, make_prompt_cache(model))
     assert got.served == 25 and got.tier == "memory" and got.tokens == base
-    warm, reused = next_logits(model, PromptCacheState(got.cache, got.tokens), prompt)
-    cold, _ = next_logits(model, PromptCacheState.new(model), prompt)
+    warm, reused = next_logits(model, PromptCache(got.cache, got.tokens), prompt)
+    cold, _ = next_logits(model, PromptCache.new(model), prompt)
     assert reused == 25
     np.testing.assert_allclose(np.array(warm), np.array(cold), atol=1e-4)
     # the stored entry did not change when the checked-out copy was trimmed and fed
@@ -162,7 +164,7 @@ def test_memory_budget_counts_cache_bytes(llama_model):
 
 @pytest.mark.parametrize("kind", ["hybrid", "ssm"])
 def test_untrimmable_entries_serve_only_their_own_prefix(tiny_model_dirs, kind):
-    from mlx_chatcache.loading import load
+    from mlx_chatcache.models.loading import load
 
     model, _ = load(str(tiny_model_dirs[kind]))
     base = tokens_of(20)
@@ -172,8 +174,8 @@ def test_untrimmable_entries_serve_only_their_own_prefix(tiny_model_dirs, kind):
     prompt = base + tokens_of(6, start=33)
     got = store.checkout(scope(model), prompt, make_prompt_cache(model))
     assert got.served == 20
-    warm, reused = next_logits(model, PromptCacheState(got.cache, got.tokens), prompt)
-    cold, _ = next_logits(model, PromptCacheState.new(model), prompt)
+    warm, reused = next_logits(model, PromptCache(got.cache, got.tokens), prompt)
+    cold, _ = next_logits(model, PromptCache.new(model), prompt)
     assert reused == 20
     np.testing.assert_allclose(np.array(warm), np.array(cold), atol=1e-4)
     mx.eval(warm)
@@ -198,3 +200,27 @@ def test_deferred_file_writes_wait_for_flush(llama_model, tmp_path):
     entry = store.tiers[0].index.get(scope(model).namespace, tuple(a))
     np.testing.assert_array_equal(arrays(entry.payload), want)
     assert entry.nbytes == sum(c.nbytes for c in entry.payload)
+
+
+@pytest.mark.parametrize("kind,bits", [("sliding", None), ("llama", 4)])
+def test_rotating_and_quantized_caches_round_trip_through_both_tiers(tiny_model_dirs, tmp_path, kind, bits):
+    from mlx_chatcache.cache import quantize_prompt_cache
+    from mlx_chatcache.models.loading import load
+
+    model, _ = load(str(tiny_model_dirs[kind]))
+    base = tokens_of(12)  # inside the sliding window: still trimmable
+    state = filled(model, base)
+    if bits:
+        quantize_prompt_cache(state.cache, 64, bits)
+    want = arrays(state.cache)
+    sc = make_scope(model.fingerprint, {**SETTINGS, "kv_bits": bits})
+    mem = PromptStore([MemoryTier(1 << 30)])
+    mem.put(sc, base, state.cache)
+    PromptStore([DiskTier(tmp_path, 1 << 30)]).put(sc, base, state.cache)
+    for store in (mem, PromptStore([DiskTier(tmp_path, 1 << 30)])):
+        got = store.checkout(sc, base + [5, 6], make_prompt_cache(model))
+        assert got.served == 12 and [type(c) for c in got.cache] == [type(c) for c in state.cache]
+        got_arrays = arrays(got.cache)
+        assert len(got_arrays) == len(want)
+        for g, w in zip(got_arrays, want):  # a file stores the buffers' room: compare the live part
+            np.testing.assert_array_equal(g[..., : w.shape[-2], :] if g.ndim == 4 else g, w)

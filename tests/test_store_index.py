@@ -6,7 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_chatcache.store import Entry, EntryIndex, TokenTrie
+from mlx_chatcache.store.index import Entry, EntryIndex
+from mlx_chatcache.store.trie import TokenTrie
 
 
 def brute_longest(stored: dict[tuple, bool], query: tuple) -> int:

@@ -17,7 +17,7 @@ from tiny_models import (
     build_tiny_model,
 )
 
-from mlx_chatcache.fingerprint import ModelFingerprint, folder_fingerprint
+from mlx_chatcache.models.fingerprint import ModelFingerprint, folder_fingerprint
 
 EXPECTED_CACHES = {
     "llama": [KVCache, KVCache],

@@ -22,7 +22,7 @@ Contract
   ``add_generation_prompt`` appends ``<|im_start|>assistant\\n``); eos is
   ``<|im_end|>``, pad is ``<|endoftext|>``, no bos.
 
-Load the folder through the real path: ``mlx_chatcache.loading.load(str(folder))``.
+Load the folder through the real path: ``mlx_chatcache.models.loading.load(str(folder))``.
 Building takes ~30 ms. It instantiates the mlx-lm model once to learn parameter
 names and shapes, which draws from the global ``mx.random`` stream (the weights
 written do not depend on it).

@@ -7,7 +7,7 @@ import json
 import os
 from collections import Counter
 
-from ..cache_io import CacheFileInfo, read_cache_info
+from ..files.cache_io import CacheFileInfo, read_cache_info
 from .common import human_bytes
 
 PREVIEW_CHARS = 240
@@ -64,7 +64,7 @@ def decoded_preview(info: CacheFileInfo, model_ref: str | None) -> str | None:
     ref = model_ref or (info.model.model_id if info.model else None)
     if not ref or not os.path.exists(ref):
         return None
-    from ..loading import load_tokenizer
+    from ..models.loading import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(ref)

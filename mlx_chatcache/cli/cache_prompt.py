@@ -15,8 +15,9 @@ import sys
 import time
 
 from ..errors import UsageError
-from ..generate import PromptCacheState, encode_prompt
-from ..prompt_store import StoredPrompt, feed_all, render_chat, save_stored_prompt
+from ..generation.generate import PromptCache
+from ..generation.prompt_store import feed_all, render_chat
+from ..generation.text import encode_prompt
 from .common import add_cache_args, add_model_arg, config_from_args, human_bytes, read_json_arg, read_prompt
 from .progress import ProgressBar
 
@@ -39,10 +40,11 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def build(args, tokenizer, prompt: str | None) -> tuple[StoredPrompt, list[int]]:
+def build(args, tokenizer, prompt: str | None) -> tuple[list[dict] | None, str | None, list[int]]:
+    """``(messages, text, tokens)``: what the file will hold (chat messages or raw text) and its ids."""
     if args.ignore_chat_template:
         text = (args.system_prompt or "") + (prompt or "")
-        return StoredPrompt(None, None, text), encode_prompt(tokenizer, text)
+        return None, text, encode_prompt(tokenizer, text)
     messages = []
     if args.system_prompt:
         messages.append({"role": "system", "content": args.system_prompt})
@@ -50,11 +52,11 @@ def build(args, tokenizer, prompt: str | None) -> tuple[StoredPrompt, list[int]]
         messages.append({"role": "user", "content": prompt})
     template = read_json_arg(args.chat_template_config, "--chat-template-config")
     tokens = render_chat(tokenizer, messages, add_generation_prompt=False, template_kwargs=template)
-    return StoredPrompt(None, messages), tokens
+    return messages, None, tokens
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loading import load
+    from ..models.loading import load
 
     if args.prompt is not None and args.prompt_file is not None:
         raise UsageError("give --prompt or --prompt-file, not both")
@@ -63,18 +65,19 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("nothing to cache: pass --prompt, --prompt-file or --system-prompt")
     model, tokenizer = load(args.model)
     config = config_from_args(args)
-    stored, tokens = build(args, tokenizer, prompt)
-    stored.state = PromptCacheState.new(model, config.max_kv_size, config.keep)
+    messages, text, tokens = build(args, tokenizer, prompt)
+    stored = PromptCache.new(model, config.max_kv_size, config.keep)
+    stored.messages, stored.text = messages, text
     start = time.perf_counter()
     bar = ProgressBar("caching")
-    feed_all(model, stored.state, tokens, config.prefill_step_size, bar.update)
+    feed_all(model, stored, tokens, config.prefill_step_size, bar.update)
     bar.close()
     if config.kv_bits is not None:
         from ..cache import quantize_prompt_cache
 
-        quantize_prompt_cache(stored.state.cache, config.kv_group_size, config.kv_bits, config.quantized_kv_start)
+        quantize_prompt_cache(stored.cache, config.kv_group_size, config.kv_bits, config.quantized_kv_start)
     elapsed = time.perf_counter() - start
-    save_stored_prompt(args.prompt_cache_file, model, stored)
+    stored.save(args.prompt_cache_file)
     size = os.path.getsize(args.prompt_cache_file)
     sys.stdout.write(
         f"Cached {len(tokens)} tokens in {elapsed:.2f} s ({len(tokens) / max(elapsed, 1e-9):.1f} tokens-per-sec) "

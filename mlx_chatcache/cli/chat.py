@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 from ..errors import SessionError
-from ..safetensors_file import remove_stale_temp_files
-from ..session import ChatSession
-from ..session_store import SessionLock, session_path
+from ..files.safetensors_file import remove_stale_temp_files
+from ..chat.session import ChatSession
+from ..chat.session_store import SessionLock, session_path
 from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args, config_overrides
 
 
@@ -61,9 +61,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int:
-    from ..loading import load
-    from ..chat_input import StreamReader, TerminalReader
-    from ..repl import ChatREPL, history_file, plural
+    from ..models.loading import load
+    from .chat_input import StreamReader, TerminalReader
+    from .repl import ChatREPL, history_file, plural
 
     model, tokenizer = load(args.model)
     if path is not None and path.exists():

@@ -13,8 +13,9 @@ import argparse
 import sys
 
 from ..errors import UsageError
-from ..generate import PromptCacheState, encode_prompt, stream_generate
-from ..prompt_store import StoredPrompt, load_stored_prompt, render_chat, save_stored_prompt
+from ..generation.generate import PromptCache
+from ..generation.prompt_store import render_chat
+from ..generation.text import encode_prompt, stream_generate
 from .common import (
     add_cache_args,
     add_model_arg,
@@ -47,20 +48,21 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def load_or_new(args, model, config) -> StoredPrompt:
+def load_or_new(args, model, config) -> PromptCache:
     if args.prompt_cache_file:
-        stored = load_stored_prompt(args.prompt_cache_file, model)
-        if args.max_kv_size is not None and args.max_kv_size != stored.state.max_kv_size:
+        stored = PromptCache.load(args.prompt_cache_file, model)
+        if args.max_kv_size is not None and args.max_kv_size != stored.max_kv_size:
             raise UsageError(
-                f"{args.prompt_cache_file} was made with max_kv_size={stored.state.max_kv_size}; "
+                f"{args.prompt_cache_file} was made with max_kv_size={stored.max_kv_size}; "
                 "drop --max-kv-size or use the same value"
             )
         return stored
-    state = PromptCacheState.new(model, config.max_kv_size, config.keep)
-    return StoredPrompt(state, None if args.ignore_chat_template else [], "" if args.ignore_chat_template else None)
+    stored = PromptCache.new(model, config.max_kv_size, config.keep)
+    stored.messages, stored.text = (None, "") if args.ignore_chat_template else ([], None)
+    return stored
 
 
-def build_prompt(args, tokenizer, stored: StoredPrompt, prompt: str) -> list[int]:
+def build_prompt(args, tokenizer, stored: PromptCache, prompt: str) -> list[int]:
     """The full prompt's token ids; updates ``stored.messages``/``stored.text`` to include it."""
     if args.ignore_chat_template:
         if stored.mode == "chat" and stored.messages:
@@ -80,7 +82,7 @@ def build_prompt(args, tokenizer, stored: StoredPrompt, prompt: str) -> list[int
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loading import load
+    from ..models.loading import load
 
     prompt = read_prompt(args.prompt)
     if not prompt:
@@ -92,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     bar = ProgressBar("prompt", enabled=args.verbose)
     reply, last = [], None
     for last in stream_generate(
-        model, tokenizer, tokens, state=stored.state, config=config,
+        model, tokenizer, tokens, state=stored, config=config,
         extra_eos_tokens=args.extra_eos_token, progress=bar.update,
     ):  # fmt: skip
         reply.append(last.text)
@@ -106,9 +108,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         stored.text += text
     if args.save_prompt_cache:
-        save_stored_prompt(args.save_prompt_cache, model, stored)
+        stored.save(args.save_prompt_cache)
     if args.verbose and last is not None:
-        report(last, stored.state)
+        report(last, stored)
     return 0
 
 

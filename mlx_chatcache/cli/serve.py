@@ -66,10 +66,10 @@ def run(args: argparse.Namespace) -> int:
 
     if not all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn")):
         raise UsageError("mlxcc serve needs starlette and uvicorn: pip install 'mlx-chatcache[serve]'")
-    from ..loading import load, resolve_model_ref
-    from ..server import serve
+    from ..models.loading import load, resolve_model_ref
+    from ..server.app import serve
     from ..server.service import Service
-    from ..store import build_store
+    from ..store.store import build_store
 
     ref = resolve_model_ref(args.model)
     model, tokenizer = load(ref)

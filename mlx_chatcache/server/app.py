@@ -41,6 +41,13 @@ class ClientGone(Exception):
     pass
 
 
+def serve(service: Service, host: str, port: int, log_level: str = "info") -> None:
+    """Run the app for ``service`` until interrupted (blocking)."""
+    import uvicorn
+
+    uvicorn.run(create_app(service), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+
+
 def create_app(service: Service) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):

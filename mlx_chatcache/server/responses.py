@@ -3,7 +3,10 @@
 ``chat.completion`` / ``chat.completion.chunk`` for ``/v1/chat/completions``,
 ``text_completion`` for ``/v1/completions``. ``usage`` always carries
 ``prompt_tokens_details.cached_tokens``: the prompt tokens taken from the
-prompt-cache store instead of being computed.
+prompt-cache store instead of being computed. The full response and the
+usage chunk also carry ``mlxcc_timing`` (seconds queued behind other requests,
+from leaving the queue to the first token, in all): an extra field, which
+OpenAI clients keep as an unknown attribute.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class Reply:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done["finish_reason"]}
             obj = self._base("text_completion")
-        return {**obj, "choices": [choice], "usage": usage(done)}
+        return {**obj, "choices": [choice], "usage": usage(done), "mlxcc_timing": done.get("timing")}
 
     def chunk(self, text: str | None = None, finish: str | None = None, role: bool = False,
               with_usage_field: bool = False) -> dict:  # fmt: skip
@@ -54,7 +57,7 @@ class Reply:
     def usage_chunk(self, done: dict) -> dict:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._base(obj), "choices": [], "usage": usage(done)}
+        return {**self._base(obj), "choices": [], "usage": usage(done), "mlxcc_timing": done.get("timing")}
 
 
 def usage(done: dict) -> dict:

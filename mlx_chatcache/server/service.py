@@ -23,9 +23,9 @@ from pathlib import Path
 
 from ..config import GenerationConfig
 from ..errors import ChatCacheError
-from ..generate import encode_prompt
-from ..prompt_store import has_chat_template, render_chat
-from ..store import PromptStore
+from ..generation.text import encode_prompt
+from ..generation.prompt_store import has_chat_template, render_chat
+from ..store.store import PromptStore
 from .protocol import Request, RequestError
 from .worker import GenerationWorker
 

@@ -13,7 +13,8 @@ A job reports through ``job.emit(event)``, called on the worker thread, with:
 - ``("text", str)`` for each piece of reply text (stop strings held back
   until they can no longer match, and cut off when they do);
 - ``("done", {"finish_reason", "prompt_tokens", "completion_tokens",
-  "cached_tokens"})`` at the end, or ``("error", message)`` instead.
+  "cached_tokens", "timing"})`` at the end (``timing``: seconds queued, from
+  leaving the queue to the first token, and in all), or ``("error", message)``.
 
 ``job.cancel()`` (a client that went away) stops the job before it starts,
 during its prompt (between prefill chunks) or between tokens. Whatever a job
@@ -44,9 +45,11 @@ import mlx.core as mx
 from ..cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 from ..config import GenerationConfig
 from ..errors import ChatCacheError
-from ..generate import PromptCacheState, make_kv_quantizer, prefill, reuse_prefix, stream_generate
-from ..store import PromptStore, Scope, make_scope
-from ..store.tiers import compact_copy
+from ..generation.generate import make_kv_quantizer, prefill
+from ..generation.prompt_state import PromptCache, reuse_prefix
+from ..generation.text import stream_generate
+from ..store.store import PromptStore
+from ..store.tiers import Scope, compact_copy, make_scope
 
 log = logging.getLogger("mlxcc.serve")
 MAX_PENDING = 4  # cache files whose writing may wait for an idle moment
@@ -151,19 +154,23 @@ class GenerationWorker:
         waited = time.perf_counter() - job.submitted  # in the queue, behind other requests
         self.stats["queue_wait_s_total"] += waited
         self.stats["queue_wait_s_max"] = max(self.stats["queue_wait_s_max"], waited)
+        t0 = time.perf_counter()
         state, cached = self._checkout(job)
-        checkpoint = None
+        checkpoint, timing = None, {}
         try:
             checkpoint = self._checkpoint(job, state)
             job.emit(("start", {"cached_tokens": cached, "queued_s": waited}))
-            finish, n = self._generate(job, state)
+            finish, n = self._generate(job, state, timing)
         except _Cancelled:
             finish, n = "cancelled", 0
+        timing = {"queued_s": round(waited, 4), "first_token_s": round(timing.get("first", t0) - t0, 4),
+                  "total_s": round(time.perf_counter() - t0, 4)}  # fmt: skip
+        self.stats["last_job"] = {**timing, "cached_tokens": cached, "prompt_tokens": len(job.prompt)}
         if finish == "cancelled":
             self.stats["cancelled"] += 1
         else:
             job.emit(("done", {"finish_reason": finish, "prompt_tokens": len(job.prompt),
-                               "completion_tokens": n, "cached_tokens": cached}))  # fmt: skip
+                               "completion_tokens": n, "cached_tokens": cached, "timing": timing}))  # fmt: skip
         if checkpoint is not None:
             self._put(job.prompt[: job.boundary], checkpoint, job.key)
         if state.tokens:
@@ -177,15 +184,15 @@ class GenerationWorker:
             self.stats["store_errors"] = self.stats.get("store_errors", 0) + 1
             log.warning("could not store a prompt cache: %s", e)
 
-    def _checkout(self, job: Job) -> tuple[PromptCacheState, int]:
+    def _checkout(self, job: Job) -> tuple[PromptCache, int]:
         c = self.config
         got = self.store.checkout(self.scope, job.prompt, make_prompt_cache(self.model, c.max_kv_size, c.keep), job.key)
         if got is None:
-            return PromptCacheState.new(self.model, c.max_kv_size, c.keep), 0
-        state = PromptCacheState(got.cache, got.tokens, c.max_kv_size, c.keep)
+            return PromptCache.new(self.model, c.max_kv_size, c.keep), 0
+        state = PromptCache(got.cache, got.tokens, c.max_kv_size, c.keep)
         return state, reuse_prefix(state, job.prompt, self.model)
 
-    def _checkpoint(self, job: Job, state: PromptCacheState):
+    def _checkpoint(self, job: Job, state: PromptCache):
         """Feed the prompt up to the end of its last message and copy the cache
         there, when the cache could not be trimmed back to it later."""
         b = job.boundary
@@ -208,7 +215,7 @@ class GenerationWorker:
 
         return check
 
-    def _generate(self, job: Job, state: PromptCacheState) -> tuple[str, int]:
+    def _generate(self, job: Job, state: PromptCache, timing: dict) -> tuple[str, int]:
         stops = StopMatcher(job.stop)
         steps = stream_generate(self.model, self.tokenizer, job.prompt, state=state, config=job.config,
                                 progress=self._progress(job))  # fmt: skip
@@ -216,6 +223,7 @@ class GenerationWorker:
         try:
             for r in steps:
                 n = r.generation_tokens
+                timing.setdefault("first", time.perf_counter())
                 text, hit = stops.feed(r.text)
                 if text:
                     job.emit(("text", text))

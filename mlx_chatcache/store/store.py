@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..cache import BaseCache, copy_prompt_cache
-from .tiers import MemoryTier, Scope, Tier, compact_copy
+from .tiers import DiskTier, MemoryTier, Scope, Tier, compact_copy
 
 
 @dataclass
@@ -123,4 +123,21 @@ class PromptStore:
         return sum(t.index.nbytes for t in self.tiers if t.name == "memory")
 
 
-__all__ = ["PromptStore", "Checkout"]
+def build_store(memory_bytes: int, disk_bytes: int, cache_dir, redis_url: str | None = None,
+                redis_bytes: int | None = None) -> PromptStore:  # fmt: skip
+    """A store with a memory tier (unless ``memory_bytes`` is 0), a disk tier
+    in ``cache_dir`` (unless ``disk_bytes`` is 0 or ``cache_dir`` is None) and a
+    Redis tier at ``redis_url`` (when given; needs the ``redis`` package)."""
+    tiers: list[Tier] = []
+    if memory_bytes > 0:
+        tiers.append(MemoryTier(memory_bytes))
+    if disk_bytes > 0 and cache_dir is not None:
+        tiers.append(DiskTier(cache_dir, disk_bytes))
+    if redis_url:
+        from .redis_tier import RedisTier  # the redis package is optional
+
+        tiers.append(RedisTier(redis_url, redis_bytes))
+    return PromptStore(tiers)
+
+
+__all__ = ["PromptStore", "Checkout", "build_store"]

@@ -34,9 +34,9 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache, prompt_cache_nbytes
-from ..cache_io import check_cache_fits_model, load_prompt_cache, read_cache_info, save_prompt_cache
+from ..files.cache_io import check_cache_fits_model, load_prompt_cache, read_cache_info, save_prompt_cache
 from ..errors import ChatCacheError
-from ..fingerprint import ModelFingerprint
+from ..models.fingerprint import ModelFingerprint
 from .index import Entry, EntryIndex
 
 

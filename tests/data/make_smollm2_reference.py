@@ -26,7 +26,7 @@ from pathlib import Path
 import jinja2
 import numpy as np
 
-from mlx_chatcache.loading import demo_model_path
+from mlx_chatcache.models.loading import demo_model_path
 
 OUT = Path(__file__).with_name("smollm2_reference.json")
 MAX_NEW = 16

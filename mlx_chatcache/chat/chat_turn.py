@@ -4,12 +4,12 @@ both stopping on request, and what the turn cost.
 Contract
 --------
 :func:`feed_prompt` feeds ``ids[len(state.tokens):upto]`` into a
-:class:`~mlx_chatcache.prompt_state.PromptCacheState` in
+:class:`~mlx_chatcache.generation.prompt_state.PromptCache` in
 ``prefill_step_size`` chunks, recording each chunk in ``state.tokens``. It
 polls ``should_stop`` before every chunk and raises :class:`TurnCancelled`
 when it says so; the state then holds the chunks fed so far (the caller rolls
 the turn back). When ``upto == len(ids) - 1`` (the prompt up to the token the
-reply starts from), the tokens :func:`~mlx_chatcache.generate.final_call_size`
+reply starts from), the tokens :func:`~mlx_chatcache.generation.generate.final_call_size`
 gives (the prompt's last chunk, or only its last token for a quantized model)
 are left to :func:`stream_reply`: the generate loop feeds them in the model
 call that samples the first reply token, one call instead of two.
@@ -19,7 +19,7 @@ call that samples the first reply token, one call instead of two.
 of, passing each text piece to ``on_text``. It polls ``should_stop`` after
 every token that does not end the reply and ends the reply there
 ("interrupted"), then passes on the text the detokenizer held back. The state
-is left as :mod:`mlx_chatcache.generate` documents for a reply that ends:
+is left as :mod:`mlx_chatcache.generation.generate` documents for a reply that ends:
 every reply token but the last has been fed (after an interruption, the token
 the generate loop fed ahead is trimmed back off).
 
@@ -32,9 +32,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import GenerationConfig
-from .generate import GenerationResponse, final_call_size, make_kv_quantizer, prefill, stream_generate
-from .prompt_state import PromptCacheState, trim_state
+from ..config import GenerationConfig
+from ..generation.generate import final_call_size, make_kv_quantizer, prefill
+from ..generation.prompt_state import PromptCache, trim_state
+from ..generation.text import GenerationResponse, stream_generate
 
 TextCallback = Callable[[str], None]
 StopCheck = Callable[[], bool]
@@ -100,7 +101,7 @@ class Reply:
 
 
 def feed_prompt(
-    model, state: PromptCacheState, ids: list[int], upto: int, config: GenerationConfig, should_stop: StopCheck | None
+    model, state: PromptCache, ids: list[int], upto: int, config: GenerationConfig, should_stop: StopCheck | None
 ) -> None:
     """Feed ``ids[len(state.tokens):upto]`` in ``config.prefill_step_size``
     chunks, less the reply's first call when ``upto == len(ids) - 1`` (see the
@@ -125,7 +126,7 @@ def stream_reply(
     model,
     tokenizer,
     prompt_ids: list[int],
-    state: PromptCacheState,
+    state: PromptCache,
     config: GenerationConfig,
     started: float,
     on_text: TextCallback | None,

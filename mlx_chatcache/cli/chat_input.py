@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
-from .cli.common import non_negative_float, non_negative_int, positive_int, probability
-from .errors import UsageError
+from .common import non_negative_float, non_negative_int, positive_int, probability
+from ..errors import UsageError
 
 PROMPT, CONTINUATION = ">>> ", "... "
 FENCE = '"""'

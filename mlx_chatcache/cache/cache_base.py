@@ -31,7 +31,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
-from .errors import CacheFormatError
+from ..errors import CacheFormatError
 
 
 class BaseCache:

@@ -2,14 +2,14 @@
 
 Layers, each usable on its own (lowest first):
 
-1. :class:`PromptCacheState` holds a prompt cache (one cache per layer) and
+1. :class:`PromptCache` holds a prompt cache (one cache per layer) and
    ``tokens``, the token ids that cache has been fed, in order.
 2. :func:`reuse_prefix` reduces a state to the longest part of a new prompt it
    already holds: it trims the rest, or starts a fresh cache when the cache
    cannot be trimmed.
 
-   (1 and 2 live in :mod:`mlx_chatcache.prompt_state`; they are imported here
-   so that ``from mlx_chatcache.generate import PromptCacheState`` keeps working.)
+   (1 and 2 live in :mod:`mlx_chatcache.generation.prompt_state`; they are imported here
+   so that ``from mlx_chatcache.generation.generate import PromptCache`` keeps working.)
 3. :func:`prefill` feeds all prompt tokens but the last few, in chunks;
    :func:`final_call_size` says how many to leave: the last chunk, fed in
    the model call that samples the first token (one call instead of two),
@@ -21,6 +21,8 @@ Layers, each usable on its own (lowest first):
 6. :func:`stream_generate` yields :class:`GenerationResponse` text segments
    with statistics.
 7. :func:`generate` returns the whole text.
+
+   (6 and 7 live in :mod:`mlx_chatcache.generation.text`.)
 
 What ``state.tokens`` holds
 ---------------------------
@@ -89,17 +91,15 @@ random generator at the start of each call. All defaults come from
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
-from dataclasses import dataclass
-from typing import Callable, Collection, Iterable, Iterator, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 import mlx.core as mx
 
-from .cache import BaseCache, quantize_prompt_cache
-from .config import DEFAULTS, GenerationConfig
-from .errors import UsageError
-from .prompt_state import PromptCacheState, common_prefix_len, ensure_state, reuse_prefix, trim_state
+from ..cache import BaseCache, quantize_prompt_cache
+from ..config import DEFAULTS, GenerationConfig
+from ..errors import UsageError
+from .prompt_state import PromptCache, common_prefix_len, ensure_state, reuse_prefix, trim_state
 from .sample import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens to do)
@@ -109,7 +109,7 @@ KVQuantizer = Callable[[list[BaseCache]], None]
 
 # ------------------------------------------------------------------ errors
 @contextlib.contextmanager
-def _reset_on_error(state: PromptCacheState, model):
+def _reset_on_error(state: PromptCache, model):
     """Model calls inside leave the state consistent or empty, never half-updated."""
     try:
         yield
@@ -225,7 +225,7 @@ def sample_token(
 
 def decode_one_token(
     model,
-    state: PromptCacheState,
+    state: PromptCache,
     tokens: Sequence[int],
     sampler: Sampler,
     processors: Sequence[LogitsProcessor] = (),
@@ -247,7 +247,7 @@ def decode_one_token(
 # ------------------------------------------------------------------ generate_step
 def _start_step(
     model,
-    state: PromptCacheState,
+    state: PromptCache,
     inputs: mx.array,
     sampler: Sampler,
     processors: Sequence[LogitsProcessor],
@@ -286,7 +286,7 @@ def _always_undoable(layer: BaseCache) -> bool:
     return layer.is_trimmable() and not hasattr(layer, "max_size") and not hasattr(layer, "caches")
 
 
-def _take_back_one(state: PromptCacheState, model, layers: list[BaseCache]) -> None:
+def _take_back_one(state: PromptCache, model, layers: list[BaseCache]) -> None:
     """Unfeed the last token (checked possible by :func:`_can_take_back`).
 
     ``layers`` are the cache's layers before that token was fed: the model
@@ -308,7 +308,7 @@ def generate_step(
     prompt_tokens: Sequence[int],
     model,
     *,
-    state: PromptCacheState | None = None,
+    state: PromptCache | None = None,
     config: GenerationConfig | None = None,
     sampler: Sampler | None = None,
     logits_processors: Sequence[LogitsProcessor] | None = None,
@@ -384,169 +384,8 @@ def generate_step(
                 )
 
 
-# ------------------------------------------------------------------ streaming text
-@dataclass
-class GenerationResponse:
-    """One step of :func:`stream_generate`.
-
-    ``text`` is the new text segment (may be empty; stop tokens add no text).
-    ``prompt_tokens`` counts the whole prompt, ``reused_tokens`` the part taken
-    from the cache. ``ttft`` is the number of seconds from the call to the
-    first token. ``prompt_tps`` is the non-reused prompt tokens divided by
-    ``ttft``. ``generation_tokens`` counts the tokens sampled so far,
-    including a final stop token. ``generation_tps`` is the tokens after the
-    first, per second since the first (0 until there are two).
-    ``peak_memory`` is in GB. ``finish_reason`` is "stop" (a stop token),
-    "length" (``max_tokens`` reached) or None (more to come).
-    """
-
-    text: str
-    token: int
-    logprobs: mx.array
-    prompt_tokens: int
-    reused_tokens: int
-    prompt_tps: float
-    generation_tokens: int
-    generation_tps: float
-    ttft: float
-    peak_memory: float
-    finish_reason: str | None = None
-
-
-def as_tokenizer_wrapper(tokenizer):
-    """mlx-lm's ``TokenizerWrapper`` (gives ``detokenizer`` and ``eos_token_ids``)."""
-    if hasattr(tokenizer, "detokenizer") and hasattr(tokenizer, "eos_token_ids"):
-        return tokenizer
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    return TokenizerWrapper(tokenizer)
-
-
-def encode_prompt(tokenizer, prompt: str | Sequence[int] | mx.array) -> list[int]:
-    """Token ids of ``prompt``. Special tokens are added to text unless it already starts with BOS."""
-    if isinstance(prompt, str):
-        bos = getattr(tokenizer, "bos_token", None)
-        add_special = bos is None or not prompt.startswith(bos)
-        ids = list(tokenizer.encode(prompt, add_special_tokens=add_special))
-    elif isinstance(prompt, mx.array):
-        ids = prompt.reshape(-1).tolist()
-    else:
-        ids = [int(t) for t in prompt]
-    if not ids:
-        raise UsageError("the prompt is empty; give at least one token")
-    return ids
-
-
-def stop_token_ids(tokenizer, extra_eos_tokens: Iterable[str | int] = ()) -> set[int]:
-    """The tokenizer's EOS ids plus ``extra_eos_tokens``.
-
-    Each extra token is an id or a string: the string must encode to a single
-    token or be one vocabulary entry, otherwise :class:`UsageError`.
-    """
-    stops = set(tokenizer.eos_token_ids)
-    for tok in extra_eos_tokens:
-        if isinstance(tok, int):
-            stops.add(tok)
-            continue
-        ids = tokenizer.encode(tok, add_special_tokens=False)
-        if len(ids) != 1:  # maybe a vocabulary entry spelled as stored ("Ġthe")
-            vocab_id = tokenizer.get_vocab().get(tok)
-            ids = [] if vocab_id is None else [vocab_id]
-        if len(ids) != 1:
-            raise UsageError(f"extra EOS token {tok!r} is not a single token of this tokenizer")
-        stops.add(int(ids[0]))
-    return stops
-
-
-def stream_generate(
-    model,
-    tokenizer,
-    prompt: str | Sequence[int] | mx.array,
-    *,
-    state: PromptCacheState | None = None,
-    config: GenerationConfig | None = None,
-    sampler: Sampler | None = None,
-    logits_processors: Sequence[LogitsProcessor] | None = None,
-    extra_eos_tokens: Iterable[str | int] = (),
-    progress: Progress | None = None,
-) -> Iterator[GenerationResponse]:
-    """Yield a :class:`GenerationResponse` per sampled token; the last has a ``finish_reason``.
-
-    ``prompt`` is text (encoded with the tokenizer) or token ids. ``state``
-    is reused and updated in place (see the module docstring); None uses a
-    throw-away cache. Generation stops at the tokenizer's EOS tokens, at
-    ``extra_eos_tokens`` and at ``config.max_tokens``.
-    """
-    start = time.perf_counter()
-    config = config or DEFAULTS
-    tokenizer = as_tokenizer_wrapper(tokenizer)
-    prompt_ids = encode_prompt(tokenizer, prompt)
-    stops = stop_token_ids(tokenizer, extra_eos_tokens)
-    state = ensure_state(model, state, config)
-    reused = reuse_prefix(state, prompt_ids, model)
-    detokenizer = tokenizer.detokenizer
-    steps = generate_step(
-        prompt_ids, model, state=state, config=config, sampler=sampler,
-        logits_processors=logits_processors, stop_tokens=stops, progress=progress,
-    )  # fmt: skip
-    for n, (token, logprobs) in enumerate(steps, 1):
-        now = time.perf_counter()
-        if n == 1:
-            ttft, first = now - start, now
-        finish = "stop" if token in stops else "length" if n == config.max_tokens else None
-        if token not in stops:
-            detokenizer.add_token(token)
-        if finish:
-            detokenizer.finalize()
-        yield GenerationResponse(
-            text=detokenizer.last_segment,
-            token=token,
-            logprobs=logprobs,
-            prompt_tokens=len(prompt_ids),
-            reused_tokens=reused,
-            prompt_tps=(len(prompt_ids) - reused) / max(ttft, 1e-9),
-            generation_tokens=n,
-            generation_tps=(n - 1) / (now - first) if n > 1 else 0.0,
-            ttft=ttft,
-            peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason=finish,
-        )
-
-
-def generate(
-    model,
-    tokenizer,
-    prompt: str | Sequence[int] | mx.array,
-    *,
-    state: PromptCacheState | None = None,
-    config: GenerationConfig | None = None,
-    sampler: Sampler | None = None,
-    logits_processors: Sequence[LogitsProcessor] | None = None,
-    extra_eos_tokens: Iterable[str | int] = (),
-    verbose: bool = False,
-) -> str:
-    """The whole generated text (see :func:`stream_generate`); ``verbose`` prints it and stats."""
-    text, last = "", None
-    for last in stream_generate(
-        model, tokenizer, prompt, state=state, config=config, sampler=sampler,
-        logits_processors=logits_processors, extra_eos_tokens=extra_eos_tokens,
-    ):  # fmt: skip
-        text += last.text
-        if verbose:
-            print(last.text, end="", flush=True)
-    if verbose and last is not None:
-        print()
-        print(
-            f"Prompt: {last.prompt_tokens} tokens ({last.reused_tokens} reused), "
-            f"{last.prompt_tps:.1f} tokens/s, first token after {last.ttft:.3f} s"
-        )
-        print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s")
-        print(f"Peak memory: {last.peak_memory:.3f} GB")
-    return text
-
-
 __all__ = [
-    "PromptCacheState",
+    "PromptCache",
     "ensure_state",
     "common_prefix_len",
     "reuse_prefix",
@@ -558,10 +397,4 @@ __all__ = [
     "sample_token",
     "decode_one_token",
     "generate_step",
-    "GenerationResponse",
-    "as_tokenizer_wrapper",
-    "encode_prompt",
-    "stop_token_ids",
-    "stream_generate",
-    "generate",
 ]

@@ -20,8 +20,8 @@ import mlx.core as mx
 from .cache_base import BaseCache, check_arrays, parse_ints, shown
 from .cache_kv import ChunkedKVCache, KVCache, QuantizedKVCache
 from .cache_rotating import QuantizedRotatingKVCache, RotatingKVCache
-from .config import DEFAULTS
-from .errors import CacheFormatError, UnsupportedCacheError
+from ..config import DEFAULTS
+from ..errors import CacheFormatError, UnsupportedCacheError
 
 
 class ArraysCache(BaseCache):

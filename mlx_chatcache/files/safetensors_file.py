@@ -38,7 +38,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .errors import CacheFileError
+from ..errors import CacheFileError
 
 MAX_HEADER_BYTES = 64 << 20
 MAX_DIMS = 8

@@ -1,11 +1,11 @@
 """A multi-turn chat whose history is never fed to the model twice.
 
 :class:`ChatSession` holds the conversation (``messages``), a prompt cache with
-the exact token ids it has been fed (a :class:`~mlx_chatcache.prompt_state.PromptCacheState`),
+the exact token ids it has been fed (a :class:`~mlx_chatcache.generation.prompt_state.PromptCache`),
 the settings (a :class:`GenerationConfig`) and per-turn checkpoints. This
 module decides what each turn feeds and keeps; the model work of a turn
 (feeding and streaming that stop on request, statistics) is in
-:mod:`mlx_chatcache.chat_turn`.
+:mod:`mlx_chatcache.chat.chat_turn`.
 
 How a turn is built
 -------------------
@@ -17,22 +17,22 @@ encoding of the rest of the text. So the reply tokens stay in the cache exactly
 as generated, never re-tokenized. When it is not a prefix (a template that
 rewrites history, e.g. drops an earlier reply's reasoning) the prompt keeps the
 longest run of held tokens whose decoded text starts the rendering and encodes
-the rest; :func:`~mlx_chatcache.prompt_state.reuse_prefix` then trims the cache to
+the rest; :func:`~mlx_chatcache.generation.prompt_state.reuse_prefix` then trims the cache to
 that run, and a cache that cannot be trimmed restarts from the latest turn
 checkpoint inside it. Such templates just reuse less.
 
 The generate loop never feeds the last token it yields (see
-:mod:`mlx_chatcache.generate`): after a reply ``r1..rn`` the cache holds
+:mod:`mlx_chatcache.generation.generate`): after a reply ``r1..rn`` the cache holds
 everything but ``rn``, which waits in ``pending`` and is fed first next turn.
 The session's full token sequence is ``state.tokens + pending``.
 
 Undo and retry
 --------------
 At the start of each turn the session records a
-:class:`~mlx_chatcache.checkpoints.Checkpoint` (message count, token and text
+:class:`~mlx_chatcache.chat.checkpoints.Checkpoint` (message count, token and text
 lengths, and copies of the layers that may not trim back); undo, retry and a
 failed or cancelled turn roll back to it without feeding a history token
-again (see :mod:`mlx_chatcache.checkpoints`). Copies are kept in memory for the
+again (see :mod:`mlx_chatcache.chat.checkpoints`). Copies are kept in memory for the
 last ``max_checkpoints`` turns only. Past those turns (or after loading a
 session from a file) an untrimmable cache cannot be rolled back: the history
 is then recomputed on the next turn, and the session says so.
@@ -49,7 +49,7 @@ Files
 :meth:`ChatSession.save` writes the session to one cache file, atomically;
 :meth:`ChatSession.load` reads it back and refuses a session made with another
 model (:class:`~mlx_chatcache.errors.ModelMismatchError`). The file's layout,
-session names and the session lock are in :mod:`mlx_chatcache.session_store`.
+session names and the session lock are in :mod:`mlx_chatcache.chat.session_store`.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ import os
 import time
 from typing import Mapping, Sequence
 
-from .cache import CacheList, can_trim_prompt_cache, prompt_cache_nbytes
+from ..cache import CacheList, can_trim_prompt_cache, prompt_cache_nbytes
 from .chat_turn import (
     Reply,
     StopCheck,
@@ -71,18 +71,19 @@ from .chat_turn import (
     stream_reply,
     turn_stats,
 )
-from .checkpoints import Checkpoint, RollbackResult, drop_old_copies, restore, rewind_cache, snapshot
-from .config import DEFAULT_MAX_CHECKPOINTS, DEFAULTS, GenerationConfig
-from .errors import SessionError, UsageError
-from .generate import as_tokenizer_wrapper
-from .prompt_state import PromptCacheState, common_prefix_len, reuse_prefix
-from .prompt_store import chat_text, encode_text, has_chat_template
+from .checkpoints import Checkpoint, RollbackResult
+from ..config import DEFAULT_MAX_CHECKPOINTS, DEFAULTS, GenerationConfig
+from ..errors import SessionError, UsageError
+from ..generation.prompt_state import PromptCache, common_prefix_len, reuse_prefix
+from ..generation.prompt_store import chat_text, encode_text, has_chat_template
+from ..generation.text import as_tokenizer_wrapper
+from .session_rollback import SessionRollback
 from .session_store import SessionRecord, load_session, save_session, session_metadata
 
 MIN_WINDOW = 8  # tokens a rotating window must hold beyond the pinned system prompt
 
 
-class ChatSession:
+class ChatSession(SessionRollback):
     """A chat with a model whose cache follows the conversation (see module doc)."""
 
     def __init__(
@@ -172,10 +173,10 @@ class ChatSession:
         b = self.encode(self.render(sys_msgs + [{"role": "user", "content": "Z"}]))
         return max(common_prefix_len(a, b), 0)
 
-    def _new_state(self) -> PromptCacheState:
+    def _new_state(self) -> PromptCache:
         size = self.config.max_kv_size
         if size is None:
-            return PromptCacheState.new(self.model)
+            return PromptCache.new(self.model)
         keep = self.pinned_tokens()
         if keep + MIN_WINDOW > size:
             raise SessionError(
@@ -183,7 +184,7 @@ class ChatSession:
                 f"must hold it plus at least {MIN_WINDOW} tokens: use --max-kv-size "
                 f">= {keep + MIN_WINDOW} (much larger in practice) or a shorter system prompt"
             )
-        return PromptCacheState.new(self.model, size, keep)
+        return PromptCache.new(self.model, size, keep)
 
     def _call_config(self) -> GenerationConfig:
         seed = self.config.seed
@@ -288,84 +289,7 @@ class ChatSession:
             self.checkpoints.clear()
         self.messages.append({"role": "assistant", "content": reply.text})
 
-    def _push_checkpoint(self) -> None:
-        self.checkpoints.append(
-            Checkpoint(len(self.messages), len(self.tokens), len(self.state.tokens), len(self.text),
-                       snapshot(self.state.cache))
-        )  # fmt: skip
-        drop_old_copies(self.checkpoints, self.max_checkpoints)
-
-    def _history_rewritten(
-        self, prompt_ids: list[int], k: int, prompt_text: str, n_text: int, should_stop: StopCheck | None
-    ) -> int | None:
-        """The template changed history from held token ``k`` on (e.g. it drops
-        an earlier reply's reasoning); ``prompt_ids[:k]`` are the held tokens
-        kept. Keep the checkpoints inside that prefix. An untrimmable cache
-        restarts from the latest copy among them and is fed up to ``k`` (all
-        but the last), then copied again, so this turn keeps a checkpoint too.
-        Returns the tokens reused from that copy (None when the cache is left
-        to ``reuse_prefix``)."""
-        turn = self.checkpoints.pop()  # this turn's: its lengths no longer apply
-        kept = [c for c in self.checkpoints if c.n_tokens <= k and prompt_text.startswith(self.text[: c.n_text])]
-        self.checkpoints[:] = kept
-        self.text = prompt_text[:n_text]
-        restored = None
-        if len(self.state.tokens) > k and not can_trim_prompt_cache(self.state.cache):
-            for c in reversed(kept):
-                if c.cache is not None and restore(self.state, c.cache, c.state_len, prompt_ids):
-                    restored = c
-                    break
-        if restored is None:
-            self.checkpoints.append(Checkpoint(turn.n_messages, k, min(k, len(self.state.tokens)), n_text, None))
-            return None
-        self.checkpoints.append(Checkpoint(turn.n_messages, k, restored.state_len, n_text, restored.cache))
-        feed_prompt(self.model, self.state, prompt_ids, k - 1, self.config, should_stop)
-        copies = snapshot(self.state.cache)
-        self.checkpoints[-1] = Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, copies)
-        return restored.state_len
-
     # ------------------------------------------------------------ rollback
-    def _rewind(self, ck: Checkpoint, tokens: list[int] | None = None) -> RollbackResult:
-        """Make messages, tokens, text and cache what they were at ``ck``.
-        ``tokens``: the session's tokens (default ``self.tokens``; a failed turn
-        passes those it started with, since the cache may have been reset)."""
-        tokens = self.tokens if tokens is None else tokens
-        del self.messages[ck.n_messages:]
-        self.text = self.text[: ck.n_text]
-        self.pending = tokens[ck.state_len : ck.n_tokens]
-        how = rewind_cache(self.state, ck, tokens)
-        if how is not None:
-            return RollbackResult(how)
-        # cannot roll back: start a fresh cache; the next turn feeds the history again
-        self.state.reset(self.model)
-        self.pending, self.text = [], ""
-        self.checkpoints.clear()
-        return RollbackResult("recompute", len(tokens[: ck.state_len]))
-
-    def _last_exchange(self) -> int:
-        """Index of the last user message (SessionError if there is none)."""
-        for i in range(len(self.messages) - 1, -1, -1):
-            if self.messages[i]["role"] == "user":
-                return i
-        raise SessionError("there is no exchange to undo or retry yet; send a message first")
-
-    def _rollback_last(self) -> RollbackResult:
-        i = self._last_exchange()
-        while self.checkpoints and self.checkpoints[-1].n_messages > i:
-            self.checkpoints.pop()
-        if self.checkpoints and self.checkpoints[-1].n_messages == i:
-            return self._rewind(self.checkpoints.pop())
-        # no checkpoint for that turn (history was rewritten since): the next turn
-        # renders the conversation afresh; a trimmable cache keeps the common prefix
-        del self.messages[i:]
-        self.pending, self.text = [], ""
-        self.checkpoints.clear()
-        if can_trim_prompt_cache(self.state.cache):
-            return RollbackResult("rerender")
-        held = len(self.state.tokens)
-        self.state.reset(self.model)
-        return RollbackResult("recompute", held)
-
     def undo(self) -> RollbackResult:
         """Drop the last exchange (user message and reply) without re-prefilling."""
         result = self._rollback_last()

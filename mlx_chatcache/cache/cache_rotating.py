@@ -26,7 +26,7 @@ import numpy as np
 
 from .cache_base import kv_assign, kv_concat, kv_len, kv_slice, parse_ints, standard_mask
 from .cache_kv import KVCache, QuantizedKVCache, check_quant_params
-from .errors import CacheFormatError
+from ..errors import CacheFormatError
 
 
 class RotatingKVCache(KVCache):

@@ -1,6 +1,6 @@
 """The interactive loop behind ``mlxcc chat``: commands, streaming output, Ctrl-C.
 
-:class:`ChatREPL` reads with a reader from :mod:`mlx_chatcache.chat_input`
+:class:`ChatREPL` reads with a reader from :mod:`mlx_chatcache.cli.chat_input`
 (a terminal, or line by line from a stream, so a chat can be scripted:
 ``printf 'Hi\\n/bye\\n' | mlxcc chat``) until the input ends or ``/bye``.
 Replies stream to ``out``; notes, errors and statistics go to ``err``, so
@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from .chat_input import FENCE, message_text, parse_command, parse_setting, read_input
-from .cli.common import human_bytes
-from .config import mlxcc_home
-from .errors import ChatCacheError, UsageError
-from .session import ChatSession, RollbackResult, TurnResult
+from .common import human_bytes
+from ..config import mlxcc_home
+from ..errors import ChatCacheError, UsageError
+from ..chat.session import ChatSession, RollbackResult, TurnResult
 
 HELP = f"""\
 Commands (anything else is sent to the model):

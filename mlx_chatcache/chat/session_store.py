@@ -3,10 +3,10 @@
 Files
 -----
 A session file is one cache file (see ``docs/cache-format.md``), written
-atomically by :func:`~mlx_chatcache.cache_io.save_prompt_cache`: the cache,
+atomically by :func:`~mlx_chatcache.files.cache_io.save_prompt_cache`: the cache,
 its token ids, the messages, the model fingerprint and, in the user metadata
 key ``session``, a JSON object with the settings and the bookkeeping of a
-:class:`~mlx_chatcache.session.ChatSession` (a :class:`SessionRecord`).
+:class:`~mlx_chatcache.chat.session.ChatSession` (a :class:`SessionRecord`).
 :func:`save_session` writes a record (a previous file survives any failure);
 :func:`load_session` reads one back for a model and refuses, in one line each:
 a missing file and a cache file that is not a session or uses a newer session
@@ -31,13 +31,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache_io import load_prompt_cache, save_prompt_cache
+from ..files.cache_io import load_prompt_cache
 from .checkpoints import Checkpoint
-from .config import DEFAULTS, GenerationConfig, mlxcc_home
-from .errors import CacheFileError, ModelMismatchError, SessionError
-from .fingerprint import ModelFingerprint
-from .prompt_state import PromptCacheState
-from .prompt_store import state_for_model
+from ..config import DEFAULTS, GenerationConfig, mlxcc_home
+from ..errors import CacheFileError, ModelMismatchError, SessionError
+from ..models.fingerprint import ModelFingerprint
+from ..generation.prompt_state import PromptCache
 
 SESSION_FORMAT = 1
 SESSION_KEY = "session"  # user metadata key holding the session JSON
@@ -47,7 +46,7 @@ SESSION_KEY = "session"  # user metadata key holding the session JSON
 class SessionRecord:
     """What a session file holds besides the model (see the module doc)."""
 
-    state: PromptCacheState
+    state: PromptCache
     messages: list[dict]
     config: GenerationConfig
     pending: list[int]  # the last reply token, fed first next turn
@@ -72,16 +71,10 @@ def session_metadata(record: SessionRecord) -> dict:
 
 
 def save_session(path: str | os.PathLike, record: SessionRecord, fingerprint: ModelFingerprint | None) -> None:
-    """Write ``record`` to ``path`` atomically."""
-    save_prompt_cache(
-        path,
-        record.state.cache,
-        tokens=record.state.tokens,
-        model=fingerprint,
-        messages=record.messages,
-        settings={"max_kv_size": record.state.max_kv_size, "keep": record.state.keep},
-        metadata={SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)},
-    )
+    """Write ``record`` to ``path`` atomically: its prompt cache, with the
+    conversation as its messages and the session JSON as user metadata."""
+    prompt = dataclasses.replace(record.state, fingerprint=fingerprint, messages=record.messages, text=None, settings={})
+    prompt.save(path, metadata={SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)})
 
 
 # ------------------------------------------------------------------ load
@@ -105,7 +98,7 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
     meta = _parse_session_json(path, raw)
     config = _parse_config(path, meta.get("settings"))
     max_kv, keep = _parse_window(path, meta)
-    state = state_for_model(model, cache, info.tokens, max_kv, keep, path)
+    state = PromptCache.fitted(model, cache, info.tokens, max_kv, keep, path)
     config = _with_overrides(path, dataclasses.replace(config, max_kv_size=max_kv, keep=keep), overrides)
     pending, text = _parse_text(path, meta)
     checkpoints = _parse_checkpoints(path, meta)

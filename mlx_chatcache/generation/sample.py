@@ -28,8 +28,8 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from .config import DEFAULTS
-from .errors import UsageError
+from ..config import DEFAULTS
+from ..errors import UsageError
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]

@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 from .fingerprint import ModelFingerprint, canonical_json, hash_files
 
 SUPPORTED = (

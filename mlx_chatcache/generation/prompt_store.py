@@ -1,0 +1,59 @@
+"""What a prompt cache holds: chat messages rendered to token ids, or all of a prompt fed.
+
+A :class:`~mlx_chatcache.generation.prompt_state.PromptCache` (cache + token ids)
+holds either the chat ``messages`` or the raw ``text`` (caches made
+without a chat template); saving and loading it is
+:meth:`~mlx_chatcache.generation.prompt_state.PromptCache.save` /
+:meth:`~mlx_chatcache.generation.prompt_state.PromptCache.load`.
+``feed_all`` feeds every token of a prompt into an empty one, without
+sampling (what ``mlxcc cache-prompt`` saves).
+``render_chat`` turns messages into token ids with the tokenizer's chat
+template (``chat_text`` then ``encode_text``, which chat sessions use too).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..cache import cache_offset
+from ..errors import UsageError
+from .generate import prefill
+from .prompt_state import PromptCache
+
+
+def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
+                template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of ``messages`` rendered with the tokenizer's chat template."""
+    if not has_chat_template(tokenizer):
+        raise UsageError("this model's tokenizer has no chat template; pass --ignore-chat-template")
+    text = chat_text(tokenizer, messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
+    return encode_text(tokenizer, text)
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def chat_text(tokenizer, messages, *, add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
+    """``messages`` rendered with the tokenizer's chat template, as text (template errors propagate)."""
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+    )
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of rendered text: the template writes any special tokens itself."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def feed_all(model, state: PromptCache, tokens: list[int], prefill_step_size: int,
+             progress=None) -> None:
+    """Feed every one of ``tokens`` into an empty ``state`` (no sampling)."""
+    if state.tokens or cache_offset(state.cache):
+        raise UsageError("feed_all needs an empty prompt cache")
+    rest = prefill(model, state.cache, tokens, prefill_step_size, progress)
+    model(mx.array(rest, dtype=mx.uint32)[None], cache=state.cache)  # (1, 1) in
+    mx.eval([c.eval_arrays() for c in state.cache])
+    state.tokens.extend(tokens)
+    if progress:
+        progress(len(tokens), len(tokens))

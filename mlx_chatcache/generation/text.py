@@ -1,0 +1,192 @@
+"""Text in, text out on a reusable prompt cache: :func:`stream_generate` and :func:`generate`.
+
+The top two layers of :mod:`mlx_chatcache.generation.generate` (read its docstring for what the
+state holds after a call, feeding ahead and cache settings): :func:`stream_generate` encodes the
+prompt, reuses the longest prefix the state already holds, runs
+:func:`~mlx_chatcache.generation.generate.generate_step` and yields a :class:`GenerationResponse`
+text segment with statistics per token; :func:`generate` returns the whole text. Also the tokenizer
+helpers they need (:func:`as_tokenizer_wrapper`, :func:`encode_prompt`, :func:`stop_token_ids`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+import mlx.core as mx
+
+from ..config import DEFAULTS, GenerationConfig
+from ..errors import UsageError
+from .generate import Progress, generate_step
+from .prompt_state import PromptCache, ensure_state, reuse_prefix
+from .sample import LogitsProcessor, Sampler
+
+@dataclass
+class GenerationResponse:
+    """One step of :func:`stream_generate`.
+
+    ``text`` is the new text segment (may be empty; stop tokens add no text).
+    ``prompt_tokens`` counts the whole prompt, ``reused_tokens`` the part taken
+    from the cache. ``ttft`` is the number of seconds from the call to the
+    first token. ``prompt_tps`` is the non-reused prompt tokens divided by
+    ``ttft``. ``generation_tokens`` counts the tokens sampled so far,
+    including a final stop token. ``generation_tps`` is the tokens after the
+    first, per second since the first (0 until there are two).
+    ``peak_memory`` is in GB. ``finish_reason`` is "stop" (a stop token),
+    "length" (``max_tokens`` reached) or None (more to come).
+    """
+
+    text: str
+    token: int
+    logprobs: mx.array
+    prompt_tokens: int
+    reused_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    ttft: float
+    peak_memory: float
+    finish_reason: str | None = None
+
+
+def as_tokenizer_wrapper(tokenizer):
+    """mlx-lm's ``TokenizerWrapper`` (gives ``detokenizer`` and ``eos_token_ids``)."""
+    if hasattr(tokenizer, "detokenizer") and hasattr(tokenizer, "eos_token_ids"):
+        return tokenizer
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return TokenizerWrapper(tokenizer)
+
+
+def encode_prompt(tokenizer, prompt: str | Sequence[int] | mx.array) -> list[int]:
+    """Token ids of ``prompt``. Special tokens are added to text unless it already starts with BOS."""
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        add_special = bos is None or not prompt.startswith(bos)
+        ids = list(tokenizer.encode(prompt, add_special_tokens=add_special))
+    elif isinstance(prompt, mx.array):
+        ids = prompt.reshape(-1).tolist()
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise UsageError("the prompt is empty; give at least one token")
+    return ids
+
+
+def stop_token_ids(tokenizer, extra_eos_tokens: Iterable[str | int] = ()) -> set[int]:
+    """The tokenizer's EOS ids plus ``extra_eos_tokens``.
+
+    Each extra token is an id or a string: the string must encode to a single
+    token or be one vocabulary entry, otherwise :class:`UsageError`.
+    """
+    stops = set(tokenizer.eos_token_ids)
+    for tok in extra_eos_tokens:
+        if isinstance(tok, int):
+            stops.add(tok)
+            continue
+        ids = tokenizer.encode(tok, add_special_tokens=False)
+        if len(ids) != 1:  # maybe a vocabulary entry spelled as stored ("Ġthe")
+            vocab_id = tokenizer.get_vocab().get(tok)
+            ids = [] if vocab_id is None else [vocab_id]
+        if len(ids) != 1:
+            raise UsageError(f"extra EOS token {tok!r} is not a single token of this tokenizer")
+        stops.add(int(ids[0]))
+    return stops
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompt: str | Sequence[int] | mx.array,
+    *,
+    state: PromptCache | None = None,
+    config: GenerationConfig | None = None,
+    sampler: Sampler | None = None,
+    logits_processors: Sequence[LogitsProcessor] | None = None,
+    extra_eos_tokens: Iterable[str | int] = (),
+    progress: Progress | None = None,
+) -> Iterator[GenerationResponse]:
+    """Yield a :class:`GenerationResponse` per sampled token; the last has a ``finish_reason``.
+
+    ``prompt`` is text (encoded with the tokenizer) or token ids. ``state``
+    is reused and updated in place (see the module docstring); None uses a
+    throw-away cache. Generation stops at the tokenizer's EOS tokens, at
+    ``extra_eos_tokens`` and at ``config.max_tokens``.
+    """
+    start = time.perf_counter()
+    config = config or DEFAULTS
+    tokenizer = as_tokenizer_wrapper(tokenizer)
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    stops = stop_token_ids(tokenizer, extra_eos_tokens)
+    state = ensure_state(model, state, config)
+    reused = reuse_prefix(state, prompt_ids, model)
+    detokenizer = tokenizer.detokenizer
+    steps = generate_step(
+        prompt_ids, model, state=state, config=config, sampler=sampler,
+        logits_processors=logits_processors, stop_tokens=stops, progress=progress,
+    )  # fmt: skip
+    for n, (token, logprobs) in enumerate(steps, 1):
+        now = time.perf_counter()
+        if n == 1:
+            ttft, first = now - start, now
+        finish = "stop" if token in stops else "length" if n == config.max_tokens else None
+        if token not in stops:
+            detokenizer.add_token(token)
+        if finish:
+            detokenizer.finalize()
+        yield GenerationResponse(
+            text=detokenizer.last_segment,
+            token=token,
+            logprobs=logprobs,
+            prompt_tokens=len(prompt_ids),
+            reused_tokens=reused,
+            prompt_tps=(len(prompt_ids) - reused) / max(ttft, 1e-9),
+            generation_tokens=n,
+            generation_tps=(n - 1) / (now - first) if n > 1 else 0.0,
+            ttft=ttft,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+        )
+
+
+def generate(
+    model,
+    tokenizer,
+    prompt: str | Sequence[int] | mx.array,
+    *,
+    state: PromptCache | None = None,
+    config: GenerationConfig | None = None,
+    sampler: Sampler | None = None,
+    logits_processors: Sequence[LogitsProcessor] | None = None,
+    extra_eos_tokens: Iterable[str | int] = (),
+    verbose: bool = False,
+) -> str:
+    """The whole generated text (see :func:`stream_generate`); ``verbose`` prints it and stats."""
+    text, last = "", None
+    for last in stream_generate(
+        model, tokenizer, prompt, state=state, config=config, sampler=sampler,
+        logits_processors=logits_processors, extra_eos_tokens=extra_eos_tokens,
+    ):  # fmt: skip
+        text += last.text
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print()
+        print(
+            f"Prompt: {last.prompt_tokens} tokens ({last.reused_tokens} reused), "
+            f"{last.prompt_tps:.1f} tokens/s, first token after {last.ttft:.3f} s"
+        )
+        print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s")
+        print(f"Peak memory: {last.peak_memory:.3f} GB")
+    return text
+
+
+__all__ = [
+    "GenerationResponse",
+    "as_tokenizer_wrapper",
+    "encode_prompt",
+    "stop_token_ids",
+    "stream_generate",
+    "generate",
+]

@@ -1,0 +1,189 @@
+"""The package layout of docs/architecture.md holds: imports point down the layers, no cycles.
+
+Every ``import`` and ``from ... import`` in mlx_chatcache/ (function-level ones included, the
+``if TYPE_CHECKING:`` block excluded) is read with :mod:`ast` and resolved to the module it names.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG_DIR = Path(__file__).resolve().parent.parent / "mlx_chatcache"
+PKG = "mlx_chatcache"
+
+# layer -> rank: a layer may import only layers of lower rank (and itself). "store" and "server"
+# are reserved for the prompt-cache store and the OpenAI-compatible server.
+RANK = {
+    "errors": 0,
+    "config": 1,
+    "cache": 2,
+    "models": 2,
+    "files": 3,
+    "store": 4,
+    "generation": 5,
+    "chat": 6,
+    "server": 7,
+    "cli": 8,
+    "__main__": 9,
+}
+MAX_LINES = 500  # docs/architecture.md: modules stay under ~400 lines
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG_DIR.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PKG_DIR.rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return isinstance(t, ast.Name) and t.id == "TYPE_CHECKING" or isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+
+
+def _walk_run_time(tree):
+    """Every node that can run (skips the bodies of ``if TYPE_CHECKING:``)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                stack.extend(child.orelse)
+            else:
+                stack.append(child)
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules ``name`` imports (a package's ``__init__`` is the package's name)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in _walk_run_time(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # "from pkg import sub" imports the submodule sub
+            targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:  # "import a.b.c" of a name inside a module: the module
+                t = t.rpartition(".")[0]
+            if t.startswith(PKG):
+                found.add(t)
+    found.discard(name)
+    return found
+
+
+def layer_of(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else None  # None: the top-level package itself
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = all_modules()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def test_every_module_is_in_a_known_layer(graph):
+    unknown = sorted(n for n in graph if layer_of(n) is not None and layer_of(n) not in RANK)
+    assert not unknown, f"modules outside the layers of docs/architecture.md: {unknown} (add them to RANK and the doc)"
+
+
+def test_imports_point_down_the_layers(graph):
+    bad = []
+    for name, targets in graph.items():
+        src = layer_of(name)
+        for t in targets:
+            dst = layer_of(t)
+            if dst is None:  # the top-level package: only __version__ lives there at run time
+                continue
+            if src is None:
+                bad.append(f"{name} -> {t} (the top-level package imports its API lazily)")
+            elif dst != src and RANK[dst] >= RANK[src]:
+                bad.append(f"{name} -> {t} ({src} may not import {dst})")
+    assert not bad, "imports against the layer order:\n" + "\n".join(sorted(bad))
+
+
+def test_top_level_package_imports_nothing_at_run_time(graph):
+    assert graph[PKG] == set()
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    WHITE, GREY, BLACK = 0, 1, 2
+    color = dict.fromkeys(graph, WHITE)
+    path: list[str] = []
+
+    def visit(n):
+        color[n] = GREY
+        path.append(n)
+        for m in sorted(graph.get(n, ())):
+            if color.get(m) == GREY:
+                return path[path.index(m):] + [m]
+            if color.get(m) == WHITE and (found := visit(m)):
+                return found
+        path.pop()
+        color[n] = BLACK
+        return None
+
+    for n in sorted(graph):
+        if color[n] == WHITE and (found := visit(n)):
+            return found
+    return None
+
+
+def test_no_import_cycles(graph):
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_import_resolution_on_a_known_module():
+    modules = all_modules()
+    got = imports_of(f"{PKG}.files.cache_io", modules[f"{PKG}.files.cache_io"], modules)
+    assert {f"{PKG}.files.formats", f"{PKG}.cache", f"{PKG}.models.fingerprint", PKG} <= got
+
+
+def test_modules_are_small():
+    long = {n: len(p.read_text().splitlines()) for n, p in all_modules().items()}
+    long = {n: k for n, k in long.items() if k > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them): {long}"
+
+
+def test_flat_public_api():
+    import mlx_chatcache
+
+    names = {"load", "generate", "stream_generate", "PromptCache", "make_prompt_cache",
+             "save_prompt_cache", "load_prompt_cache", "ChatSession"}
+    assert names <= set(mlx_chatcache.__all__)
+    for n in mlx_chatcache.__all__:
+        assert getattr(mlx_chatcache, n) is not None
+    assert callable(mlx_chatcache.generate)  # the function, not a module of that name
+    with pytest.raises(AttributeError):
+        mlx_chatcache.no_such_name  # noqa: B018
+
+
+def test_import_is_cheap():
+    """``import mlx_chatcache`` loads none of its subpackages and no mlx-lm."""
+    code = (
+        "import sys, mlx_chatcache; "
+        "print(sorted(m for m in sys.modules if m.startswith('mlx_chatcache.') or m.startswith('mlx_lm')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
