@@ -191,6 +191,11 @@ def test_deferred_file_writes_wait_for_flush(llama_model, tmp_path):
     store.put(scope(model), b, filled(model, b).cache, defer=True)
     assert not list(tmp_path.glob("*.safetensors")) and len(store.pending) == 2
     assert store.flush(keep=1) == 1 and len(list(tmp_path.glob("*.safetensors"))) == 1
+    # a pending write's cache serves lookups even when the memory tier no longer has it
+    mem = store.tiers[0]
+    mem.index.remove(mem.index.get(scope(model).namespace, tuple(b)))
+    got = store.checkout(scope(model), b + [3], make_prompt_cache(model))
+    assert got.tier == "pending" and got.served == 24
     store.flush()
     restarted = PromptStore([DiskTier(tmp_path, 1 << 30)])
     got = restarted.checkout(scope(model), a + [1], make_prompt_cache(model))

@@ -11,7 +11,8 @@ Contract
   last prompt token is always left to feed, so the model yields logits; an
   earlier tier wins ties), or None when no tier has one. An entry that turns
   out unusable (a corrupt file) is dropped and counted, and the next best is
-  tried: the caller sees a shorter hit or none, never an error.
+  tried: the caller sees a shorter hit or none, never an error. Caches whose
+  deferred file write is still pending are found too (tier ``"pending"``).
   The cache may hold more tokens than the prefix it serves; the caller trims
   it (``reuse_prefix``), which is what makes the hit length exact.
 - :meth:`PromptStore.put` ``(scope, tokens, cache, key)`` stores a cache
@@ -36,7 +37,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..cache import BaseCache, copy_prompt_cache
+from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache
+from .index import Entry
 from .tiers import DiskTier, MemoryTier, Scope, Tier, compact_copy
 
 
@@ -65,6 +67,8 @@ class PromptStore:
             if best is None:
                 break
             tier, entry, served = best
+            if tier is None:  # a deferred write not done yet: its cache is at hand
+                return Checkout(copy_prompt_cache(entry.payload), list(entry.tokens), served, "pending")
             cache = tier.fetch(entry, scope, expected)
             if cache is not None:
                 return Checkout(cache, list(entry.tokens), served, tier.name)
@@ -78,6 +82,13 @@ class PromptStore:
             found = tier.find(scope, query, key)
             if found and (best is None or found[1] > best[2]):
                 best = (tier, found[0], found[1])
+        for _, sc, tokens, cache, _ in self.pending:  # e.g. evicted from memory before its file was written
+            if sc.namespace != scope.namespace:
+                continue
+            entry = Entry(sc.namespace, tokens, 0, can_trim_prompt_cache(cache), None, cache)
+            n = entry.serves(query)
+            if n and (best is None or n > best[2]):
+                best = (None, entry, n)
         return best
 
     def put(self, scope: Scope, tokens: Sequence[int], cache: list[BaseCache], key: str | None = None,
