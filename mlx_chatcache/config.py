@@ -74,6 +74,16 @@ class ServerConfig:
     cache_dir_name: str = "server-cache"  # under mlxcc_home() unless --cache-dir is given
     max_queue: int = 64  # requests waiting for the generation worker; more get HTTP 503
     max_stop_sequences: int = 4  # as OpenAI's API
+    # the Redis tier (--cache-redis; shared by replicas), see mlx_chatcache/store/redis_tier.py
+    redis_cache_bytes: int = 8 << 30  # byte budget of all entries under the key prefix
+    redis_ttl_seconds: int = 24 * 3600  # an entry unused this long expires
+    redis_chunk_bytes: int = 16 << 20  # values are split in chunks of this size (Redis caps one at 512 MiB)
+    redis_block_tokens: int = 64  # the hash chain's block: prefixes are found at multiples of it
+    redis_key_prefix: str = "mlxcc"
+    redis_write_queue: int = 8  # entries waiting for the background writer; more are dropped (counted)
+    redis_socket_timeout: float = 1.0  # seconds per Redis operation before the tier counts Redis as down
+    redis_connect_timeout: float = 0.5
+    redis_backoff_seconds: tuple[float, float] = (0.5, 30.0)  # first and longest wait before reconnecting
 
 
 SERVER_DEFAULTS = ServerConfig()

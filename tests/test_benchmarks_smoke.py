@@ -96,3 +96,18 @@ def test_server_load_smoke(tmp_path):
     assert "replies of mlxcc + store identical to mlxcc, no store: 4/4" in out
     assert "<!-- BEGIN server_load_c2 -->" in results.read_text()
     assert re.search(r"^\| 1 +\| \d+ +\| \d+ \(\d+\) \[\d+\]", out, re.M)  # TTFT (cached) [server's part]
+
+
+def test_redis_replicas_smoke(tmp_path):
+    pytest.importorskip("redis")
+    from redis_server import redis_binary
+
+    redis_binary()  # skips without redis-server (fails under CI)
+    results = tmp_path / "RESULTS.md"
+    out = run("redis_replicas.py", "--lengths", "128", "--repeats", "1", "--layers", "2", "--hidden", "128",
+              "--no-openblas", "--write-results", "--results", str(results), timeout=240)
+    rows = [line for line in out.splitlines() if re.match(r"^\| \d+ ", line)]
+    assert len(rows) == 1 and re.search(r"\| yes +\|$", rows[0].rstrip()), out  # B's greedy reply is the cold one
+    cached = int(rows[0].split("|")[2])
+    assert cached > 64  # the second replica took the history from Redis
+    assert "<!-- BEGIN redis_replicas -->" in results.read_text()

@@ -1,7 +1,8 @@
 """``mlxcc serve``: an OpenAI-compatible server (see :mod:`mlx_chatcache.server`).
 
 Thin: parses flags, loads the model, builds the prompt-cache store (memory
-tier, disk tier in ``--cache-dir``) and runs the server until interrupted.
+tier, disk tier in ``--cache-dir``, Redis tier at ``--cache-redis``) and runs
+the server until interrupted.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ def add_parser(sub) -> None:
                    help=f"memory tier budget, e.g. 2GB; 0 turns it off (default {human_bytes(S.memory_cache_bytes)})")
     p.add_argument("--disk-cache-bytes", type=byte_size, default=S.disk_cache_bytes,
                    help=f"disk tier budget; 0 turns it off (default {human_bytes(S.disk_cache_bytes)})")
+    p.add_argument("--cache-redis", metavar="URL",
+                   help="a Redis tier shared by replicas, e.g. redis://127.0.0.1:6379/0 (needs the redis "
+                   f"package; budget {human_bytes(S.redis_cache_bytes)}, entries expire after "
+                   f"{S.redis_ttl_seconds} s)")
     p.add_argument("--context-length", type=positive_int,
                    help="tokens a request may use, prompt plus reply (default: the model's own)")
     p.add_argument("--max-queue", type=positive_int, default=S.max_queue,
@@ -68,7 +73,11 @@ def run(args: argparse.Namespace) -> int:
 
     ref = resolve_model_ref(args.model)
     model, tokenizer = load_model(args)  # --adapter-path and --trust-remote-code too
-    store = build_store(args.cache_bytes, args.disk_cache_bytes, args.cache_dir or default_cache_dir())
-    service = Service(model, tokenizer, ref, store, config_from_args(args), args.max_queue, args.context_length)
-    serve(service, args.host, args.port, args.log_level)
+    store = build_store(args.cache_bytes, args.disk_cache_bytes, args.cache_dir or default_cache_dir(),
+                        redis_url=args.cache_redis)  # fmt: skip
+    try:
+        service = Service(model, tokenizer, ref, store, config_from_args(args), args.max_queue, args.context_length)
+        serve(service, args.host, args.port, args.log_level)
+    finally:
+        store.close()
     return 0

@@ -126,18 +126,28 @@ class PromptStore:
         return {"lookups": self.lookups, "misses": self.misses, "pending_writes": len(self.pending),
                 **{t.name: t.stats() for t in self.tiers}}  # fmt: skip
 
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
     def memory_bytes(self) -> int:
         return sum(t.index.nbytes for t in self.tiers if t.name == "memory")
 
 
-def build_store(memory_bytes: int, disk_bytes: int, cache_dir) -> PromptStore:
-    """A store with a memory tier (unless ``memory_bytes`` is 0) and a disk tier
-    in ``cache_dir`` (unless ``disk_bytes`` is 0 or ``cache_dir`` is None)."""
+def build_store(memory_bytes: int, disk_bytes: int, cache_dir, redis_url: str | None = None,
+                redis_bytes: int | None = None) -> PromptStore:  # fmt: skip
+    """A store with a memory tier (unless ``memory_bytes`` is 0), a disk tier
+    in ``cache_dir`` (unless ``disk_bytes`` is 0 or ``cache_dir`` is None) and a
+    Redis tier at ``redis_url`` (when given; needs the ``redis`` package)."""
     tiers: list[Tier] = []
     if memory_bytes > 0:
         tiers.append(MemoryTier(memory_bytes))
     if disk_bytes > 0 and cache_dir is not None:
         tiers.append(DiskTier(cache_dir, disk_bytes))
+    if redis_url:
+        from .redis_tier import RedisTier  # the redis package is optional
+
+        tiers.append(RedisTier(redis_url, redis_bytes))
     return PromptStore(tiers)
 
 

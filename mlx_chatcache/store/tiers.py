@@ -13,12 +13,13 @@ Contract of a tier (:class:`Tier`)
 - ``add(scope, tokens, cache, key) -> bool``: store a cache holding ``tokens``
   (False: refused by the budget rule). The memory tier keeps a compact copy,
   the disk tier writes a file; ``cache`` stays the caller's;
-- ``stats() -> dict``: entries, bytes, budget and counters.
+- ``stats() -> dict``: entries, bytes, budget and counters;
+- ``close()``: at shutdown (a no-op but for the Redis tier).
 
 Every tier holds entries within its byte budget (:class:`EntryIndex`). Only
 the generation worker calls tiers (they are not thread-safe; the disk tier
-does MLX work to write files). A remote tier (issue 15) implements the same
-four methods over serialized files.
+does MLX work to write files). The Redis tier (:mod:`.redis_tier`) implements
+the same methods over serialized files; its own writer thread does no MLX work.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ class Tier:
 
     def stats(self) -> dict:
         return {"entries": len(self.index), "bytes": self.index.nbytes, "budget": self.index.budget, **self.counters}
+
+    def close(self) -> None:
+        """Finish background work (the Redis tier's queued writes) and let go of connections."""
 
     # shared by the tiers
     def _covered(self, entry: Entry) -> Entry | None:
