@@ -61,3 +61,34 @@ INTERRUPTIBLE_CALL_SECONDS = 0.5
 def mlxcc_home() -> Path:
     """Where sessions live: ``$MLXCC_HOME`` or ``~/.mlxcc``."""
     return Path(os.environ.get("MLXCC_HOME") or Path.home() / ".mlxcc")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Defaults of ``mlxcc serve`` and its prompt-cache store."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    memory_cache_bytes: int = 2_000_000_000  # memory tier budget (0: no memory tier)
+    disk_cache_bytes: int = 16_000_000_000  # disk tier budget (0: no disk tier)
+    cache_dir_name: str = "server-cache"  # under mlxcc_home() unless --cache-dir is given
+    max_queue: int = 64  # requests waiting for the generation worker; more get HTTP 503
+    max_stop_sequences: int = 4  # as OpenAI's API
+    # the Redis tier (--cache-redis; shared by replicas), see mlx_chatcache/store/redis_tier.py
+    redis_cache_bytes: int = 8 << 30  # byte budget of all entries under the key prefix
+    redis_ttl_seconds: int = 24 * 3600  # an entry unused this long expires
+    redis_chunk_bytes: int = 16 << 20  # values are split in chunks of this size (Redis caps one at 512 MiB)
+    redis_block_tokens: int = 64  # the hash chain's block: prefixes are found at multiples of it
+    redis_key_prefix: str = "mlxcc"
+    redis_write_queue: int = 8  # entries waiting for the background writer; more are dropped (counted)
+    redis_socket_timeout: float = 1.0  # seconds per Redis operation before the tier counts Redis as down
+    redis_connect_timeout: float = 0.5
+    redis_backoff_seconds: tuple[float, float] = (0.5, 30.0)  # first and longest wait before reconnecting
+
+
+SERVER_DEFAULTS = ServerConfig()
+
+
+def default_cache_dir() -> Path:
+    """Where ``mlxcc serve`` keeps its disk tier: ``$MLXCC_HOME/server-cache``."""
+    return mlxcc_home() / SERVER_DEFAULTS.cache_dir_name

@@ -14,8 +14,8 @@ import pytest
 PKG_DIR = Path(__file__).resolve().parent.parent / "mlx_chatcache"
 PKG = "mlx_chatcache"
 
-# layer -> rank: a layer may import only layers of lower rank (and itself). "store" and "server"
-# are reserved for the prompt-cache store and the OpenAI-compatible server.
+# layer -> rank: a layer may import only layers of lower rank (and itself). "store" is the
+# prompt-cache store, "server" the OpenAI-compatible server.
 RANK = {
     "errors": 0,
     "config": 1,

@@ -84,3 +84,30 @@ def test_decode_profile_smoke(tmp_path):
     rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
     assert {"loaded", "q", "float32"} <= set(rows)
     assert "4-bit kernel, float32 scales (q)" in rows and "float32 GEMV (float32)" in rows
+
+
+def test_server_load_smoke(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    out = run("server_load.py", "--tiny", "--clients", "2", "--turns", "1", "--max-new", "2", "--no-mlx-lm",
+              "--write-results", "--results", str(results), timeout=300)
+    assert re.search(r"^\| turn +\| prompt tok +\| mlxcc \+ store +\| mlxcc, no store", out, re.M)
+    assert "mlxcc + store: 4 requests, 0 errors" in out and "mlxcc, no store: 4 requests, 0 errors" in out
+    assert "after the restart 2 disk hits" in out
+    assert "replies of mlxcc + store identical to mlxcc, no store: 4/4" in out
+    assert "<!-- BEGIN server_load_c2 -->" in results.read_text()
+    assert re.search(r"^\| 1 +\| \d+ +\| \d+ \(\d+\) \[\d+\]", out, re.M)  # TTFT (cached) [server's part]
+
+
+def test_redis_replicas_smoke(tmp_path):
+    pytest.importorskip("redis")
+    from redis_server import redis_binary
+
+    redis_binary()  # skips without redis-server (fails under CI)
+    results = tmp_path / "RESULTS.md"
+    out = run("redis_replicas.py", "--lengths", "128", "--repeats", "1", "--layers", "2", "--hidden", "128",
+              "--no-openblas", "--write-results", "--results", str(results), timeout=240)
+    rows = [line for line in out.splitlines() if re.match(r"^\| \d+ ", line)]
+    assert len(rows) == 1 and re.search(r"\| yes +\|$", rows[0].rstrip()), out  # B's greedy reply is the cold one
+    cached = int(rows[0].split("|")[2])
+    assert cached > 64  # the second replica took the history from Redis
+    assert "<!-- BEGIN redis_replicas -->" in results.read_text()

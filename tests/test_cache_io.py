@@ -486,3 +486,32 @@ def test_reads_version_2_rotating_files_in_temporal_order(tmp_path):
         assert old.meta_state == tuple(old_meta) + (str(old.keep),)
         assert all(mx.array_equal(x, y).item() for x, y in zip(old.state, c.state))
         assert same_buffers(old, type(c).from_state(c.state, old_meta))  # temporal slots
+
+
+def test_cache_bytes_are_the_file_and_load_with_the_same_checks(llama_model, tmp_path):
+    import numpy as np
+
+    from mlx_chatcache.errors import CacheFileError, ModelMismatchError
+    from mlx_chatcache.files.cache_io import load_prompt_cache_bytes, prompt_cache_bytes
+    from mlx_chatcache.generation.prompt_state import PromptCache
+    from mlx_chatcache.generation.prompt_store import feed_all
+
+    model, _ = llama_model
+    tokens = [5 + i % 90 for i in range(70)]
+    state = PromptCache.new(model)
+    feed_all(model, state, tokens, 512)
+    data = prompt_cache_bytes(state.cache, tokens=tokens, model=model.fingerprint, metadata={"k": "v"})
+    path = tmp_path / "c.safetensors"
+    save_prompt_cache(path, state.cache, tokens=tokens, model=model.fingerprint, metadata={"k": "v"})
+    on_disk = load_prompt_cache(path, return_metadata=True)
+    cache, info = load_prompt_cache_bytes(data, "mem", model=model.fingerprint)
+    assert info.tokens == tokens and info.metadata == {"k": "v"} == on_disk[1].metadata
+    assert len(data) == path.stat().st_size
+    for a, b in zip(cache, on_disk[0]):
+        for x, y in zip(a.state, b.state):
+            np.testing.assert_array_equal(np.array(x), np.array(y))
+    with pytest.raises(CacheFileError, match="mem is not a valid cache file"):
+        load_prompt_cache_bytes(data[: len(data) // 2], "mem")
+    other = ModelFingerprint("x", "0" * 64, "0" * 64)
+    with pytest.raises(ModelMismatchError):
+        load_prompt_cache_bytes(data, "mem", model=other)

@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         f"bytes:       {human_bytes(s['nbytes'])} of arrays, {human_bytes(s['file_size'])} on disk",
     ]
     if s["weights"]:
-        lines.append(f"weights:     {s['weights']} (the weight policy it was computed with; any policy can continue it)")
+        lines += field("weights", f"{s['weights']} (the weight policy it was computed with; any policy can continue it)")
     if info.messages is not None:
         roles = ", ".join(m["role"] for m in info.messages)
         lines.append(f"messages:    {len(info.messages)} ({roles})")

@@ -13,7 +13,7 @@ import sys
 from ..errors import ChatCacheError
 from .common import check_utf8_args
 
-SUBCOMMANDS = ("generate", "cache_prompt", "chat", "cache_info", "sessions", "doctor")
+SUBCOMMANDS = ("generate", "cache_prompt", "chat", "cache_info", "sessions", "doctor", "serve")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -3,7 +3,9 @@
 ``save_prompt_cache(path, cache, tokens=..., model=..., messages=..., metadata=...)``
 writes a self-describing safetensors file atomically. ``load_prompt_cache(path)``
 validates everything it reads and returns our cache objects; it also reads files
-written by mlx-lm (0.32 layout and the older meta_state layout). With
+written by mlx-lm (0.32 layout and the older meta_state layout).
+``prompt_cache_bytes`` / ``load_prompt_cache_bytes`` do the same with the file
+held in memory (values of a remote store tier). With
 ``format="mlx-lm"`` we write a file mlx-lm 0.32's ``load_prompt_cache`` accepts.
 
 Layout of our files (format version 3):
@@ -32,7 +34,7 @@ from ..errors import CacheFileError, CacheFormatError, ChatCacheError, ModelMism
 from ..models.fingerprint import ModelFingerprint
 from . import formats
 from .formats import CacheFileInfo
-from .safetensors_file import Header, read_arrays, read_header, write_atomic
+from .safetensors_file import Header, read_arrays, read_header, read_header_bytes, safetensors_bytes, write_atomic
 
 if TYPE_CHECKING:  # the cache classes (and so mlx-lm) load only when arrays become layers
     from ..cache import BaseCache
@@ -74,6 +76,23 @@ def save_prompt_cache(
             names = " or ".join(repr(n) for n in ["mlxcc", *formats.format_names()])
             raise CacheFormatError(f"unknown cache file format {format!r}; use {names}")
         return writer.save(path, cache, metadata or {})
+    write_atomic(path, *_file_contents(path, cache, tokens, model, messages, text, settings, metadata))
+
+
+def prompt_cache_bytes(
+    cache: Sequence[BaseCache],
+    *,
+    tokens: Sequence[int] | None = None,
+    model: ModelFingerprint | None = None,
+    settings: dict | None = None,
+    metadata: dict[str, str] | None = None,
+) -> bytes:
+    """The file ``save_prompt_cache`` would write (our format), as bytes."""
+    return safetensors_bytes(*_file_contents("cache", cache, tokens, model, None, None, settings, metadata))
+
+
+def _file_contents(path, cache, tokens, model, messages, text, settings, metadata):
+    """``(arrays, metadata)`` of our file for ``cache``."""
     _check_tokens_match(path, cache, None if tokens is None else list(tokens))
     stored = [c.file_state() for c in cache]
     meta = _header_metadata(cache, stored, tokens, model, messages, metadata)
@@ -82,7 +101,7 @@ def save_prompt_cache(
     if settings:
         meta["mlxcc.settings"] = json.dumps(settings)
     arrays = {f"layer.{i}.{j}": a for i, layer in enumerate(stored) for j, a in enumerate(layer)}
-    write_atomic(path, arrays, meta)
+    return arrays, meta
 
 
 def _header_metadata(cache, stored, tokens, model, messages, metadata) -> dict[str, str]:
@@ -123,7 +142,16 @@ def load_prompt_cache(
     """Load a cache file (ours or mlx-lm's). With ``model``, refuse a file made
     for another model (before reading its arrays; ``what`` names the file in the
     ModelMismatchError). Returns the cache, or ``(cache, CacheFileInfo)``."""
-    header = read_header(path)
+    return _load(read_header(path), return_metadata, model, what)
+
+
+def load_prompt_cache_bytes(data: bytes, name: str, *, model: ModelFingerprint | None = None):
+    """:func:`load_prompt_cache` for a file held in memory (``name`` stands for
+    its path in messages): the same checks. Returns ``(cache, CacheFileInfo)``."""
+    return _load(read_header_bytes(data, name), True, model, name)
+
+
+def _load(header: Header, return_metadata: bool, model: ModelFingerprint | None, what: str):
     info = _info_from_header(header)
     if model is not None:
         model.check(info.model, what=what)
@@ -316,7 +344,9 @@ def _family(c: BaseCache) -> str:
 __all__ = [
     "CacheFileInfo",
     "save_prompt_cache",
+    "prompt_cache_bytes",
     "load_prompt_cache",
+    "load_prompt_cache_bytes",
     "read_cache_info",
     "check_cache_fits_model",
     "FORMAT_VERSION",

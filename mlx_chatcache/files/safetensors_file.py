@@ -9,6 +9,9 @@ header was validated (same device, inode, size and mtime) with ``mx.load``,
 which reads straight into the arrays (one copy, like mlx-lm's loader), and
 checks every array's shape and dtype against the validated header.
 
+``read_header_bytes`` and ``safetensors_bytes`` do the same for a file held
+in memory (a value from a remote store): same checks, no file.
+
 ``write_atomic`` writes a temp file in the target folder, fsyncs it and renames
 it over the target: a reader sees the old file or the new one, never a mix,
 and a failed write (full disk, kill -9) leaves the old file intact. A writer
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import math
 import os
@@ -34,7 +38,7 @@ import socket
 import struct
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -81,6 +85,7 @@ class Header:
     data_start: int  # file offset of the data section
     file_size: int
     identity: tuple = ()  # (st_dev, st_ino, st_size, st_mtime_ns) of the validated file
+    data: bytes | None = field(default=None, repr=False)  # the whole file, when it was read from memory
 
 
 def _bad(path: Path, what: str) -> CacheFileError:
@@ -99,15 +104,35 @@ def read_header(path: str | os.PathLike) -> Header:
         raise CacheFileError(f"cache file not found: {path}; check the path")
     with open(path, "rb") as f:
         identity = _identity(os.fstat(f.fileno()))
-        size = identity[2]
         head = f.read(9)
         if not _looks_like_safetensors(head):
             raise not_safetensors(path)
-        (n,) = struct.unpack("<Q", head[:8])
-        if n > size - 8 or n > MAX_HEADER_BYTES:
-            raise _bad(path, f"header declares {n} bytes but the file has {size}")
         f.seek(8)
-        raw = f.read(n)
+        raw = f.read(_declared_header_size(path, head[:8], identity[2]))
+    return _parse_header(path, raw, identity[2], identity)
+
+
+def read_header_bytes(data: bytes, name: str) -> Header:
+    """Parse and validate the header of a safetensors file held in memory
+    (``name`` stands for its path in messages); :func:`read_arrays` then reads
+    the arrays from ``data`` itself."""
+    path = Path(name)
+    if not _looks_like_safetensors(data[:9]):
+        raise not_safetensors(path)
+    raw = data[8 : 8 + _declared_header_size(path, data[:8], len(data))]
+    return replace(_parse_header(path, raw, len(data)), data=data)
+
+
+def _declared_header_size(path: Path, head: bytes, size: int) -> int:
+    if len(head) < 8:
+        raise _bad(path, f"only {size} bytes")
+    (n,) = struct.unpack("<Q", head)
+    if n > size - 8 or n > MAX_HEADER_BYTES:
+        raise _bad(path, f"header declares {n} bytes but the file has {size}")
+    return n
+
+
+def _parse_header(path: Path, raw: bytes, size: int, identity: tuple = ()) -> Header:
     try:
         header = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError):  # bad UTF-8 or JSON, too-long integers, deep nesting
@@ -115,6 +140,7 @@ def read_header(path: str | os.PathLike) -> Header:
     if not isinstance(header, dict):
         raise _bad(path, "header is not a JSON object")
     metadata = _parse_metadata(path, header.pop("__metadata__", None) or {})
+    n = len(raw)
     data_len = size - 8 - n
     tensors = {name: _parse_entry(path, name, e, data_len) for name, e in header.items()}
     _check_ranges(path, tensors, data_len)
@@ -200,6 +226,8 @@ def read_arrays(header: Header, names=None) -> dict[str, mx.array]:
     names = list(header.tensors) if names is None else list(names)
     if not names:
         return {}
+    if header.data is not None:
+        return _read_arrays_bytes(header, names)
     path = header.path
     need, limit = sum(header.tensors[n].end - header.tensors[n].begin for n in names), memory_limit()
     if limit and need > limit:  # e.g. a sparse file: huge apparent size, no content; never allocate that
@@ -214,17 +242,35 @@ def read_arrays(header: Header, names=None) -> dict[str, mx.array]:
                 raise _bad(path, changed)
             proc = f"/proc/self/fd/{f.fileno()}"
             loaded = mx.load(proc if os.path.exists(proc) else str(path), format="safetensors")
-            out = {}
-            for name in names:
-                t, a = header.tensors[name], loaded.get(name)
-                if a is None or tuple(a.shape) != t.shape or a.dtype != getattr(mx, DTYPES[t.dtype][1]):
-                    raise _bad(path, changed)
-                out[name] = a
-            mx.eval(list(out.values()))
+            out = _checked_arrays(header, names, loaded, changed)
             if header.identity and _identity(os.fstat(f.fileno())) != header.identity:
                 raise _bad(path, changed)
     except (RuntimeError, ValueError, OSError) as e:  # short read, file vanished, ...
         raise _bad(path, f"file shrank or changed while reading: {e}") from None
+    return out
+
+
+def _read_arrays_bytes(header: Header, names: list[str]) -> dict[str, mx.array]:
+    import mlx.core as mx
+
+    try:
+        loaded = mx.load(io.BytesIO(header.data), format="safetensors")
+        return _checked_arrays(header, names, loaded, "mlx read it differently")
+    except (RuntimeError, ValueError) as e:
+        raise _bad(header.path, f"arrays could not be read: {e}") from None
+
+
+def _checked_arrays(header: Header, names: list[str], loaded: dict, why: str) -> dict[str, mx.array]:
+    """``loaded[name]`` for ``names``, each checked against the validated header, evaluated."""
+    import mlx.core as mx
+
+    out = {}
+    for name in names:
+        t, a = header.tensors[name], loaded.get(name)
+        if a is None or tuple(a.shape) != t.shape or a.dtype != getattr(mx, DTYPES[t.dtype][1]):
+            raise _bad(header.path, why)
+        out[name] = a
+    mx.eval(list(out.values()))
     return out
 
 
@@ -252,6 +298,15 @@ def write_atomic(path: str | os.PathLike, arrays: dict[str, mx.array], metadata:
     import mlx.core as mx
 
     write_file_atomic(path, lambda tmp: mx.save_safetensors(tmp, arrays, metadata))
+
+
+def safetensors_bytes(arrays: dict[str, mx.array], metadata: dict[str, str]) -> bytes:
+    """The bytes ``write_atomic`` would write, in memory."""
+    import mlx.core as mx
+
+    buf = io.BytesIO()
+    mx.save_safetensors(buf, arrays, metadata)
+    return buf.getvalue()
 
 
 def write_file_atomic(path: str | os.PathLike, write) -> None:

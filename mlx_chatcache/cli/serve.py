@@ -1,0 +1,83 @@
+"""``mlxcc serve``: an OpenAI-compatible server (see :mod:`mlx_chatcache.server`).
+
+Thin: parses flags, loads the model, builds the prompt-cache store (memory
+tier, disk tier in ``--cache-dir``, Redis tier at ``--cache-redis``) and runs
+the server until interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from ..config import SERVER_DEFAULTS as S
+from ..config import default_cache_dir
+from ..errors import UsageError
+from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args, human_bytes, load_model, positive_int
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}  # fmt: skip
+
+
+def byte_size(text: str) -> int:
+    """``2GB``, ``512MiB``, ``1500000``, ``0`` -> bytes (an argparse type)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m and m.group(2).lower()
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}; use bytes or a unit, e.g. 512MB, 2GiB, 0")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server whose prompt caches survive requests and restarts",
+        description="Serve the model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health). Prompt caches are kept in memory and in --cache-dir, so a conversation's "
+        "next turn, and the same conversation after a restart, only computes its new tokens. Requests "
+        "are queued and generated one at a time. Sampling flags set the defaults of requests that do not "
+        "give them.",
+    )
+    add_model_arg(p)
+    p.add_argument("--host", default=S.host, help=f"address to listen on (default {S.host}: this machine only)")
+    p.add_argument("--port", type=int, default=S.port, help=f"port to listen on (default {S.port})")
+    p.add_argument("--cache-dir", help="folder of the disk cache tier (default MLXCC_HOME/server-cache)")
+    p.add_argument("--cache-bytes", type=byte_size, default=S.memory_cache_bytes,
+                   help=f"memory tier budget, e.g. 2GB; 0 turns it off (default {human_bytes(S.memory_cache_bytes)})")
+    p.add_argument("--disk-cache-bytes", type=byte_size, default=S.disk_cache_bytes,
+                   help=f"disk tier budget; 0 turns it off (default {human_bytes(S.disk_cache_bytes)})")
+    p.add_argument("--cache-redis", metavar="URL",
+                   help="a Redis tier shared by replicas, e.g. redis://127.0.0.1:6379/0 (needs the redis "
+                   f"package; budget {human_bytes(S.redis_cache_bytes)}, entries expire after "
+                   f"{S.redis_ttl_seconds} s)")
+    p.add_argument("--context-length", type=positive_int,
+                   help="tokens a request may use, prompt plus reply (default: the model's own)")
+    p.add_argument("--max-queue", type=positive_int, default=S.max_queue,
+                   help=f"requests that may wait for the generator; more get HTTP 503 (default {S.max_queue})")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log level (default info)")
+    add_sampling_args(p)
+    add_cache_args(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if not all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn")):
+        raise UsageError("mlxcc serve needs starlette and uvicorn: pip install 'mlx-chatcache[serve]'")
+    from ..models.loading import resolve_model_ref
+    from ..server.app import serve
+    from ..server.service import Service
+    from ..store.store import build_store
+
+    ref = resolve_model_ref(args.model)
+    model, tokenizer = load_model(args)  # --adapter-path and --trust-remote-code too
+    store = build_store(args.cache_bytes, args.disk_cache_bytes, args.cache_dir or default_cache_dir(),
+                        redis_url=args.cache_redis)  # fmt: skip
+    try:
+        service = Service(model, tokenizer, ref, store, config_from_args(args), args.max_queue, args.context_length)
+        serve(service, args.host, args.port, args.log_level)
+    finally:
+        store.close()
+    return 0

@@ -1,0 +1,9 @@
+"""``mlxcc serve``: an OpenAI-compatible HTTP server whose prompt caches survive
+requests and restarts.
+
+Layers: :mod:`.protocol` (request bodies, errors), :mod:`.responses`
+(OpenAI-shaped objects, SSE), :mod:`.worker` (the one generation thread and
+its queue), :mod:`.service` (tokenizing, limits), :mod:`.app` (Starlette
+routes, and ``serve``, which runs uvicorn on the app). May import ``chat`` and
+everything below it.
+"""

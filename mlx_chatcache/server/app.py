@@ -1,0 +1,184 @@
+"""The HTTP layer of ``mlxcc serve``: a Starlette app served by uvicorn.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON, or
+server-sent events with ``"stream": true``, ending with ``data: [DONE]``),
+``GET /v1/models``, ``GET /health`` (queue, worker and store statistics).
+
+Contract: handlers never run MLX work; they parse and check the request
+(:mod:`.protocol`), tokenize it on the tokenizer thread, hand a job to the
+generation worker and relay its events. Every error is an OpenAI-shaped JSON
+body with a 4xx status for bad requests (5xx for our own faults), never a
+traceback. A client that disconnects cancels its job (checked every
+``POLL_S`` seconds while waiting, and on every write). ``X-Session-Id`` is
+the same as the ``prompt_cache_key`` body field: it pins the conversation's
+cache entries in the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .protocol import Request, RequestError, error_body, parse_chat, parse_completion
+from .responses import Reply, sse
+from .service import Service
+from .worker import Job, QueueFull
+
+log = logging.getLogger("mlxcc.serve")
+POLL_S = 0.2
+
+
+class ClientGone(Exception):
+    pass
+
+
+def serve(service: Service, host: str, port: int, log_level: str = "info") -> None:
+    """Run the app for ``service`` until interrupted (blocking)."""
+    import uvicorn
+
+    uvicorn.run(create_app(service), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+
+
+def create_app(service: Service) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.start()
+        try:
+            yield
+        finally:
+            service.stop()
+
+    async def chat(request: HTTPRequest):
+        return await _complete(service, request, parse_chat)
+
+    async def completions(request: HTTPRequest):
+        return await _complete(service, request, parse_completion)
+
+    async def models(request: HTTPRequest):
+        return JSONResponse({"object": "list", "data": [
+            {"id": service.model_id, "object": "model", "created": 0, "owned_by": "mlxcc"}]})  # fmt: skip
+
+    async def health(request: HTTPRequest):
+        w = service.worker
+        # plain counters the worker updates; reading them is safe from this thread
+        return JSONResponse({"status": "ok", "model": service.model_id, "queued": w.waiting(), **w.stats,
+                             "store": w.store.stats()})  # fmt: skip
+
+    routes = [
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    handlers = {RequestError: _request_error, HTTPException: _http_error, Exception: _internal_error}
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+
+
+# ------------------------------------------------------------------ errors
+def _error(status: int, message: str, param=None, code=None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, code), status_code=status)
+
+
+async def _request_error(request, exc: RequestError):
+    return _error(exc.status, exc.message, exc.param, exc.code)
+
+
+async def _http_error(request, exc: HTTPException):
+    message = {404: f"no route {request.url.path}; see /v1/models, /v1/chat/completions, /v1/completions",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))  # fmt: skip
+    return _error(exc.status_code, message)
+
+
+async def _internal_error(request, exc: Exception):
+    log.error("internal error on %s", request.url.path, exc_info=exc)
+    return _error(500, "internal server error; see the server log")
+
+
+# ------------------------------------------------------------------ completions
+async def _complete(service: Service, request: HTTPRequest, parse):
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError):
+        raise RequestError(400, "the request body is not valid JSON; send a JSON object", None, "invalid_json")
+    req: Request = parse(body)
+    service.check_model(req.model)
+    session = request.headers.get("x-session-id")
+    if req.cache_key is None and session:
+        req.cache_key = session
+    prompt, boundary = await service.prepare(req)
+    config = service.job_config(req, len(prompt))
+    events: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+
+    def emit(event: tuple) -> None:  # called on the worker thread
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody listens
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+    job = Job(prompt, config, emit, req.stop, boundary, req.cache_key)
+    try:
+        service.worker.submit(job)
+    except QueueFull:
+        raise RequestError(503, "the server is busy (its request queue is full); retry later",
+                           None, "server_busy") from None  # fmt: skip
+    reply = Reply(req.kind, service.model_id)
+    if req.stream:
+        return StreamingResponse(_stream(job, events, request, reply, req.include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
+    try:
+        text, done = [], None
+        async for kind, value in _events(events, request):
+            if kind == "text":
+                text.append(value)
+            elif kind == "done":
+                done = value
+                break
+            elif kind == "error":
+                return _error(500, value)
+        return JSONResponse(reply.full("".join(text), done))
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it
+    finally:
+        job.cancel()  # a no-op once done; stops the job when the client went away
+
+
+async def _events(events: asyncio.Queue, request: HTTPRequest) -> AsyncIterator[tuple]:
+    """The job's events; ClientGone when the client disconnects while waiting."""
+    while True:
+        try:
+            event = await asyncio.wait_for(events.get(), POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                raise ClientGone from None
+            continue
+        yield event
+
+
+async def _stream(job: Job, events, request, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    try:
+        if reply.kind == "chat":
+            yield sse(reply.chunk(role=True, with_usage_field=include_usage))
+        async for kind, value in _events(events, request):
+            if kind == "text":
+                yield sse(reply.chunk(value, with_usage_field=include_usage))
+            elif kind == "error":
+                yield sse(error_body(value, 500))
+                break
+            elif kind == "done":
+                yield sse(reply.chunk(None, value["finish_reason"], with_usage_field=include_usage))
+                if include_usage:
+                    yield sse(reply.usage_chunk(value))
+                break
+        yield sse("[DONE]")
+    except ClientGone:
+        pass
+    finally:
+        job.cancel()

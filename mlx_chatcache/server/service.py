@@ -1,0 +1,105 @@
+"""What the HTTP layer asks of the model, without doing MLX work itself.
+
+Contract
+--------
+A :class:`Service` holds the loaded model's names, its context length, the
+base :class:`GenerationConfig` and the :class:`GenerationWorker`.
+
+- :meth:`Service.check_model` refuses a ``model`` the server does not serve (404);
+- :meth:`Service.prepare` renders and tokenizes a request (chat template for
+  chats) and returns the prompt's token ids and, for chats, the *boundary*:
+  how many of them end the last message (before the generation prompt);
+  it runs on one tokenizer thread, off the event loop and off the worker;
+- :meth:`Service.job_config` is the request's generation settings over the
+  server's defaults; a prompt that leaves no room in the context, or a
+  ``max_tokens`` past it, is a 400 ``context_length_exceeded``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..config import GenerationConfig
+from ..errors import ChatCacheError
+from ..generation.text import encode_prompt
+from ..generation.prompt_store import has_chat_template, render_chat
+from ..store.store import PromptStore
+from .protocol import Request, RequestError
+from .worker import GenerationWorker
+
+
+class Service:
+    def __init__(self, model, tokenizer, model_ref: str, store: PromptStore, config: GenerationConfig,
+                 max_queue: int, context_length: int | None = None):  # fmt: skip
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.model_id = Path(model_ref).name.removesuffix(".gguf") or model_ref
+        self.names = {model_ref, self.model_id, str(Path(model_ref).name)}
+        self.context_length = context_length or model_context_length(model)
+        self.worker = GenerationWorker(model, tokenizer, store, config, max_queue)
+        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="mlxcc-tokenize")
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def stop(self) -> None:
+        self.worker.stop()
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
+
+    def check_model(self, name: str) -> None:
+        if name not in self.names:
+            raise RequestError(404, f"the model '{name}' does not exist here; this server serves "
+                               f"'{self.model_id}' (see GET /v1/models)", "model", "model_not_found")  # fmt: skip
+
+    async def prepare(self, req: Request) -> tuple[list[int], int | None]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize, self._prepare, req)
+
+    def _prepare(self, req: Request) -> tuple[list[int], int | None]:
+        try:
+            if req.kind == "completion":
+                return encode_prompt(self.tokenizer, req.prompt), None
+            if not has_chat_template(self.tokenizer):
+                raise RequestError(400, "this model has no chat template; use /v1/completions", "messages")
+            prompt = render_chat(self.tokenizer, req.messages)
+            head = render_chat(self.tokenizer, req.messages, add_generation_prompt=False)
+        except RequestError:
+            raise
+        except (ChatCacheError, ValueError, TypeError, KeyError) as e:
+            raise RequestError(400, f"the prompt could not be built: {one_line(e)}", "messages") from e
+        except Exception as e:  # a chat template's own error (jinja raises its own kinds)
+            raise RequestError(400, f"the chat template refused these messages: {one_line(e)}", "messages") from e
+        boundary = len(head) if head == prompt[: len(head)] else None
+        return prompt, boundary
+
+    def job_config(self, req: Request, n_prompt: int) -> GenerationConfig:
+        room = None if self.context_length is None else self.context_length - n_prompt
+        if room is not None and room < 1:
+            raise RequestError(400, f"the prompt has {n_prompt} tokens but the model's context holds "
+                               f"{self.context_length}; shorten the conversation", "messages",
+                               "context_length_exceeded")  # fmt: skip
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = self.config.max_tokens if room is None else min(self.config.max_tokens, room)
+        elif room is not None and max_tokens > room:
+            raise RequestError(400, f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) exceed the "
+                               f"model's context of {self.context_length} tokens; lower max_tokens to {room} "
+                               "or shorten the prompt", "max_tokens", "context_length_exceeded")  # fmt: skip
+        changes = {"max_tokens": max_tokens, "temp": req.temperature, "seed": req.seed}
+        if req.top_p == 0.0:  # only the most likely token is left
+            changes["top_k"] = 1
+        elif req.top_p is not None:
+            changes["top_p"] = req.top_p
+        return self.config.updated(**changes)
+
+
+def model_context_length(model) -> int | None:
+    args = getattr(model, "args", None)
+    n = getattr(args, "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."

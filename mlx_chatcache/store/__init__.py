@@ -1,0 +1,13 @@
+"""A tiered prompt-cache store: memory, local disk, Redis (shared by replicas).
+
+Layers: :mod:`.trie` (longest shared token prefix), :mod:`.index` (entries,
+byte budget, LRU, the eviction rule), :mod:`.tiers` (``MemoryTier``,
+``DiskTier`` behind one interface), :mod:`.redis_tier` (``RedisTier``, the
+same interface over Redis; :mod:`.redis_layout`, :mod:`.redis_link`,
+:mod:`.redis_writer`), :mod:`.store` (``PromptStore``: lookup across tiers,
+put into all). The store sits between generation and cache
+files: it hands out caches and their token ids, and keeps caches it is given;
+feeding and sampling stay in :mod:`mlx_chatcache.generation`. May import
+``files``, ``cache``, ``models``, ``errors`` and ``config``. ``build_store``
+(in :mod:`.store`) makes the tiers a server's flags ask for.
+"""

@@ -1,0 +1,158 @@
+"""Bookkeeping shared by every store tier: entries, a token trie per
+namespace, LRU order, a byte budget and the eviction rule.
+
+Contract
+--------
+An :class:`Entry` is one stored prompt cache: ``namespace`` (which model and
+cache shape made it: entries of another namespace are never returned),
+``tokens`` (the exact ids the cache holds), ``nbytes``, ``trimmable`` (whether
+it can serve a shorter prefix of its tokens), ``key`` (the conversation it is
+pinned to, or None) and ``payload`` (what the tier keeps: cache objects, a
+file path, ...).
+
+:class:`EntryIndex` keeps entries within ``budget`` bytes:
+
+- an entry larger than the budget is refused (nothing is evicted for it);
+- otherwise the least recently used entries are evicted until it fits, with
+  **no entry evicting more than its own size's worth** of others: a victim
+  whose eviction would push the bytes freed past the new entry's size is
+  skipped; if the entry still does not fit it is refused and nothing is evicted;
+- pinned entries (``key`` not None) are evicted only to make room for another
+  pinned entry, and only after every unpinned candidate;
+- adding an entry for tokens already stored in its namespace replaces the old
+  one; :meth:`EntryIndex.superseded` lists the stored prefixes a trimmable
+  entry makes redundant (it can serve all of them).
+
+:meth:`EntryIndex.longest` returns the entry serving the longest prefix of a
+query (see :mod:`.trie`); with a ``key``, that conversation's own entries win
+ties. Nothing here touches MLX or the file system.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .trie import TokenTrie, _lcp
+
+
+@dataclass(eq=False)
+class Entry:
+    namespace: str
+    tokens: tuple[int, ...]
+    nbytes: int
+    trimmable: bool
+    key: str | None = None
+    payload: Any = None
+    id: int = field(default=0, compare=False)
+
+    @property
+    def pinned(self) -> bool:
+        return self.key is not None
+
+    def serves(self, query: Sequence[int]) -> int:
+        """How many tokens of ``query`` this entry can serve."""
+        n = _lcp(self.tokens, query)
+        return n if self.trimmable or n == len(self.tokens) else 0
+
+
+class EntryIndex:
+    def __init__(self, budget: int):
+        self.budget = int(budget)
+        self.nbytes = 0
+        self._tries: dict[str, TokenTrie] = {}
+        self._lru: OrderedDict[int, Entry] = OrderedDict()  # oldest first
+        self._by_key: dict[str, set[int]] = {}
+        self._ids = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def entries(self) -> list[Entry]:
+        """Every entry, least recently used first."""
+        return list(self._lru.values())
+
+    # ------------------------------------------------------------------ lookup
+    def longest(self, namespace: str, query: Sequence[int], key: str | None = None) -> tuple[Entry, int] | None:
+        trie = self._tries.get(namespace)
+        found = trie.longest(query) if trie else None
+        for eid in self._by_key.get(key, ()) if key is not None else ():
+            e = self._lru[eid]
+            n = e.serves(query) if e.namespace == namespace else 0
+            if n and (found is None or n >= found[1]):
+                found = (e, n)
+        return found
+
+    def get(self, namespace: str, tokens: Sequence[int]) -> Entry | None:
+        trie = self._tries.get(namespace)
+        return trie.get(tokens) if trie else None
+
+    def touch(self, entry: Entry) -> None:
+        """Mark ``entry`` most recently used."""
+        self._lru.move_to_end(entry.id)
+
+    def superseded(self, entry: Entry) -> list[Entry]:
+        """Stored entries ``entry`` makes redundant: shorter prefixes of its
+        tokens in its namespace (when it is trimmable), not pinned to another key."""
+        trie = self._tries.get(entry.namespace)
+        if not entry.trimmable or trie is None:
+            return []
+        return [
+            e for e, n in trie.prefixes(entry.tokens)
+            if n < len(entry.tokens) and e.key in (None, entry.key)
+        ]  # fmt: skip
+
+    # ------------------------------------------------------------------ update
+    def plan(self, nbytes: int, pinned: bool, dropping: Sequence[Entry] = ()) -> list[Entry] | None:
+        """The entries to evict so that ``nbytes`` more fit (None: refused).
+        ``dropping``: entries removed anyway (superseded or replaced), which
+        free their bytes without counting as evictions."""
+        if nbytes > self.budget:
+            return None
+        skip = {e.id for e in dropping}
+        need = self.nbytes - sum(e.nbytes for e in dropping) + nbytes - self.budget
+        if need <= 0:
+            return []
+        victims, freed = [], 0
+        candidates = [e for e in self._lru.values() if not e.pinned and e.id not in skip]
+        if pinned:
+            candidates += [e for e in self._lru.values() if e.pinned and e.id not in skip]
+        for e in candidates:
+            if freed + e.nbytes > nbytes:
+                continue  # would evict more than the new entry's size
+            victims.append(e)
+            freed += e.nbytes
+            if freed >= need:
+                return victims
+        return None
+
+    def add(self, entry: Entry, victims: list[Entry]) -> None:
+        """Insert ``entry`` after removing ``victims`` (from :meth:`plan`) and
+        any entry stored for the same tokens."""
+        for v in victims:
+            self.remove(v)
+        old = self.get(entry.namespace, entry.tokens)
+        if old is not None:
+            self.remove(old)
+        entry.id = next(self._ids)
+        self._tries.setdefault(entry.namespace, TokenTrie()).add(entry.tokens, entry, entry.trimmable)
+        self._lru[entry.id] = entry
+        if entry.key is not None:
+            self._by_key.setdefault(entry.key, set()).add(entry.id)
+        self.nbytes += entry.nbytes
+
+    def remove(self, entry: Entry) -> None:
+        if self._lru.pop(entry.id, None) is None:
+            return
+        trie = self._tries[entry.namespace]
+        trie.remove(entry.tokens)
+        if not len(trie):
+            del self._tries[entry.namespace]
+        if entry.key is not None:
+            ids = self._by_key[entry.key]
+            ids.discard(entry.id)
+            if not ids:
+                del self._by_key[entry.key]
+        self.nbytes -= entry.nbytes

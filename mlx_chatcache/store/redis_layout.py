@@ -1,0 +1,169 @@
+"""Key layout, hash chain and manifest of the Redis tier (no network here).
+
+Keys (``P`` = key prefix, ``ns`` = the scope's namespace: model fingerprint +
+cache settings, so entries of another model or cache shape are never found):
+
+- ``P:b:{ns}:{h_i}`` -> ``"{n}:{eid}"``: block index of trimmable entries. The
+  entry last published whose tokens start with the ``i`` blocks whose chain
+  hash is ``h_i``; it holds ``n`` tokens and has entry id ``eid``.
+- ``P:x:{ns}:{h_i}`` -> ``"{n}:{eid}"``: the same for untrimmable entries, only
+  at their last full block (they serve nothing shorter than themselves).
+- ``P:m:{ns}:{eid}`` -> manifest (JSON, :class:`Manifest`): which version's
+  chunks make the value, their sizes and checksums, the token ids.
+- ``P:c:{ns}:{eid}:{version}:{j}`` -> chunk ``j`` of the value: one cache file
+  in our format (``cache_io.prompt_cache_bytes``).
+- ``P:lru`` (sorted set) ``"{ns}:{eid}"`` -> last use (unix time), and
+  ``P:meta`` (hash) ``"{ns}:{eid}"`` -> ``"{nbytes}:{pinned}"``: the byte budget.
+
+Hash chain over token-id blocks of ``B`` tokens (uint32 little endian):
+``h_0 = sha256("mlxcc-chain" ns)``, ``h_i = sha256(h_{i-1} || block_i)``; an
+entry's id hashes its last full block's ``h`` with the remaining tokens and the
+count, so ``eid(tokens[:n])`` is computable from any longer sequence's chain:
+a lookup checks "is this entry a prefix of my query?" without reading it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+MANIFEST_FORMAT = 1
+_HASH_BYTES = 16
+
+
+class Chain:
+    """Block hashes of ``tokens``: ``hashes[i-1]`` is ``h_i`` (hex), for every full block."""
+
+    def __init__(self, namespace: str, tokens: Sequence[int], block: int):
+        self.namespace, self.block = namespace, block
+        self.tokens = tokens
+        self._raw = np.asarray(tokens, dtype="<u4").tobytes()  # 4 bytes per token
+        digests = [hashlib.sha256(b"mlxcc-chain\0" + namespace.encode()).digest()[:_HASH_BYTES]]
+        step = 4 * block
+        for i in range(len(tokens) // block):
+            digests.append(hashlib.sha256(digests[-1] + self._raw[i * step : (i + 1) * step]).digest()[:_HASH_BYTES])
+        self._digests = digests
+        self.hashes = [d.hex() for d in digests[1:]]
+
+    def entry_id(self, n: int) -> str:
+        """The id of an entry holding ``tokens[:n]``."""
+        full = n // self.block
+        tail = self._raw[4 * full * self.block : 4 * n]
+        return hashlib.sha256(self._digests[full] + b"\0tail" + tail + n.to_bytes(8, "little")).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str
+
+    def block(self, ns: str, h: str) -> str:
+        return f"{self.prefix}:b:{ns}:{h}"
+
+    def end(self, ns: str, h: str) -> str:
+        return f"{self.prefix}:x:{ns}:{h}"
+
+    def manifest(self, ns: str, eid: str) -> str:
+        return f"{self.prefix}:m:{ns}:{eid}"
+
+    def chunk(self, ns: str, eid: str, version: str, j: int) -> str:
+        return f"{self.prefix}:c:{ns}:{eid}:{version}:{j}"
+
+    def chunks(self, m: "Manifest") -> list[str]:
+        return [self.chunk(m.namespace, m.eid, m.version, j) for j in range(len(m.chunk_sizes))]
+
+    @property
+    def lru(self) -> str:
+        return f"{self.prefix}:lru"
+
+    @property
+    def meta(self) -> str:
+        return f"{self.prefix}:meta"
+
+
+def member(ns: str, eid: str) -> str:
+    """An entry's name in the LRU set and the size hash."""
+    return f"{ns}:{eid}"
+
+
+def index_value(n: int, eid: str) -> str:
+    return f"{n}:{eid}"
+
+
+def parse_index_value(raw) -> tuple[int, str] | None:
+    """``(n, eid)`` of a block index value, None if absent or malformed."""
+    try:
+        n, eid = (raw.decode() if isinstance(raw, bytes) else raw).split(":")
+        return (int(n), eid) if len(eid) == 32 and int(n) > 0 else None
+    except (AttributeError, ValueError, UnicodeDecodeError):
+        return None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What makes one entry's value: ``version`` names its chunks (unique per
+    write, so two writers of one entry never mix chunks)."""
+
+    namespace: str
+    eid: str
+    version: str
+    chunk_sizes: tuple[int, ...]
+    checksums: tuple[int, ...]  # crc32 of each chunk
+    tokens: tuple[int, ...]
+    trimmable: bool
+    key: str | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.chunk_sizes)
+
+    def encode(self) -> bytes:
+        return json.dumps({
+            "format": MANIFEST_FORMAT, "namespace": self.namespace, "eid": self.eid, "version": self.version,
+            "chunk_sizes": list(self.chunk_sizes), "checksums": list(self.checksums),
+            "tokens": list(self.tokens), "trimmable": self.trimmable, "key": self.key,
+        }).encode()  # fmt: skip
+
+    @classmethod
+    def for_value(cls, namespace, eid, version, data: bytes, chunk_bytes: int, tokens, trimmable, key):
+        """The manifest of ``data`` cut into chunks of ``chunk_bytes``; also returns the chunks."""
+        chunks = [data[i : i + chunk_bytes] for i in range(0, len(data), chunk_bytes)] or [b""]
+        m = cls(namespace, eid, version, tuple(len(c) for c in chunks), tuple(zlib.crc32(c) for c in chunks),
+                tuple(int(t) for t in tokens), bool(trimmable), key)  # fmt: skip
+        return m, chunks
+
+
+def decode_manifest(raw, namespace: str, eid: str) -> Manifest | None:
+    """The manifest stored under ``(namespace, eid)``, or None when it is
+    malformed or names another entry (a foreign or damaged value)."""
+    try:
+        d = json.loads(raw)
+        m = Manifest(
+            d["namespace"], d["eid"], d["version"], tuple(d["chunk_sizes"]), tuple(d["checksums"]),
+            tuple(d["tokens"]), d["trimmable"], d["key"],
+        )  # fmt: skip
+    except (TypeError, ValueError, KeyError, RecursionError, UnicodeDecodeError):
+        return None
+    ints = [*m.chunk_sizes, *m.checksums, *m.tokens]
+    ok = (
+        d.get("format") == MANIFEST_FORMAT and (m.namespace, m.eid) == (namespace, eid)
+        and isinstance(m.version, str) and m.version.isalnum() and len(m.chunk_sizes) == len(m.checksums) > 0
+        and all(type(v) is int and v >= 0 for v in ints) and type(m.trimmable) is bool
+        and (m.key is None or isinstance(m.key, str)) and m.tokens
+    )  # fmt: skip
+    return m if ok else None
+
+
+def split_member(name) -> tuple[str, str] | None:
+    try:
+        ns, eid = (name.decode() if isinstance(name, bytes) else name).rsplit(":", 1)
+        return ns, eid
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+__all__ = ["Chain", "Keys", "Manifest", "decode_manifest", "member", "index_value", "parse_index_value"]

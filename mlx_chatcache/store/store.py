@@ -1,0 +1,154 @@
+"""The prompt-cache store: tiers (memory, then disk, then a remote tier) behind
+one lookup/put interface.
+
+Contract
+--------
+``PromptStore(tiers)``; tiers are asked in order (fastest first).
+
+- :meth:`PromptStore.checkout` ``(scope, prompt, expected, key)`` returns a
+  :class:`Checkout`: a cache the caller owns and the exact token ids it holds,
+  from the tier whose entry serves the longest prefix of ``prompt[:-1]`` (the
+  last prompt token is always left to feed, so the model yields logits; an
+  earlier tier wins ties), or None when no tier has one. An entry that turns
+  out unusable (a corrupt file) is dropped and counted, and the next best is
+  tried: the caller sees a shorter hit or none, never an error. Caches whose
+  deferred file write is still pending are found too (tier ``"pending"``).
+  The cache may hold more tokens than the prefix it serves; the caller trims
+  it (``reuse_prefix``), which is what makes the hit length exact.
+- :meth:`PromptStore.put` ``(scope, tokens, cache, key)`` stores a cache
+  holding ``tokens`` in every tier: the memory tier keeps a compact copy,
+  file tiers write a file; ``cache`` stays the caller's. With ``defer=True``
+  the file writes wait in :attr:`PromptStore.pending` (sharing the memory
+  tier's copy) until :meth:`PromptStore.flush`, so a server writes when it
+  has nothing else to do (and before it exits). A trimmable entry replaces the stored entries
+  it extends (their tokens are a prefix of its own); ``key`` (a conversation
+  id) pins it: pinned entries outlive unpinned ones under eviction, and a
+  lookup with that key prefers them.
+- What a hit returns holds the same tokens the prompt would otherwise have
+  been fed with: generation results do not depend on whether there was a hit
+  (up to the floating-point differences of feeding a prompt in other chunks).
+
+All calls must come from one thread (the server's generation worker).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache
+from .index import Entry
+from .tiers import DiskTier, MemoryTier, Scope, Tier, compact_copy
+
+
+@dataclass
+class Checkout:
+    cache: list[BaseCache]
+    tokens: list[int]  # what ``cache`` holds (may extend past the prompt's shared prefix)
+    served: int  # prompt tokens the entry shares with the request
+    tier: str
+
+
+class PromptStore:
+    def __init__(self, tiers: Sequence[Tier] = ()):
+        self.tiers = list(tiers)
+        self.pending: deque = deque()  # deferred file writes: (tier, scope, tokens, cache, key)
+        self.lookups = 0
+        self.misses = 0
+
+    def checkout(self, scope: Scope, prompt: Sequence[int], expected: Sequence[BaseCache],
+                 key: str | None = None) -> Checkout | None:  # fmt: skip
+        self.lookups += 1
+        query = list(prompt[:-1])
+        tried = 0
+        while tried < 16:  # each failed fetch drops an entry; bounded all the same
+            best = self._best(scope, query, key)
+            if best is None:
+                break
+            tier, entry, served = best
+            if tier is None:  # a deferred write not done yet: its cache is at hand
+                return Checkout(copy_prompt_cache(entry.payload), list(entry.tokens), served, "pending")
+            cache = tier.fetch(entry, scope, expected)
+            if cache is not None:
+                return Checkout(cache, list(entry.tokens), served, tier.name)
+            tried += 1
+        self.misses += 1
+        return None
+
+    def _best(self, scope, query, key):
+        best = None
+        for tier in self.tiers:
+            found = tier.find(scope, query, key)
+            if found and (best is None or found[1] > best[2]):
+                best = (tier, found[0], found[1])
+        for _, sc, tokens, cache, _ in self.pending:  # e.g. evicted from memory before its file was written
+            if sc.namespace != scope.namespace:
+                continue
+            entry = Entry(sc.namespace, tokens, 0, can_trim_prompt_cache(cache), None, cache)
+            n = entry.serves(query)
+            if n and (best is None or n > best[2]):
+                best = (None, entry, n)
+        return best
+
+    def put(self, scope: Scope, tokens: Sequence[int], cache: list[BaseCache], key: str | None = None,
+            defer: bool = False) -> dict:  # fmt: skip
+        """Store ``cache`` (holding ``tokens``) in every tier; ``{tier: stored?}``
+        (None: a deferred write, still pending)."""
+        if not tokens:
+            return {}
+        tokens = tuple(tokens)
+        stored = {}
+        files = [t for t in self.tiers if not isinstance(t, MemoryTier)]
+        if defer and files:
+            cache = compact_copy(cache)  # one copy, shared by the memory tier and the pending writes
+        for tier in self.tiers:
+            if isinstance(tier, MemoryTier):
+                stored[tier.name] = tier.add(scope, tokens, cache, key, compact=defer and bool(files))
+            elif defer:
+                self.pending.append((tier, scope, tokens, cache, key))
+                stored[tier.name] = None
+            else:
+                stored[tier.name] = tier.add(scope, tokens, cache, key)
+        return stored
+
+    def flush(self, keep: int = 0, until=None) -> int:
+        """Do pending writes, oldest first, until ``keep`` are left (or ``until()``
+        says stop); returns how many were written."""
+        done = 0
+        while len(self.pending) > keep and not (until and until()):
+            tier, scope, tokens, cache, key = self.pending.popleft()
+            tier.add(scope, tokens, copy_prompt_cache(cache), key)  # a copy: writing pads its buffers
+            done += 1
+        return done
+
+    def stats(self) -> dict:
+        return {"lookups": self.lookups, "misses": self.misses, "pending_writes": len(self.pending),
+                **{t.name: t.stats() for t in self.tiers}}  # fmt: skip
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+    def memory_bytes(self) -> int:
+        return sum(t.index.nbytes for t in self.tiers if t.name == "memory")
+
+
+def build_store(memory_bytes: int, disk_bytes: int, cache_dir, redis_url: str | None = None,
+                redis_bytes: int | None = None) -> PromptStore:  # fmt: skip
+    """A store with a memory tier (unless ``memory_bytes`` is 0), a disk tier
+    in ``cache_dir`` (unless ``disk_bytes`` is 0 or ``cache_dir`` is None) and a
+    Redis tier at ``redis_url`` (when given; needs the ``redis`` package)."""
+    tiers: list[Tier] = []
+    if memory_bytes > 0:
+        tiers.append(MemoryTier(memory_bytes))
+    if disk_bytes > 0 and cache_dir is not None:
+        tiers.append(DiskTier(cache_dir, disk_bytes))
+    if redis_url:
+        from .redis_tier import RedisTier  # the redis package is optional
+
+        tiers.append(RedisTier(redis_url, redis_bytes))
+    return PromptStore(tiers)
+
+
+__all__ = ["PromptStore", "Checkout", "build_store"]

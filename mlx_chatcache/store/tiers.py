@@ -1,0 +1,261 @@
+"""The store's tiers behind one interface: memory (live cache objects) and a
+disk directory (cache files in our format).
+
+Contract of a tier (:class:`Tier`)
+----------------------------------
+- ``find(scope, query, key) -> (Entry, n) | None``: the entry serving the
+  longest prefix of ``query`` in ``scope`` (see :mod:`.index`);
+- ``fetch(entry, scope, expected) -> list[BaseCache] | None``: an independent
+  cache holding exactly ``entry.tokens`` (the caller may change it freely), or
+  None when the entry turned out unusable (then it is dropped and counted in
+  ``stats()["corrupt"]``); ``expected`` is an empty cache the model makes, to
+  check layer kinds against;
+- ``add(scope, tokens, cache, key) -> bool``: store a cache holding ``tokens``
+  (False: refused by the budget rule). The memory tier keeps a compact copy,
+  the disk tier writes a file; ``cache`` stays the caller's;
+- ``stats() -> dict``: entries, bytes, budget and counters;
+- ``close()``: at shutdown (a no-op but for the Redis tier).
+
+Every tier holds entries within its byte budget (:class:`EntryIndex`). Only
+the generation worker calls tiers (they are not thread-safe; the disk tier
+does MLX work to write files). The Redis tier (:mod:`.redis_tier`) implements
+the same methods over serialized files; its own writer thread does no MLX work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import mlx.core as mx
+
+from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache, prompt_cache_nbytes
+from ..files.cache_io import check_cache_fits_model, load_prompt_cache, read_cache_info, save_prompt_cache
+from ..errors import ChatCacheError
+from ..models.fingerprint import ModelFingerprint
+from .index import Entry, EntryIndex
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Which model and cache shape entries belong to: ``namespace`` keys them,
+    ``fingerprint`` is written into and checked against files, ``settings``
+    (max_kv_size, keep, KV quantization) are written so ``mlxcc generate
+    --prompt-cache-file`` can use a disk entry too."""
+
+    namespace: str
+    fingerprint: ModelFingerprint
+    settings: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+def make_scope(fingerprint: ModelFingerprint, settings: dict) -> Scope:
+    ident = json.dumps(
+        {"weights": fingerprint.weights_hash, "tokenizer": fingerprint.tokenizer_hash, **settings}, sort_keys=True
+    )
+    return Scope(hashlib.sha256(ident.encode()).hexdigest()[:32], fingerprint, dict(settings))
+
+
+class Tier:
+    name = "tier"
+
+    def __init__(self, budget: int):
+        self.index = EntryIndex(budget)
+        self.counters = {"hits": 0, "hit_tokens": 0, "added": 0, "refused": 0, "evicted": 0, "corrupt": 0}
+
+    def find(self, scope: Scope, query: Sequence[int], key: str | None) -> tuple[Entry, int] | None:
+        return self.index.longest(scope.namespace, query, key)
+
+    def fetch(self, entry: Entry, scope: Scope, expected: Sequence[BaseCache]) -> list[BaseCache] | None:
+        raise NotImplementedError
+
+    def add(self, scope: Scope, tokens: Sequence[int], cache: list[BaseCache], key: str | None) -> bool:
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        return {"entries": len(self.index), "bytes": self.index.nbytes, "budget": self.index.budget, **self.counters}
+
+    def close(self) -> None:
+        """Finish background work (the Redis tier's queued writes) and let go of connections."""
+
+    # shared by the tiers
+    def _covered(self, entry: Entry) -> Entry | None:
+        """A stored trimmable entry that extends ``entry``'s tokens (and so serves
+        everything it would), pinned to the same key or ``entry`` unpinned."""
+        found = self.index.longest(entry.namespace, entry.tokens, entry.key)
+        if found is None:
+            return None
+        other, n = found
+        if n == len(entry.tokens) < len(other.tokens) and other.trimmable and other.key in (None, entry.key):
+            return other
+        return None
+
+    def _admit(self, entry: Entry) -> bool:
+        """Insert ``entry`` under the budget rule, dropping what it supersedes."""
+        replaced = self.index.get(entry.namespace, entry.tokens)
+        dropping = self.index.superseded(entry) + ([replaced] if replaced is not None else [])
+        victims = self.index.plan(entry.nbytes, entry.pinned, dropping)
+        if victims is None:
+            self.counters["refused"] += 1
+            return False
+        for old in dropping + victims:
+            self._drop(old, keep_payload_of=entry)
+        self.counters["evicted"] += len(victims)
+        self.index.add(entry, [])
+        self.counters["added"] += 1
+        return True
+
+    def _drop(self, entry: Entry, keep_payload_of: Entry | None = None) -> None:
+        self.index.remove(entry)
+
+    def _hit(self, entry: Entry) -> None:
+        self.index.touch(entry)
+        self.counters["hits"] += 1
+        self.counters["hit_tokens"] += len(entry.tokens)
+
+
+class MemoryTier(Tier):
+    """Cache objects in memory. An entry is a compact copy of the cache it was
+    given (live tokens only, in buffers of their own, so ``nbytes`` is what it
+    really holds); ``fetch`` returns a copy, so entries never change."""
+
+    name = "memory"
+
+    def fetch(self, entry, scope, expected):
+        self._hit(entry)
+        return copy_prompt_cache(entry.payload)
+
+    def add(self, scope, tokens, cache, key, compact: bool = False):
+        """``compact``: ``cache`` is a compact copy already, kept as it is."""
+        covering = self._covered(Entry(scope.namespace, tuple(tokens), 0, True, key))
+        if covering is not None:
+            self.index.touch(covering)
+            return True
+        compact = cache if compact else compact_copy(cache)
+        entry = Entry(scope.namespace, tuple(tokens), prompt_cache_nbytes(compact),
+                      can_trim_prompt_cache(cache), key, compact)  # fmt: skip
+        return self._admit(entry)
+
+
+def compact_copy(cache: Sequence[BaseCache]) -> list[BaseCache]:
+    """A copy of ``cache`` whose arrays hold the live tokens only, in buffers of
+    their own (a slice would keep the whole source buffer alive)."""
+    out = [type(c).from_state([mx.contiguous(a) for a in c.state], c.meta_state) for c in cache]
+    mx.eval([c.eval_arrays() for c in out])
+    return out
+
+
+class DiskTier(Tier):
+    """One cache file per entry in ``folder`` (made if missing), found again by a
+    new instance (a restarted server). Files that cannot be read or do not
+    belong to the store are skipped, counted as corrupt and deleted: the folder
+    is the store's own. The least recently used order survives restarts via
+    file modification times (touched on every hit)."""
+
+    name = "disk"
+
+    def __init__(self, folder: str | os.PathLike, budget: int):
+        super().__init__(budget)
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    def _scan(self) -> None:
+        found = []
+        for path in self.folder.glob("*.safetensors"):
+            if path.name.startswith("."):
+                continue  # a writer's temp file
+            entry = self._read_entry(path)
+            if entry is None:
+                self._discard(path)
+            else:
+                found.append((path.stat().st_mtime_ns, entry))
+        total, kept = 0, []
+        for _, entry in sorted(found, key=lambda x: -x[0]):  # newest first
+            if total + entry.nbytes > self.index.budget:  # the budget shrank since they were written
+                Path(entry.payload).unlink(missing_ok=True)
+                self.counters["evicted"] += 1
+                continue
+            total += entry.nbytes
+            kept.append(entry)
+        for entry in reversed(kept):  # oldest first: LRU order
+            if self.index.get(entry.namespace, entry.tokens) is None:
+                self.index.add(entry, [])
+
+    def _read_entry(self, path: Path) -> Entry | None:
+        try:
+            info = read_cache_info(path)
+            size = path.stat().st_size
+        except (ChatCacheError, OSError):
+            return None
+        meta = info.metadata
+        namespace = meta.get("store.namespace")
+        if info.layout != "mlxcc" or not namespace or info.tokens is None or path.name != _file_name(namespace, info.tokens):
+            return None
+        key = meta.get("store.key") or None
+        return Entry(namespace, tuple(info.tokens), size, meta.get("store.trimmable") == "1", key, path)
+
+    def _discard(self, path: Path) -> None:
+        self.counters["corrupt"] += 1
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+    def fetch(self, entry, scope, expected):
+        path = entry.payload
+        try:
+            cache, info = load_prompt_cache(path, return_metadata=True, model=scope.fingerprint)
+            if tuple(info.tokens or ()) != entry.tokens:
+                raise ChatCacheError(f"{path} changed since it was indexed")
+            check_cache_fits_model(cache, expected, path)
+        except (ChatCacheError, OSError):
+            self.index.remove(entry)
+            self._discard(path)
+            return None
+        self._hit(entry)
+        _touch(path)
+        return cache
+
+    def add(self, scope, tokens, cache, key):
+        tokens = tuple(tokens)
+        covering = self._covered(Entry(scope.namespace, tokens, 0, True, key))
+        if covering is not None:
+            self.index.touch(covering)
+            _touch(covering.payload)
+            return True
+        path = self.folder / _file_name(scope.namespace, tokens)
+        trimmable = can_trim_prompt_cache(cache)
+        meta = {"store.namespace": scope.namespace, "store.trimmable": "1" if trimmable else "0"}
+        if key is not None:
+            meta["store.key"] = key
+        if path.exists() and self.index.get(scope.namespace, tokens) is not None:
+            self._admit(Entry(scope.namespace, tokens, path.stat().st_size, trimmable, key, path))
+            return True  # the same tokens are on disk already: only the key/recency change
+        save_prompt_cache(path, cache, tokens=tokens, model=scope.fingerprint, settings=scope.settings, metadata=meta)
+        entry = Entry(scope.namespace, tokens, path.stat().st_size, trimmable, key, path)
+        if not self._admit(entry):
+            path.unlink(missing_ok=True)
+            return False
+        return True
+
+    def _drop(self, entry, keep_payload_of=None):
+        self.index.remove(entry)
+        if keep_payload_of is None or keep_payload_of.payload != entry.payload:
+            Path(entry.payload).unlink(missing_ok=True)
+
+
+def _touch(path: Path) -> None:
+    """Most recently used, also for the next process (the LRU order is mtimes)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _file_name(namespace: str, tokens: Sequence[int]) -> str:
+    digest = hashlib.sha256(json.dumps([namespace, list(tokens)]).encode()).hexdigest()[:40]
+    return f"{namespace[:16]}-{digest}.safetensors"

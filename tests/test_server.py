@@ -1,0 +1,267 @@
+"""``mlxcc serve`` with the official ``openai`` client against live servers on
+127.0.0.1 (tiny random models): streaming and not, exact cached_tokens across
+turns and across a restart, identical greedy output with and without the
+store, stop strings, disconnects, queued concurrent requests, pinned
+conversations, and OpenAI-shaped 4xx errors for malformed requests."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from server_process import ServerProcess  # noqa: E402
+
+from mlx_chatcache.generation.prompt_state import common_prefix_len  # noqa: E402
+from mlx_chatcache.generation.text import stream_generate  # noqa: E402
+from mlx_chatcache.generation.prompt_store import render_chat  # noqa: E402
+
+MAX_TOKENS = 12
+FIRST = [{"role": "system", "content": "Keep your answers short."},
+         {"role": "user", "content": "Good morning! Can you help me write a note?"}]  # fmt: skip
+
+
+def client(server) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=60, max_retries=0)
+
+
+def chat(server, messages, **kw):
+    kw.setdefault("max_tokens", MAX_TOKENS)
+    return client(server).chat.completions.create(model=server.model_id, messages=messages, temperature=0, **kw)
+
+
+def local_reply(llama_model, messages, max_tokens=MAX_TOKENS):
+    """The same greedy reply computed in this process: (token ids, text)."""
+    model, tokenizer = llama_model
+    tokens, text = [], ""
+    for r in stream_generate(model, tokenizer, render_chat(tokenizer, messages),
+                             config=_config(max_tokens)):  # fmt: skip
+        tokens.append(r.token)
+        text += r.text
+    return tokens, text
+
+
+def _config(max_tokens):
+    from mlx_chatcache.config import DEFAULTS
+
+    return DEFAULTS.updated(max_tokens=max_tokens)
+
+
+def expected_cached(llama_model, turn1, reply_ids, turn2) -> int:
+    """What the server holds after turn 1 (prompt + reply but its last token,
+    which is never fed) shared with turn 2's prompt."""
+    _, tokenizer = llama_model
+    held = render_chat(tokenizer, turn1) + reply_ids[:-1]
+    return common_prefix_len(held, render_chat(tokenizer, turn2))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dirs, tmp_path_factory):
+    with ServerProcess(tiny_model_dirs["llama"], tmp_path_factory.mktemp("cache"), "--max-tokens", "64",
+                       "--context-length", "512") as s:  # fmt: skip
+        yield s
+
+
+def test_models_and_health(server):
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == [server.model_id] == ["llama-seed0"]  # the folder's name
+    health = server.health()
+    assert health["status"] == "ok" and "memory" in health["store"] and "disk" in health["store"]
+
+
+def test_chat_stream_and_non_stream_agree_with_the_library(server, llama_model):
+    messages = [{"role": "user", "content": "What is the capital of Italy?"}]
+    full = chat(server, messages)
+    ids, text = local_reply(llama_model, messages)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == text
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.prompt_tokens == len(render_chat(llama_model[1], messages))
+    assert full.usage.completion_tokens == len(ids) == MAX_TOKENS
+    timing = full.model_extra["mlxcc_timing"]  # our extra field: where the time went
+    assert 0 <= timing["queued_s"] and 0 < timing["first_token_s"] <= timing["total_s"]
+    chunks = list(chat(server, messages, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+    # the same prompt again: everything but its last token comes from the store
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == full.usage.prompt_tokens - 1
+
+
+def test_second_turn_reports_exact_cached_tokens(server, llama_model):
+    first = chat(server, FIRST)
+    assert first.usage.prompt_tokens_details.cached_tokens <= 2  # at most "<|im_start|>system" from earlier chats
+    reply_ids, reply_text = local_reply(llama_model, FIRST)
+    assert first.choices[0].message.content == reply_text
+    turn2 = FIRST + [{"role": "assistant", "content": reply_text}, {"role": "user", "content": "Thank you!"}]
+    second = chat(server, turn2)
+    want = expected_cached(llama_model, FIRST, reply_ids, turn2)
+    assert second.usage.prompt_tokens_details.cached_tokens == want
+    if llama_model[1].encode(reply_text, add_special_tokens=False) == reply_ids:  # the reply re-encodes alike
+        assert want == first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert want > first.usage.prompt_tokens
+    assert second.choices[0].message.content == local_reply(llama_model, turn2)[1]
+
+
+def test_restart_keeps_the_conversation_and_greedy_output(tiny_model_dirs, llama_model, tmp_path):
+    msgs = [{"role": "user", "content": "Please summarise the following paragraph in two sentences."}]
+    with ServerProcess(tiny_model_dirs["llama"], tmp_path) as a:
+        first = chat(a, msgs)
+    reply_ids, reply_text = local_reply(llama_model, msgs)
+    assert first.choices[0].message.content == reply_text
+    turn2 = msgs + [{"role": "assistant", "content": reply_text}, {"role": "user", "content": "Shorter, please."}]
+    with ServerProcess(tiny_model_dirs["llama"], tmp_path) as b:  # a new process, same --cache-dir
+        warm = chat(b, turn2, stream=True, stream_options={"include_usage": True})
+        chunks = list(warm)
+        assert b.health()["store"]["disk"]["hits"] == 1
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == expected_cached(llama_model, msgs, reply_ids, turn2)
+    warm_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    with ServerProcess(tiny_model_dirs["llama"], None, "--cache-bytes", "0", "--disk-cache-bytes", "0") as cold:
+        cold_reply = chat(cold, turn2)
+    assert cold_reply.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm_text == cold_reply.choices[0].message.content  # identical with and without the store
+
+
+def test_completions_stream_and_non_stream(server):
+    c = client(server)
+    full = c.completions.create(model=server.model_id, prompt="The train leaves the station", max_tokens=8, temperature=0)
+    assert full.object == "text_completion" and full.usage.completion_tokens == 8
+    parts = list(c.completions.create(model=server.model_id, prompt="The train leaves the station", max_tokens=8,
+                                      temperature=0, stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(p.choices[0].text for p in parts if p.choices) == full.choices[0].text
+    assert parts[-1].usage.prompt_tokens_details.cached_tokens == full.usage.prompt_tokens - 1
+
+
+def test_stop_strings_cut_the_reply(server):
+    messages = [{"role": "user", "content": "Write a list: apples, oranges, pears."}]
+    text = chat(server, messages, max_tokens=20).choices[0].message.content
+    stop = text[6:9]
+    assert stop and stop in text
+    cut = chat(server, messages, max_tokens=20, stop=[stop, "zzzz-never"])
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = chat(server, messages, max_tokens=20, stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text[: text.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible(server):
+    messages = [{"role": "user", "content": "Tell me about the weather."}]
+    kw = dict(max_tokens=10, seed=7, top_p=0.9)
+    a = client(server).chat.completions.create(model=server.model_id, messages=messages, temperature=1.0, **kw)
+    b = client(server).chat.completions.create(model=server.model_id, messages=messages, temperature=1.0, **kw)
+    assert a.choices[0].message.content == b.choices[0].message.content  # the second one was a store hit
+
+
+def test_client_disconnect_stops_generation(server):
+    before = server.health()["cancelled"]
+    stream = chat(server, [{"role": "user", "content": "Count to a thousand."}], max_tokens=400, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        h = server.health()
+        if h["cancelled"] > before and not h["busy"]:
+            break
+        time.sleep(0.1)
+    assert h["cancelled"] > before and not h["busy"]
+    assert chat(server, FIRST, max_tokens=2).usage.completion_tokens == 2  # still serving
+
+
+def test_concurrent_requests_are_queued_and_all_answered(server, llama_model):
+    prompts = [[{"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"}] for i in range(4)]
+    results, errors = {}, []
+
+    def ask(i):
+        try:
+            results[i] = chat(server, prompts[i]).choices[0].message.content
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(results) == 4
+    for i, messages in enumerate(prompts):
+        assert results[i] == local_reply(llama_model, messages)[1]
+
+
+def test_pinned_conversation_survives_eviction(tiny_model_dirs, tmp_path):
+    # memory tier only: room for the two pinned conversations and a few short others
+    budget = 600_000
+    with ServerProcess(tiny_model_dirs["llama"], None, "--cache-bytes", str(budget), "--disk-cache-bytes", "0") as s:
+        convs = {"key": ({"prompt_cache_key": "conv-a"}, {}), "header": ({}, {"X-Session-Id": "conv-b"}),
+                 "none": ({}, {})}  # fmt: skip
+        firsts = {}
+        for name, (kw, header) in convs.items():
+            msgs = [{"role": "user", "content": f"Hi, {name} here."}]
+            firsts[name] = (msgs, chat(s, msgs, extra_headers=header, **kw))
+        for i in range(8):  # unpinned traffic, each entry larger than the unpinned conversation's
+            chat(s, [{"role": "user", "content": f"Unrelated question {i}: why is bread baked in the evening?"}])
+            assert s.health()["store"]["memory"]["bytes"] <= budget
+        for name, (kw, header) in convs.items():
+            msgs, first = firsts[name]
+            turn2 = msgs + [{"role": "assistant", "content": first.choices[0].message.content},
+                            {"role": "user", "content": "And again?"}]  # fmt: skip
+            cached = chat(s, turn2, extra_headers=header, **kw).usage.prompt_tokens_details.cached_tokens
+            if name == "none":
+                assert cached < first.usage.prompt_tokens  # evicted: the template's first tokens at most
+            else:
+                assert cached >= first.usage.prompt_tokens, name
+
+
+def _raw(server, path, body: bytes | None, method="POST"):
+    req = urllib.request.Request(server.root + path, data=body, method=method,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (b'{"messages": [{"role": "user", "content": "hi"}]}', 400, "model"),
+    (b'{"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
+    (b'{"model": "llama", "messages": "hi"}', 400, "messages"),
+    (b'{"model": "llama", "messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content"),
+    (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"}', 400, "max_tokens"),
+    (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', 400, "max_tokens"),
+    (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "temperature": true}', 400, "temperature"),
+    (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n"),
+    (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "stop": [1]}', 400, "stop"),
+    (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', 400, "stream"),
+    (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 600}', 400, "max_tokens"),
+    (b'{"model": "llama", "prompt": ""}', 400, "prompt"),
+])  # fmt: skip
+def test_malformed_requests_get_openai_errors(server, body, status, param):
+    path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
+    code, text = _raw(server, path, body.replace(b'"llama"', json.dumps(server.model_id).encode()))
+    assert code == status, text
+    err = json.loads(text)["error"]
+    assert err["param"] == param and err["message"] and "Traceback" not in text
+    assert err["type"] == "invalid_request_error"
+
+
+def test_prompt_over_the_context_is_a_400(server):
+    long = " ".join(["apples and oranges"] * 400)  # > 512 tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, [{"role": "user", "content": long}])
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client(server).chat.completions.create(model="nope", messages=FIRST)
+    code, text = _raw(server, "/v1/nothing-here", None, method="GET")
+    assert code == 404 and json.loads(text)["error"]["message"]
