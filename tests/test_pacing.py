@@ -2,7 +2,8 @@
 budget so Ctrl-C is acted upon, with the same results as unpaced calls.
 
 Tolerance: as tests/test_generate.py, any chunking gives last-token logits
-within 1e-5 (max abs diff, float32) and equal greedy tokens.
+within 1e-5 (max abs diff, float32; 1e-4 with the Linux OpenBLAS swap, whose
+one-row and many-row products round differently) and equal greedy tokens.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from mlx_chatcache.chat.session import ChatSession
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.generation import pacing
 from mlx_chatcache.generation.generate import PromptCache, generate_step, prefill
+from mlx_chatcache.backend import blas
 from mlx_chatcache.generation.pacing import PROBE_TOKENS, CallPacer
 
-ATOL = 1e-5
+ATOL = 1e-4 if blas.STATUS.active else 1e-5  # see tests/test_generate.py
 GREEDY = DEFAULTS.updated(temp=0.0, max_tokens=6)
 TEXT = "The weather was cold and windy, so we stayed inside and read our books. " * 3
 

@@ -117,9 +117,6 @@ def _policy(model) -> dict:
     return {"weights": report.policy} if report is not None else {}
 
 
-# Temporary alias for merging; remove.
-PromptCacheState = PromptCache
-
 
 def ensure_state(model, state: PromptCache | None, config: GenerationConfig) -> PromptCache:
     """``state``, or a new one shaped by ``config``; rejects a conflicting shape."""
