@@ -37,7 +37,7 @@ import pytest
 from mlx_chatcache.cache import KVCache
 from mlx_chatcache.files.cache_io import load_prompt_cache, save_prompt_cache
 from mlx_chatcache.errors import CacheFileError
-from mlx_chatcache.files.safetensors_file import TEMP_SUFFIX, remove_stale_temp_files
+from mlx_chatcache.files.atomic_write import TEMP_SUFFIX, remove_stale_temp_files
 
 KILLS = 24
 KILL_SEED = 5
@@ -151,7 +151,7 @@ def test_stale_temp_cleanup_is_conservative(tmp_path):
     path = tmp_path / "c.safetensors"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    from mlx_chatcache.files.safetensors_file import _HOST
+    from mlx_chatcache.files.atomic_write import _HOST
 
     keep = {
         "live writer (this process' parent)": f".c.safetensors.{_HOST}-{os.getppid()}.abcdefgh{TEMP_SUFFIX}",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..errors import ChatCacheError, SessionError
 from ..files.cache_io import CacheFileInfo, read_cache_info
-from ..files.safetensors_file import remove_stale_temp_files
+from ..files.atomic_write import remove_stale_temp_files
 from .session_store import SESSION_KEY, SESSION_SUFFIX, SessionLock, remove_stale_lock, session_path, sessions_dir
 
 

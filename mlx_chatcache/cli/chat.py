@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..chat.session_store import SessionLock, session_path
 from ..errors import SessionError
-from ..files.safetensors_file import remove_stale_temp_files
+from ..files.atomic_write import remove_stale_temp_files
 from .common import (
     add_cache_args,
     add_model_arg,

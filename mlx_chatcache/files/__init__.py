@@ -1,5 +1,5 @@
 """Files: prompt caches on disk. ``safetensors_file`` reads safetensors headers and arrays with full
-validation and writes files atomically (temp file + fsync + rename); ``cache_io`` is our self-describing
+validation, ``atomic_write`` writes files atomically (temp file + fsync + rename); ``cache_io`` is our self-describing
 format (docs/cache-format.md) and the one save/load API; ``formats`` holds ``CacheFileInfo`` and the
 registry of other programs' formats, with which readers such as ``mlxlm_compat`` (mlx-lm's layouts)
 register themselves, so that no format module imports another. May import ``cache``,

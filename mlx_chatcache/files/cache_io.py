@@ -34,7 +34,8 @@ from ..errors import CacheFileError, CacheFormatError, ChatCacheError, ModelMism
 from ..models.fingerprint import ModelFingerprint
 from . import formats
 from .formats import CacheFileInfo
-from .safetensors_file import Header, read_arrays, read_header, read_header_bytes, safetensors_bytes, write_atomic
+from .atomic_write import safetensors_bytes, write_atomic
+from .safetensors_file import Header, read_arrays, read_header, read_header_bytes
 
 if TYPE_CHECKING:  # the cache classes (and so mlx-lm) load only when arrays become layers
     from ..cache import BaseCache

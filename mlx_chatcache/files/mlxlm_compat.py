@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CacheFormatError, UnsupportedCacheError, shown
 
 from .formats import CacheFileInfo, ForeignFormat, register_format
-from .safetensors_file import Header, write_file_atomic
+from .atomic_write import write_file_atomic
+from .safetensors_file import Header
 
 if TYPE_CHECKING:  # mlx and the cache classes (and so mlx-lm) load only when arrays become layers
     import mlx.core as mx

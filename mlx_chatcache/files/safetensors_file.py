@@ -9,35 +9,21 @@ header was validated (same device, inode, size and mtime) with ``mx.load``,
 which reads straight into the arrays (one copy, like mlx-lm's loader), and
 checks every array's shape and dtype against the validated header.
 
-``read_header_bytes`` and ``safetensors_bytes`` do the same for a file held
-in memory (a value from a remote store): same checks, no file.
+``read_header_bytes`` does the same for a file held in memory (a value from a
+remote store): same checks, no file.
 
-``write_atomic`` writes a temp file in the target folder, fsyncs it and renames
-it over the target: a reader sees the old file or the new one, never a mix,
-and a failed write (full disk, kill -9) leaves the old file intact. A writer
-killed with -9 leaves its temp file (``.NAME.HOST-PID.XXXXXXXX.tmp.safetensors``);
-the next write to the same path removes such leftovers when their writer is
-gone (same host, dead pid) or they have not been touched for an hour.
-Every failure of a write, creating the temp file included (a read-only
-folder, ``/proc``), is one :class:`CacheFileError` line saying what failed
-and what to do; :func:`check_writable` probes the same before any work.
+Writing (atomic: temp file + fsync + rename) lives in :mod:`.atomic_write`.
 A file that does not start like a safetensors file (a text file) is refused
 as "not a safetensors file", not by its byte counts.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import io
 import json
 import math
 import os
-import re
-import socket
 import struct
-import tempfile
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -291,168 +277,3 @@ def memory_limit() -> int | None:
             limits.append(int(v))
     limits = [v for v in limits if v > 0]
     return min(limits) if limits else None
-
-
-def write_atomic(path: str | os.PathLike, arrays: dict[str, mx.array], metadata: dict[str, str]) -> None:
-    """Write a safetensors file atomically (temp file + fsync + rename)."""
-    import mlx.core as mx
-
-    write_file_atomic(path, lambda tmp: mx.save_safetensors(tmp, arrays, metadata))
-
-
-def safetensors_bytes(arrays: dict[str, mx.array], metadata: dict[str, str]) -> bytes:
-    """The bytes ``write_atomic`` would write, in memory."""
-    import mlx.core as mx
-
-    buf = io.BytesIO()
-    mx.save_safetensors(buf, arrays, metadata)
-    return buf.getvalue()
-
-
-def write_file_atomic(path: str | os.PathLike, write) -> None:
-    """Atomically replace ``path`` by what ``write(tmp)`` writes to the temp file
-    path ``tmp`` (in the same folder, ending in ``.safetensors``). Errors raise
-    CacheFileError and leave the previous file unchanged."""
-    path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise CacheFileError(f"cannot write {path}: folder {folder} does not exist; create it first")
-    remove_stale_temp_files(path)
-    tmp = None
-    try:
-        tmp = make_temp_file(path, folder)
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(folder)
-    except (OSError, RuntimeError, ValueError) as e:
-        _remove_quietly(tmp)
-        raise write_error(path, folder, e, created=tmp is not None) from e
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
-
-
-def make_temp_file(path: Path, folder: Path) -> str:
-    """Create (empty) and return the temp file a write of ``path`` goes to."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_HOST}-{os.getpid()}.", suffix=TEMP_SUFFIX, dir=folder)
-    os.close(fd)
-    return tmp
-
-
-def write_error(path: Path, folder: Path, e: BaseException, created: bool = True) -> CacheFileError:
-    """The one-line CacheFileError for a failed write of ``path``: what failed, what to do."""
-    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-    if not created:
-        return CacheFileError(
-            f"could not write {path}: cannot create a file in folder {folder} ({reason}); "
-            "nothing was changed: save elsewhere or make the folder writable"
-        )
-    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        hint = f"folder {folder} cannot be written: save elsewhere or make it writable"
-    elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        hint = "free some disk space or save elsewhere"
-    else:
-        hint = "save elsewhere or check the path"
-    return CacheFileError(f"could not write {path}: {reason}; the previous file (if any) is unchanged; {hint}")
-
-
-def check_writable(path: str | os.PathLike) -> None:
-    """Refuse (CacheFileError) a ``path`` that :func:`write_file_atomic` could not
-    write: its folder is missing, or a temp file cannot be created in it (probed)."""
-    path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise CacheFileError(f"cannot write {path}: folder {folder} does not exist; create it first")
-    if path.is_dir():
-        raise CacheFileError(f"cannot write {path}: it is a folder; give a file name")
-    try:
-        tmp = make_temp_file(path, folder)
-    except OSError as e:
-        raise write_error(path, folder, e, created=False) from e
-    _remove_quietly(tmp)
-
-
-TEMP_SUFFIX = ".tmp.safetensors"
-STALE_AFTER = 3600.0  # seconds without a write: no live writer leaves its temp file idle that long
-_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:6]  # pids only mean something on their host
-# the part between ".NAME." and the suffix: [HOST-PID.] then mkstemp's 8 random characters
-_MIDDLE = re.compile(r"^(?:([0-9a-f]{6})-(\d{1,10})\.)?[a-z0-9_]{8}$")
-
-
-def remove_stale_temp_files(path: str | os.PathLike) -> list[Path]:
-    """Remove the temp files killed writers of ``path`` left behind; returns them.
-
-    Only names of our pattern (``.NAME.*.tmp.safetensors`` next to ``path``) are
-    considered, and of those only the ones whose writer is known to be gone: a
-    tag naming this host and a pid that no longer exists, or no change for
-    ``STALE_AFTER`` seconds (untagged files from older versions, other hosts).
-    A live writer's temp file is never touched.
-    """
-    path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
-    prefix = f".{path.name}."
-    removed = []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return removed
-    now = time.time()
-    for entry in entries:
-        name = entry.name
-        if not (name.startswith(prefix) and name.endswith(TEMP_SUFFIX)):
-            continue
-        tag = _MIDDLE.match(name[len(prefix) : -len(TEMP_SUFFIX)])
-        if tag is None:  # not our temp file for this path (e.g. one for "NAME.other")
-            continue
-        try:
-            if not entry.is_file(follow_symlinks=False):
-                continue
-            idle = now - entry.stat(follow_symlinks=False).st_mtime
-        except OSError:
-            continue
-        dead = tag.group(1) == _HOST and not _pid_alive(int(tag.group(2)))
-        if dead or idle > STALE_AFTER:
-            try:
-                os.unlink(entry.path)
-                removed.append(Path(entry.path))
-            except OSError:
-                pass
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True  # not a pid we wrote: leave it to the age rule
-    if pid == os.getpid():
-        return True  # ours (another thread may be writing it)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, OSError):
-        return True  # exists (another user's) or cannot tell: keep the file
-    return True
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _remove_quietly(p: str | None) -> None:
-    if p is None:
-        return
-    try:
-        os.unlink(p)
-    except OSError:
-        pass

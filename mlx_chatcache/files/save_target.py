@@ -10,7 +10,7 @@
   text file or a model's ``model.safetensors``, unless ``force``. Empty files
   hold nothing and may be replaced.
 
-The save itself stays atomic (:mod:`mlx_chatcache.safetensors_file`); these
+The save itself stays atomic (:mod:`mlx_chatcache.files.atomic_write`); these
 checks only make a mistake cost nothing.
 """
 
@@ -21,7 +21,8 @@ from pathlib import Path
 
 from ..errors import CacheFileError
 from . import formats
-from .safetensors_file import check_writable, read_header
+from .atomic_write import check_writable
+from .safetensors_file import read_header
 
 FORCE_HINT = "add --force to replace it, or choose another file name"
 
