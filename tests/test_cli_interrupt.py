@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import signal
 import sys
 import time
 
@@ -26,13 +27,20 @@ LONG = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 30
 PROGRESS = re.compile(r"(?:prompt|caching) \[[#.]+\] (\d+)/(\d+) tokens")
 
 
+def _sigint_as_at_a_terminal() -> None:
+    """Ctrl-C as a user at a terminal has it: a suite started in the background by a
+    shell without job control (``cmd &``) inherits SIGINT ignored, and so would the child."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(*args, home=None):
     env = {**os.environ, "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1", "COLUMNS": "200"}
     if home is not None:
         env["MLXCC_HOME"] = str(home)
     try:
         return pexpect.spawn(sys.executable, ["-m", "mlx_chatcache", *map(str, args)], env=env, encoding="utf-8",
-                             codec_errors="replace", timeout=TIMEOUT, dimensions=(40, 200))  # fmt: skip
+                             codec_errors="replace", timeout=TIMEOUT, dimensions=(40, 200),
+                             preexec_fn=_sigint_as_at_a_terminal)  # fmt: skip
     except (OSError, pexpect.ExceptionPexpect) as e:
         pytest.skip(f"pexpect cannot spawn a terminal here: {e}")
 

@@ -123,9 +123,7 @@ def test_mlxcc_chat_prints_one_error_line(tiny_model_dirs, tmp_path, monkeypatch
     real_load = loading.load
     monkeypatch.setattr(
         loading, "load",
-        lambda ref=None, adapter_path=None, trust_remote_code=False: _wrapped(
-            real_load(ref, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
-        ),
+        lambda ref=None, **options: _wrapped(real_load(ref, **options)),  # whatever load() takes
     )
     monkeypatch.setenv("MLXCC_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(sys, "stdin", io.StringIO("Good morning!\n"))
