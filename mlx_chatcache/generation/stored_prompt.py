@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 from ..cache import make_prompt_cache
 from ..config import SERVER_DEFAULTS, GenerationConfig
+from ..models.fingerprint import ModelFingerprint
 from ..store.file_tier import FileContents
 from ..store.store import PromptStore
 from ..store.tiers import DiskTier, Scope, Tier, make_scope
@@ -41,7 +42,16 @@ def cache_settings(config: GenerationConfig) -> dict:
 
 
 def prompt_scope(model, config: GenerationConfig) -> Scope:
-    return make_scope(model.fingerprint, cache_settings(config))
+    return scope_of(getattr(model, "fingerprint", None), config)
+
+
+def scope_of(fingerprint: ModelFingerprint | None, config: GenerationConfig) -> Scope:
+    """The scope of caches a model with ``fingerprint`` makes with ``config``. Without a
+    fingerprint (a model not loaded by :func:`mlx_chatcache.load`) the namespace is
+    empty: only a named file can hold such caches, never a shared tier."""
+    if fingerprint is None:
+        return Scope("", None, cache_settings(config))
+    return make_scope(fingerprint, cache_settings(config))
 
 
 def shared_tiers(cache_dir: str | os.PathLike | None) -> list[Tier]:
@@ -80,5 +90,5 @@ def file_settings(state: PromptCache, recorded: dict | None = None) -> dict:
     return {**(recorded or {}), **state.settings, "max_kv_size": state.max_kv_size, "keep": state.keep}
 
 
-__all__ = ["cache_settings", "prompt_scope", "shared_tiers", "checkout_prompt", "put_prompt", "file_settings",
+__all__ = ["cache_settings", "prompt_scope", "scope_of", "shared_tiers", "checkout_prompt", "put_prompt", "file_settings",
            "FileContents"]  # fmt: skip
