@@ -147,12 +147,19 @@ def _run(args: argparse.Namespace) -> int:
     return _generate(args, model, tokenizer, job)
 
 
+@dataclasses.dataclass
 class _Job:
-    """What a run generates from: the prompt, the state it starts from, the store it goes back to."""
+    """What a run generates from and where its result goes."""
 
-    def __init__(self, tokens, state, config, store, scope, messages, text, recorded, tier):
-        self.tokens, self.state, self.config, self.store, self.scope = tokens, state, config, store, scope
-        self.messages, self.text, self.recorded, self.tier = messages, text, recorded, tier
+    tokens: list[int]  # the full prompt
+    state: object  # the PromptCache it starts from (a stored prefix, or empty)
+    config: GenerationConfig
+    store: object  # the PromptStore: the named files' tier, then --cache-dir's
+    scope: object  # the store Scope of this model and cache shape
+    messages: list[dict] | None  # the chat (None: raw text)
+    text: str | None
+    recorded: dict  # the settings the file recorded, written back
+    tier: str | None  # where the prefix came from (None: nowhere)
 
 
 def _start(args, model, tokenizer, config, info, prompt) -> _Job:
