@@ -15,28 +15,10 @@ pytest.importorskip("redis")
 from redis_server import redis_server  # noqa: E402,F401  (fixture)
 
 from mlx_chatcache.cache import make_prompt_cache  # noqa: E402
-from mlx_chatcache.generation.prompt_state import PromptCache  # noqa: E402
-from mlx_chatcache.generation.prompt_store import feed_all  # noqa: E402
 from mlx_chatcache.store.store import PromptStore  # noqa: E402
 from mlx_chatcache.store.tiers import MemoryTier, make_scope  # noqa: E402
 from mlx_chatcache.store.redis_tier import RedisTier  # noqa: E402
-
-SETTINGS = {"max_kv_size": None, "keep": 4}
-
-
-def tokens_of(n, start=3):
-    return [start + (i * 7) % 300 for i in range(n)]
-
-
-def filled(model, tokens):
-    state = PromptCache.new(model)
-    feed_all(model, state, tokens, 512)
-    return state.cache
-
-
-def arrays(cache):
-    return [np.array(a) for c in cache for a in c.state]
-
+from store_helpers import SETTINGS, arrays, filled, tokens_of  # noqa: E402
 
 @pytest.fixture
 def tiers(redis_server):  # noqa: F811

@@ -19,32 +19,13 @@ from mlx_chatcache.files.cache_io import prompt_cache_bytes  # noqa: E402
 from mlx_chatcache.errors import UsageError  # noqa: E402
 from mlx_chatcache.generation.generate import forward  # noqa: E402
 from mlx_chatcache.generation.prompt_state import PromptCache, reuse_prefix  # noqa: E402
-from mlx_chatcache.generation.prompt_store import feed_all  # noqa: E402
 from mlx_chatcache.store.store import PromptStore, build_store  # noqa: E402
-from mlx_chatcache.store.tiers import MemoryTier, make_scope  # noqa: E402
+from mlx_chatcache.store.tiers import MemoryTier  # noqa: E402
 from mlx_chatcache.store.redis_layout import Chain, Manifest  # noqa: E402
 from mlx_chatcache.store.redis_tier import RedisTier  # noqa: E402
+from store_helpers import SETTINGS, arrays, filled, scope, tokens_of  # noqa: E402
 
-SETTINGS = {"max_kv_size": None, "keep": 4}
 BLOCK = 16
-
-
-def tokens_of(n, start=3):
-    return [start + (i * 7) % 300 for i in range(n)]
-
-
-def filled(model, tokens):
-    state = PromptCache.new(model)
-    feed_all(model, state, tokens, 512)
-    return state.cache
-
-
-def scope(model):
-    return make_scope(model.fingerprint, SETTINGS)
-
-
-def arrays(cache):
-    return [np.array(a) for c in cache for a in c.state]
 
 
 @pytest.fixture

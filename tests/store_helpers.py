@@ -1,0 +1,31 @@
+"""Shared by the store tier tests (memory, disk, Redis): token ids, a cache
+filled with them, the settings the scopes use, and a cache's arrays as numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mlx_chatcache.generation.prompt_state import PromptCache
+from mlx_chatcache.generation.prompt_store import feed_all
+from mlx_chatcache.store.tiers import make_scope
+
+SETTINGS = {"max_kv_size": None, "keep": 4}
+
+
+def tokens_of(n, start=3):
+    return [start + (i * 7) % 300 for i in range(n)]
+
+
+def filled(model, tokens):
+    """Cache layers holding ``tokens`` (fed from empty, no sampling)."""
+    state = PromptCache.new(model)
+    feed_all(model, state, tokens, 512)
+    return state.cache
+
+
+def scope(model):
+    return make_scope(model.fingerprint, SETTINGS)
+
+
+def arrays(cache):
+    return [np.array(a) for c in cache for a in c.state]
