@@ -44,12 +44,19 @@ that many tokens that pins the first ``keep`` tokens: ``keep`` is the token
 count of the rendered system prompt, so the model always sees it and the chat
 can go on indefinitely.
 
-Files
------
+Files and the store
+-------------------
 :meth:`ChatSession.save` writes the session to one cache file, atomically;
 :meth:`ChatSession.load` reads it back and refuses a session made with another
-model (:class:`~mlx_chatcache.errors.ModelMismatchError`). The file's layout,
-session names and the session lock are in :mod:`mlx_chatcache.chat.session_store`.
+model (:class:`~mlx_chatcache.errors.ModelMismatchError`). Both go through the
+prompt-cache store (:mod:`mlx_chatcache.store`), the file being a strict named
+tier. ``shared`` tiers (``mlxcc chat --cache-dir``: the disk tier a server
+uses) get the cache on every save, and a turn that starts with an empty cache
+(a new session, after ``/clear`` or a new system prompt) starts from their
+longest prefix of its prompt: a new chat whose system prompt (or first
+messages) a server or another chat already processed reuses them. The file's
+layout, session names and the session lock are in
+:mod:`mlx_chatcache.chat.session_store`.
 """
 
 from __future__ import annotations
@@ -76,9 +83,12 @@ from ..config import DEFAULT_MAX_CHECKPOINTS, DEFAULTS, GenerationConfig
 from ..errors import SessionError, UsageError
 from ..generation.prompt_state import PromptCache, common_prefix_len, reuse_prefix
 from ..generation.prompt_store import chat_text, encode_text, has_chat_template
+from ..generation.stored_prompt import checkout_prompt, scope_of
 from ..generation.text import as_tokenizer_wrapper
 from .session_rollback import SessionRollback
 from .session_store import SessionRecord, load_session, save_session, session_metadata
+from ..store.store import PromptStore
+from ..store.tiers import Tier
 
 MIN_WINDOW = 8  # tokens a rotating window must hold beyond the pinned system prompt
 
@@ -94,18 +104,22 @@ class ChatSession(SessionRollback):
         system_prompt: str | None = None,
         config: GenerationConfig = DEFAULTS,
         max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS,
+        shared: Sequence[Tier] = (),
     ):
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        self._setup(model, tokenizer, config, max_checkpoints, messages)
+        self._setup(model, tokenizer, config, max_checkpoints, messages, shared)
         self.state = self._new_state()
         self.pending: list[int] = []
         self.text = ""
         self.checkpoints: list[Checkpoint] = []
         self.attempt = 0  # retries of the last turn (offsets the seed)
 
-    def _setup(self, model, tokenizer, config: GenerationConfig, max_checkpoints: int, messages: list[dict]) -> None:
+    def _setup(self, model, tokenizer, config: GenerationConfig, max_checkpoints: int, messages: list[dict],
+               shared: Sequence[Tier]) -> None:  # fmt: skip
         """What a new and a loaded session set up alike (the rest comes from a file or starts empty)."""
         self.model = model
+        # shared store tiers (--cache-dir): only for models with a fingerprint (caches name their model)
+        self.shared = PromptStore(list(shared) if getattr(model, "fingerprint", None) is not None else [])
         self.tokenizer = as_tokenizer_wrapper(tokenizer)
         self.config = config
         self.max_checkpoints = max_checkpoints
@@ -262,6 +276,8 @@ class ChatSession(SessionRollback):
         prompt_text = self.render(self.messages, add_generation_prompt=True)
         prompt_ids, k, n_text = self._split_prompt(prompt_text)
         common = common_prefix_len(self.state.tokens, prompt_ids)  # what the cache could give
+        if not held and self.shared.tiers:
+            self._checkout_shared(prompt_ids)
         reused = None
         if k < len(held):
             reused = self._history_rewritten(prompt_ids, k, prompt_text, n_text, should_stop)
@@ -279,6 +295,19 @@ class ChatSession(SessionRollback):
         self.turns_run += 1
         self.totals.add(stats)
         return TurnResult(reply.text, stats)
+
+    def _checkout_shared(self, prompt_ids: list[int]) -> None:
+        """An empty cache (a new session, after /clear, /system or a rollback that
+        could not trim) starts from the shared tiers' longest prefix of the prompt."""
+        state, tier = checkout_prompt(self.shared, self.scope, self.model, prompt_ids,
+                                      self.state.max_kv_size, self.state.keep)  # fmt: skip
+        if tier is not None:
+            self.state = state
+
+    @property
+    def scope(self):
+        """The store scope of this session's caches (model, window, KV settings)."""
+        return scope_of(self.fingerprint, self._call_config())
 
     def _keep_reply(self, prompt_ids: list[int], prompt_text: str, reply: Reply) -> None:
         """Add the reply to the conversation; the next turn feeds its last token first."""
@@ -378,9 +407,11 @@ class ChatSession(SessionRollback):
     def session_metadata(self) -> dict:
         return session_metadata(self.record())
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the session to ``path`` atomically (a previous file survives any failure)."""
-        save_session(path, self.record(), self.fingerprint)
+    def save(self, path: str | os.PathLike | None) -> list[str]:
+        """Write the session to ``path`` atomically (a previous file survives any failure),
+        through the store: ``path`` as a named file tier (None: none), and the shared tiers.
+        Returns one line for each shared tier that could not take the cache (the file was written)."""
+        return save_session(path, self.record(), self.fingerprint, self.shared.tiers)
 
     @classmethod
     def load(
@@ -391,11 +422,13 @@ class ChatSession(SessionRollback):
         *,
         overrides: dict | None = None,
         max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS,
+        shared: Sequence[Tier] = (),
     ) -> "ChatSession":
-        """The session saved at ``path``; ``overrides`` change sampling settings."""
+        """The session saved at ``path``; ``overrides`` change sampling settings;
+        ``shared``: store tiers as for a new session."""
         record = load_session(path, model, overrides)
         self = cls.__new__(cls)
-        self._setup(model, tokenizer, record.config, max_checkpoints, record.messages)
+        self._setup(model, tokenizer, record.config, max_checkpoints, record.messages, shared)
         self.state, self.pending, self.text = record.state, record.pending, record.text
         self.checkpoints, self.attempt = record.checkpoints, record.attempt
         return self

@@ -33,15 +33,16 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
-from ..files.cache_io import load_prompt_cache
+from ..files.cache_io import read_cache_info
 from ..config import DEFAULTS, GenerationConfig, mlxcc_home
 from ..errors import CacheFileError, ModelMismatchError, SessionError
 from ..models.fingerprint import ModelFingerprint
 
 if TYPE_CHECKING:  # imported where a session is loaded: names, paths and locks need no MLX or mlx-lm
     from ..generation.prompt_state import PromptCache
+    from ..store.tiers import Tier
     from .checkpoints import Checkpoint
 
 SESSION_FORMAT = 1
@@ -78,24 +79,49 @@ def session_metadata(record: SessionRecord) -> dict:
     }
 
 
-def save_session(path: str | os.PathLike, record: SessionRecord, fingerprint: ModelFingerprint | None) -> None:
+def save_session(path: str | os.PathLike | None, record: SessionRecord, fingerprint: ModelFingerprint | None,
+                 shared: Sequence[Tier] = ()) -> list[str]:  # fmt: skip
     """Write ``record`` to ``path`` atomically: its prompt cache, with the
-    conversation as its messages and the session JSON as user metadata."""
+    conversation as its messages and the session JSON as user metadata. It goes
+    through the prompt-cache store: ``path`` is a named file tier (its errors are
+    raised; None: no file), and ``shared`` tiers (``--cache-dir``) get the cache
+    too; returns one line for each shared tier that could not take it."""
+    from ..generation.stored_prompt import FileContents, put_prompt
+    from ..store.file_tier import CacheFileTier
+    from ..store.store import PromptStore
+
     kept = {k: v for k, v in record.state.settings.items() if k == "weights"}  # the weight policy (informational)
-    prompt = dataclasses.replace(record.state, fingerprint=fingerprint, messages=record.messages, text=None, settings=kept)
-    prompt.save(path, metadata={SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)})
+    settings = {**kept, "max_kv_size": record.state.max_kv_size, "keep": record.state.keep}
+    contents = FileContents(record.messages, None, settings,
+                            {SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)})  # fmt: skip
+    store = PromptStore([CacheFileTier(None, path, what="session"), *(shared if fingerprint is not None else ())])
+    problems: list[str] = []
+    put_prompt(store, session_scope(fingerprint, record), record.state, contents, warn=problems.append)
+    return problems
+
+
+def session_scope(fingerprint: ModelFingerprint | None, record: SessionRecord):
+    """The store scope of a session's cache: the model, the session's window and KV settings."""
+    from ..generation.stored_prompt import scope_of
+
+    config = dataclasses.replace(record.config, max_kv_size=record.state.max_kv_size, keep=record.state.keep)
+    return scope_of(fingerprint, config)
 
 
 # ------------------------------------------------------------------ load
 def load_session(path: str | os.PathLike, model, overrides: dict | None = None) -> SessionRecord:
     """The session saved at ``path``, for ``model``; ``overrides`` change sampling
-    settings (a different ``max_kv_size`` is refused: the cache shape is fixed)."""
+    settings (a different ``max_kv_size`` is refused: the cache shape is fixed).
+    The record comes from the file's header; its cache is checked out of a
+    prompt-cache store whose one tier is the file (strict: a file of another
+    model, or layers the model does not make, are one-line errors)."""
     if not os.path.isfile(path):
         raise SessionError(f"session file not found: {path}")
+    info = read_cache_info(path)
+    fingerprint = getattr(model, "fingerprint", None)
     try:
-        cache, info = load_prompt_cache(
-            path, return_metadata=True, model=getattr(model, "fingerprint", None), what="session"
-        )
+        if fingerprint is not None:
+            fingerprint.check(info.model, what="session")
     except ModelMismatchError as e:
         raise ModelMismatchError(f"{path}: {e}") from None
     raw = info.metadata.get(SESSION_KEY)
@@ -104,17 +130,31 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
             f"{path} is a cache file but not a chat session (no messages or session "
             "settings); use it with 'mlxcc generate --prompt-cache' instead"
         )
-    from ..generation.prompt_state import PromptCache
-
     meta = _parse_session_json(path, raw)
     config = _parse_config(path, meta.get("settings"))
     max_kv, keep = _parse_window(path, meta)
-    state = PromptCache.fitted(model, cache, info.tokens, max_kv, keep, path)
-    config = _with_overrides(path, dataclasses.replace(config, max_kv_size=max_kv, keep=keep), overrides)
+    config = dataclasses.replace(config, max_kv_size=max_kv, keep=keep)
+    state = _checkout(path, model, info.tokens, config)
+    config = _with_overrides(path, config, overrides)
     pending, text = _parse_text(path, meta)
     checkpoints = _parse_checkpoints(path, meta)
     attempt = meta.get("attempt", 0)
     return SessionRecord(state, info.messages, config, pending, text, checkpoints, attempt if _is_int(attempt) else 0)
+
+
+def _checkout(path, model, tokens: list[int], config: GenerationConfig) -> PromptCache:
+    """The session's cache, holding exactly ``tokens``, from the file as a strict store tier."""
+    from ..generation.stored_prompt import checkout_prompt, scope_of
+    from ..store.file_tier import CacheFileTier
+    from ..store.store import PromptStore
+
+    store = PromptStore([CacheFileTier(path, None, what="session")])
+    scope = scope_of(getattr(model, "fingerprint", None), config)
+    # -1: an id no cache holds, past the end, so that every one of ``tokens`` can be served
+    state, tier = checkout_prompt(store, scope, model, [*tokens, -1], config.max_kv_size, config.keep)
+    if state.tokens != list(tokens):  # only an empty session is not served (the file tier is strict)
+        raise CacheFileError(f"{path}: the session's cache could not be read back; the file is damaged")
+    return state
 
 
 def _parse_session_json(path, raw: str) -> dict:

@@ -5,6 +5,10 @@ With ``--session NAME`` the chat lives in ``mlxcc_home()/sessions/NAME.safetenso
 (``--session-file PATH`` for any other file): it is saved atomically after every
 turn, and starting the same command again continues it. One process at a time
 may hold a session (an exclusive lock on ``NAME.lock``).
+
+With ``--cache-dir DIR`` (the folder of ``mlxcc serve --cache-dir``) every save
+also stores the cache there, and a turn that starts from an empty cache (a
+new chat) starts from the longest prefix of its prompt found there.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from ..errors import SessionError
 from ..files.atomic_write import remove_stale_temp_files
 from .common import (
     add_cache_args,
+    add_cache_dir_arg,
     add_model_arg,
     add_sampling_args,
     add_verbose_arg,
@@ -51,6 +56,7 @@ def add_parser(sub) -> None:
         "~/.mlxcc) and resume it when it exists (with the model it was made with unless --model is given)",
     )  # fmt: skip
     where.add_argument("--session-file", metavar="PATH", help="keep the chat in this file (resumed when it exists)")
+    add_cache_dir_arg(p)
     add_verbose_arg(p, "print each turn's statistics on stderr")
     p.set_defaults(run=run)
 
@@ -84,10 +90,13 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int
         if args.adapter_path is not None:
             source["adapter_path"] = args.adapter_path
         _note(f"[model: {source['model']} (recorded in the session)]")
+    from ..generation.stored_prompt import shared_tiers
+
     model, tokenizer = load_model(args, source)
+    shared = shared_tiers(args.cache_dir)
     if path is not None and path.exists():
         overrides = config_overrides(args)
-        session = ChatSession.load(path, model, tokenizer, overrides=overrides)
+        session = ChatSession.load(path, model, tokenizer, overrides=overrides, shared=shared)
         _note(
             f"resumed session {label}: {plural(session.num_turns, 'turn')}, {session.cached_tokens} tokens "
             "in the cache, 0 tokens recomputed"
@@ -96,7 +105,8 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int
             session.set_system_prompt(args.system_prompt)
             _note("[new system prompt: the conversation will be re-read on the next turn]")
     else:
-        session = ChatSession(model, tokenizer, system_prompt=args.system_prompt, config=config_from_args(args))
+        session = ChatSession(model, tokenizer, system_prompt=args.system_prompt, config=config_from_args(args),
+                              shared=shared)  # fmt: skip
         if path is not None:
             _note(f"new session {label} (saved after every turn to {path})")
     if args.verbose:  # once the session is known to be usable (errors stay one line)

@@ -178,6 +178,15 @@ def human_bytes(n: int) -> str:
     return f"{n:.1f} GB"
 
 
+def add_cache_dir_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cache-dir", metavar="DIR",
+        help="also look for the longest cached prefix in this folder and store the result there: "
+        "the disk tier of 'mlxcc serve --cache-dir' (cache files in mlxcc's format, shared by "
+        "commands and servers given the same folder; default: not used)",
+    )  # fmt: skip
+
+
 def add_force_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--force", action="store_true",

@@ -8,6 +8,15 @@ conversation with the chat template and reuses the cached prefix. A cache file
 without token ids (mlx-lm's) is used as :mod:`mlx_chatcache.generation.prompt_recovery`
 says. The files it reads and writes are locked like a chat session's.
 
+The files go through the prompt-cache store (:mod:`mlx_chatcache.store`),
+the interface ``mlxcc serve`` uses: the named files are one strict file tier
+(:class:`~mlx_chatcache.store.file_tier.CacheFileTier`: another model's file,
+other cache settings or a damaged file are one-line errors) and
+``--cache-dir DIR`` adds the disk tier a server with the same ``--cache-dir``
+uses. The longest cached prefix of the prompt is checked out of the store,
+and prompt and reply are put back into every tier (``--save-prompt-cache``
+and DIR). A file's window and KV settings shape the run unless flags give them.
+
 The save path is checked before the model is loaded (writable; an existing
 file must be a prompt cache unless ``--force``). Ctrl-C is acted upon within
 about a second, also while the prompt is processed: the printed line is ended
@@ -17,19 +26,21 @@ and nothing is saved (a previous file stays as it was).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..chat.session_store import SessionLock
-from ..config import INTERRUPTIBLE_CALL_SECONDS
-from ..errors import UsageError
+from ..config import INTERRUPTIBLE_CALL_SECONDS, GenerationConfig
+from ..errors import CacheFormatError, UsageError
 from ..files.cache_io import read_cache_info
+from ..files.formats import CacheFileInfo
 from ..files.save_target import check_save_target
 from .common import (
     add_cache_args,
+    add_cache_dir_arg,
     add_force_arg,
     add_model_arg,
     add_sampling_args,
@@ -43,8 +54,6 @@ from .common import (
 )
 from .progress import ProgressBar
 
-if TYPE_CHECKING:  # generation/ (hence mlx-lm) is imported where a model runs, not for --help
-    from ..generation.prompt_state import PromptCache
 
 
 def add_parser(sub) -> None:
@@ -67,51 +76,48 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-cache-file", help="start from this cache file (made by mlxcc, or by mlx-lm: then it "
                    "is taken to hold the first tokens of this prompt, checked and said on stderr)")  # fmt: skip
     p.add_argument("--save-prompt-cache", metavar="FILE", help="after the completion save the cache (prompt and reply) here; may equal --prompt-cache-file")
+    add_cache_dir_arg(p)
     add_force_arg(p)
     add_verbose_arg(p, "report prompt tokens, reused tokens, TTFT, speeds and peak memory on stderr")
     p.set_defaults(run=run)
 
 
-def load_or_new(args, model, config) -> PromptCache:
-    from ..generation.prompt_recovery import load_untokenized
-    from ..generation.prompt_state import PromptCache
-
-    if args.prompt_cache_file:
-        if read_cache_info(args.prompt_cache_file).tokens is None:  # mlx-lm's files: see prompt_recovery
-            stored = load_untokenized(args.prompt_cache_file, model, args.ignore_chat_template)
-        else:
-            stored = PromptCache.load(args.prompt_cache_file, model)
-        if args.max_kv_size is not None and args.max_kv_size != stored.max_kv_size:
-            raise UsageError(
-                f"{args.prompt_cache_file} was made with max_kv_size={stored.max_kv_size}; "
-                "drop --max-kv-size or use the same value"
-            )
-        return stored
-    stored = PromptCache.new(model, config.max_kv_size, config.keep)
-    stored.messages, stored.text = (None, "") if args.ignore_chat_template else ([], None)
-    return stored
+def file_config(args, info: CacheFileInfo | None) -> GenerationConfig:
+    """The flags' config, shaped like the cache file ``info`` describes: its window
+    and KV settings are used unless a flag gives them (a different --max-kv-size is refused)."""
+    config = config_from_args(args)
+    if info is None or info.tokens is None:  # mlx-lm's files: shaped by their layers (prompt_recovery)
+        return config
+    f, s = args.prompt_cache_file, info.settings
+    made, keep = s.get("max_kv_size"), s.get("keep", config.keep)
+    if made is not None and (type(made) is not int or type(keep) is not int):
+        raise CacheFormatError(f"{f}: settings max_kv_size/keep are not integers; the file is damaged")
+    if args.max_kv_size is not None and args.max_kv_size != made:
+        raise UsageError(f"{f} was made with max_kv_size={made}; drop --max-kv-size or use the same value")
+    changes = {k: s[k] for k in ("kv_bits", "kv_group_size", "quantized_kv_start") if k in s and getattr(args, k) is None}
+    return dataclasses.replace(config, max_kv_size=made, keep=keep if made is not None else config.keep, **changes)
 
 
-def build_prompt(args, tokenizer, stored: PromptCache, prompt: str) -> list[int]:
-    """The full prompt's token ids; updates ``stored.messages``/``stored.text`` to include it."""
+def build_prompt(args, tokenizer, messages: list[dict] | None, text: str | None, prompt: str):
+    """``(token ids, messages, text)`` of the full prompt: the cached chat (``messages``)
+    or raw ``text`` followed by ``prompt``."""
     from ..generation.prompt_store import render_chat
     from ..generation.text import encode_prompt
 
     if args.ignore_chat_template:
-        if stored.mode == "chat" and stored.messages:
+        if messages:
             raise UsageError(f"{args.prompt_cache_file} holds a chat; drop --ignore-chat-template")
-        stored.messages, stored.text = None, (stored.text or "") + prompt
-        return encode_prompt(tokenizer, stored.text)
-    if stored.mode == "raw":
+        text = (text or "") + prompt
+        return encode_prompt(tokenizer, text), None, text
+    if messages is None and text is not None:
         raise UsageError(f"{args.prompt_cache_file} holds raw text (made with --ignore-chat-template); pass --ignore-chat-template")
-    messages = list(stored.messages)
+    messages = list(messages or [])
     if args.system_prompt is not None:
         messages = [m for m in messages if m["role"] != "system"]
         messages.insert(0, {"role": "system", "content": args.system_prompt})
     messages.append({"role": "user", "content": prompt})
-    stored.messages = messages
     template = read_json_arg(args.chat_template_config, "--chat-template-config")
-    return render_chat(tokenizer, messages, template_kwargs=template)
+    return render_chat(tokenizer, messages, template_kwargs=template), messages, None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,9 +130,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..generation.prompt_recovery import adopt_prompt_prefix, needs_tokens
-    from ..generation.text import stream_generate
-
     if args.prompt is not None and args.prompt_file is not None:
         raise UsageError("give --prompt or --prompt-file, not both")
     prompt = read_prompt(args.prompt, args.prompt_file)
@@ -134,17 +137,77 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("the prompt is empty; pass --prompt TEXT ('-' reads stdin) or --prompt-file FILE")
     if args.save_prompt_cache:
         check_save_target(args.save_prompt_cache, args.force)  # before any work: see save_target
+    info = read_cache_info(args.prompt_cache_file) if args.prompt_cache_file else None
     model, tokenizer = load_model(args)
-    config = config_from_args(args)
-    stored = load_or_new(args, model, config)
-    tokens = build_prompt(args, tokenizer, stored, prompt)
-    if needs_tokens(stored):
-        sys.stderr.write(adopt_prompt_prefix(stored, tokens, model, args.prompt_cache_file) + "\n")
+    config = file_config(args, info)
+    if info is not None and info.tokens is None:
+        job = _start_untokenized(args, model, tokenizer, config, prompt)
+    else:
+        job = _start(args, model, tokenizer, config, info, prompt)
+    return _generate(args, model, tokenizer, job)
+
+
+@dataclasses.dataclass
+class _Job:
+    """What a run generates from and where its result goes."""
+
+    tokens: list[int]  # the full prompt
+    state: object  # the PromptCache it starts from (a stored prefix, or empty)
+    config: GenerationConfig
+    store: object  # the PromptStore: the named files' tier, then --cache-dir's
+    scope: object  # the store Scope of this model and cache shape
+    messages: list[dict] | None  # the chat (None: raw text)
+    text: str | None
+    recorded: dict  # the settings the file recorded, written back
+    tier: str | None  # where the prefix came from (None: nowhere)
+
+
+def _start(args, model, tokenizer, config, info, prompt) -> _Job:
+    """The named file (strict) and --cache-dir behind one store; the longest stored prefix."""
+    from ..generation.stored_prompt import checkout_prompt, prompt_scope, shared_tiers
+    from ..store.file_tier import CacheFileTier
+    from ..store.store import PromptStore
+
+    if info is None:
+        messages, text = (None, "") if args.ignore_chat_template else ([], None)
+    else:
+        messages, text = info.messages, info.text
+    tokens, messages, text = build_prompt(args, tokenizer, messages, text, prompt)
+    store = PromptStore([CacheFileTier(args.prompt_cache_file, args.save_prompt_cache), *shared_tiers(args.cache_dir)])
+    scope = prompt_scope(model, config)
+    state, tier = checkout_prompt(store, scope, model, tokens, config.max_kv_size, config.keep)
+    return _Job(tokens, state, config, store, scope, messages, text, info.settings if info else {}, tier)
+
+
+def _start_untokenized(args, model, tokenizer, config, prompt) -> _Job:
+    """An mlx-lm file (no token ids): taken to hold the prompt's first tokens (prompt_recovery)."""
+    from ..generation.prompt_recovery import adopt_prompt_prefix, load_untokenized
+    from ..generation.stored_prompt import prompt_scope, shared_tiers
+    from ..store.file_tier import CacheFileTier
+    from ..store.store import PromptStore
+
+    stored = load_untokenized(args.prompt_cache_file, model, args.ignore_chat_template)
+    if args.max_kv_size is not None and args.max_kv_size != stored.max_kv_size:
+        raise UsageError(
+            f"{args.prompt_cache_file} was made with max_kv_size={stored.max_kv_size}; "
+            "drop --max-kv-size or use the same value"
+        )
+    tokens, messages, text = build_prompt(args, tokenizer, stored.messages, stored.text, prompt)
+    sys.stderr.write(adopt_prompt_prefix(stored, tokens, model, args.prompt_cache_file) + "\n")
+    store = PromptStore([CacheFileTier(None, args.save_prompt_cache), *shared_tiers(args.cache_dir)])
+    scope = prompt_scope(model, dataclasses.replace(config, max_kv_size=stored.max_kv_size, keep=stored.keep))
+    return _Job(tokens, stored, config, store, scope, messages, text, stored.settings, "file")
+
+
+def _generate(args, model, tokenizer, job: _Job) -> int:
+    from ..generation.stored_prompt import FileContents, file_settings, put_prompt
+    from ..generation.text import stream_generate
+
     bar = ProgressBar("prompt")
     reply, last = [], None
     try:
         for last in stream_generate(
-            model, tokenizer, tokens, state=stored, config=config,
+            model, tokenizer, job.tokens, state=job.state, config=job.config,
             extra_eos_tokens=args.extra_eos_token, progress=bar.update,
             max_call_seconds=INTERRUPTIBLE_CALL_SECONDS,
         ):  # fmt: skip
@@ -158,14 +221,14 @@ def _run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     bar.close()
     text = "".join(reply)
-    if stored.mode == "chat":
-        stored.messages.append({"role": "assistant", "content": text})
+    if job.messages is not None:
+        job.messages.append({"role": "assistant", "content": text})
     else:
-        stored.text += text
-    if args.save_prompt_cache:
-        stored.save(args.save_prompt_cache)
+        job.text += text
+    contents = FileContents(job.messages, job.text, file_settings(job.state, job.recorded))
+    put_prompt(job.store, job.scope, job.state, contents, warn=lambda line: sys.stderr.write(f"mlxcc: warning: {line}\n"))
     if args.verbose and last is not None:
-        report(last, stored, runtime_lines(model))
+        report(last, job.state, job.tier, runtime_lines(model))
     return 0
 
 
@@ -185,7 +248,7 @@ def interrupted(printed: bool, save_path: str | None) -> int:
     return 130
 
 
-def report(r, state, runtime: list[str] = ()) -> None:
+def report(r, state, tier: str | None = None, runtime: list[str] = ()) -> None:
     new = r.prompt_tokens - r.reused_tokens
     lines = [
         f"Prompt: {r.prompt_tokens} tokens ({r.reused_tokens} reused, {new} new), "
@@ -193,7 +256,7 @@ def report(r, state, runtime: list[str] = ()) -> None:
         f"Time to first token: {r.ttft:.3f} s",
         f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.1f} tokens-per-sec "
         f"(finish: {r.finish_reason})",
-        f"Cache: {len(state.tokens)} tokens held",
+        f"Cache: {len(state.tokens)} tokens held" + (f" (prefix from the {tier} tier)" if tier and r.reused_tokens else ""),
         f"Peak memory: {r.peak_memory:.3f} GB",
         *runtime,
     ]

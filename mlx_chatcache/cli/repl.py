@@ -101,7 +101,8 @@ class ChatREPL:
     """Runs a chat on ``session`` until the input ends or ``/bye``.
 
     ``autosave`` (a path) is written atomically after every turn and every
-    command that changes the session. Returns 0, or 1 when a command failed
+    command that changes the session (without it the session's shared store
+    tiers, ``--cache-dir``, still get its cache). Returns 0, or 1 when a command failed
     and the input is not interactive (so scripts notice).
     """
 
@@ -238,16 +239,20 @@ class ChatREPL:
         self.save()
 
     def save(self) -> None:
-        if self.autosave is None:
+        if self.autosave is None:  # no session file: only the shared tiers (--cache-dir), if any
+            for line in self.session.save(None) if self.session.shared.tiers else ():
+                self.note(f"warning: {line}")
             return
         with StopFlag():  # a Ctrl-C must not interrupt the write (it is atomic anyway)
             try:
-                self.session.save(self.autosave)
+                problems = self.session.save(self.autosave)
             except ChatCacheError as e:
                 self.unsaved = True
                 self.error(f"could not save the session: {e} (the conversation is kept: saving is "
                            "retried after the next turn, or /save FILE elsewhere)")  # fmt: skip
                 return
+        for line in problems:  # a shared tier (--cache-dir): the session file itself was written
+            self.note(f"warning: {line}")
         if self.unsaved:
             self.unsaved = False
             self.note(f"[session saved to {self.autosave} again]")
@@ -305,14 +310,15 @@ class ChatREPL:
             raise UsageError("usage: /save FILE [--force]")
         path = Path(name).expanduser()
         check_save_target(path, force)
-        self.session.save(path)
+        for line in self.session.save(path):
+            self.note(f"warning: {line}")
         self.note(f"[session saved to {name}]")
 
     def _load(self, arg: str) -> None:
         if not arg:
             raise UsageError("usage: /load FILE")
         s = self.session
-        loaded = ChatSession.load(Path(arg).expanduser(), s.model, s.tokenizer)
+        loaded = ChatSession.load(Path(arg).expanduser(), s.model, s.tokenizer, shared=s.shared.tiers)
         self.session = loaded
         self.note(f"[loaded {arg}: {plural(loaded.num_turns, 'turn')}, {loaded.cached_tokens} tokens "
                   "in the cache, 0 tokens recomputed]")  # fmt: skip

@@ -47,6 +47,7 @@ from ..config import GenerationConfig
 from ..errors import ChatCacheError
 from ..generation.generate import make_kv_quantizer, prefill
 from ..generation.prompt_state import PromptCache, reuse_prefix
+from ..generation.stored_prompt import cache_settings
 from ..generation.text import stream_generate
 from ..store.store import PromptStore
 from ..store.tiers import Scope, compact_copy, make_scope
@@ -274,9 +275,3 @@ def always_trimmable(cache) -> bool:
         return all(ok(x) for x in c.caches) if isinstance(c, CacheList) else type(c) in (KVCache, QuantizedKVCache)
 
     return all(ok(c) for c in cache)
-
-
-def cache_settings(config: GenerationConfig) -> dict:
-    """What shapes a cache, so entries made otherwise are never reused."""
-    return {"max_kv_size": config.max_kv_size, "keep": config.keep, "kv_bits": config.kv_bits,
-            "kv_group_size": config.kv_group_size, "quantized_kv_start": config.quantized_kv_start}  # fmt: skip

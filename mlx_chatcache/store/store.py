@@ -24,20 +24,32 @@ Contract
   it extends (their tokens are a prefix of its own); ``key`` (a conversation
   id) pins it: pinned entries outlive unpinned ones under eviction, and a
   lookup with that key prefers them.
+- Named tiers (:class:`~.file_tier.CacheFileTier`: a file the user named,
+  ``mlxcc generate --prompt-cache-file``, a chat session file) are strict:
+  their ``find``/``fetch`` raise instead of missing. ``put`` writes them at
+  once (never deferred), also for an empty cache, and passes them
+  ``contents`` (a :class:`~.file_tier.FileContents`: the messages or text the
+  tokens are, settings, user metadata); an error there is raised. With
+  ``on_error``, a failing anonymous tier (a full shared disk) is reported to
+  it, ``on_error(tier, error)``, and the other tiers are still written.
 - What a hit returns holds the same tokens the prompt would otherwise have
   been fed with: generation results do not depend on whether there was a hit
   (up to the floating-point differences of feeding a prompt in other chunks).
 
-All calls must come from one thread (the server's generation worker).
+All calls must come from one thread (the server's generation worker, or the
+one of ``mlxcc generate``/``mlxcc chat``, which build a store of the named
+file and, with ``--cache-dir``, the disk tier a server uses).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache
+from ..errors import ChatCacheError
+from .file_tier import FileContents
 from .index import Entry
 from .tiers import DiskTier, MemoryTier, Scope, Tier, compact_copy
 
@@ -92,24 +104,36 @@ class PromptStore:
         return best
 
     def put(self, scope: Scope, tokens: Sequence[int], cache: list[BaseCache], key: str | None = None,
-            defer: bool = False) -> dict:  # fmt: skip
+            defer: bool = False, contents: FileContents | None = None,
+            on_error: Callable[[Tier, Exception], None] | None = None) -> dict:  # fmt: skip
         """Store ``cache`` (holding ``tokens``) in every tier; ``{tier: stored?}``
-        (None: a deferred write, still pending)."""
-        if not tokens:
-            return {}
+        (None: a deferred write, still pending). See the module doc for named
+        tiers, ``contents`` and ``on_error``."""
         tokens = tuple(tokens)
         stored = {}
-        files = [t for t in self.tiers if not isinstance(t, MemoryTier)]
+        for tier in self.tiers:
+            if tier.named:
+                stored[tier.name] = tier.add(scope, tokens, cache, key, contents)
+        if not tokens:
+            return stored
+        anonymous = [t for t in self.tiers if not t.named]
+        files = [t for t in anonymous if not isinstance(t, MemoryTier)]
         if defer and files:
             cache = compact_copy(cache)  # one copy, shared by the memory tier and the pending writes
-        for tier in self.tiers:
-            if isinstance(tier, MemoryTier):
-                stored[tier.name] = tier.add(scope, tokens, cache, key, compact=defer and bool(files))
-            elif defer:
-                self.pending.append((tier, scope, tokens, cache, key))
-                stored[tier.name] = None
-            else:
-                stored[tier.name] = tier.add(scope, tokens, cache, key)
+        for tier in anonymous:
+            try:
+                if isinstance(tier, MemoryTier):
+                    stored[tier.name] = tier.add(scope, tokens, cache, key, compact=defer and bool(files))
+                elif defer:
+                    self.pending.append((tier, scope, tokens, cache, key))
+                    stored[tier.name] = None
+                else:
+                    stored[tier.name] = tier.add(scope, tokens, cache, key)
+            except (ChatCacheError, OSError) as e:
+                if on_error is None:
+                    raise
+                on_error(tier, e)
+                stored[tier.name] = False
         return stored
 
     def flush(self, keep: int = 0, until=None) -> int:

@@ -16,6 +16,11 @@ Contract of a tier (:class:`Tier`)
 - ``stats() -> dict``: entries, bytes, budget and counters;
 - ``close()``: at shutdown (a no-op but for the Redis tier).
 
+A *named* tier (``named = True``: :class:`~.file_tier.CacheFileTier`, one
+cache file the user named) is strict instead: what it cannot serve raises
+rather than being a miss, it is never evicted, and its ``add`` also takes the
+file's contents (messages, text, settings, user metadata).
+
 Every tier holds entries within its byte budget (:class:`EntryIndex`). Only
 the generation worker calls tiers (they are not thread-safe; the disk tier
 does MLX work to write files). The Redis tier (:mod:`.redis_tier`) implements
@@ -61,6 +66,7 @@ def make_scope(fingerprint: ModelFingerprint, settings: dict) -> Scope:
 
 class Tier:
     name = "tier"
+    named = False  # a file the user named (see the module doc)
 
     def __init__(self, budget: int):
         self.index = EntryIndex(budget)

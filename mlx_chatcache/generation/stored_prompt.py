@@ -1,0 +1,94 @@
+"""Prompt caches through the store (:class:`~mlx_chatcache.store.store.PromptStore`),
+the one interface ``mlxcc serve``'s worker, ``mlxcc generate`` and chat
+sessions use to find and keep caches.
+
+Contract
+--------
+- :func:`cache_settings` is what shapes a cache (the window, KV
+  quantization); :func:`prompt_scope` the store :class:`~mlx_chatcache.store.tiers.Scope`
+  of a model and those settings. Entries of another scope are never used, so
+  a command and a server share entries exactly when model and settings agree.
+- :func:`shared_tiers` is the tier ``--cache-dir DIR`` adds to a command:
+  the disk tier a server run with the same ``--cache-dir`` uses (our file
+  format, byte budget ``SERVER_DEFAULTS.disk_cache_bytes``), or nothing.
+- :func:`checkout_prompt` is the store's longest cached prefix of a prompt as
+  a :class:`~mlx_chatcache.generation.prompt_state.PromptCache` of the given
+  shape (an empty one on a miss), not yet trimmed to the prompt:
+  :func:`~mlx_chatcache.generation.prompt_state.reuse_prefix` (which
+  ``stream_generate`` calls) does that, and says how many tokens were reused.
+- :func:`put_prompt` stores a prompt cache in every tier, the named file with
+  ``contents``; a shared tier that fails is reported, in one line, to ``warn``
+  (the named file is what the user asked for: its errors are raised).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+from ..cache import make_prompt_cache
+from ..config import SERVER_DEFAULTS, GenerationConfig
+from ..models.fingerprint import ModelFingerprint
+from ..store.file_tier import FileContents
+from ..store.store import PromptStore
+from ..store.tiers import DiskTier, Scope, Tier, make_scope
+from .prompt_state import PromptCache
+
+
+def cache_settings(config: GenerationConfig) -> dict:
+    """What shapes a cache, so entries made otherwise are never reused."""
+    return {"max_kv_size": config.max_kv_size, "keep": config.keep, "kv_bits": config.kv_bits,
+            "kv_group_size": config.kv_group_size, "quantized_kv_start": config.quantized_kv_start}  # fmt: skip
+
+
+def prompt_scope(model, config: GenerationConfig) -> Scope:
+    return scope_of(getattr(model, "fingerprint", None), config)
+
+
+def scope_of(fingerprint: ModelFingerprint | None, config: GenerationConfig) -> Scope:
+    """The scope of caches a model with ``fingerprint`` makes with ``config``. Without a
+    fingerprint (a model not loaded by :func:`mlx_chatcache.load`) the namespace is
+    empty: only a named file can hold such caches, never a shared tier."""
+    if fingerprint is None:
+        return Scope("", None, cache_settings(config))
+    return make_scope(fingerprint, cache_settings(config))
+
+
+def shared_tiers(cache_dir: str | os.PathLike | None) -> list[Tier]:
+    """The disk tier in ``cache_dir`` (made if missing), or [] without one."""
+    if cache_dir is None:
+        return []
+    return [DiskTier(os.path.expanduser(cache_dir), SERVER_DEFAULTS.disk_cache_bytes)]
+
+
+def checkout_prompt(store: PromptStore, scope: Scope, model, prompt: Sequence[int], max_kv_size: int | None,
+                    keep: int) -> tuple[PromptCache, str | None]:  # fmt: skip
+    """``(state, tier)``: the longest stored prefix of ``prompt`` and the tier it came
+    from (None: a miss, ``state`` is empty). ``state.tokens`` may run past the prompt."""
+    state = PromptCache.new(model, max_kv_size, keep)
+    got = store.checkout(scope, prompt, make_prompt_cache(model, max_kv_size, keep))
+    if got is None:
+        return state, None
+    state.cache[:] = got.cache
+    state.tokens[:] = got.tokens
+    return state, got.tier
+
+
+def put_prompt(store: PromptStore, scope: Scope, state: PromptCache, contents: FileContents,
+               warn: Callable[[str], None]) -> None:  # fmt: skip
+    """Store ``state`` in every tier of ``store`` (see the module doc)."""
+
+    def failed(tier: Tier, e: Exception) -> None:
+        warn(f"the prompt cache was not stored in the {tier.name} tier: {e}")
+
+    store.put(scope, state.tokens, state.cache, contents=contents, on_error=failed)
+
+
+def file_settings(state: PromptCache, recorded: dict | None = None) -> dict:
+    """The settings a named file records for ``state``: what it recorded before
+    (``recorded``), this model's weight policy, the window."""
+    return {**(recorded or {}), **state.settings, "max_kv_size": state.max_kv_size, "keep": state.keep}
+
+
+__all__ = ["cache_settings", "prompt_scope", "scope_of", "shared_tiers", "checkout_prompt", "put_prompt", "file_settings",
+           "FileContents"]  # fmt: skip

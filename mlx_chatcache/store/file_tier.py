@@ -1,0 +1,170 @@
+"""A store tier over one cache file the user named (``mlxcc generate
+--prompt-cache-file/--save-prompt-cache``, a chat session file).
+
+Contract
+--------
+``CacheFileTier(read_path, write_path, what)`` implements the :class:`~.tiers.Tier`
+contract for at most one entry: the file at ``read_path`` (None: nothing to
+read). It differs from the anonymous tiers (memory, disk, Redis) in three ways:
+
+- **strict**: the user named this file, so a file that cannot serve is an error,
+  never a silent miss. :meth:`find` raises, in one line each, for a missing or
+  damaged file (:class:`~mlx_chatcache.errors.CacheFileError` /
+  :class:`~mlx_chatcache.errors.CacheFormatError`), a file made by another model
+  (:class:`~mlx_chatcache.errors.ModelMismatchError`, ``what`` names the file
+  kind in it), one that lists no token ids (mlx-lm's: the caller handles those,
+  see :mod:`mlx_chatcache.generation.prompt_recovery`) and one made with other
+  cache settings (``max_kv_size``/``keep`` and, when the file records them,
+  the KV quantization settings; :class:`~mlx_chatcache.errors.UsageError`);
+  :meth:`fetch` raises for layers the model does not make;
+- **never evicted** and without a byte budget; :meth:`add` always (re)writes
+  ``write_path`` (None: nothing is written), atomically, also for an empty
+  cache (a chat that was cleared);
+- **carries the file's contents**: :meth:`add` takes a :class:`FileContents`
+  (the chat messages or raw text the tokens are, the settings and user
+  metadata, e.g. a chat session's record), which
+  :meth:`~.store.PromptStore.put` passes to named tiers only.
+
+:meth:`find` reads only the header (the token ids) as long as the file's
+tokens are all a prefix of the query; when only part of them is, it loads the
+layers to learn whether they can be trimmed back (kept for :meth:`fetch`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from ..cache import BaseCache, can_trim_prompt_cache
+from ..errors import CacheFileError, CacheFormatError, UsageError
+from ..files.cache_io import check_cache_fits_model, load_prompt_cache, read_cache_info, save_prompt_cache
+from ..files.formats import CacheFileInfo
+from .index import Entry
+from .tiers import Scope, Tier
+from .trie import _lcp
+
+SHAPE_KEYS = ("max_kv_size", "keep", "kv_bits", "kv_group_size", "quantized_kv_start")
+
+
+@dataclass(frozen=True)
+class FileContents:
+    """What a named cache file carries besides the layers and their token ids."""
+
+    messages: list[dict] | None = None  # the chat the tokens are
+    text: str | None = None  # or the raw text (no chat template)
+    settings: dict = field(default_factory=dict)  # written as the file's settings (max_kv_size, keep, weights, ...)
+    metadata: dict[str, str] = field(default_factory=dict)  # user metadata (a chat session's record)
+
+
+class CacheFileTier(Tier):
+    name = "file"
+    named = True
+
+    def __init__(self, read_path: str | os.PathLike | None, write_path: str | os.PathLike | None = None,
+                 what: str = "cache file"):  # fmt: skip
+        super().__init__(0)
+        self.read_path = None if read_path is None else Path(read_path)
+        self.write_path = None if write_path is None else Path(write_path)
+        self.what = what
+        self._info: tuple[tuple, CacheFileInfo] | None = None  # (file identity, header)
+        self._loaded: tuple[tuple, list[BaseCache]] | None = None  # layers read by find, for fetch
+
+    # ------------------------------------------------------------------ reading
+    def info(self) -> CacheFileInfo | None:
+        """The header of ``read_path`` (None when there is none), read again when the file changed."""
+        if self.read_path is None:
+            return None
+        ident = _identity(self.read_path)
+        if self._info is None or self._info[0] != ident:
+            self._info = (ident, read_cache_info(self.read_path))
+            self._loaded = None
+        return self._info[1]
+
+    def find(self, scope, query, key):
+        info = self.info()
+        if info is None:
+            return None
+        self._check(info, scope)
+        tokens = tuple(info.tokens)
+        n = _lcp(tokens, query)
+        if n == 0:
+            return None
+        trimmable = n == len(tokens) or can_trim_prompt_cache(self._layers(scope))
+        if not trimmable:
+            return None
+        return Entry(scope.namespace, tokens, info.nbytes, True, None, self.read_path), n
+
+    def _check(self, info: CacheFileInfo, scope: Scope) -> None:
+        path = self.read_path
+        if scope.fingerprint is not None:
+            scope.fingerprint.check(info.model, what=self.what)
+        if info.tokens is None:
+            raise CacheFormatError(
+                f"{path} does not say which tokens it holds (written by {info.layout}); "
+                "rebuild it with 'mlxcc cache-prompt'"
+            )
+        theirs, ours = _shape(info.settings), _shape(scope.settings)
+        differ = [k for k in SHAPE_KEYS if k in theirs and k in ours and theirs[k] != ours[k]]
+        if differ:
+            made = ", ".join(f"{k}={theirs[k]}" for k in differ)
+            asked = ", ".join(f"{k}={ours[k]}" for k in differ)
+            raise UsageError(
+                f"{path} was made with {made} but {asked} was asked; use the same settings "
+                "(or leave them out: the file's are used) or another file"
+            )
+
+    def _layers(self, scope: Scope) -> list[BaseCache]:
+        ident = self._info[0]
+        if self._loaded is None or self._loaded[0] != ident:
+            cache, info = load_prompt_cache(self.read_path, return_metadata=True, model=scope.fingerprint,
+                                            what=self.what)  # fmt: skip
+            if info.tokens != self._info[1].tokens:
+                raise CacheFileError(f"{self.read_path} changed while it was read; run the command again")
+            self._loaded = (ident, cache)
+        return self._loaded[1]
+
+    def fetch(self, entry, scope, expected):
+        cache = self._layers(scope)
+        self._loaded = None  # the caller owns these layers now
+        check_cache_fits_model(cache, expected, self.read_path)
+        self._hit(entry)
+        return cache
+
+    def _hit(self, entry: Entry) -> None:
+        self.counters["hits"] += 1
+        self.counters["hit_tokens"] += len(entry.tokens)
+
+    # ------------------------------------------------------------------ writing
+    def add(self, scope, tokens, cache, key, contents: FileContents | None = None):
+        if self.write_path is None:
+            return False
+        c = contents or FileContents()
+        save_prompt_cache(self.write_path, cache, tokens=list(tokens), model=scope.fingerprint,
+                          messages=c.messages, text=c.text, settings=c.settings, metadata=c.metadata)  # fmt: skip
+        self.counters["added"] += 1
+        return True
+
+    def stats(self) -> dict:
+        return {"read": str(self.read_path) if self.read_path else None,
+                "write": str(self.write_path) if self.write_path else None, **self.counters}  # fmt: skip
+
+
+def _shape(settings: dict) -> dict:
+    """The settings that shape a cache; ``keep`` matters only for a rotating window."""
+    shape = {k: settings[k] for k in SHAPE_KEYS if k in settings}
+    if shape.get("max_kv_size") is None:
+        shape.pop("keep", None)
+    return shape
+
+
+def _identity(path: Path) -> tuple:
+    try:
+        st = path.stat()
+    except OSError:
+        return ()
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+__all__ = ["CacheFileTier", "FileContents"]
