@@ -147,6 +147,9 @@ def command_line() -> str:
     if (OPENBLAS in os.environ.get("LD_PRELOAD", "") and "--openblas" not in argv
             and not os.environ.get("MLXCC_BENCH_OPENBLAS_AUTO")):
         pre = "MLXCC_BENCH_OPENBLAS=1 "
+    for name in ("MLXCC_BLAS", "MLXCC_BLAS_THREADS"):  # they change what is measured
+        if name in os.environ:
+            pre += f"{name}={shlex.quote(os.environ[name])} "
     return pre + ".venv/bin/python " + " ".join(shlex.quote(a) for a in [script, *argv[1:]])
 
 
