@@ -32,6 +32,7 @@ layers to learn whether they can be trimmed back (kept for :meth:`fetch`).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,7 +106,7 @@ class CacheFileTier(Tier):
                 f"{path} does not say which tokens it holds (written by {info.layout}); "
                 "rebuild it with 'mlxcc cache-prompt'"
             )
-        theirs, ours = _shape(info.settings), _shape(scope.settings)
+        theirs, ours = recorded_shape(info), _shape(scope.settings)
         differ = [k for k in SHAPE_KEYS if k in theirs and k in ours and theirs[k] != ours[k]]
         if differ:
             made = ", ".join(f"{k}={theirs[k]}" for k in differ)
@@ -151,6 +152,38 @@ class CacheFileTier(Tier):
                 "write": str(self.write_path) if self.write_path else None, **self.counters}  # fmt: skip
 
 
+def recorded_shape(info: CacheFileInfo) -> dict:
+    """The settings that shaped the cache of the file ``info`` describes: those it
+    records and, for a file that does not record ``kv_bits`` (written before it
+    was), the KV quantization its quantized layers show (a float file leaves it open)."""
+    shape = _shape(info.settings)
+    if "kv_bits" not in shape:
+        found = _header_quantization(info)
+        if found is not None:
+            shape["kv_bits"], shape["kv_group_size"] = found
+    return shape
+
+
+def _header_quantization(info: CacheFileInfo) -> tuple[int, int] | None:
+    """``(bits, group_size)`` of the first quantized layer the header lists (our layout), or None."""
+
+    def of(name: str, meta) -> tuple[int, int] | None:
+        try:
+            if name == "QuantizedKVCache":  # offset, group_size, bits
+                return int(meta[2]), int(meta[1])
+            if name == "QuantizedRotatingKVCache":  # offset, max_size, keep, group_size, bits[, ring_idx]
+                return int(meta[4]), int(meta[3])
+            if name == "CacheList":  # n, then (class, JSON meta, array count) per child
+                kids = [(meta[1 + 3 * j], json.loads(meta[2 + 3 * j])) for j in range(int(meta[0]))]
+                return next((q for q in (of(*k) for k in kids) if q is not None), None)
+        except (IndexError, ValueError, TypeError):
+            return None  # a damaged header: loading the layers says so
+        return None
+
+    layers = info.extra.get("layers") or []
+    return next((q for q in (of(n, m) for n, (m, _) in zip(info.classes, layers)) if q is not None), None)
+
+
 def _shape(settings: dict) -> dict:
     """The settings that shape a cache; ``keep`` matters only for a rotating window."""
     shape = {k: settings[k] for k in SHAPE_KEYS if k in settings}
@@ -167,4 +200,4 @@ def _identity(path: Path) -> tuple:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-__all__ = ["CacheFileTier", "FileContents"]
+__all__ = ["CacheFileTier", "FileContents", "recorded_shape"]
