@@ -6,7 +6,10 @@ each call reuses what F holds, adds its prompt and reply, and saves it back.
 A chat cache keeps its messages, so the next call renders the whole
 conversation with the chat template and reuses the cached prefix. A cache file
 without token ids (mlx-lm's) is used as :mod:`mlx_chatcache.generation.prompt_recovery`
-says. The files it reads and writes are locked like a chat session's.
+says (its tokens are only assumed, so its cache goes to ``--save-prompt-cache``
+only, never into ``--cache-dir``). A store entry (token ids without messages or
+text: a ``--cache-dir`` file) is refused, in one line. The files it reads and
+writes are locked like a chat session's.
 
 The files go through the prompt-cache store (:mod:`mlx_chatcache.store`),
 the interface ``mlxcc serve`` uses: the named files are one strict file tier
@@ -15,7 +18,9 @@ other cache settings or a damaged file are one-line errors) and
 ``--cache-dir DIR`` adds the disk tier a server with the same ``--cache-dir``
 uses. The longest cached prefix of the prompt is checked out of the store,
 and prompt and reply are put back into every tier (``--save-prompt-cache``
-and DIR). A file's window and KV settings shape the run unless flags give them.
+and DIR). A file's window and KV settings shape the run unless flags give them
+(other values are refused); an older file that does not record its KV settings
+is taken to have those of its quantized layers.
 
 The save path is checked before the model is loaded (writable; an existing
 file must be a prompt cache unless ``--force``). Ctrl-C is acted upon within

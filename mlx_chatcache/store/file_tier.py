@@ -14,8 +14,10 @@ read). It differs from the anonymous tiers (memory, disk, Redis) in three ways:
   (:class:`~mlx_chatcache.errors.ModelMismatchError`, ``what`` names the file
   kind in it), one that lists no token ids (mlx-lm's: the caller handles those,
   see :mod:`mlx_chatcache.generation.prompt_recovery`) and one made with other
-  cache settings (``max_kv_size``/``keep`` and, when the file records them,
-  the KV quantization settings; :class:`~mlx_chatcache.errors.UsageError`);
+  cache settings (``max_kv_size``/``keep`` and the KV quantization, which every
+  file mlxcc writes records; for an older file that does not,
+  :func:`recorded_shape` reads ``kv_bits``/``kv_group_size`` off its quantized
+  layers; :class:`~mlx_chatcache.errors.UsageError`);
   :meth:`fetch` raises for layers the model does not make;
 - **never evicted** and without a byte budget; :meth:`add` always (re)writes
   ``write_path`` (None: nothing is written), atomically, also for an empty
@@ -44,7 +46,7 @@ from ..files.cache_io import check_cache_fits_model, load_prompt_cache, read_cac
 from ..files.formats import CacheFileInfo
 from .index import Entry
 from .tiers import Scope, Tier
-from .trie import _lcp
+from .trie import lcp
 
 SHAPE_KEYS = ("max_kv_size", "keep", "kv_bits", "kv_group_size", "quantized_kv_start")
 
@@ -89,7 +91,7 @@ class CacheFileTier(Tier):
             return None
         self._check(info, scope)
         tokens = tuple(info.tokens)
-        n = _lcp(tokens, query)
+        n = lcp(tokens, query)
         if n == 0:
             return None
         trimmable = n == len(tokens) or can_trim_prompt_cache(self._layers(scope))
