@@ -71,7 +71,8 @@ def test_older_file_without_kv_settings_adopts_its_layers_quantization(tiny_mode
     """A file written before kv_bits was recorded: its QuantizedKVCache layers say kv_bits=8, so
     the run quantizes as the file did and the shared entry goes under the kv_bits=8 scope."""
     d, q, folder = tiny_model_dirs["llama"], tmp_path / "q.safetensors", tmp_path / "D"
-    assert run_cli(capsys, *generate_args(d, "Tell me about rivers", "--kv-bits", "8", "--save-prompt-cache", str(q)))[0] == 0
+    made = generate_args(d, "Tell me about rivers", "--kv-bits", "8", "--save-prompt-cache", str(q))
+    assert run_cli(capsys, *made)[0] == 0
     cache, info = load_prompt_cache(q, return_metadata=True)
     old = {k: v for k, v in info.settings.items() if k not in ("kv_bits", "kv_group_size", "quantized_kv_start")}
     save_prompt_cache(q, cache, tokens=info.tokens, model=info.model, messages=info.messages, settings=old)
@@ -94,7 +95,8 @@ def test_put_prompt_keeps_disagreeing_layers_out_of_shared_tiers(llama_model, tm
     quantize_prompt_cache(state.cache, 64, 8)
     disk, named = DiskTier(tmp_path / "D", 10**9), CacheFileTier(None, tmp_path / "f.safetensors")
     warnings = []
-    put_prompt(PromptStore([named, disk]), prompt_scope(model, DEFAULTS), state, FileContents([], None), warnings.append)
+    put_prompt(PromptStore([named, disk]), prompt_scope(model, DEFAULTS), state, FileContents([], None),
+               warnings.append)  # fmt: skip
     assert entries(tmp_path / "D") == [] and len(warnings) == 1 and "kv_bits=None" in warnings[0]
     assert (tmp_path / "f.safetensors").exists()  # the named file is what the user asked for
     # under its own settings it is shared
@@ -136,19 +138,25 @@ def test_every_named_file_records_the_kv_settings(tiny_model_dirs, tmp_path, cap
     assert main(["chat", "--model", str(d), "-m", "4", "--kv-bits", "8", "--session-file", str(session)]) == 0
     s = read_cache_info(session).settings
     assert (s["kv_bits"], s["kv_group_size"], s["max_kv_size"]) == (8, DEFAULTS.kv_group_size, None)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Again\n"))  # resumed: the file's settings agree with its own
+    assert main(["chat", "--model", str(d), "-m", "4", "--session-file", str(session)]) == 0
+    assert "resumed" in capsys.readouterr().err
+    assert [m["role"] for m in read_cache_info(session).messages] == ["user", "assistant"] * 2
 
 
 # ------------------------------------------------------------------ P2-5: weight policy
 def test_a_float32_policy_entry_is_not_served_to_a_q_run(tiny_model_dirs, tmp_path, capsys):
     d, folder = tiny_model_dirs["llama"], str(tmp_path / "D")
-    assert run_cli(capsys, *generate_args(d, "Name a river.", "--weights", "float32", "--cache-dir", folder))[0] == 0
+    f32 = ["--weights", "float32", "--cache-dir", folder]
+    assert run_cli(capsys, *generate_args(d, "Name a river.", *f32))[0] == 0
     assert read_cache_info(entries(tmp_path / "D")[0]).settings["weights"] == "float32"
-    code, warm, err = run_cli(capsys, *generate_args(d, "Name a mountain.", "--weights", "q", "--cache-dir", folder, "-v"))
+    code, warm, err = run_cli(capsys, *generate_args(d, "Name a mountain.", "--weights", "q", "--cache-dir", folder,
+                                                     "-v"))  # fmt: skip
     assert code == 0, err
     assert reused_of(err) == 0
     assert warm == run_cli(capsys, *generate_args(d, "Name a mountain.", "--weights", "q"))[1]
     # the control: the same policy is served
-    code, _, err = run_cli(capsys, *generate_args(d, "Name a mountain.", "--weights", "float32", "--cache-dir", folder, "-v"))
+    code, _, err = run_cli(capsys, *generate_args(d, "Name a mountain.", *f32, "-v"))
     assert code == 0 and reused_of(err) > 0 and "prefix from the disk tier" in err
 
 

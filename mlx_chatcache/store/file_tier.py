@@ -38,7 +38,6 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from ..cache import BaseCache, can_trim_prompt_cache
 from ..errors import CacheFileError, CacheFormatError, UsageError
