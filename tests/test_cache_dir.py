@@ -151,7 +151,10 @@ def test_cache_dir_errors_come_before_the_model_loads(tmp_path, capsys):
     a_file.write_bytes(b"x")
     missing_model = str(tmp_path / "no-such-model")
     for argv in (["generate", "--model", missing_model, "-p", "hi", "--cache-dir", str(a_file)],
-                 ["chat", "--model", missing_model, "--cache-dir", str(a_file)]):  # fmt: skip
+                 ["chat", "--model", missing_model, "--cache-dir", str(a_file)],
+                 ["serve", "--model", missing_model, "--cache-dir", str(a_file)]):  # fmt: skip
+        if argv[0] == "serve":
+            pytest.importorskip("uvicorn")
         assert main(argv) == 1
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "is a file" in err and "no-such-model" not in err, err
@@ -162,7 +165,17 @@ def test_cache_dir_errors_come_before_the_model_loads(tmp_path, capsys):
     assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1 and "is a file" in p.stderr
 
 
-def test_a_command_on_a_server_folder_deletes_nothing(tiny_model_dirs, llama_model, tmp_path, capsys):
+def test_a_command_on_a_server_folder_deletes_nothing(tiny_model_dirs, llama_model, tmp_path, capsys, monkeypatch):
+    """Also when the folder is larger than the server default budget (made tiny here: a
+    command once used it and evicted a bigger server's entries)."""
+    import dataclasses
+
+    from mlx_chatcache import config
+    from mlx_chatcache.generation import stored_prompt
+
+    tiny = dataclasses.replace(config.SERVER_DEFAULTS, disk_cache_bytes=1000)
+    monkeypatch.setattr(config, "SERVER_DEFAULTS", tiny)
+    monkeypatch.setattr(stored_prompt, "SERVER_DEFAULTS", tiny, raising=False)
     model, _ = llama_model
     folder = tmp_path / "server"
     server = DiskTier(folder, 1 << 30)

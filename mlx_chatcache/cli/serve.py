@@ -74,10 +74,10 @@ def run(args: argparse.Namespace) -> int:
     from ..server.service import Service
     from ..store.store import build_store
 
-    ref = resolve_model_ref(args.model)
     cache_dir = args.cache_dir or default_cache_dir()
     if args.disk_cache_bytes > 0:
         check_cache_dir(str(cache_dir))  # a folder it cannot use is one line, before the model loads
+    ref = resolve_model_ref(args.model)
     model, tokenizer = load_model(args)  # --adapter-path and --trust-remote-code too
     store = build_store(args.cache_bytes, args.disk_cache_bytes, cache_dir,
                         redis_url=args.cache_redis)  # fmt: skip
