@@ -182,7 +182,8 @@ def test_a_command_on_a_server_folder_deletes_nothing(tiny_model_dirs, llama_mod
     for s in (10, 60, 110):
         server.add(scope(model), tokens_of(20, start=s), filled(model, tokens_of(20, start=s)), key=None)
     before = snapshot(folder)
-    argv = ["generate", "--model", str(tiny_model_dirs["llama"]), "-p", "Name a river.", "-m", "6", "--cache-dir", str(folder)]
+    argv = ["generate", "--model", str(tiny_model_dirs["llama"]), "-p", "Name a river.", "-m", "6",
+            "--cache-dir", str(folder)]  # fmt: skip
     assert main(argv) == 0, capsys.readouterr().err
     after = snapshot(folder)
     assert all(after.get(n) == b for n, b in before.items()) and len(after) == len(before) + 1
