@@ -88,6 +88,9 @@ def test_disk_tier_survives_a_new_instance(llama_model, tmp_path):
 
 
 def test_corrupt_disk_entries_are_skipped_and_counted(llama_model, tmp_path):
+    """Files the scan cannot prove to be store entries are skipped and kept (foreign);
+    an entry damaged after it was indexed is dropped, counted and, still ours by its
+    header, deleted."""
     model, _ = llama_model
     a, b = tokens_of(20), tokens_of(24, start=50)
     disk = DiskTier(tmp_path, 1 << 30)
@@ -98,8 +101,8 @@ def test_corrupt_disk_entries_are_skipped_and_counted(llama_model, tmp_path):
     raw = bytearray(path_b.read_bytes())
     path_b.write_bytes(bytes(raw[: len(raw) // 2]))  # truncated: header claims more than is there
     restarted = DiskTier(tmp_path, 1 << 30)
-    assert restarted.stats()["corrupt"] == 2 and len(restarted.index) == 1
-    assert not path_b.exists() and not (tmp_path / "junk.safetensors").exists()
+    assert restarted.stats()["foreign"] == 2 and restarted.stats()["corrupt"] == 0 and len(restarted.index) == 1
+    assert path_b.exists() and (tmp_path / "junk.safetensors").exists()
     # damaged after it was indexed: the lookup falls back (here: to nothing) and counts it
     path_a = restarted.index.entries()[0].payload
     data = bytearray(path_a.read_bytes())
@@ -107,7 +110,15 @@ def test_corrupt_disk_entries_are_skipped_and_counted(llama_model, tmp_path):
     path_a.write_bytes(bytes(data[:-8]))
     store = PromptStore([restarted])
     assert store.checkout(scope(model), a + [9], make_prompt_cache(model)) is None
-    assert restarted.stats()["corrupt"] == 3 and len(restarted.index) == 0
+    assert restarted.stats()["corrupt"] == 1 and len(restarted.index) == 0
+    assert path_a.exists()  # its header no longer matches its size: not provably ours, kept
+    # an intact entry that does not fit (here: one layer fewer expected) is ours: dropped and deleted
+    c = tokens_of(16, start=90)
+    restarted.add(scope(model), c, filled(model, c).cache, key=None)
+    entry = restarted.index.get(scope(model).namespace, tuple(c))
+    assert restarted.fetch(entry, scope(model), make_prompt_cache(model)[:-1]) is None
+    assert restarted.stats()["corrupt"] == 2 and not entry.payload.exists()
+    assert DiskTier(tmp_path, 1 << 30).stats()["foreign"] == 3  # junk, b and a: all still there
 
 
 def test_disk_budget_evicts_least_recently_used_files(llama_model, tmp_path):

@@ -27,6 +27,7 @@ from .common import (
     add_sampling_args,
     add_verbose_arg,
     add_weights_arg,
+    check_cache_dir,
     config_from_args,
     config_overrides,
     lenient_stdin,
@@ -62,6 +63,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_cache_dir(args.cache_dir)  # before the session's lock file (it would make a new DIR non-empty)
     path, label = None, None
     if args.session is not None:
         path, label = session_path(args.session), f"'{args.session}'"

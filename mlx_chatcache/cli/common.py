@@ -183,8 +183,20 @@ def add_cache_dir_arg(p: argparse.ArgumentParser) -> None:
         "--cache-dir", metavar="DIR",
         help="also look for the longest cached prefix in this folder and store the result there: "
         "the disk tier of 'mlxcc serve --cache-dir' (cache files in mlxcc's format, shared by "
-        "commands and servers given the same folder; default: not used)",
+        "commands and servers given the same folder; default: not used). The folder becomes the "
+        "store's (marked with a .mlxcc-store file): give a new or empty folder, or a server's; "
+        "a folder holding other files is refused. Only the store's own entries are ever deleted, "
+        "and a command deletes none (the server keeps the folder within its budget)",
     )  # fmt: skip
+
+
+def check_cache_dir(cache_dir: str | None) -> None:
+    """Make or adopt ``--cache-dir`` (a one-line UsageError when it cannot be used),
+    so its errors come before the model is loaded."""
+    if cache_dir is not None:
+        from ..store.disk_folder import claim_folder
+
+        claim_folder(os.path.expanduser(cache_dir))
 
 
 def add_force_arg(p: argparse.ArgumentParser) -> None:

@@ -52,6 +52,7 @@ from .common import (
     add_sampling_args,
     add_verbose_arg,
     add_weights_arg,
+    check_cache_dir,
     config_from_args,
     load_model,
     read_json_arg,
@@ -149,6 +150,7 @@ def build_prompt(args, tokenizer, messages: list[dict] | None, text: str | None,
 
 def run(args: argparse.Namespace) -> int:
     """Holds the session lock of the files it reads and writes (a chat may have one open)."""
+    check_cache_dir(args.cache_dir)  # before the lock files (they would make a new DIR non-empty)
     with ExitStack() as held:
         for f in dict.fromkeys(f for f in (args.prompt_cache_file, args.save_prompt_cache) if f):
             lock = SessionLock(Path(f).expanduser(), f)

@@ -13,7 +13,8 @@ import re
 from ..config import SERVER_DEFAULTS as S
 from ..config import default_cache_dir
 from ..errors import UsageError
-from .common import add_cache_args, add_model_arg, add_sampling_args, config_from_args, human_bytes, load_model, positive_int
+from .common import (add_cache_args, add_model_arg, add_sampling_args, check_cache_dir, config_from_args, human_bytes,
+                     load_model, positive_int)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}  # fmt: skip
@@ -41,7 +42,9 @@ def add_parser(sub) -> None:
     add_model_arg(p)
     p.add_argument("--host", default=S.host, help=f"address to listen on (default {S.host}: this machine only)")
     p.add_argument("--port", type=int, default=S.port, help=f"port to listen on (default {S.port})")
-    p.add_argument("--cache-dir", help="folder of the disk cache tier (default MLXCC_HOME/server-cache)")
+    p.add_argument("--cache-dir", help="folder of the disk cache tier, the store's own (marked with a .mlxcc-store "
+                   "file; a folder holding other files is refused; only the store's entries are ever deleted; "
+                   "default MLXCC_HOME/server-cache)")  # fmt: skip
     p.add_argument("--cache-bytes", type=byte_size, default=S.memory_cache_bytes,
                    help=f"memory tier budget, e.g. 2GB; 0 turns it off (default {human_bytes(S.memory_cache_bytes)})")
     p.add_argument("--disk-cache-bytes", type=byte_size, default=S.disk_cache_bytes,
@@ -71,9 +74,12 @@ def run(args: argparse.Namespace) -> int:
     from ..server.service import Service
     from ..store.store import build_store
 
+    cache_dir = args.cache_dir or default_cache_dir()
+    if args.disk_cache_bytes > 0:
+        check_cache_dir(str(cache_dir))  # a folder it cannot use is one line, before the model loads
     ref = resolve_model_ref(args.model)
     model, tokenizer = load_model(args)  # --adapter-path and --trust-remote-code too
-    store = build_store(args.cache_bytes, args.disk_cache_bytes, args.cache_dir or default_cache_dir(),
+    store = build_store(args.cache_bytes, args.disk_cache_bytes, cache_dir,
                         redis_url=args.cache_redis)  # fmt: skip
     try:
         service = Service(model, tokenizer, ref, store, config_from_args(args), args.max_queue, args.context_length)

@@ -15,7 +15,10 @@ Contract
   command and a server share entries exactly when model, settings and policy agree.
 - :func:`shared_tiers` is the tier ``--cache-dir DIR`` adds to a command:
   the disk tier a server run with the same ``--cache-dir`` uses (our file
-  format, byte budget ``SERVER_DEFAULTS.disk_cache_bytes``), or nothing.
+  format), or nothing. DIR must be a store folder (new, empty, marked or a
+  server's: see :mod:`mlx_chatcache.store.disk_folder`; else a one-line
+  UsageError). A command has no byte budget there: it never evicts, it
+  only adds its entries; the server owning DIR enforces its budget.
 - :func:`checkout_prompt` is the store's longest cached prefix of a prompt as
   a :class:`~mlx_chatcache.generation.prompt_state.PromptCache` of the given
   shape (an empty one on a miss), not yet trimmed to the prompt:
@@ -36,7 +39,7 @@ import os
 from typing import Callable, Sequence
 
 from ..cache import kv_quantization_mismatch, make_prompt_cache
-from ..config import SERVER_DEFAULTS, GenerationConfig
+from ..config import GenerationConfig
 from ..models.fingerprint import ModelFingerprint
 from ..store.file_tier import FileContents
 from ..store.store import PromptStore
@@ -70,10 +73,11 @@ def scope_of(fingerprint: ModelFingerprint | None, config: GenerationConfig, pol
 
 
 def shared_tiers(cache_dir: str | os.PathLike | None) -> list[Tier]:
-    """The disk tier in ``cache_dir`` (made if missing), or [] without one."""
+    """The disk tier in ``cache_dir`` (made if missing), or [] without one; no
+    budget: a command only adds entries, it never evicts a server's (module doc)."""
     if cache_dir is None:
         return []
-    return [DiskTier(os.path.expanduser(cache_dir), SERVER_DEFAULTS.disk_cache_bytes)]
+    return [DiskTier(os.path.expanduser(cache_dir), None)]
 
 
 def checkout_prompt(store: PromptStore, scope: Scope, model, prompt: Sequence[int], max_kv_size: int | None,

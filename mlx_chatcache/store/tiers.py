@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -39,9 +40,10 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache, prompt_cache_nbytes
-from ..files.cache_io import check_cache_fits_model, load_prompt_cache, read_cache_info, save_prompt_cache
+from ..files.cache_io import check_cache_fits_model, load_prompt_cache, save_prompt_cache
 from ..errors import ChatCacheError
 from ..models.fingerprint import ModelFingerprint
+from .disk_folder import claim_folder, entry_file_name, read_entry
 from .index import Entry, EntryIndex
 
 
@@ -156,34 +158,50 @@ def compact_copy(cache: Sequence[BaseCache]) -> list[BaseCache]:
 
 
 class DiskTier(Tier):
-    """One cache file per entry in ``folder`` (made if missing), found again by a
-    new instance (a restarted server). Files that cannot be read or do not
-    belong to the store are skipped, counted as corrupt and deleted: the folder
-    is the store's own. The least recently used order survives restarts via
-    file modification times (touched on every hit)."""
+    """One cache file per entry in ``folder``, found again by a new instance (a
+    restarted server). The folder must be a store folder (made, marked or
+    adopted by :func:`~.disk_folder.claim_folder`; else a one-line UsageError).
+
+    The store deletes only its own entries (:func:`~.disk_folder.read_entry`):
+    other files in the folder (a session saved there, model weights, damaged
+    or unreadable files) are skipped and counted in ``stats()["foreign"]``,
+    never deleted. An entry that fails on fetch is dropped and counted corrupt;
+    its file is deleted only while its header still makes it a store entry.
+
+    ``budget`` None is a command's view of a server's folder (``--cache-dir``):
+    no byte budget, so neither the scan nor ``add`` evicts anything: the
+    command only adds its entries (and replaces the shorter prefixes an entry
+    supersedes); the budget is enforced by the server that owns the folder
+    (its scan evicts the oldest entries beyond it). OSErrors while scanning (a
+    file removed meanwhile) skip that file. The least recently used order
+    survives restarts via file modification times (touched on every hit)."""
 
     name = "disk"
 
-    def __init__(self, folder: str | os.PathLike, budget: int):
-        super().__init__(budget)
-        self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._scan()
+    def __init__(self, folder: str | os.PathLike, budget: int | None):
+        super().__init__(sys.maxsize if budget is None else budget)
+        self.counters["foreign"] = 0
+        self.folder = claim_folder(folder)
+        self._scan(evict=budget is not None)
 
-    def _scan(self) -> None:
+    def _scan(self, evict: bool) -> None:
         found = []
-        for path in self.folder.glob("*.safetensors"):
+        try:
+            paths = sorted(self.folder.glob("*.safetensors"))
+        except OSError:
+            paths = []
+        for path in paths:
             if path.name.startswith("."):
                 continue  # a writer's temp file
-            entry = self._read_entry(path)
-            if entry is None:
-                self._discard(path)
+            read = read_entry(path)
+            if read is None:
+                self.counters["foreign"] += 1
             else:
-                found.append((path.stat().st_mtime_ns, entry))
+                found.append(read)
         total, kept = 0, []
-        for _, entry in sorted(found, key=lambda x: -x[0]):  # newest first
-            if total + entry.nbytes > self.index.budget:  # the budget shrank since they were written
-                Path(entry.payload).unlink(missing_ok=True)
+        for entry, _ in sorted(found, key=lambda x: -x[1]):  # newest first
+            if evict and total + entry.nbytes > self.index.budget:  # the budget shrank since they were written
+                _unlink(entry.payload)
                 self.counters["evicted"] += 1
                 continue
             total += entry.nbytes
@@ -191,26 +209,6 @@ class DiskTier(Tier):
         for entry in reversed(kept):  # oldest first: LRU order
             if self.index.get(entry.namespace, entry.tokens) is None:
                 self.index.add(entry, [])
-
-    def _read_entry(self, path: Path) -> Entry | None:
-        try:
-            info = read_cache_info(path)
-            size = path.stat().st_size
-        except (ChatCacheError, OSError):
-            return None
-        meta = info.metadata
-        namespace = meta.get("store.namespace")
-        if info.layout != "mlxcc" or not namespace or info.tokens is None or path.name != _file_name(namespace, info.tokens):
-            return None
-        key = meta.get("store.key") or None
-        return Entry(namespace, tuple(info.tokens), size, meta.get("store.trimmable") == "1", key, path)
-
-    def _discard(self, path: Path) -> None:
-        self.counters["corrupt"] += 1
-        try:
-            path.unlink()
-        except OSError:
-            pass
 
     def fetch(self, entry, scope, expected):
         path = entry.payload
@@ -221,7 +219,9 @@ class DiskTier(Tier):
             check_cache_fits_model(cache, expected, path)
         except (ChatCacheError, OSError):
             self.index.remove(entry)
-            self._discard(path)
+            self.counters["corrupt"] += 1
+            if read_entry(path) is not None:  # still a store entry by its header: damaged further in
+                _unlink(path)
             return None
         self._hit(entry)
         _touch(path)
@@ -234,7 +234,7 @@ class DiskTier(Tier):
             self.index.touch(covering)
             _touch(covering.payload)
             return True
-        path = self.folder / _file_name(scope.namespace, tokens)
+        path = self.folder / entry_file_name(scope.namespace, tokens)
         trimmable = can_trim_prompt_cache(cache)
         meta = {"store.namespace": scope.namespace, "store.trimmable": "1" if trimmable else "0"}
         if key is not None:
@@ -252,7 +252,14 @@ class DiskTier(Tier):
     def _drop(self, entry, keep_payload_of=None):
         self.index.remove(entry)
         if keep_payload_of is None or keep_payload_of.payload != entry.payload:
-            Path(entry.payload).unlink(missing_ok=True)
+            _unlink(entry.payload)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        Path(path).unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _touch(path: Path) -> None:
@@ -261,8 +268,3 @@ def _touch(path: Path) -> None:
         os.utime(path)
     except OSError:
         pass
-
-
-def _file_name(namespace: str, tokens: Sequence[int]) -> str:
-    digest = hashlib.sha256(json.dumps([namespace, list(tokens)]).encode()).hexdigest()[:40]
-    return f"{namespace[:16]}-{digest}.safetensors"

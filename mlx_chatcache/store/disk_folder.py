@@ -1,0 +1,100 @@
+"""The disk tier's folder: which folder the store may use, and which of its
+files are the store's own (the only files it ever deletes).
+
+Contract
+--------
+- A *store folder* holds the marker file :data:`MARKER` (``.mlxcc-store``).
+  :func:`claim_folder` makes a missing folder and marks it, marks an empty
+  one, uses a marked one as it is, and *adopts* (marks) an unmarked folder
+  whose every file is a store entry or a store temp file (a server's folder
+  from before the marker existed). Anything else is refused with one
+  :class:`~mlx_chatcache.errors.UsageError` line, and nothing in the folder is touched: a path
+  that is not a folder, a folder that cannot be made, read or written, or an
+  unmarked folder holding other files (model weights, saved sessions, ...).
+- :func:`read_entry` is the store entry a file holds, or None when the file
+  cannot be proved to be one. A store entry is a file in our layout that
+  records ``store.namespace`` and its tokens, under the name
+  :func:`entry_file_name` gives them. Files that are not (``foreign``) are
+  never deleted, also in a marked folder (a user may save a session there).
+- :func:`is_store_temp` names the temp files our atomic writes leave
+  (``.NAME.*.tmp.safetensors``, see :mod:`mlx_chatcache.files.atomic_write`);
+  the writer removes its own stale ones, the scan ignores them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+from ..config import default_cache_dir
+from ..errors import ChatCacheError, UsageError
+from ..files.atomic_write import TEMP_SUFFIX
+from ..files.cache_io import read_cache_info
+from .index import Entry
+
+MARKER = ".mlxcc-store"
+_MARKER_TEXT = "mlxcc prompt-cache store folder: files named like entries are written and deleted by mlxcc\n"
+
+
+def claim_folder(folder: str | os.PathLike) -> Path:
+    """The store folder ``folder``, made or marked as the module doc says (or refused)."""
+    folder = Path(folder).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"cache folder {folder} is a file, not a folder; give an empty or new folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        names = os.listdir(folder)
+    except OSError as e:
+        raise UsageError(f"cannot use cache folder {folder}: {_reason(e)}; give a folder you can write") from e
+    if MARKER in names:
+        return folder
+    other = next((n for n in sorted(names) if not is_store_temp(n) and read_entry(folder / n) is None), None)
+    if other is not None:
+        raise UsageError(
+            f"{folder} holds other files (such as {other}) and is not an mlxcc cache folder; "
+            f"give an empty or new folder (the default for serve is {default_cache_dir()})"
+        )
+    try:
+        (folder / MARKER).write_text(_MARKER_TEXT)
+    except OSError as e:
+        raise UsageError(f"cannot use cache folder {folder}: {_reason(e)}; give a folder you can write") from e
+    return folder
+
+
+def read_entry(path: Path) -> tuple[Entry, int] | None:
+    """``(entry, mtime_ns)`` of the store entry in ``path``, or None (see the module doc)."""
+    if not path.name.endswith(".safetensors") or path.name.startswith("."):
+        return None
+    try:
+        stat = path.stat()
+        info = read_cache_info(path)
+    except (ChatCacheError, OSError):
+        return None
+    meta = info.metadata
+    namespace = meta.get("store.namespace")
+    if info.layout != "mlxcc" or not namespace or info.tokens is None:
+        return None
+    if path.name != entry_file_name(namespace, info.tokens):
+        return None
+    key = meta.get("store.key") or None
+    entry = Entry(namespace, tuple(info.tokens), stat.st_size, meta.get("store.trimmable") == "1", key, path)
+    return entry, stat.st_mtime_ns
+
+
+def entry_file_name(namespace: str, tokens: Sequence[int]) -> str:
+    digest = hashlib.sha256(json.dumps([namespace, list(tokens)]).encode()).hexdigest()[:40]
+    return f"{namespace[:16]}-{digest}.safetensors"
+
+
+def is_store_temp(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+
+
+def _reason(e: OSError) -> str:
+    return e.strerror or str(e)
+
+
+__all__ = ["MARKER", "claim_folder", "read_entry", "entry_file_name", "is_store_temp"]
