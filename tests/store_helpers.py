@@ -16,15 +16,20 @@ def tokens_of(n, start=3):
     return [start + (i * 7) % 300 for i in range(n)]
 
 
+def filled_state(model, tokens, max_kv_size=None, keep=4):
+    """A PromptCache holding ``tokens`` (fed from empty, no sampling)."""
+    state = PromptCache.new(model, max_kv_size, keep)
+    feed_all(model, state, tokens, 512)
+    return state
+
+
 def filled(model, tokens):
     """Cache layers holding ``tokens`` (fed from empty, no sampling)."""
-    state = PromptCache.new(model)
-    feed_all(model, state, tokens, 512)
-    return state.cache
+    return filled_state(model, tokens).cache
 
 
-def scope(model):
-    return make_scope(model.fingerprint, SETTINGS)
+def scope(model, settings=SETTINGS):
+    return make_scope(model.fingerprint, settings)
 
 
 def arrays(cache):

@@ -7,39 +7,25 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from store_helpers import SETTINGS, filled_state, scope, tokens_of
+
 from mlx_chatcache.cache import make_prompt_cache
 from mlx_chatcache.errors import CacheFormatError, ChatCacheError, ModelMismatchError, UsageError
 from mlx_chatcache.files.cache_io import read_cache_info, save_prompt_cache
 from mlx_chatcache.generation.generate import forward
 from mlx_chatcache.generation.prompt_state import PromptCache, reuse_prefix
-from mlx_chatcache.generation.prompt_store import feed_all
 from mlx_chatcache.models.loading import load
 from mlx_chatcache.store.file_tier import CacheFileTier, FileContents
 from mlx_chatcache.store.store import PromptStore
-from mlx_chatcache.store.tiers import DiskTier, make_scope
+from mlx_chatcache.store.tiers import DiskTier
 
-SETTINGS = {"max_kv_size": None, "keep": 4}
 MESSAGES = [{"role": "user", "content": "hello"}]
-
-
-def tokens_of(n, start=3):
-    return [start + (i * 7) % 300 for i in range(n)]
-
-
-def filled(model, tokens, max_kv_size=None, keep=4):
-    state = PromptCache.new(model, max_kv_size, keep)
-    feed_all(model, state, tokens, 512)
-    return state
-
-
-def scope(model, settings=SETTINGS):
-    return make_scope(model.fingerprint, settings)
 
 
 def write(model, path, tokens, settings=SETTINGS, **kw):
     store = PromptStore([CacheFileTier(None, path)])
     contents = FileContents(MESSAGES, None, dict(settings), {"note": "kept"})
-    store.put(scope(model, settings), tokens, filled(model, tokens, **kw).cache, contents=contents)
+    store.put(scope(model, settings), tokens, filled_state(model, tokens, **kw).cache, contents=contents)
 
 
 @pytest.mark.parametrize("kind", ["llama", "hybrid"])
@@ -98,7 +84,7 @@ def test_named_file_is_strict(tiny_model_dirs, make_tiny_model, tmp_path):
             checkout(path)
         assert "\n" not in str(e.value)
     bare = tmp_path / "bare.safetensors"
-    save_prompt_cache(bare, filled(model, base).cache, model=model.fingerprint)
+    save_prompt_cache(bare, filled_state(model, base).cache, model=model.fingerprint)
     with pytest.raises(CacheFormatError, match="does not say which tokens"):
         checkout(bare)
 
@@ -114,13 +100,13 @@ def test_put_writes_the_named_file_first_and_reports_shared_failures(llama_model
     base = tokens_of(16)
     store = PromptStore([CacheFileTier(None, f), FullDisk(tmp_path / "dir", 1 << 30)])
     failed = []
-    stored = store.put(scope(model), base, filled(model, base).cache, contents=FileContents(MESSAGES),
+    stored = store.put(scope(model), base, filled_state(model, base).cache, contents=FileContents(MESSAGES),
                        on_error=lambda tier, e: failed.append((tier.name, str(e))))
     assert stored == {"file": True, "disk": False}
     assert failed == [("disk", "no space left on device")]
     assert read_cache_info(f).tokens == base
     with pytest.raises(ChatCacheError):  # without on_error the shared tier's error is raised
-        store.put(scope(model), base, filled(model, base).cache, contents=FileContents(MESSAGES))
+        store.put(scope(model), base, filled_state(model, base).cache, contents=FileContents(MESSAGES))
 
 
 def test_an_empty_cache_is_written_to_the_named_file_only(llama_model, tmp_path):

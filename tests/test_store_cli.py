@@ -164,8 +164,10 @@ def test_new_chat_reuses_what_another_chat_put_in_the_cache_dir(tiny_model_dirs,
     assert rc == 0, err
     rc, cold, cold_err = chat(d, turns)
     assert rc == 0
-    (new, reused, recomputed), second = stats(err)
-    assert reused >= system_tokens(d) and recomputed == 0
+    (new, reused, _), second = stats(err)
+    (cold_new, cold_reused, _), _ = stats(cold_err)
+    assert reused >= system_tokens(d) and cold_reused == 0
+    assert new + reused == cold_new  # the same first prompt: the shared prefix is fed no more
     assert warm == cold  # the same replies, with and without the shared prefix
     assert stats(cold_err)[1][1:] == second[1:]  # the next turn reuses the session's own cache either way
     # resumed with --cache-dir: the session file serves all of it, nothing recomputed
@@ -182,3 +184,29 @@ def test_chat_without_cache_dir_writes_no_folder(tiny_model_dirs, chat, tmp_path
     assert rc == 0, err
     assert not (tmp_path / "home" / "server-cache").exists()
     assert not [p for p in os.listdir(tmp_path) if p not in ("home",)]
+
+
+def test_ctrl_c_while_a_no_session_chat_writes_the_cache_dir_keeps_the_chat(tiny_model_dirs, chat, tmp_path,
+                                                                             monkeypatch):  # fmt: skip
+    """A Ctrl-C that arrives while the cache goes into --cache-dir (no --session) is held
+    off like one during a session file's write: the chat goes on to its next turn."""
+    import signal
+
+    from mlx_chatcache.chat.session import ChatSession
+
+    original, calls = ChatSession.save, []
+
+    def save_with_ctrl_c(self, path):
+        calls.append(path)
+        os.kill(os.getpid(), signal.SIGINT)  # as a user's Ctrl-C, during the write
+        return original(self, path)
+
+    monkeypatch.setattr(ChatSession, "save", save_with_ctrl_c)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # a suite run in the background ignores it
+    try:
+        rc, _, err = chat(tiny_model_dirs["llama"], "Hi\nAnd again?\n", "--cache-dir", str(tmp_path / "shared"))
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert rc == 0, err
+    assert calls == [None, None] and len(stats(err)) == 2  # both turns ran and were put into the folder
+    assert len(list((tmp_path / "shared").glob("*.safetensors"))) >= 1

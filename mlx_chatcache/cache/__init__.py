@@ -284,6 +284,28 @@ def quantize_prompt_cache(
     return cache
 
 
+def kv_quantization_mismatch(cache: Sequence[BaseCache], bits: int | None, group_size: int,
+                             start: int = 0) -> str | None:  # fmt: skip
+    """Why ``cache`` cannot be what KV quantization ``bits``/``group_size`` from
+    ``start`` tokens (as :func:`quantize_prompt_cache` applies it after each
+    model call) makes, or None when it can: a quantized layer when ``bits`` is
+    None or of other bits/group size, a float K/V layer holding >= ``start``
+    tokens (at least one) when ``bits`` is set."""
+
+    def leaves(cs):
+        for c in cs:
+            yield from leaves(c.caches) if isinstance(c, CacheList) else (c,)
+
+    for c in leaves(cache):
+        if isinstance(c, (QuantizedKVCache, QuantizedRotatingKVCache)):
+            if bits is None or (c.bits, c.group_size) != (bits, group_size):
+                asked = "kv_bits=None" if bits is None else f"kv_bits={bits}, kv_group_size={group_size}"
+                return f"its K/V layers are quantized (kv_bits={c.bits}, kv_group_size={c.group_size}) but {asked}"
+        elif bits is not None and type(c) in (KVCache, RotatingKVCache) and c.offset >= max(start, 1):
+            return f"a float K/V layer holds {c.offset} tokens but kv_bits={bits} quantizes from {start}"
+    return None
+
+
 def check_group_size(c: BaseCache, group_size: int) -> None:
     """UsageError when the K/V head sizes of ``c`` are not multiples of ``group_size``
     (quantization groups run along the last axis), naming the group sizes that work."""
@@ -328,6 +350,7 @@ __all__ = [
     "cache_class",
     "mirror_cache",
     "make_prompt_cache",
+    "kv_quantization_mismatch",
     "can_trim_prompt_cache",
     "trim_prompt_cache",
     "quantize_prompt_cache",

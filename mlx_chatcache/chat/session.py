@@ -88,7 +88,7 @@ from ..generation.text import as_tokenizer_wrapper
 from .session_rollback import SessionRollback
 from .session_store import SessionRecord, load_session, save_session, session_metadata
 from ..store.store import PromptStore
-from ..store.tiers import Tier
+from ..store.tiers import Scope, Tier
 
 MIN_WINDOW = 8  # tokens a rotating window must hold beyond the pinned system prompt
 
@@ -305,9 +305,9 @@ class ChatSession(SessionRollback):
             self.state = state
 
     @property
-    def scope(self):
-        """The store scope of this session's caches (model, window, KV settings)."""
-        return scope_of(self.fingerprint, self._call_config())
+    def scope(self) -> Scope:
+        """The store scope of this session's caches (model, window, KV settings, weight policy)."""
+        return scope_of(self.fingerprint, self._call_config(), self.state.settings.get("weights"))
 
     def _keep_reply(self, prompt_ids: list[int], prompt_text: str, reply: Reply) -> None:
         """Add the reply to the conversation; the next turn feeds its last token first."""

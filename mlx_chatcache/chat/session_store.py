@@ -42,7 +42,7 @@ from ..models.fingerprint import ModelFingerprint
 
 if TYPE_CHECKING:  # imported where a session is loaded: names, paths and locks need no MLX or mlx-lm
     from ..generation.prompt_state import PromptCache
-    from ..store.tiers import Tier
+    from ..store.tiers import Scope, Tier
     from .checkpoints import Checkpoint
 
 SESSION_FORMAT = 1
@@ -86,12 +86,12 @@ def save_session(path: str | os.PathLike | None, record: SessionRecord, fingerpr
     through the prompt-cache store: ``path`` is a named file tier (its errors are
     raised; None: no file), and ``shared`` tiers (``--cache-dir``) get the cache
     too; returns one line for each shared tier that could not take it."""
-    from ..generation.stored_prompt import FileContents, put_prompt
+    from ..generation.stored_prompt import FileContents, file_settings, put_prompt
     from ..store.file_tier import CacheFileTier
     from ..store.store import PromptStore
 
-    kept = {k: v for k, v in record.state.settings.items() if k == "weights"}  # the weight policy (informational)
-    settings = {**kept, "max_kv_size": record.state.max_kv_size, "keep": record.state.keep}
+    config = dataclasses.replace(record.config, max_kv_size=record.state.max_kv_size, keep=record.state.keep)
+    settings = file_settings(record.state, config)  # the weight policy (informational), window, KV quantization
     contents = FileContents(record.messages, None, settings,
                             {SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)})  # fmt: skip
     store = PromptStore([CacheFileTier(None, path, what="session"), *(shared if fingerprint is not None else ())])
@@ -100,12 +100,13 @@ def save_session(path: str | os.PathLike | None, record: SessionRecord, fingerpr
     return problems
 
 
-def session_scope(fingerprint: ModelFingerprint | None, record: SessionRecord):
-    """The store scope of a session's cache: the model, the session's window and KV settings."""
+def session_scope(fingerprint: ModelFingerprint | None, record: SessionRecord) -> Scope:
+    """The store scope of a session's cache: the model, the session's window and KV
+    settings, the weight policy its model was loaded with."""
     from ..generation.stored_prompt import scope_of
 
     config = dataclasses.replace(record.config, max_kv_size=record.state.max_kv_size, keep=record.state.keep)
-    return scope_of(fingerprint, config)
+    return scope_of(fingerprint, config, record.state.settings.get("weights"))
 
 
 # ------------------------------------------------------------------ load
@@ -144,12 +145,12 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
 
 def _checkout(path, model, tokens: list[int], config: GenerationConfig) -> PromptCache:
     """The session's cache, holding exactly ``tokens``, from the file as a strict store tier."""
-    from ..generation.stored_prompt import checkout_prompt, scope_of
+    from ..generation.stored_prompt import checkout_prompt, prompt_scope
     from ..store.file_tier import CacheFileTier
     from ..store.store import PromptStore
 
     store = PromptStore([CacheFileTier(path, None, what="session")])
-    scope = scope_of(getattr(model, "fingerprint", None), config)
+    scope = prompt_scope(model, config)
     # -1: an id no cache holds, past the end, so that every one of ``tokens`` can be served
     state, tier = checkout_prompt(store, scope, model, [*tokens, -1], config.max_kv_size, config.keep)
     if state.tokens != list(tokens):  # only an empty session is not served (the file tier is strict)

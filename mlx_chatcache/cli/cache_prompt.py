@@ -74,6 +74,7 @@ def build(args, tokenizer, prompt: str | None) -> tuple[list[dict] | None, str |
 def run(args: argparse.Namespace) -> int:
     from ..generation.prompt_state import PromptCache
     from ..generation.prompt_store import feed_all
+    from ..generation.stored_prompt import cache_settings
 
     if args.prompt is not None and args.prompt_file is not None:
         raise UsageError("give --prompt or --prompt-file, not both")
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
         quantize_prompt_cache(stored.cache, config.kv_group_size, config.kv_bits, config.quantized_kv_start)
     elapsed = time.perf_counter() - start
+    stored.settings.update(cache_settings(config))  # recorded: generate adopts them, and refuses others
     stored.save(args.prompt_cache_file)
     size = os.path.getsize(args.prompt_cache_file)
     sys.stdout.write(

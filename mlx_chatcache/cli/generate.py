@@ -6,7 +6,10 @@ each call reuses what F holds, adds its prompt and reply, and saves it back.
 A chat cache keeps its messages, so the next call renders the whole
 conversation with the chat template and reuses the cached prefix. A cache file
 without token ids (mlx-lm's) is used as :mod:`mlx_chatcache.generation.prompt_recovery`
-says. The files it reads and writes are locked like a chat session's.
+says (its tokens are only assumed, so its cache goes to ``--save-prompt-cache``
+only, never into ``--cache-dir``). A store entry (token ids without messages or
+text: a ``--cache-dir`` file) is refused, in one line. The files it reads and
+writes are locked like a chat session's.
 
 The files go through the prompt-cache store (:mod:`mlx_chatcache.store`),
 the interface ``mlxcc serve`` uses: the named files are one strict file tier
@@ -15,7 +18,9 @@ other cache settings or a damaged file are one-line errors) and
 ``--cache-dir DIR`` adds the disk tier a server with the same ``--cache-dir``
 uses. The longest cached prefix of the prompt is checked out of the store,
 and prompt and reply are put back into every tier (``--save-prompt-cache``
-and DIR). A file's window and KV settings shape the run unless flags give them.
+and DIR). A file's window and KV settings shape the run unless flags give them
+(other values are refused); an older file that does not record its KV settings
+is taken to have those of its quantized layers.
 
 The save path is checked before the model is loaded (writable; an existing
 file must be a prompt cache unless ``--force``). Ctrl-C is acted upon within
@@ -31,6 +36,7 @@ import os
 import sys
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..chat.session_store import SessionLock
 from ..config import INTERRUPTIBLE_CALL_SECONDS, GenerationConfig
@@ -55,6 +61,12 @@ from .common import (
 )
 from .progress import ProgressBar
 
+if TYPE_CHECKING:
+    from ..generation.prompt_state import PromptCache
+    from ..store.store import PromptStore
+    from ..store.tiers import Scope
+
+KV_KEYS = ("kv_bits", "kv_group_size", "quantized_kv_start")
 
 
 def add_parser(sub) -> None:
@@ -95,8 +107,23 @@ def file_config(args, info: CacheFileInfo | None) -> GenerationConfig:
         raise CacheFormatError(f"{f}: settings max_kv_size/keep are not integers; the file is damaged")
     if args.max_kv_size is not None and args.max_kv_size != made:
         raise UsageError(f"{f} was made with max_kv_size={made}; drop --max-kv-size or use the same value")
-    changes = {k: s[k] for k in ("kv_bits", "kv_group_size", "quantized_kv_start") if k in s and getattr(args, k) is None}
+    from ..store.file_tier import recorded_shape
+
+    shape = recorded_shape(info)  # an older file's KV quantization is read off its layers
+    changes = {k: shape[k] for k in KV_KEYS if k in shape and getattr(args, k) is None}
     return dataclasses.replace(config, max_kv_size=made, keep=keep if made is not None else config.keep, **changes)
+
+
+def layer_kv_config(args, config: GenerationConfig, cache) -> GenerationConfig:
+    """``config`` with the KV quantization of ``cache``'s quantized layers (an mlx-lm
+    file) unless flags give it; unchanged for a float cache."""
+    from ..cache import QuantizedKVCache, QuantizedRotatingKVCache
+
+    q = next((c for c in cache if isinstance(c, (QuantizedKVCache, QuantizedRotatingKVCache))), None)
+    if q is None:
+        return config
+    found = {"kv_bits": q.bits, "kv_group_size": q.group_size}
+    return dataclasses.replace(config, **{k: v for k, v in found.items() if getattr(args, k) is None})
 
 
 def build_prompt(args, tokenizer, messages: list[dict] | None, text: str | None, prompt: str):
@@ -154,14 +181,15 @@ class _Job:
     """What a run generates from and where its result goes."""
 
     tokens: list[int]  # the full prompt
-    state: object  # the PromptCache it starts from (a stored prefix, or empty)
+    state: PromptCache  # what it starts from (a stored prefix, or empty)
     config: GenerationConfig
-    store: object  # the PromptStore: the named files' tier, then --cache-dir's
-    scope: object  # the store Scope of this model and cache shape
+    store: PromptStore  # the named files' tier, then --cache-dir's
+    scope: Scope  # the store scope of this model and cache shape
     messages: list[dict] | None  # the chat (None: raw text)
     text: str | None
     recorded: dict  # the settings the file recorded, written back
     tier: str | None  # where the prefix came from (None: nowhere)
+    shared: bool = True  # put the result into --cache-dir too (False: its tokens were only assumed)
 
 
 def _start(args, model, tokenizer, config, info, prompt) -> _Job:
@@ -172,6 +200,11 @@ def _start(args, model, tokenizer, config, info, prompt) -> _Job:
 
     if info is None:
         messages, text = (None, "") if args.ignore_chat_template else ([], None)
+    elif info.messages is None and info.text is None:  # a store entry (mlxcc serve / --cache-dir)
+        raise UsageError(
+            f"{args.prompt_cache_file} is a prompt-cache store entry (token ids only, no messages or text "
+            "to continue); pass its folder as --cache-dir instead, or a file made by --save-prompt-cache"
+        )
     else:
         messages, text = info.messages, info.text
     tokens, messages, text = build_prompt(args, tokenizer, messages, text, prompt)
@@ -194,11 +227,12 @@ def _start_untokenized(args, model, tokenizer, config, prompt) -> _Job:
             f"{args.prompt_cache_file} was made with max_kv_size={stored.max_kv_size}; "
             "drop --max-kv-size or use the same value"
         )
+    config = layer_kv_config(args, config, stored.cache)
     tokens, messages, text = build_prompt(args, tokenizer, stored.messages, stored.text, prompt)
     sys.stderr.write(adopt_prompt_prefix(stored, tokens, model, args.prompt_cache_file) + "\n")
     store = PromptStore([CacheFileTier(None, args.save_prompt_cache), *shared_tiers(args.cache_dir)])
     scope = prompt_scope(model, dataclasses.replace(config, max_kv_size=stored.max_kv_size, keep=stored.keep))
-    return _Job(tokens, stored, config, store, scope, messages, text, stored.settings, "file")
+    return _Job(tokens, stored, config, store, scope, messages, text, stored.settings, "file", shared=False)
 
 
 def _generate(args, model, tokenizer, job: _Job) -> int:
@@ -227,8 +261,9 @@ def _generate(args, model, tokenizer, job: _Job) -> int:
         job.messages.append({"role": "assistant", "content": text})
     else:
         job.text += text
-    contents = FileContents(job.messages, job.text, file_settings(job.state, job.recorded))
-    put_prompt(job.store, job.scope, job.state, contents, warn=lambda line: sys.stderr.write(f"mlxcc: warning: {line}\n"))
+    contents = FileContents(job.messages, job.text, file_settings(job.state, job.config, job.recorded))
+    put_prompt(job.store, job.scope, job.state, contents, shared=job.shared,
+               warn=lambda line: sys.stderr.write(f"mlxcc: warning: {line}\n"))  # fmt: skip
     if args.verbose and last is not None:
         report(last, job.state, job.tier, runtime_lines(model))
     return 0

@@ -240,7 +240,9 @@ class ChatREPL:
 
     def save(self) -> None:
         if self.autosave is None:  # no session file: only the shared tiers (--cache-dir), if any
-            for line in self.session.save(None) if self.session.shared.tiers else ():
+            with StopFlag():  # as below: a Ctrl-C during the write must not end the chat
+                problems = self.session.save(None) if self.session.shared.tiers else []
+            for line in problems:
                 self.note(f"warning: {line}")
             return
         with StopFlag():  # a Ctrl-C must not interrupt the write (it is atomic anyway)

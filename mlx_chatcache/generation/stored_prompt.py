@@ -5,9 +5,14 @@ sessions use to find and keep caches.
 Contract
 --------
 - :func:`cache_settings` is what shapes a cache (the window, KV
-  quantization); :func:`prompt_scope` the store :class:`~mlx_chatcache.store.tiers.Scope`
-  of a model and those settings. Entries of another scope are never used, so
-  a command and a server share entries exactly when model and settings agree.
+  quantization); every named file mlxcc writes records them
+  (:func:`file_settings`), so the strict file tier can refuse a run with other
+  ones. :func:`prompt_scope` is the store :class:`~mlx_chatcache.store.tiers.Scope`
+  of a model, those settings and the weight policy applied to the model
+  (``--weights``: it changes the arithmetic, so a shared entry of another
+  policy is not used; a named file of another policy is, see
+  docs/cache-format.md). Entries of another scope are never used, so a
+  command and a server share entries exactly when model, settings and policy agree.
 - :func:`shared_tiers` is the tier ``--cache-dir DIR`` adds to a command:
   the disk tier a server run with the same ``--cache-dir`` uses (our file
   format), or nothing. DIR must be a store folder (new, empty, marked or a
@@ -21,7 +26,11 @@ Contract
   ``stream_generate`` calls) does that, and says how many tokens were reused.
 - :func:`put_prompt` stores a prompt cache in every tier, the named file with
   ``contents``; a shared tier that fails is reported, in one line, to ``warn``
-  (the named file is what the user asked for: its errors are raised).
+  (the named file is what the user asked for: its errors are raised). The
+  shared tiers are skipped when ``shared=False`` (a cache whose tokens were
+  only assumed, mlx-lm's files) and, with one line to ``warn``, when the
+  cache's layers are not what the scope's KV quantization makes (a quantized
+  cache under an unquantized scope would change other runs' answers).
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Sequence
 
-from ..cache import make_prompt_cache
+from ..cache import kv_quantization_mismatch, make_prompt_cache
 from ..config import GenerationConfig
 from ..models.fingerprint import ModelFingerprint
 from ..store.file_tier import FileContents
@@ -45,16 +54,22 @@ def cache_settings(config: GenerationConfig) -> dict:
 
 
 def prompt_scope(model, config: GenerationConfig) -> Scope:
-    return scope_of(getattr(model, "fingerprint", None), config)
+    report = getattr(model, "weight_report", None)
+    return scope_of(getattr(model, "fingerprint", None), config, report.policy if report is not None else None)
 
 
-def scope_of(fingerprint: ModelFingerprint | None, config: GenerationConfig) -> Scope:
-    """The scope of caches a model with ``fingerprint`` makes with ``config``. Without a
-    fingerprint (a model not loaded by :func:`mlx_chatcache.load`) the namespace is
-    empty: only a named file can hold such caches, never a shared tier."""
+def scope_of(fingerprint: ModelFingerprint | None, config: GenerationConfig, policy: str | None = None) -> Scope:
+    """The scope of caches a model with ``fingerprint`` and weight ``policy`` (the
+    applied one, ``model.weight_report.policy``; None: unknown) makes with
+    ``config``. Without a fingerprint (a model not loaded by
+    :func:`mlx_chatcache.load`) the namespace is empty: only a named file can
+    hold such caches, never a shared tier."""
+    settings = cache_settings(config)
+    if policy is not None:
+        settings["weights"] = policy
     if fingerprint is None:
-        return Scope("", None, cache_settings(config))
-    return make_scope(fingerprint, cache_settings(config))
+        return Scope("", None, settings)
+    return make_scope(fingerprint, settings)
 
 
 def shared_tiers(cache_dir: str | os.PathLike | None) -> list[Tier]:
@@ -79,19 +94,31 @@ def checkout_prompt(store: PromptStore, scope: Scope, model, prompt: Sequence[in
 
 
 def put_prompt(store: PromptStore, scope: Scope, state: PromptCache, contents: FileContents,
-               warn: Callable[[str], None]) -> None:  # fmt: skip
+               warn: Callable[[str], None], shared: bool = True) -> None:  # fmt: skip
     """Store ``state`` in every tier of ``store`` (see the module doc)."""
 
     def failed(tier: Tier, e: Exception) -> None:
         warn(f"the prompt cache was not stored in the {tier.name} tier: {e}")
 
+    anonymous = [t for t in store.tiers if not t.named]
+    if anonymous and shared:
+        s = scope.settings
+        why = kv_quantization_mismatch(state.cache, s.get("kv_bits"), s.get("kv_group_size"),
+                                       s.get("quantized_kv_start") or 0)  # fmt: skip
+        if why is not None:
+            warn(f"the prompt cache was not stored in the {', '.join(t.name for t in anonymous)} tier: {why}")
+            shared = False
+    if not shared:
+        store = PromptStore([t for t in store.tiers if t.named])
     store.put(scope, state.tokens, state.cache, contents=contents, on_error=failed)
 
 
-def file_settings(state: PromptCache, recorded: dict | None = None) -> dict:
-    """The settings a named file records for ``state``: what it recorded before
-    (``recorded``), this model's weight policy, the window."""
-    return {**(recorded or {}), **state.settings, "max_kv_size": state.max_kv_size, "keep": state.keep}
+def file_settings(state: PromptCache, config: GenerationConfig, recorded: dict | None = None) -> dict:
+    """The settings a named file records for ``state``, made with ``config``: what
+    it recorded before (``recorded``), this model's weight policy, the window
+    and the KV quantization (:func:`cache_settings`)."""
+    return {**(recorded or {}), **state.settings, **cache_settings(config), "max_kv_size": state.max_kv_size,
+            "keep": state.keep}  # fmt: skip
 
 
 __all__ = ["cache_settings", "prompt_scope", "scope_of", "shared_tiers", "checkout_prompt", "put_prompt", "file_settings",

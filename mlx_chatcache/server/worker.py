@@ -47,10 +47,10 @@ from ..config import GenerationConfig
 from ..errors import ChatCacheError
 from ..generation.generate import make_kv_quantizer, prefill
 from ..generation.prompt_state import PromptCache, reuse_prefix
-from ..generation.stored_prompt import cache_settings
+from ..generation.stored_prompt import prompt_scope
 from ..generation.text import stream_generate
 from ..store.store import PromptStore
-from ..store.tiers import Scope, compact_copy, make_scope
+from ..store.tiers import Scope, compact_copy
 
 log = logging.getLogger("mlxcc.serve")
 MAX_PENDING = 4  # cache files whose writing may wait for an idle moment
@@ -86,7 +86,7 @@ class Job:
 class GenerationWorker:
     def __init__(self, model, tokenizer, store: PromptStore, config: GenerationConfig, max_queue: int):
         self.model, self.tokenizer, self.store, self.config = model, tokenizer, store, config
-        self.scope: Scope = make_scope(model.fingerprint, cache_settings(config))
+        self.scope: Scope = prompt_scope(model, config)  # model, cache settings, weight policy
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._thread = threading.Thread(target=self._loop, name="mlxcc-generation", daemon=True)
         self.stats = {"jobs": 0, "cancelled": 0, "errors": 0, "busy": False, "peak_memory": 0,

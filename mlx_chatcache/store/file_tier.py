@@ -14,8 +14,10 @@ read). It differs from the anonymous tiers (memory, disk, Redis) in three ways:
   (:class:`~mlx_chatcache.errors.ModelMismatchError`, ``what`` names the file
   kind in it), one that lists no token ids (mlx-lm's: the caller handles those,
   see :mod:`mlx_chatcache.generation.prompt_recovery`) and one made with other
-  cache settings (``max_kv_size``/``keep`` and, when the file records them,
-  the KV quantization settings; :class:`~mlx_chatcache.errors.UsageError`);
+  cache settings (``max_kv_size``/``keep`` and the KV quantization, which every
+  file mlxcc writes records; for an older file that does not,
+  :func:`recorded_shape` reads ``kv_bits``/``kv_group_size`` off its quantized
+  layers; :class:`~mlx_chatcache.errors.UsageError`);
   :meth:`fetch` raises for layers the model does not make;
 - **never evicted** and without a byte budget; :meth:`add` always (re)writes
   ``write_path`` (None: nothing is written), atomically, also for an empty
@@ -32,10 +34,10 @@ layers to learn whether they can be trimmed back (kept for :meth:`fetch`).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from ..cache import BaseCache, can_trim_prompt_cache
 from ..errors import CacheFileError, CacheFormatError, UsageError
@@ -43,7 +45,7 @@ from ..files.cache_io import check_cache_fits_model, load_prompt_cache, read_cac
 from ..files.formats import CacheFileInfo
 from .index import Entry
 from .tiers import Scope, Tier
-from .trie import _lcp
+from .trie import lcp
 
 SHAPE_KEYS = ("max_kv_size", "keep", "kv_bits", "kv_group_size", "quantized_kv_start")
 
@@ -88,7 +90,7 @@ class CacheFileTier(Tier):
             return None
         self._check(info, scope)
         tokens = tuple(info.tokens)
-        n = _lcp(tokens, query)
+        n = lcp(tokens, query)
         if n == 0:
             return None
         trimmable = n == len(tokens) or can_trim_prompt_cache(self._layers(scope))
@@ -105,7 +107,7 @@ class CacheFileTier(Tier):
                 f"{path} does not say which tokens it holds (written by {info.layout}); "
                 "rebuild it with 'mlxcc cache-prompt'"
             )
-        theirs, ours = _shape(info.settings), _shape(scope.settings)
+        theirs, ours = recorded_shape(info), _shape(scope.settings)
         differ = [k for k in SHAPE_KEYS if k in theirs and k in ours and theirs[k] != ours[k]]
         if differ:
             made = ", ".join(f"{k}={theirs[k]}" for k in differ)
@@ -151,6 +153,38 @@ class CacheFileTier(Tier):
                 "write": str(self.write_path) if self.write_path else None, **self.counters}  # fmt: skip
 
 
+def recorded_shape(info: CacheFileInfo) -> dict:
+    """The settings that shaped the cache of the file ``info`` describes: those it
+    records and, for a file that does not record ``kv_bits`` (written before it
+    was), the KV quantization its quantized layers show (a float file leaves it open)."""
+    shape = _shape(info.settings)
+    if "kv_bits" not in shape:
+        found = _header_quantization(info)
+        if found is not None:
+            shape["kv_bits"], shape["kv_group_size"] = found
+    return shape
+
+
+def _header_quantization(info: CacheFileInfo) -> tuple[int, int] | None:
+    """``(bits, group_size)`` of the first quantized layer the header lists (our layout), or None."""
+
+    def of(name: str, meta) -> tuple[int, int] | None:
+        try:
+            if name == "QuantizedKVCache":  # offset, group_size, bits
+                return int(meta[2]), int(meta[1])
+            if name == "QuantizedRotatingKVCache":  # offset, max_size, keep, group_size, bits[, ring_idx]
+                return int(meta[4]), int(meta[3])
+            if name == "CacheList":  # n, then (class, JSON meta, array count) per child
+                kids = [(meta[1 + 3 * j], json.loads(meta[2 + 3 * j])) for j in range(int(meta[0]))]
+                return next((q for q in (of(*k) for k in kids) if q is not None), None)
+        except (IndexError, ValueError, TypeError):
+            return None  # a damaged header: loading the layers says so
+        return None
+
+    layers = info.extra.get("layers") or []
+    return next((q for q in (of(n, m) for n, (m, _) in zip(info.classes, layers)) if q is not None), None)
+
+
 def _shape(settings: dict) -> dict:
     """The settings that shape a cache; ``keep`` matters only for a rotating window."""
     shape = {k: settings[k] for k in SHAPE_KEYS if k in settings}
@@ -167,4 +201,4 @@ def _identity(path: Path) -> tuple:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-__all__ = ["CacheFileTier", "FileContents"]
+__all__ = ["CacheFileTier", "FileContents", "recorded_shape"]

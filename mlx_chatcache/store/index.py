@@ -35,7 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .trie import TokenTrie, _lcp
+from .trie import TokenTrie, lcp
 
 
 @dataclass(eq=False)
@@ -54,7 +54,7 @@ class Entry:
 
     def serves(self, query: Sequence[int]) -> int:
         """How many tokens of ``query`` this entry can serve."""
-        n = _lcp(self.tokens, query)
+        n = lcp(self.tokens, query)
         return n if self.trimmable or n == len(self.tokens) else 0
 
 

@@ -51,8 +51,9 @@ from .index import Entry, EntryIndex
 class Scope:
     """Which model and cache shape entries belong to: ``namespace`` keys them,
     ``fingerprint`` is written into and checked against files, ``settings``
-    (max_kv_size, keep, KV quantization) are written so ``mlxcc generate
-    --prompt-cache-file`` can use a disk entry too."""
+    (max_kv_size, keep, KV quantization and, for a command's or server's
+    scope, the weight policy) are hashed into the namespace and written with
+    each entry, so ``mlxcc cache info`` can say what made it."""
 
     namespace: str
     fingerprint: ModelFingerprint
