@@ -41,6 +41,7 @@ from ..errors import CacheFileError, ModelMismatchError, SessionError
 from ..models.fingerprint import ModelFingerprint
 
 if TYPE_CHECKING:  # imported where a session is loaded: names, paths and locks need no MLX or mlx-lm
+    from ..files.formats import CacheFileInfo
     from ..generation.prompt_state import PromptCache
     from ..store.tiers import Scope, Tier
     from .checkpoints import Checkpoint
@@ -90,8 +91,7 @@ def save_session(path: str | os.PathLike | None, record: SessionRecord, fingerpr
     from ..store.file_tier import CacheFileTier
     from ..store.store import PromptStore
 
-    config = dataclasses.replace(record.config, max_kv_size=record.state.max_kv_size, keep=record.state.keep)
-    settings = file_settings(record.state, config)  # the weight policy (informational), window, KV quantization
+    settings = file_settings(record.state, _cache_config(record))  # weight policy (informational), window, KV
     contents = FileContents(record.messages, None, settings,
                             {SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)})  # fmt: skip
     store = PromptStore([CacheFileTier(None, path, what="session"), *(shared if fingerprint is not None else ())])
@@ -105,8 +105,12 @@ def session_scope(fingerprint: ModelFingerprint | None, record: SessionRecord) -
     settings, the weight policy its model was loaded with."""
     from ..generation.stored_prompt import scope_of
 
-    config = dataclasses.replace(record.config, max_kv_size=record.state.max_kv_size, keep=record.state.keep)
-    return scope_of(fingerprint, config, record.state.settings.get("weights"))
+    return scope_of(fingerprint, _cache_config(record), record.state.settings.get("weights"))
+
+
+def _cache_config(record: SessionRecord) -> GenerationConfig:
+    """The session's settings with the window its cache has."""
+    return dataclasses.replace(record.config, max_kv_size=record.state.max_kv_size, keep=record.state.keep)
 
 
 # ------------------------------------------------------------------ load
@@ -135,7 +139,7 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
     config = _parse_config(path, meta.get("settings"))
     max_kv, keep = _parse_window(path, meta)
     config = dataclasses.replace(config, max_kv_size=max_kv, keep=keep)
-    state = _checkout(path, model, info.tokens, config)
+    state = _checkout(path, model, info, config)
     config = _with_overrides(path, config, overrides)
     pending, text = _parse_text(path, meta)
     checkpoints = _parse_checkpoints(path, meta)
@@ -143,13 +147,15 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
     return SessionRecord(state, info.messages, config, pending, text, checkpoints, attempt if _is_int(attempt) else 0)
 
 
-def _checkout(path, model, tokens: list[int], config: GenerationConfig) -> PromptCache:
-    """The session's cache, holding exactly ``tokens``, from the file as a strict store tier."""
+def _checkout(path, model, info: CacheFileInfo, config: GenerationConfig) -> PromptCache:
+    """The session's cache, holding exactly the tokens its header ``info`` lists, from
+    the file as a strict store tier."""
     from ..generation.stored_prompt import checkout_prompt, prompt_scope
     from ..store.file_tier import CacheFileTier
     from ..store.store import PromptStore
 
-    store = PromptStore([CacheFileTier(path, None, what="session")])
+    store = PromptStore([CacheFileTier(path, None, what="session", header=info)])
+    tokens = info.tokens
     scope = prompt_scope(model, config)
     # -1: an id no cache holds, past the end, so that every one of ``tokens`` can be served
     state, tier = checkout_prompt(store, scope, model, [*tokens, -1], config.max_kv_size, config.keep)

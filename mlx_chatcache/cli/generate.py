@@ -105,13 +105,20 @@ def file_config(args, info: CacheFileInfo | None) -> GenerationConfig:
     made, keep = s.get("max_kv_size"), s.get("keep", config.keep)
     if made is not None and (type(made) is not int or type(keep) is not int):
         raise CacheFormatError(f"{f}: settings max_kv_size/keep are not integers; the file is damaged")
-    if args.max_kv_size is not None and args.max_kv_size != made:
-        raise UsageError(f"{f} was made with max_kv_size={made}; drop --max-kv-size or use the same value")
+    same_window(args, made)
     from ..store.file_tier import recorded_shape
 
     shape = recorded_shape(info)  # an older file's KV quantization is read off its layers
     changes = {k: shape[k] for k in KV_KEYS if k in shape and getattr(args, k) is None}
     return dataclasses.replace(config, max_kv_size=made, keep=keep if made is not None else config.keep, **changes)
+
+
+def same_window(args, made: int | None) -> None:
+    """UsageError when --max-kv-size asks for another window than the file was made with."""
+    if args.max_kv_size is not None and args.max_kv_size != made:
+        raise UsageError(
+            f"{args.prompt_cache_file} was made with max_kv_size={made}; drop --max-kv-size or use the same value"
+        )
 
 
 def layer_kv_config(args, config: GenerationConfig, cache) -> GenerationConfig:
@@ -192,11 +199,18 @@ class _Job:
     shared: bool = True  # put the result into --cache-dir too (False: its tokens were only assumed)
 
 
+def _store(args, named) -> PromptStore:
+    """The run's store: the named files' tier first, then --cache-dir's disk tier."""
+    from ..generation.stored_prompt import shared_tiers
+    from ..store.store import PromptStore
+
+    return PromptStore([named, *shared_tiers(args.cache_dir)])
+
+
 def _start(args, model, tokenizer, config, info, prompt) -> _Job:
     """The named file (strict) and --cache-dir behind one store; the longest stored prefix."""
-    from ..generation.stored_prompt import checkout_prompt, prompt_scope, shared_tiers
+    from ..generation.stored_prompt import checkout_prompt, prompt_scope
     from ..store.file_tier import CacheFileTier
-    from ..store.store import PromptStore
 
     if info is None:
         messages, text = (None, "") if args.ignore_chat_template else ([], None)
@@ -208,7 +222,7 @@ def _start(args, model, tokenizer, config, info, prompt) -> _Job:
     else:
         messages, text = info.messages, info.text
     tokens, messages, text = build_prompt(args, tokenizer, messages, text, prompt)
-    store = PromptStore([CacheFileTier(args.prompt_cache_file, args.save_prompt_cache), *shared_tiers(args.cache_dir)])
+    store = _store(args, CacheFileTier(args.prompt_cache_file, args.save_prompt_cache, header=info))
     scope = prompt_scope(model, config)
     state, tier = checkout_prompt(store, scope, model, tokens, config.max_kv_size, config.keep)
     return _Job(tokens, state, config, store, scope, messages, text, info.settings if info else {}, tier)
@@ -217,20 +231,15 @@ def _start(args, model, tokenizer, config, info, prompt) -> _Job:
 def _start_untokenized(args, model, tokenizer, config, prompt) -> _Job:
     """An mlx-lm file (no token ids): taken to hold the prompt's first tokens (prompt_recovery)."""
     from ..generation.prompt_recovery import adopt_prompt_prefix, load_untokenized
-    from ..generation.stored_prompt import prompt_scope, shared_tiers
+    from ..generation.stored_prompt import prompt_scope
     from ..store.file_tier import CacheFileTier
-    from ..store.store import PromptStore
 
     stored = load_untokenized(args.prompt_cache_file, model, args.ignore_chat_template)
-    if args.max_kv_size is not None and args.max_kv_size != stored.max_kv_size:
-        raise UsageError(
-            f"{args.prompt_cache_file} was made with max_kv_size={stored.max_kv_size}; "
-            "drop --max-kv-size or use the same value"
-        )
+    same_window(args, stored.max_kv_size)
     config = layer_kv_config(args, config, stored.cache)
     tokens, messages, text = build_prompt(args, tokenizer, stored.messages, stored.text, prompt)
     sys.stderr.write(adopt_prompt_prefix(stored, tokens, model, args.prompt_cache_file) + "\n")
-    store = PromptStore([CacheFileTier(None, args.save_prompt_cache), *shared_tiers(args.cache_dir)])
+    store = _store(args, CacheFileTier(None, args.save_prompt_cache))
     scope = prompt_scope(model, dataclasses.replace(config, max_kv_size=stored.max_kv_size, keep=stored.keep))
     return _Job(tokens, stored, config, store, scope, messages, text, stored.settings, "file", shared=False)
 

@@ -65,12 +65,16 @@ class CacheFileTier(Tier):
     named = True
 
     def __init__(self, read_path: str | os.PathLike | None, write_path: str | os.PathLike | None = None,
-                 what: str = "cache file"):  # fmt: skip
+                 what: str = "cache file", header: CacheFileInfo | None = None):  # fmt: skip
+        """``header``: ``read_path``'s header as the caller just read it (not read again;
+        the layers' token ids are checked against it when they are loaded)."""
         super().__init__(0)
         self.read_path = None if read_path is None else Path(read_path)
         self.write_path = None if write_path is None else Path(write_path)
         self.what = what
         self._info: tuple[tuple, CacheFileInfo] | None = None  # (file identity, header)
+        if header is not None and self.read_path is not None:
+            self._info = (_identity(self.read_path), header)
         self._loaded: tuple[tuple, list[BaseCache]] | None = None  # layers read by find, for fetch
 
     # ------------------------------------------------------------------ reading
