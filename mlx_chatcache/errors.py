@@ -38,6 +38,10 @@ class UsageError(ChatCacheError):
     """A command-line flag or argument has a bad value."""
 
 
+class TokenIdError(ChatCacheError):
+    """A token id is not one the model has: negative, or not below its vocabulary size."""
+
+
 class CacheNotUpdatedError(UnsupportedCacheError):
     """A model was given tokens but one of its layers' caches did not take them
     (the model does not use our cache for that layer): its output would be wrong."""

@@ -29,6 +29,17 @@ def byte_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 1 to 65535 (an argparse type)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}; use a number from 1 to 65535")
+    return port
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "serve",
@@ -41,7 +52,7 @@ def add_parser(sub) -> None:
     )
     add_model_arg(p)
     p.add_argument("--host", default=S.host, help=f"address to listen on (default {S.host}: this machine only)")
-    p.add_argument("--port", type=int, default=S.port, help=f"port to listen on (default {S.port})")
+    p.add_argument("--port", type=port_number, default=S.port, help=f"port to listen on, 1 to 65535 (default {S.port})")
     p.add_argument("--cache-dir", help="folder of the disk cache tier, the store's own (marked with a .mlxcc-store "
                    "file; a folder holding other files is refused; only the store's entries are ever deleted; "
                    "default MLXCC_HOME/server-cache)")  # fmt: skip
@@ -70,20 +81,25 @@ def run(args: argparse.Namespace) -> int:
     if not all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn")):
         raise UsageError("mlxcc serve needs starlette and uvicorn: pip install 'mlx-chatcache[serve]'")
     from ..models.loading import resolve_model_ref
-    from ..server.app import serve
+    from ..server.app import listen_socket, serve
     from ..server.service import Service
     from ..store.store import build_store
 
     cache_dir = args.cache_dir or default_cache_dir()
     if args.disk_cache_bytes > 0:
         check_cache_dir(str(cache_dir))  # a folder it cannot use is one line, before the model loads
-    ref = resolve_model_ref(args.model)
-    model, tokenizer = load_model(args)  # --adapter-path and --trust-remote-code too
-    store = build_store(args.cache_bytes, args.disk_cache_bytes, cache_dir,
-                        redis_url=args.cache_redis)  # fmt: skip
+    sock = listen_socket(args.host, args.port)  # a taken port is one line, before the model loads
     try:
-        service = Service(model, tokenizer, ref, store, config_from_args(args), args.max_queue, args.context_length)
-        serve(service, args.host, args.port, args.log_level)
+        ref = resolve_model_ref(args.model)
+        model, tokenizer = load_model(args)  # --adapter-path and --trust-remote-code too
+        store = build_store(args.cache_bytes, args.disk_cache_bytes, cache_dir,
+                            redis_url=args.cache_redis)  # fmt: skip
+        try:
+            service = Service(model, tokenizer, ref, store, config_from_args(args), args.max_queue,
+                              args.context_length)  # fmt: skip
+            serve(service, sock, args.log_level)
+        finally:
+            store.close()
     finally:
-        store.close()
+        sock.close()
     return 0

@@ -76,7 +76,9 @@ last one.
 Every model call goes through :func:`~mlx_chatcache.generation.model_call.call_model`,
 which raises :class:`~mlx_chatcache.errors.CacheNotUpdatedError` when a layer's
 cache did not take the tokens (a model that does not use our cache: its
-replies would be wrong).
+replies would be wrong) and :class:`~mlx_chatcache.errors.TokenIdError` for an
+id the model does not have (the prompt's are checked before the state is
+touched; a token fed ahead is not waited for when the config's sampler drew it).
 
 If a model call raises (KeyboardInterrupt included), some layers may have been
 updated and others not. The state is then reset to an empty cache of the same
@@ -110,6 +112,7 @@ from .model_call import call_model
 from .pacing import CallPacer
 from .prompt_state import PromptCache, common_prefix_len, ensure_state, reuse_prefix, trim_state
 from .sample import LogitsProcessor, Sampler, make_logits_processors, make_sampler
+from .token_ids import check_token_ids
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens to do)
 
@@ -141,8 +144,7 @@ def make_kv_quantizer(config: GenerationConfig) -> KVQuantizer | None:
 
 def forward(model, cache: list[BaseCache], tokens: Sequence[int]) -> mx.array:
     """Feed ``tokens`` (updating ``cache``); logits of the last one ``(1, V)``."""
-    inputs = mx.array(tokens, dtype=mx.uint32)[None]  # (1, T)
-    return call_model(model, inputs, cache)[:, -1, :]  # (1, T, V) -> (1, V)
+    return call_model(model, tokens, cache)[:, -1, :]  # (1, T, V) -> (1, V)
 
 
 def prefill(
@@ -181,7 +183,7 @@ def prefill(
             n = pacer.size(n)
             pacer.start()
         chunk = tokens[start : start + n]
-        call_model(model, mx.array(chunk, dtype=mx.uint32)[None], cache)  # (1, T) in
+        call_model(model, chunk, cache)
         if kv_quantizer:
             kv_quantizer(cache)
         mx.eval([c.eval_arrays() for c in cache])
@@ -274,18 +276,20 @@ def decode_one_token(
 def _start_step(
     model,
     state: PromptCache,
-    inputs: mx.array,
+    inputs: Sequence[int] | mx.array,
     sampler: Sampler,
     processors: Sequence[LogitsProcessor],
     kv_quantizer: KVQuantizer | None,
+    sampled: bool = False,
 ) -> tuple[mx.array, mx.array]:
-    """Feed ``inputs`` ``(1, T)`` and start computing the next token.
+    """Feed ``inputs`` (ids, or an array ``(1, T)``; ``sampled``: see
+    :func:`~mlx_chatcache.generation.model_call.call_model`) and start computing the next token.
 
     Returns the token ``(1,)`` and its log-probabilities ``(1, V)``, being
     evaluated in the background. The caller records the fed tokens in
     ``state.tokens`` (the processors see them there as the context).
     """
-    logits = call_model(model, inputs, state.cache)[:, -1, :]  # (1, V)
+    logits = call_model(model, inputs, state.cache, sampled=sampled)[:, -1, :]  # (1, V)
     if kv_quantizer:
         kv_quantizer(state.cache)
     token, logprobs = sample_token(logits, state.tokens, sampler, processors)
@@ -344,6 +348,8 @@ def generate_step(
 ) -> Iterator[tuple[int, mx.array]]:
     """Yield ``(token, logprobs (V,))`` for up to ``config.max_tokens`` tokens.
 
+    A prompt id the model does not have raises
+    :class:`~mlx_chatcache.errors.TokenIdError` before ``state`` is touched.
     Reuses what ``state`` holds of the prompt (a fresh state when None), feeds
     the rest, then samples. It stops after yielding a token in
     ``stop_tokens`` or the ``max_tokens``-th token; that last token is not fed
@@ -357,7 +363,9 @@ def generate_step(
     prompt = [int(t) for t in prompt_tokens]
     if config.max_tokens < 1:
         raise UsageError(f"max_tokens must be >= 1, got {config.max_tokens}")
+    check_token_ids(model, prompt)  # before the state is trimmed to the prompt
     state = ensure_state(model, state, config)
+    own_sampler = sampler is None  # draws indices of the logits
     sampler = sampler or make_sampler(
         config.temp, config.top_p, config.top_k, config.min_p, config.min_tokens_to_keep
     )
@@ -375,9 +383,7 @@ def generate_step(
             leave=final_call_size(model, len(todo), config.prefill_step_size), max_call_seconds=max_call_seconds,
         )  # fmt: skip
         state.tokens.extend(todo)
-        token_arr, logprobs = _start_step(
-            model, state, mx.array(rest, dtype=mx.uint32)[None], sampler, logits_processors, quantizer
-        )
+        token_arr, logprobs = _start_step(model, state, rest, sampler, logits_processors, quantizer)
 
     always_undoable = all(map(_always_undoable, state.cache))
     for n in range(1, config.max_tokens + 1):
@@ -388,7 +394,7 @@ def generate_step(
                      and (always_undoable or all(map(_can_take_back, state.cache))))  # fmt: skip
             if ahead:
                 key, layers = mx.random.state[0], list(state.cache)
-                following = _start_step(model, state, token_arr[None], sampler, (), quantizer)
+                following = _start_step(model, state, token_arr[None], sampler, (), quantizer, own_sampler)
             token = token_arr.item()
             if ahead:
                 state.tokens.append(token)
@@ -408,7 +414,7 @@ def generate_step(
             with _reset_on_error(state, model):
                 state.tokens.append(token)
                 token_arr, logprobs = _start_step(
-                    model, state, mx.array([[token]], dtype=mx.uint32), sampler, logits_processors, quantizer
+                    model, state, [token], sampler, logits_processors, quantizer
                 )
 
 

@@ -1,8 +1,19 @@
 """The one place this package runs a model on a prompt cache, and the check
 that every layer's cache took the tokens it was handed.
 
-Contract of :func:`call_model` ``(model, inputs (1, T), cache) -> model output``:
+Contract of :func:`call_model` ``(model, tokens, cache, *, sampled=False) -> model output``:
 
+- ``tokens`` are token ids: a host sequence (fed as a ``(1, T)`` uint32
+  array) or an array ``(1, T)``;
+- before anything else, every id is checked to be below the model's
+  embedding rows (:mod:`.token_ids`), so a bad id raises
+  :class:`~mlx_chatcache.errors.TokenIdError` and the cache is untouched: a
+  host sequence by its min and max (no MLX work); an array by a min/max
+  reduction, which evaluates it, except with ``sampled=True`` (ids the
+  package's own sampler drew from this model's logits) once the model's
+  logits are known to be no wider than its embedding: then nothing is checked
+  and decoding ahead does not wait for the token (its width is recorded
+  from every call's output);
 - it runs ``model(inputs, cache=cache)`` and returns what the model returns;
 - before the call it notes each layer's progress (for every cache inside a
   ``CacheList`` too): the ``offset`` int, and for an ``ArraysCache`` the slot
@@ -16,15 +27,19 @@ Contract of :func:`call_model` ``(model, inputs (1, T), cache) -> model output``
   ``offset += T``, so that every layer's offset counts the tokens it has seen.
 
 Every model call in this package (prefill, decode, feeding a whole prompt)
-goes through here. Cost: a few attribute reads per layer per call.
+goes through here. Cost: a few attribute reads per layer per call, and
+the id check above.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import mlx.core as mx
 
 from ..cache import ArraysCache, BaseCache, CacheList
 from ..errors import CacheNotUpdatedError
+from .token_ids import check_token_ids, logits_fit, note_logits_width, vocab_size
 
 
 def _leaves(cache: list[BaseCache]) -> list[BaseCache]:
@@ -64,25 +79,44 @@ def model_type(model) -> str:
     return str(name) if name else type(model).__name__
 
 
-def call_model(model, inputs: mx.array, cache: list[BaseCache]):
-    """``model(inputs, cache=cache)``, checked: every layer must take the tokens."""
-    tokens = inputs.shape[-1]
+def _checked_inputs(model, tokens: Sequence[int] | mx.array, sampled: bool) -> mx.array:
+    """``tokens`` as a ``(1, T)`` array, each id checked to be one the model has."""
+    if not isinstance(tokens, mx.array):
+        ids = [int(t) for t in tokens]
+        check_token_ids(model, ids)
+        return mx.array(ids, dtype=mx.uint32)[None]
+    rows = vocab_size(model)
+    if rows is None or tokens.size == 0 or (sampled and logits_fit(model)):
+        return tokens
+    low, high = mx.min(tokens), mx.max(tokens)
+    mx.eval(low, high)
+    if low.item() < 0 or high.item() >= rows:
+        check_token_ids(model, tokens.reshape(-1).tolist())
+    return tokens
+
+
+def call_model(model, tokens: Sequence[int] | mx.array, cache: list[BaseCache], *, sampled: bool = False):
+    """``model(tokens, cache=cache)``, checked: the ids must be the model's, every layer must take them."""
+    inputs = _checked_inputs(model, tokens, sampled)
+    n = inputs.shape[-1]
     leaves = _leaves(cache)
     # (offset, the slot arrays of an ArraysCache): ints and references, nothing evaluated
     before = [(c.offset, tuple(c.cache) if isinstance(c, ArraysCache) else None) for c in leaves]
     out = model(inputs, cache=cache)
-    if tokens == 0:
+    if isinstance(out, mx.array) and out.ndim == 3:
+        note_logits_width(model, out.shape[-1])
+    if n == 0:
         return out
     for c, (offset, slots) in zip(leaves, before):
         if not _took_tokens(c, offset, slots):
             raise CacheNotUpdatedError(
-                f"the {model_type(model)} model was given {tokens} token(s) but did not store them in "
+                f"the {model_type(model)} model was given {n} token(s) but did not store them in "
                 f"{_where(cache, c)}'s cache ({type(c).__name__}, offset still {c.offset}), so its replies "
                 "would be wrong; this architecture does not work with mlx_chatcache's caches yet: "
                 "use mlx-lm for it and report the model type"
             )
         if c.offset == offset:  # an ArraysCache whose slots the model replaced without advance()
-            c.offset += tokens
+            c.offset += n
     return out
 
 

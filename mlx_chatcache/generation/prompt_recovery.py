@@ -93,7 +93,7 @@ def _check_head(model, cache, tokens: list[int], path) -> int:
     if not layers or k == 0:
         return 0
     fresh = make_prompt_cache(model)
-    call_model(model, mx.array(tokens[:k], dtype=mx.uint32)[None], fresh)  # (1, k) in
+    call_model(model, tokens[:k], fresh)
     for i in layers:
         for a, b in zip(cache[i].state, fresh[i].state):  # (B, H, T, D) each
             if not _close(a[..., :k, :], b):
@@ -112,7 +112,7 @@ def _check_tail(model, cache, tokens: list[int], path) -> int:
     old = {i: [a[..., n - w :, :] for a in cache[i].state] for i in layers}
     mx.eval(old)
     trim_prompt_cache(cache, w)
-    call_model(model, mx.array(tokens[n - w :], dtype=mx.uint32)[None], cache)  # (1, w) in
+    call_model(model, tokens[n - w :], cache)
     for i in layers:
         for a, b in zip(old[i], cache[i].state):
             if not _close(a, b[..., n - w :, :]):

@@ -54,7 +54,7 @@ def feed_all(model, state: PromptCache, tokens: list[int], prefill_step_size: in
     if state.tokens or cache_offset(state.cache):
         raise UsageError("feed_all needs an empty prompt cache")
     rest = prefill(model, state.cache, tokens, prefill_step_size, progress, max_call_seconds=max_call_seconds)
-    call_model(model, mx.array(rest, dtype=mx.uint32)[None], state.cache)  # (1, 1) in
+    call_model(model, rest, state.cache)
     mx.eval([c.eval_arrays() for c in state.cache])
     state.tokens.extend(tokens)
     if progress:

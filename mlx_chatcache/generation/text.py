@@ -21,6 +21,7 @@ from ..errors import UsageError
 from .generate import Progress, generate_step
 from .prompt_state import PromptCache, ensure_state, reuse_prefix
 from .sample import LogitsProcessor, Sampler
+from .token_ids import check_token_ids
 
 @dataclass
 class GenerationResponse:
@@ -120,6 +121,7 @@ def stream_generate(
     config = config or DEFAULTS
     tokenizer = as_tokenizer_wrapper(tokenizer)
     prompt_ids = encode_prompt(tokenizer, prompt)
+    check_token_ids(model, prompt_ids)  # before the state is trimmed to the prompt
     stops = stop_token_ids(tokenizer, extra_eos_tokens)
     state = ensure_state(model, state, config)
     reused = reuse_prefix(state, prompt_ids, model)

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
+import socket
 from typing import AsyncIterator
 
 from starlette.applications import Starlette
@@ -28,6 +30,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..errors import UsageError
 from .protocol import Request, RequestError, error_body, parse_chat, parse_completion
 from .responses import Reply, sse
 from .service import Service
@@ -41,11 +44,34 @@ class ClientGone(Exception):
     pass
 
 
-def serve(service: Service, host: str, port: int, log_level: str = "info") -> None:
-    """Run the app for ``service`` until interrupted (blocking)."""
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``, for :func:`serve`; an address that
+    cannot be used (taken, not this machine's, unknown) is one-line :class:`UsageError`."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]  # fmt: skip
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}; check --host") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait for TIME_WAIT
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        hint = ("another program listens there: stop it or choose another --port" if e.errno == errno.EADDRINUSE
+                else "choose another --host or --port")  # fmt: skip
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}; {hint}") from None
+    return sock
+
+
+def serve(service: Service, sock: socket.socket, log_level: str = "info") -> None:
+    """Run the app for ``service`` on ``sock`` (from :func:`listen_socket`) until interrupted (blocking)."""
     import uvicorn
 
-    uvicorn.run(create_app(service), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+    config = uvicorn.Config(create_app(service), log_level=log_level, timeout_graceful_shutdown=10)
+    host, port = sock.getsockname()[:2]
+    logging.getLogger("uvicorn.error").info("mlxcc serve listening on http://%s:%s (Ctrl-C stops it)", host, port)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 def create_app(service: Service) -> Starlette:

@@ -6,7 +6,8 @@ Contract
 a :class:`Request` or raise :class:`RequestError` (HTTP status, one-line
 message, the offending ``param``, an OpenAI-style ``code``). Unknown fields are
 ignored (clients send many); fields we cannot honour (``n`` > 1, ``logprobs``,
-``tools``) are refused rather than silently dropped. :func:`error_body` is
+``tools``) are refused rather than silently dropped; text that is not valid
+Unicode (a lone surrogate from a ``\\ud800`` escape) is refused, naming its field. :func:`error_body` is
 the JSON every error response carries: ``{"error": {"message", "type",
 "param", "code"}}``. Nothing here touches the model.
 """
@@ -88,6 +89,16 @@ def _opt_str(body: dict, name: str) -> str | None:
         return None
     if not isinstance(v, str):
         raise _bad(name, f"must be a string, got {_json_type(v)}")
+    return _text(v, name)
+
+
+def _text(v: str, param: str) -> str:
+    """``v`` if it is valid Unicode text; JSON's ``\\ud800`` escapes can make a lone surrogate."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad(param, f"is not valid Unicode text (a lone surrogate at character {e.start}); "
+                   "send UTF-8 text, with surrogate escapes only in pairs", "invalid_value") from None  # fmt: skip
     return v
 
 
@@ -105,7 +116,7 @@ def _stop(body: dict) -> list[str]:
         raise _bad("stop", f"must be a string or an array of strings, got {_json_type(v)}")
     if len(stops) > SERVER_DEFAULTS.max_stop_sequences:
         raise _bad("stop", f"takes at most {SERVER_DEFAULTS.max_stop_sequences} sequences, got {len(stops)}", "invalid_value")
-    return [s for s in stops if s]
+    return [_text(s, f"stop[{i}]" if isinstance(v, list) else "stop") for i, s in enumerate(stops) if s]
 
 
 def _common(body: Any, kind: str) -> Request:
@@ -114,6 +125,7 @@ def _common(body: Any, kind: str) -> Request:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model", "is required and must be a string (see GET /v1/models)")
+    _text(model, "model")
     n = _opt_int(body, "n", 1)
     if n not in (None, 1):
         raise _bad("n", f"must be 1: this server returns one choice per request, got {n}", "invalid_value")
@@ -156,6 +168,7 @@ def _message(m: Any, i: int) -> dict:
     role = m.get("role")
     if not isinstance(role, str) or not role:
         raise _bad(f"{param}.role", "is required and must be a string")
+    _text(role, f"{param}.role")
     content = m.get("content")
     if isinstance(content, list):  # content parts: only text ones
         texts = []
@@ -163,10 +176,11 @@ def _message(m: Any, i: int) -> dict:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise _bad(f"{param}.content[{j}]", "must be a text part ({'type': 'text', 'text': ...}); "
                            "this server takes text only", "invalid_value")  # fmt: skip
-            texts.append(part["text"])
+            texts.append(_text(part["text"], f"{param}.content[{j}].text"))
         content = "".join(texts)
     if not isinstance(content, str):
         raise _bad(f"{param}.content", f"must be a string or an array of text parts, got {_json_type(content)}")
+    _text(content, f"{param}.content")
     return {"role": "system" if role == "developer" else role, "content": content}
 
 
@@ -178,7 +192,7 @@ def parse_completion(body: Any) -> Request:
     if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
         req.prompt = list(prompt)
     elif isinstance(prompt, str) and prompt:
-        req.prompt = prompt
+        req.prompt = _text(prompt, "prompt")
     else:
         raise _bad("prompt", "is required and must be a non-empty string or array of token ids "
                    "(one prompt per request)")  # fmt: skip

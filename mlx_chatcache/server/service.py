@@ -10,6 +10,8 @@ base :class:`GenerationConfig` and the :class:`GenerationWorker`.
   chats) and returns the prompt's token ids and, for chats, the *boundary*:
   how many of them end the last message (before the generation prompt);
   it runs on one tokenizer thread, off the event loop and off the worker;
+  a token id the model does not have (a completion's ids) is a 400 here,
+  before the request is queued;
 - :meth:`Service.job_config` is the request's generation settings over the
   server's defaults; a prompt that leaves no room in the context, or a
   ``max_tokens`` past it, is a 400 ``context_length_exceeded``.
@@ -22,9 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..config import GenerationConfig
-from ..errors import ChatCacheError
+from ..errors import ChatCacheError, TokenIdError
 from ..generation.text import encode_prompt
 from ..generation.prompt_store import has_chat_template, render_chat
+from ..generation.token_ids import check_token_ids
 from ..store.store import PromptStore
 from .protocol import Request, RequestError
 from .worker import GenerationWorker
@@ -59,7 +62,7 @@ class Service:
     def _prepare(self, req: Request) -> tuple[list[int], int | None]:
         try:
             if req.kind == "completion":
-                return encode_prompt(self.tokenizer, req.prompt), None
+                return self._checked(encode_prompt(self.tokenizer, req.prompt), "prompt"), None
             if not has_chat_template(self.tokenizer):
                 raise RequestError(400, "this model has no chat template; use /v1/completions", "messages")
             prompt = render_chat(self.tokenizer, req.messages)
@@ -71,7 +74,14 @@ class Service:
         except Exception as e:  # a chat template's own error (jinja raises its own kinds)
             raise RequestError(400, f"the chat template refused these messages: {one_line(e)}", "messages") from e
         boundary = len(head) if head == prompt[: len(head)] else None
-        return prompt, boundary
+        return self._checked(prompt, "messages"), boundary
+
+    def _checked(self, ids: list[int], param: str) -> list[int]:
+        try:
+            check_token_ids(self.model, ids)
+        except TokenIdError as e:
+            raise RequestError(400, str(e), param, "invalid_value") from None
+        return ids
 
     def job_config(self, req: Request, n_prompt: int) -> GenerationConfig:
         room = None if self.context_length is None else self.context_length - n_prompt
