@@ -79,7 +79,8 @@ from .chat_turn import (
     turn_stats,
 )
 from .checkpoints import Checkpoint, RollbackResult
-from ..config import DEFAULT_MAX_CHECKPOINTS, DEFAULTS, SEED_LIMIT, GenerationConfig, SettingError, check_config, check_setting
+from ..config import (DEFAULT_MAX_CHECKPOINTS, DEFAULTS, SEED_LIMIT, GenerationConfig, SettingError, check_config,
+                      check_setting)
 from ..errors import SessionError, UsageError
 from ..generation.prompt_state import PromptCache, common_prefix_len, reuse_prefix
 from ..generation.prompt_store import chat_text, encode_text, has_chat_template

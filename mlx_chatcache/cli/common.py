@@ -72,6 +72,7 @@ def check_window_flags(config: GenerationConfig) -> GenerationConfig:
         raise UsageError(e.named) from None
     return config
 
+
 def add_model_arg(p: argparse.ArgumentParser, default_help: str | None = None) -> None:
     """``--model`` and what mlx-lm loads with it: ``--adapter-path``, ``--trust-remote-code``."""
     p.add_argument(
