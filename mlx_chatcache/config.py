@@ -8,6 +8,7 @@ Library functions take ``None`` for "use the default" and read it from
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,6 +41,113 @@ class GenerationConfig:
 
 
 DEFAULTS = GenerationConfig()
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a setting takes: a number from ``low`` to ``high`` (``open_low``:
+    ``low`` itself excluded; None: no bound), an integer when ``integer``, one of
+    ``choices`` when given, or None when ``optional``. Floats must be finite."""
+
+    low: float | None = None
+    high: float | None = None
+    integer: bool = False
+    optional: bool = False
+    choices: tuple[int, ...] = ()
+    open_low: bool = False
+
+    def describe(self) -> str:
+        """The range in words: "an integer >= 1", "between 0 and 1 (0 excluded)", "one of 32, 64"."""
+        if self.choices:
+            return "one of " + ", ".join(map(str, self.choices))
+        kind = "an integer " if self.integer else ""
+        low = None if self.low is None else _num(self.low)
+        if low is not None and self.high is not None:
+            return f"{kind}between {low} and {_num(self.high)}" + (f" ({low} excluded)" if self.open_low else "")
+        if low is not None:
+            return f"{kind or 'a number '}{'>' if self.open_low else '>='} {low}"
+        return kind.strip() or "a number"
+
+    def holds(self, v) -> bool:
+        """Whether ``v`` (already of the right type) is in the range."""
+        if self.choices:
+            return v in self.choices
+        if self.low is not None and (v < self.low or (self.open_low and v == self.low)):
+            return False
+        return self.high is None or v <= self.high
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+SEED_LIMIT = 2**64  # mx.random.seed takes 0 <= seed < 2**64
+TOKEN_COUNT_MAX = 2**31 - 1  # token counts past this are never meant (and overflow int32 arrays)
+
+# the values each GenerationConfig field takes, checked where a value enters (flags, /set,
+# request fields, session files) by check_setting; rules between fields are in check_window
+RANGES: dict[str, Range] = {
+    "max_tokens": Range(1, TOKEN_COUNT_MAX, integer=True),
+    "temp": Range(0.0),
+    "top_p": Range(0.0, 1.0, open_low=True),  # 0 would leave the sampler no token
+    "top_k": Range(0, TOKEN_COUNT_MAX, integer=True),
+    "min_p": Range(0.0, 1.0),
+    "min_tokens_to_keep": Range(1, TOKEN_COUNT_MAX, integer=True),
+    "repetition_penalty": Range(0.0, open_low=True, optional=True),  # 0 would divide by zero
+    "repetition_context_size": Range(1, TOKEN_COUNT_MAX, integer=True),
+    "seed": Range(0, SEED_LIMIT - 1, integer=True, optional=True),
+    "prefill_step_size": Range(1, TOKEN_COUNT_MAX, integer=True),
+    "max_kv_size": Range(1, TOKEN_COUNT_MAX, integer=True, optional=True),
+    "keep": Range(0, TOKEN_COUNT_MAX, integer=True),
+    "kv_bits": Range(integer=True, optional=True, choices=(2, 3, 4, 5, 6, 8)),
+    "kv_group_size": Range(integer=True, choices=(32, 64, 128)),
+    "quantized_kv_start": Range(0, TOKEN_COUNT_MAX, integer=True),
+}
+
+
+class SettingError(ValueError):
+    """A setting's value is outside :data:`RANGES` (or its window holds no more than
+    ``keep``). ``str()`` is "must be RANGE, got VALUE", to follow the setting's name as
+    the user wrote it (a flag, a field); ``named`` is the line with the field's name."""
+
+    def __init__(self, name: str, message: str, named: str | None = None):
+        super().__init__(message)
+        self.name = name
+        self.named = named or f"{name} {message}"
+
+
+def check_setting(name: str, value):
+    """``value`` for GenerationConfig field ``name`` (an int given for a float field
+    becomes a float: finite ones only), or :class:`SettingError`. None is a value
+    of the optional fields only."""
+    r = RANGES[name]
+    if value is None and r.optional:
+        return None
+    if r.integer:
+        ok = type(value) is int and r.holds(value)
+    else:
+        ok = type(value) in (int, float) and math.isfinite(value) and r.holds(value)
+    if not ok:
+        shown = repr(value) if isinstance(value, str) else str(value)
+        raise SettingError(name, f"must be {r.describe()}, got {shown if len(shown) <= 40 else shown[:37] + '...'}")
+    return value if r.integer else float(value)
+
+
+def check_config(config: GenerationConfig) -> GenerationConfig:
+    """``config`` when every field is in :data:`RANGES`, else :class:`SettingError`
+    (the window's rule is :func:`check_window`, checked where a cache is made)."""
+    for name in RANGES:
+        check_setting(name, getattr(config, name))
+    return config
+
+
+def check_window(max_kv_size: int | None, keep: int) -> None:
+    """SettingError unless a rotating window (``max_kv_size``) holds more than its ``keep`` pinned tokens."""
+    if max_kv_size is not None and max_kv_size <= keep:
+        line = (f"max_kv_size ({max_kv_size}) must be larger than keep ({keep}), the tokens the window pins; "
+                f"use --max-kv-size {keep + 1} or more (much larger in practice)")  # fmt: skip
+        raise SettingError("max_kv_size", line, named=line)
+
 
 # CPU backend (Linux): OpenBLAS threads for MLX's float matmuls (see mlx_chatcache.backend.blas;
 # MLXCC_BLAS_THREADS overrides) and how weights are held (see mlx_chatcache.models.weights).

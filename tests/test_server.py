@@ -246,6 +246,10 @@ def _raw(server, path, body: bytes | None, method="POST"):
     (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', 400, "stream"),
     (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 600}', 400, "max_tokens"),
     (b'{"model": "llama", "prompt": ""}', 400, "prompt"),
+    (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "seed": -1}', 400, "seed"),
+    (b'{"model": "llama", "prompt": "hi", "seed": 18446744073709551616}', 400, "seed"),
+    (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
+    (b'{"model": "llama", "prompt": "hi", "top_p": -0.5}', 400, "top_p"),
 ])  # fmt: skip
 def test_malformed_requests_get_openai_errors(server, body, status, param):
     path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
@@ -254,6 +258,14 @@ def test_malformed_requests_get_openai_errors(server, body, status, param):
     err = json.loads(text)["error"]
     assert err["param"] == param and err["message"] and "Traceback" not in text
     assert err["type"] == "invalid_request_error"
+
+
+def test_out_of_range_seed_is_a_400_naming_the_range(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, FIRST, seed=-1, max_tokens=2)
+    body = e.value.body
+    assert body["param"] == "seed" and "between 0 and 18446744073709551615" in body["message"], body
+    assert chat(server, FIRST, seed=2**64 - 1, max_tokens=2).choices[0].message.content is not None
 
 
 def test_prompt_over_the_context_is_a_400(server):

@@ -79,12 +79,14 @@ from .chat_turn import (
     turn_stats,
 )
 from .checkpoints import Checkpoint, RollbackResult
-from ..config import DEFAULT_MAX_CHECKPOINTS, DEFAULTS, GenerationConfig
+from ..config import (DEFAULT_MAX_CHECKPOINTS, DEFAULTS, SEED_LIMIT, GenerationConfig, SettingError, check_config,
+                      check_setting)
 from ..errors import SessionError, UsageError
 from ..generation.prompt_state import PromptCache, common_prefix_len, reuse_prefix
 from ..generation.prompt_store import chat_text, encode_text, has_chat_template
 from ..generation.stored_prompt import checkout_prompt, scope_of
 from ..generation.text import as_tokenizer_wrapper
+from ..models.context import check_prompt_fits
 from .session_rollback import SessionRollback
 from .session_store import SessionRecord, load_session, save_session, session_metadata
 from ..store.store import PromptStore
@@ -113,6 +115,7 @@ class ChatSession(SessionRollback):
         self.text = ""
         self.checkpoints: list[Checkpoint] = []
         self.attempt = 0  # retries of the last turn (offsets the seed)
+        self.load_notes: list[str] = []  # what loading the session's file dropped (see load)
 
     def _setup(self, model, tokenizer, config: GenerationConfig, max_checkpoints: int, messages: list[dict],
                shared: Sequence[Tier]) -> None:  # fmt: skip
@@ -121,7 +124,10 @@ class ChatSession(SessionRollback):
         # shared store tiers (--cache-dir): only for models with a fingerprint (caches name their model)
         self.shared = PromptStore(list(shared) if getattr(model, "fingerprint", None) is not None else [])
         self.tokenizer = as_tokenizer_wrapper(tokenizer)
-        self.config = config
+        try:
+            self.config = check_config(config)
+        except SettingError as e:
+            raise UsageError(e.named) from None
         self.max_checkpoints = max_checkpoints
         self.messages = messages
         self._check_template()
@@ -207,7 +213,7 @@ class ChatSession(SessionRollback):
             self.config,
             max_kv_size=self.state.max_kv_size,
             keep=self.state.keep,
-            seed=None if seed is None else seed + self.attempt,
+            seed=None if seed is None else (seed + self.attempt) % SEED_LIMIT,
         )
 
     # ------------------------------------------------------------ turns
@@ -275,6 +281,9 @@ class ChatSession(SessionRollback):
         started = time.perf_counter()
         prompt_text = self.render(self.messages, add_generation_prompt=True)
         prompt_ids, k, n_text = self._split_prompt(prompt_text)
+        check_prompt_fits(self.model, len(prompt_ids), self.state.max_kv_size, "the conversation",
+                          "nothing was sent: send a shorter message, /undo or /clear to "
+                          "shorten the conversation, or start a new chat with --max-kv-size N")  # fmt: skip
         common = common_prefix_len(self.state.tokens, prompt_ids)  # what the cache could give
         if not held and self.shared.tiers:
             self._checkout_shared(prompt_ids)
@@ -364,17 +373,15 @@ class ChatSession(SessionRollback):
         self.checkpoints.clear()
 
     def update_settings(self, changes: Mapping[str, object]) -> None:
-        """Change sampling settings (``{"temp": 0.5, ...}``; not the cache shape)."""
+        """Change sampling settings (``{"temp": 0.5, ...}``; not the cache shape); a
+        value outside its range (:data:`~mlx_chatcache.config.RANGES`) is a UsageError."""
         if "max_kv_size" in changes or "keep" in changes:
             raise UsageError("the cache window cannot change during a chat; start a new session")
-        cfg = dataclasses.replace(self.config, **changes)
-        if cfg.max_tokens < 1:
-            raise UsageError(f"max_tokens must be >= 1, got {cfg.max_tokens}")
-        if cfg.temp < 0:
-            raise UsageError(f"temp must be >= 0, got {cfg.temp}")
-        if not 0.0 <= cfg.top_p <= 1.0:
-            raise UsageError(f"top_p must be between 0 and 1, got {cfg.top_p}")
-        self.config = cfg
+        try:
+            checked = {k: check_setting(k, v) for k, v in changes.items()}
+        except SettingError as e:
+            raise UsageError(e.named) from None
+        self.config = dataclasses.replace(self.config, **checked)
 
     # ------------------------------------------------------------ info
     def cache_info(self) -> dict:
@@ -425,12 +432,14 @@ class ChatSession(SessionRollback):
         shared: Sequence[Tier] = (),
     ) -> "ChatSession":
         """The session saved at ``path``; ``overrides`` change sampling settings;
-        ``shared``: store tiers as for a new session."""
+        ``shared``: store tiers as for a new session. A saved setting out of its range
+        is dropped (the default is used): ``load_notes`` has one line for each."""
         record = load_session(path, model, overrides)
         self = cls.__new__(cls)
         self._setup(model, tokenizer, record.config, max_checkpoints, record.messages, shared)
         self.state, self.pending, self.text = record.state, record.pending, record.text
         self.checkpoints, self.attempt = record.checkpoints, record.attempt
+        self.load_notes = record.notes
         return self
 
 

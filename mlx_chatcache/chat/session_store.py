@@ -12,7 +12,9 @@ key ``session``, a JSON object with the settings and the bookkeeping of a
 a missing file and a cache file that is not a session or uses a newer session
 format (:class:`SessionError`), a file made with another model
 (:class:`ModelMismatchError`), damaged session metadata
-(:class:`CacheFileError`).
+(:class:`CacheFileError`). A saved setting of the right type but outside its
+range (:data:`~mlx_chatcache.config.RANGES`; an older version may have saved
+it) is dropped, the default used, and said in one line of the record's ``notes``.
 
 Names and locks
 ---------------
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from ..files.cache_io import read_cache_info
-from ..config import DEFAULTS, GenerationConfig, mlxcc_home
+from ..config import DEFAULTS, RANGES, GenerationConfig, SettingError, check_setting, check_window, mlxcc_home
 from ..errors import CacheFileError, ModelMismatchError, SessionError
 from ..models.fingerprint import ModelFingerprint
 
@@ -62,6 +64,7 @@ class SessionRecord:
     checkpoints: list[Checkpoint]  # saved without their cache copies
     attempt: int  # retries of the last turn
     source: dict | None = None  # how the model was loaded: {"model": ref, "adapter_path": path | None}
+    notes: list[str] = dataclasses.field(default_factory=list)  # loading: saved settings dropped (not saved)
 
 
 # ------------------------------------------------------------------ save
@@ -136,7 +139,8 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
             "settings); use it with 'mlxcc generate --prompt-cache' instead"
         )
     meta = _parse_session_json(path, raw)
-    config = _parse_config(path, meta.get("settings"))
+    notes: list[str] = []
+    config = _parse_config(path, meta.get("settings"), notes)
     max_kv, keep = _parse_window(path, meta)
     config = dataclasses.replace(config, max_kv_size=max_kv, keep=keep)
     state = _checkout(path, model, info, config)
@@ -144,7 +148,8 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
     pending, text = _parse_text(path, meta)
     checkpoints = _parse_checkpoints(path, meta)
     attempt = meta.get("attempt", 0)
-    return SessionRecord(state, info.messages, config, pending, text, checkpoints, attempt if _is_int(attempt) else 0)
+    return SessionRecord(state, info.messages, config, pending, text, checkpoints, attempt if _is_int(attempt) else 0,
+                         notes=notes)  # fmt: skip
 
 
 def _checkout(path, model, info: CacheFileInfo, config: GenerationConfig) -> PromptCache:
@@ -180,7 +185,9 @@ def _parse_session_json(path, raw: str) -> dict:
     return meta
 
 
-def _parse_config(path, raw) -> GenerationConfig:
+def _parse_config(path, raw, notes: list[str]) -> GenerationConfig:
+    """The saved settings; a value of the wrong type means a damaged file, one of the
+    right type but out of its range (:data:`RANGES`) is dropped with a line in ``notes``."""
     if not isinstance(raw, dict):
         raise CacheFileError(f"{path}: session settings are missing; the file is damaged")
     fields = {f.name: f for f in dataclasses.fields(GenerationConfig)}
@@ -194,6 +201,13 @@ def _parse_config(path, raw) -> GenerationConfig:
             raise CacheFileError(f"{path}: session setting {k}={v!r} is invalid; the file is damaged")
         if isinstance(default, int) and not isinstance(default, bool) and isinstance(v, float):
             raise CacheFileError(f"{path}: session setting {k}={v!r} is invalid; the file is damaged")
+        if k in RANGES and k not in ("max_kv_size", "keep"):  # the window is the file's (_parse_window)
+            try:
+                v = check_setting(k, v)
+            except SettingError as e:
+                notes.append(f"warning: {path}: saved setting {e.named}; dropped, the default "
+                             f"({'none' if default is None else default}) is used")  # fmt: skip
+                continue
         values[k] = v
     return dataclasses.replace(DEFAULTS, **values)
 
@@ -203,6 +217,11 @@ def _parse_window(path, meta: dict) -> tuple[int | None, int]:
     keep = meta.get("keep", DEFAULTS.keep)
     if not (max_kv is None or _is_int(max_kv)) or not _is_int(keep):
         raise CacheFileError(f"{path}: session window settings are malformed; the file is damaged")
+    try:
+        check_window(max_kv, keep)
+    except SettingError as e:
+        raise CacheFileError(f"{path}: the session's window is unusable: {e.named.split('; ')[0]}; "
+                             "the file is damaged") from None  # fmt: skip
     return max_kv, keep
 
 

@@ -17,12 +17,14 @@ import time
 from ..config import INTERRUPTIBLE_CALL_SECONDS
 from ..errors import UsageError
 from ..files.save_target import check_save_target
+from ..models.context import check_prompt_fits
 from .common import (
     add_cache_args,
     add_force_arg,
     add_model_arg,
     add_verbose_arg,
     add_weights_arg,
+    check_window_flags,
     config_from_args,
     human_bytes,
     load_model,
@@ -82,9 +84,13 @@ def run(args: argparse.Namespace) -> int:
     if not prompt and not args.system_prompt:
         raise UsageError("nothing to cache: pass --prompt, --prompt-file or --system-prompt")
     check_save_target(args.prompt_cache_file, args.force)  # before any work: see save_target
+    config = check_window_flags(config_from_args(args))  # before the model loads
     model, tokenizer = load_model(args)
-    config = config_from_args(args)
     messages, text, tokens = build(args, tokenizer, prompt)
+    warning = check_prompt_fits(model, len(tokens), config.max_kv_size, "the text to cache",
+                                "shorten it, or pass --max-kv-size N to keep only the latest N tokens")  # fmt: skip
+    if warning:
+        sys.stderr.write(f"mlxcc: warning: {warning}\n")
     stored = PromptCache.new(model, config.max_kv_size, config.keep)
     stored.messages, stored.text = messages, text
     start = time.perf_counter()

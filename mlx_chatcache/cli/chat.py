@@ -99,6 +99,8 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int
     if path is not None and path.exists():
         overrides = config_overrides(args)
         session = ChatSession.load(path, model, tokenizer, overrides=overrides, shared=shared)
+        for line in session.load_notes:
+            _note(line)
         _note(
             f"resumed session {label}: {plural(session.num_turns, 'turn')}, {session.cached_tokens} tokens "
             "in the cache, 0 tokens recomputed"

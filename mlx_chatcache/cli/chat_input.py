@@ -17,12 +17,12 @@ here touches a session.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TextIO
 
-from .common import non_negative_float, non_negative_int, positive_int, probability
+from .common import setting_value
+from ..config import RANGES
 from ..errors import UsageError
 
 PROMPT, CONTINUATION = ">>> ", "... "
@@ -130,25 +130,13 @@ def parse_save_arg(arg: str) -> tuple[str, bool]:
 
 
 # ------------------------------------------------------------------ settings
-def _optional(parse: Callable):
-    def f(s: str):
-        return None if s.lower() in ("none", "off") else parse(s)
-
-    return f
-
-
-SETTINGS: dict[str, Callable[[str], object]] = {
-    "temp": non_negative_float,
-    "top_p": probability,
-    "top_k": non_negative_int,
-    "min_p": probability,
-    "max_tokens": positive_int,
-    "seed": _optional(int),
-    "repetition_penalty": _optional(non_negative_float),
-}
+# what /set changes: GenerationConfig fields, checked as their flags are (common.setting_value)
+SETTINGS = ("temp", "top_p", "top_k", "min_p", "max_tokens", "seed", "repetition_penalty")
 
 
 def parse_setting(arg: str) -> tuple[str, object]:
+    """``(name, value)`` of ``/set NAME VALUE``, the value in the range of its flag;
+    else a one-line UsageError naming the range."""
     name, _, value = arg.partition(" ")
     name = name.strip().lower().replace("-", "_")
     aliases = {"temperature": "temp", "max_tokens": "max_tokens", "maxtokens": "max_tokens"}
@@ -156,9 +144,10 @@ def parse_setting(arg: str) -> tuple[str, object]:
     if name not in SETTINGS or not value.strip():
         raise UsageError(f"usage: /set NAME VALUE with NAME one of {', '.join(SETTINGS)}")
     try:
-        return name, SETTINGS[name](value.strip())
-    except (argparse.ArgumentTypeError, ValueError) as e:
-        raise UsageError(f"/set {name}: {e}") from None
+        return name, setting_value(name, value.strip())
+    except ValueError as e:  # SettingError included: "must be RANGE, got VALUE"
+        none = " (or none)" if RANGES[name].optional else ""
+        raise UsageError(f"/set {name}: {e}{none}") from None
 
 
 __all__ = [

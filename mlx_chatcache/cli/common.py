@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..config import DEFAULTS, WEIGHTS, GenerationConfig
+from ..config import DEFAULTS, RANGES, WEIGHTS, GenerationConfig, SettingError, check_setting, check_window
 from ..errors import UsageError
 
 D = DEFAULTS
@@ -35,10 +35,42 @@ def _checked(convert, kind: str, ok, requirement: str):
 
 positive_int = _checked(int, "positive integer", lambda v: v > 0, "must be a positive integer")
 non_negative_int = _checked(int, "integer", lambda v: v >= 0, "must be >= 0")
-probability = _checked(float, "number", lambda v: 0.0 <= v <= 1.0, "must be between 0 and 1")
-non_negative_float = _checked(float, "number", lambda v: v >= 0.0, "must be >= 0")
-kv_bits = _checked(int, "positive integer", lambda v: v in (2, 3, 4, 5, 6, 8), "must be one of 2, 3, 4, 5, 6, 8")
-group_size = _checked(int, "positive integer", lambda v: v in (32, 64, 128), "must be one of 32, 64, 128")
+
+
+def setting_value(name: str, text: str):
+    """The value of GenerationConfig field ``name`` written as ``text``: a number
+    (an integer for integer fields; "none"/"off" for optional ones) in its range
+    (:data:`~mlx_chatcache.config.RANGES`); ValueError "invalid ..." or SettingError."""
+    r = RANGES[name]
+    if r.optional and text.strip().lower() in ("none", "off"):
+        return None
+    try:
+        v = int(text) if r.integer else float(text)
+    except ValueError:
+        raise ValueError(f"invalid {'integer' if r.integer else 'number'}: {text!r}") from None
+    return check_setting(name, v)
+
+
+def setting_type(name: str):
+    """The argparse type of the flag that sets GenerationConfig field ``name``."""
+
+    def parse(s: str):
+        try:
+            return setting_value(name, s)
+        except ValueError as e:  # SettingError included
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
+def check_window_flags(config: GenerationConfig) -> GenerationConfig:
+    """``config``, or a one-line UsageError when its window (--max-kv-size) does not
+    hold more than the ``keep`` tokens it pins (checked before the model is loaded)."""
+    try:
+        check_window(config.max_kv_size, config.keep)
+    except SettingError as e:
+        raise UsageError(e.named) from None
+    return config
 
 
 def add_model_arg(p: argparse.ArgumentParser, default_help: str | None = None) -> None:
@@ -104,25 +136,27 @@ def runtime_lines(model) -> list[str]:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", "-m", "-n", type=positive_int, help=f"tokens to generate at most (default {D.max_tokens})")
-    p.add_argument("--temp", type=non_negative_float, help=f"sampling temperature; 0 = greedy (default {D.temp})")
-    p.add_argument("--top-p", type=probability, help=f"nucleus sampling probability (default {D.top_p})")
-    p.add_argument("--top-k", type=non_negative_int, help=f"keep the k most likely tokens; 0 = off (default {D.top_k})")
-    p.add_argument("--min-p", type=probability, help=f"minimum probability relative to the top token (default {D.min_p})")
-    p.add_argument("--repetition-penalty", type=non_negative_float, help="penalty for repeated tokens (default off)")
-    p.add_argument("--seed", type=int, help="random seed for sampling")
+    p.add_argument("--max-tokens", "-m", "-n", type=setting_type("max_tokens"), help=f"tokens to generate at most (default {D.max_tokens})")
+    p.add_argument("--temp", type=setting_type("temp"), help=f"sampling temperature; 0 = greedy (default {D.temp})")
+    p.add_argument("--top-p", type=setting_type("top_p"), help=f"nucleus sampling probability, above 0 (default {D.top_p})")
+    p.add_argument("--top-k", type=setting_type("top_k"), help=f"keep the k most likely tokens; 0 = off (default {D.top_k})")
+    p.add_argument("--min-p", type=setting_type("min_p"), help=f"minimum probability relative to the top token (default {D.min_p})")
+    p.add_argument("--repetition-penalty", type=setting_type("repetition_penalty"), help="penalty for repeated tokens, above 0 (default off)")
+    p.add_argument("--seed", type=setting_type("seed"), help="random seed for sampling, 0 to 2**64-1")
 
 
 def add_cache_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-kv-size", type=positive_int, help="bound the KV cache with a rotating window of this many tokens")
-    p.add_argument("--kv-bits", type=kv_bits, help="quantize the KV cache to this many bits (default off)")
-    p.add_argument("--kv-group-size", type=group_size, help=f"KV quantization group size (default {D.kv_group_size})")
+    p.add_argument("--max-kv-size", type=setting_type("max_kv_size"),
+                   help="bound the KV cache with a rotating window of this many tokens (more than it pins: "
+                   f"{D.keep}, a cache file's recorded keep, or a chat's system prompt)")
+    p.add_argument("--kv-bits", type=setting_type("kv_bits"), help="quantize the KV cache to this many bits (default off)")
+    p.add_argument("--kv-group-size", type=setting_type("kv_group_size"), help=f"KV quantization group size (default {D.kv_group_size})")
     p.add_argument(
-        "--quantized-kv-start", type=non_negative_int,
+        "--quantized-kv-start", type=setting_type("quantized_kv_start"),
         help=f"quantize the KV cache once it holds this many tokens (default {D.quantized_kv_start})",
     )
     p.add_argument(
-        "--prefill-step-size", type=positive_int,
+        "--prefill-step-size", type=setting_type("prefill_step_size"),
         help=f"prompt tokens processed per step (default {D.prefill_step_size})",
     )
 

@@ -44,6 +44,7 @@ from ..errors import CacheFormatError, UsageError
 from ..files.cache_io import read_cache_info
 from ..files.formats import CacheFileInfo
 from ..files.save_target import check_save_target
+from ..models.context import check_prompt_fits
 from .common import (
     add_cache_args,
     add_cache_dir_arg,
@@ -53,6 +54,7 @@ from .common import (
     add_verbose_arg,
     add_weights_arg,
     check_cache_dir,
+    check_window_flags,
     config_from_args,
     load_model,
     read_json_arg,
@@ -174,12 +176,16 @@ def _run(args: argparse.Namespace) -> int:
     if args.save_prompt_cache:
         check_save_target(args.save_prompt_cache, args.force)  # before any work: see save_target
     info = read_cache_info(args.prompt_cache_file) if args.prompt_cache_file else None
+    config = check_window_flags(file_config(args, info))  # before the model loads
     model, tokenizer = load_model(args)
-    config = file_config(args, info)
     if info is not None and info.tokens is None:
         job = _start_untokenized(args, model, tokenizer, config, prompt)
     else:
         job = _start(args, model, tokenizer, config, info, prompt)
+    warning = check_prompt_fits(model, len(job.tokens), job.state.max_kv_size, "the prompt",
+                                "shorten the prompt, or pass --max-kv-size N to keep only the latest N tokens")  # fmt: skip
+    if warning:
+        sys.stderr.write(f"mlxcc: warning: {warning}\n")
     return _generate(args, model, tokenizer, job)
 
 

@@ -321,6 +321,8 @@ class ChatREPL:
             raise UsageError("usage: /load FILE")
         s = self.session
         loaded = ChatSession.load(Path(arg).expanduser(), s.model, s.tokenizer, shared=s.shared.tiers)
+        for line in loaded.load_notes:
+            self.note(line)
         self.session = loaded
         self.note(f"[loaded {arg}: {plural(loaded.num_turns, 'turn')}, {loaded.cached_tokens} tokens "
                   "in the cache, 0 tokens recomputed]")  # fmt: skip

@@ -14,7 +14,7 @@ from ..config import SERVER_DEFAULTS as S
 from ..config import default_cache_dir
 from ..errors import UsageError
 from .common import (add_cache_args, add_model_arg, add_sampling_args, check_cache_dir, config_from_args, human_bytes,
-                     load_model, positive_int)
+                     check_window_flags, load_model, positive_int)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}  # fmt: skip
@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from ..server.service import Service
     from ..store.store import build_store
 
+    config = check_window_flags(config_from_args(args))  # before the model loads
     cache_dir = args.cache_dir or default_cache_dir()
     if args.disk_cache_bytes > 0:
         check_cache_dir(str(cache_dir))  # a folder it cannot use is one line, before the model loads
@@ -95,8 +96,7 @@ def run(args: argparse.Namespace) -> int:
         store = build_store(args.cache_bytes, args.disk_cache_bytes, cache_dir,
                             redis_url=args.cache_redis)  # fmt: skip
         try:
-            service = Service(model, tokenizer, ref, store, config_from_args(args), args.max_queue,
-                              args.context_length)  # fmt: skip
+            service = Service(model, tokenizer, ref, store, config, args.max_queue, args.context_length)  # fmt: skip
             serve(service, sock, args.log_level)
         finally:
             store.close()

@@ -106,7 +106,7 @@ from typing import Callable, Collection, Iterator, Sequence
 import mlx.core as mx
 
 from ..cache import BaseCache, quantize_prompt_cache
-from ..config import DEFAULTS, GenerationConfig
+from ..config import DEFAULTS, GenerationConfig, SettingError, check_config
 from ..errors import UsageError
 from .model_call import call_model
 from .pacing import CallPacer
@@ -361,8 +361,10 @@ def generate_step(
     """
     config = config or DEFAULTS
     prompt = [int(t) for t in prompt_tokens]
-    if config.max_tokens < 1:
-        raise UsageError(f"max_tokens must be >= 1, got {config.max_tokens}")
+    try:
+        check_config(config)  # every field in its range (a seed MLX takes, a top_p that leaves a token)
+    except SettingError as e:
+        raise UsageError(e.named) from None
     check_token_ids(model, prompt)  # before the state is trimmed to the prompt
     state = ensure_state(model, state, config)
     own_sampler = sampler is None  # draws indices of the logits

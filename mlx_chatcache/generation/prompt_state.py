@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..cache import BaseCache, cache_offset, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-from ..config import DEFAULTS, GenerationConfig
+from ..config import DEFAULTS, GenerationConfig, SettingError, check_setting, check_window
 from ..errors import CacheFormatError, UsageError
 from ..files.cache_io import check_cache_fits_model, load_prompt_cache, save_prompt_cache
 from ..models.fingerprint import ModelFingerprint
@@ -57,10 +57,15 @@ class PromptCache:
 
     @classmethod
     def new(cls, model, max_kv_size: int | None = None, keep: int | None = None) -> "PromptCache":
-        """An empty prompt cache for ``model`` (rotating when ``max_kv_size`` is set)."""
+        """An empty prompt cache for ``model`` (rotating when ``max_kv_size`` is set: a
+        window of more than the ``keep`` tokens it pins, else UsageError)."""
         keep = DEFAULTS.keep if keep is None else keep
-        if max_kv_size is not None and (max_kv_size < 2 or keep < 0):
-            raise UsageError(f"max_kv_size must be >= 2 and keep >= 0, got {max_kv_size} and {keep}")
+        if max_kv_size is not None:
+            try:
+                check_setting("keep", keep)
+                check_window(check_setting("max_kv_size", max_kv_size), keep)
+            except SettingError as e:
+                raise UsageError(e.named) from None
         cache = make_prompt_cache(model, max_kv_size, keep)
         return cls(cache, [], max_kv_size, keep, getattr(model, "fingerprint", None), settings=_policy(model))
 

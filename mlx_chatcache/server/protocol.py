@@ -5,7 +5,9 @@ Contract
 :func:`parse_chat` and :func:`parse_completion` turn a decoded JSON body into
 a :class:`Request` or raise :class:`RequestError` (HTTP status, one-line
 message, the offending ``param``, an OpenAI-style ``code``). Unknown fields are
-ignored (clients send many); fields we cannot honour (``n`` > 1, ``logprobs``,
+ignored (clients send many); the generation settings (``max_tokens``, ``temperature``,
+``top_p``, ``seed``) must be in the ranges of :data:`~mlx_chatcache.config.RANGES`
+(a 400 names the field and its range); fields we cannot honour (``n`` > 1, ``logprobs``,
 ``tools``) are refused rather than silently dropped; text that is not valid
 Unicode (a lone surrogate from a ``\\ud800`` escape) is refused, naming its field. :func:`error_body` is
 the JSON every error response carries: ``{"error": {"message", "type",
@@ -17,7 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import SERVER_DEFAULTS
+from ..config import RANGES, SERVER_DEFAULTS, SettingError, check_setting
+
+MAX_TEMPERATURE = 2.0  # OpenAI's API takes temperatures up to 2
 
 
 class RequestError(Exception):
@@ -63,15 +67,31 @@ def _opt_int(body: dict, name: str, low: int | None = None) -> int | None:
     return v
 
 
-def _opt_number(body: dict, name: str, low: float, high: float) -> float | None:
-    v = body.get(name)
+def _setting(body: dict, field: str, name: str) -> int | float | None:
+    """Request field ``field``, which sets GenerationConfig field ``name``: of its type
+    and in its range (:data:`~mlx_chatcache.config.RANGES`), else a 400 naming both."""
+    v = body.get(field)
     if v is None:
         return None
-    if type(v) not in (int, float):
-        raise _bad(name, f"must be a number, got {_json_type(v)}")
-    if not low <= v <= high:
-        raise _bad(name, f"must be between {low} and {high}, got {v}", "invalid_value")
-    return float(v)
+    integer = RANGES[name].integer
+    if type(v) is not int and (integer or type(v) is not float):
+        raise _bad(field, f"must be {'an integer' if integer else 'a number'}, got {_json_type(v)}")
+    try:
+        return check_setting(name, v)
+    except SettingError as e:
+        raise _bad(field, str(e), "invalid_value") from None
+
+
+def _temperature(body: dict) -> float | None:
+    t = _setting(body, "temperature", "temp")
+    if t is not None and t > MAX_TEMPERATURE:
+        raise _bad("temperature", f"must be between 0 and {MAX_TEMPERATURE:g}, got {t:g}", "invalid_value")
+    return t
+
+
+def _top_p(body: dict) -> float | None:
+    """``top_p``; 0 (which OpenAI's API takes) keeps only the most likely token."""
+    return 0.0 if body.get("top_p") == 0 and type(body["top_p"]) is not bool else _setting(body, "top_p", "top_p")
 
 
 def _opt_bool(body: dict, name: str) -> bool:
@@ -133,9 +153,9 @@ def _common(body: Any, kind: str) -> Request:
         raise _bad("logprobs", "is not supported by this server; drop it", "unsupported_parameter")
     if body.get("tools"):
         raise _bad("tools", "are not supported by this server; drop them", "unsupported_parameter")
-    max_tokens = _opt_int(body, "max_completion_tokens", 1)
+    max_tokens = _setting(body, "max_completion_tokens", "max_tokens")
     if max_tokens is None:
-        max_tokens = _opt_int(body, "max_tokens", 1)
+        max_tokens = _setting(body, "max_tokens", "max_tokens")
     stream = _opt_bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -143,9 +163,7 @@ def _common(body: Any, kind: str) -> Request:
     include_usage = _opt_bool(options or {}, "include_usage")
     return Request(
         kind=kind, model=model, max_tokens=max_tokens,
-        temperature=_opt_number(body, "temperature", 0.0, 2.0),
-        top_p=_opt_number(body, "top_p", 0.0, 1.0),
-        seed=_opt_int(body, "seed"),
+        temperature=_temperature(body), top_p=_top_p(body), seed=_setting(body, "seed", "seed"),
         stop=_stop(body), stream=stream, include_usage=include_usage,
         cache_key=_opt_str(body, "prompt_cache_key"),
     )  # fmt: skip

@@ -28,6 +28,7 @@ from ..errors import ChatCacheError, TokenIdError
 from ..generation.text import encode_prompt
 from ..generation.prompt_store import has_chat_template, render_chat
 from ..generation.token_ids import check_token_ids
+from ..models.context import model_context_length
 from ..store.store import PromptStore
 from .protocol import Request, RequestError
 from .worker import GenerationWorker
@@ -102,12 +103,6 @@ class Service:
         elif req.top_p is not None:
             changes["top_p"] = req.top_p
         return self.config.updated(**changes)
-
-
-def model_context_length(model) -> int | None:
-    args = getattr(model, "args", None)
-    n = getattr(args, "max_position_embeddings", None)
-    return n if isinstance(n, int) and n > 0 else None
 
 
 def one_line(e: BaseException) -> str:
