@@ -320,6 +320,19 @@ def test_an_error_quoting_a_lone_surrogate_is_a_4xx(server, client):
     assert json.loads(data)["error"]["message"].startswith("the model 'a\\ud800b' does not exist")
 
 
+def test_a_completion_prompt_over_the_context_names_the_prompt(server, client):
+    body = {"model": server.model_id, "prompt": list(range(3, 3 + CONTEXT)), "max_tokens": 1}
+    status, _, data = client.post(COMPLETIONS, json.dumps(body).encode())
+    err = json.loads(data)["error"]
+    assert status == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
+    body = {"model": server.model_id, "prompt": "a\ud800b", "max_tokens": 1}  # text the tokenizer refuses
+    status, _, data = client.post(COMPLETIONS, json.dumps(body).encode())
+    assert status == 400 and json.loads(data)["error"]["param"] == "prompt", data
+    body = {"model": server.model_id, "messages": [{"role": "user", "content": "apples " * CONTEXT}]}
+    status, _, data = client.post(CHAT, json.dumps(body).encode())
+    assert status == 400 and json.loads(data)["error"]["param"] == "messages", data
+
+
 # ------------------------------------------------------------------ known failures owned by other changes
 def _own_server(tiny_model_dirs, tmp_path):
     return ServerProcess(tiny_model_dirs["llama"], tmp_path, "--max-tokens", "3", "--context-length", str(CONTEXT))
@@ -335,6 +348,7 @@ def test_token_ids_at_and_past_the_vocabulary(tiny_model_dirs, tmp_path):
         @given(ids=st.lists(st.one_of(IDS.filter(lambda t: t >= 0), PAST_VOCAB_IDS), min_size=1, max_size=6),
                stream=st.booleans())  # fmt: skip
         @example(ids=[VOCAB_SIZE], stream=False)
+        @example(ids=[16173], stream=False)  # the process dies (SIGSEGV)
         @example(ids=[2**63], stream=False)
         def run(ids, stream):
             send(s, c, COMPLETIONS, {"model": s.model_id, "prompt": ids, "max_tokens": 1, "stream": stream})
