@@ -26,6 +26,7 @@ from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -111,7 +112,13 @@ def create_app(service: Service) -> Starlette:
 
 # ------------------------------------------------------------------ errors
 def _error(status: int, message: str, param=None, code=None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param, code), status_code=status)
+    """The error response; text that cannot be UTF-8 (a lone surrogate the client sent
+    and the message quotes) is shown escaped."""
+    return JSONResponse(error_body(_utf8(message), status, param and _utf8(param), code), status_code=status)
+
+
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 async def _request_error(request, exc: RequestError):
@@ -132,10 +139,10 @@ async def _internal_error(request, exc: Exception):
 # ------------------------------------------------------------------ completions
 async def _complete(service: Service, request: HTTPRequest, parse):
     try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError):
-        raise RequestError(400, "the request body is not valid JSON; send a JSON object", None, "invalid_json")
-    req: Request = parse(body)
+        raw = await request.body()
+    except ClientDisconnect:  # the client hung up before sending its whole body
+        return Response(status_code=499)  # nobody reads it
+    req: Request = parse(decode_body(raw))
     service.check_model(req.model)
     session = request.headers.get("x-session-id")
     if req.cache_key is None and session:
@@ -174,6 +181,19 @@ async def _complete(service: Service, request: HTTPRequest, parse):
         return Response(status_code=499)  # nobody reads it
     finally:
         job.cancel()  # a no-op once done; stops the job when the client went away
+
+
+def decode_body(raw: bytes):
+    """The request body's JSON value; a 400 ``invalid_json`` for bytes that are not
+    UTF-8 JSON or nest deeper than the decoder's recursion limit."""
+    try:
+        return json.loads(raw)
+    except ValueError:  # UnicodeDecodeError too
+        raise RequestError(400, "the request body is not valid JSON; send a JSON object",
+                           None, "invalid_json") from None  # fmt: skip
+    except RecursionError:
+        raise RequestError(400, "the request body nests arrays or objects too deeply; send a flat JSON object",
+                           None, "invalid_json") from None  # fmt: skip
 
 
 async def _events(events: asyncio.Queue, request: HTTPRequest) -> AsyncIterator[tuple]:

@@ -71,7 +71,8 @@ class Service:
         except RequestError:
             raise
         except (ChatCacheError, ValueError, TypeError, KeyError) as e:
-            raise RequestError(400, f"the prompt could not be built: {one_line(e)}", "messages") from e
+            param = "messages" if req.kind == "chat" else "prompt"
+            raise RequestError(400, f"the prompt could not be built: {one_line(e)}", param) from e
         except Exception as e:  # a chat template's own error (jinja raises its own kinds)
             raise RequestError(400, f"the chat template refused these messages: {one_line(e)}", "messages") from e
         boundary = len(head) if head == prompt[: len(head)] else None
@@ -86,10 +87,11 @@ class Service:
 
     def job_config(self, req: Request, n_prompt: int) -> GenerationConfig:
         room = None if self.context_length is None else self.context_length - n_prompt
+        chat = req.kind == "chat"
         if room is not None and room < 1:
             raise RequestError(400, f"the prompt has {n_prompt} tokens but the model's context holds "
-                               f"{self.context_length}; shorten the conversation", "messages",
-                               "context_length_exceeded")  # fmt: skip
+                               f"{self.context_length}; shorten the {'conversation' if chat else 'prompt'}",
+                               "messages" if chat else "prompt", "context_length_exceeded")  # fmt: skip
         max_tokens = req.max_tokens
         if max_tokens is None:
             max_tokens = self.config.max_tokens if room is None else min(self.config.max_tokens, room)
