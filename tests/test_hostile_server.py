@@ -134,15 +134,15 @@ TEXT = st.one_of(
     st.lists(st.one_of(st.text(max_size=5), ODD, SURROGATES), max_size=8).map("".join),
     st.builds(lambda c, n: c * n, st.sampled_from(["a", "é", "\u202e", "🙂", "ab "]), st.integers(50, 400)),
 )
-IDS = st.one_of(  # in the vocabulary, or refused by the request checks (negative)
+# token ids at and past the vocabulary (once a SIGSEGV or a 5xx), seeds outside [0, 2**64) (once a 5xx)
+PAST_VOCAB_IDS = st.one_of(st.integers(VOCAB_SIZE, 2**70), st.sampled_from([
+    VOCAB_SIZE, VOCAB_SIZE + 1, 2**31 - 1, 2**31, 2**32, 2**53, 2**63 - 1, 2**63, 2**64, 10**30]))  # fmt: skip
+IDS = st.one_of(  # in the vocabulary, or refused by the request checks (negative, at or past the vocabulary)
     st.integers(3, VOCAB_SIZE - 1),
     st.sampled_from([0, 1, 2, VOCAB_SIZE - 1, -1, -(2**31), -(2**63), -(10**30)]),
     st.integers(max_value=-1),
+    PAST_VOCAB_IDS,
 )
-# Known failures, each owned by a change of its own and tested below with a mark to remove:
-# token ids at and past the vocabulary (5xx, or the process dies), seeds outside [0, 2**64).
-PAST_VOCAB_IDS = st.one_of(st.integers(VOCAB_SIZE, 2**70), st.sampled_from([
-    VOCAB_SIZE, VOCAB_SIZE + 1, 2**31 - 1, 2**31, 2**32, 2**53, 2**63 - 1, 2**63, 2**64, 10**30]))  # fmt: skip
 OUT_OF_RANGE_SEEDS = st.one_of(st.integers(max_value=-1), st.integers(min_value=2**64))
 NUMBERS = st.one_of(
     st.integers(), st.floats(), st.sampled_from([0, -1, 1, 2**31, 2**63, 2**64, -(2**63), 10**40, 1e308, -0.0]),
@@ -172,7 +172,7 @@ BAD = {  # values it must refuse or survive: out of range, of the wrong type
     "max_completion_tokens": st.one_of(NUMBERS, st.integers(5, 10**6)),
     "temperature": NUMBERS,
     "top_p": NUMBERS,
-    "seed": st.one_of(st.integers(0, 2**64 - 1), NUMBERS.filter(lambda v: type(v) is not int), TEXT),
+    "seed": st.one_of(st.integers(0, 2**64 - 1), OUT_OF_RANGE_SEEDS, NUMBERS.filter(lambda v: type(v) is not int), TEXT),
     "stop": st.lists(TEXT, min_size=5, max_size=8),
     "stream_options": st.fixed_dictionaries({"include_usage": JSON_ANY}),
 }
@@ -316,12 +316,12 @@ def test_a_body_cut_off_by_the_client_is_not_a_server_fault(server):
 def test_an_error_quoting_a_lone_surrogate_is_a_4xx(server, client):
     status, _, data = client.post(CHAT, json.dumps({"model": "a\ud800b", "messages": [{"role": "user",
                                                                                       "content": "hi"}]}).encode())
-    assert status == 404, data[:300]
-    assert json.loads(data)["error"]["message"].startswith("the model 'a\\ud800b' does not exist")
+    err = json.loads(data)["error"]
+    assert status == 400 and err["param"] == "model" and "lone surrogate" in err["message"], data[:300]
 
 
 def test_a_completion_prompt_over_the_context_names_the_prompt(server, client):
-    body = {"model": server.model_id, "prompt": list(range(3, 3 + CONTEXT)), "max_tokens": 1}
+    body = {"model": server.model_id, "prompt": [3 + i % 300 for i in range(CONTEXT)], "max_tokens": 1}
     status, _, data = client.post(COMPLETIONS, json.dumps(body).encode())
     err = json.loads(data)["error"]
     assert status == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
@@ -333,13 +333,11 @@ def test_a_completion_prompt_over_the_context_names_the_prompt(server, client):
     assert status == 400 and json.loads(data)["error"]["param"] == "messages", data
 
 
-# ------------------------------------------------------------------ known failures owned by other changes
+# ------------------------------------------------------------------ ids and seeds that once crashed it, on a server of their own
 def _own_server(tiny_model_dirs, tmp_path):
     return ServerProcess(tiny_model_dirs["llama"], tmp_path, "--max-tokens", "3", "--context-length", str(CONTEXT))
 
 
-@pytest.mark.xfail(strict=True, reason="token ids past the vocabulary give 5xx or kill the server until the "
-                   "token-id checks land (branch i20tok); then drop this mark, add PAST_VOCAB_IDS to IDS")  # fmt: skip
 def test_token_ids_at_and_past_the_vocabulary(tiny_model_dirs, tmp_path):
     with _own_server(tiny_model_dirs, tmp_path) as s:
         c = Client(s)
@@ -357,8 +355,6 @@ def test_token_ids_at_and_past_the_vocabulary(tiny_model_dirs, tmp_path):
         normal_request_works(c)
 
 
-@pytest.mark.xfail(strict=True, reason="seeds outside [0, 2**64) give 5xx until the numeric range checks land "
-                   "(branch i20range); then drop this mark and put OUT_OF_RANGE_SEEDS into BAD['seed']")  # fmt: skip
 def test_out_of_range_seeds(tiny_model_dirs, tmp_path):
     with _own_server(tiny_model_dirs, tmp_path) as s:
         c = Client(s)
