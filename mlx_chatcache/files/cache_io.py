@@ -75,7 +75,6 @@ def save_prompt_cache(
     (mlx-lm's own classes, e.g. its ``BatchKVCache``) is written in mlx-lm's
     layout, whatever ``format`` says (see :mod:`.mlxlm_compat`).
     """
-    path = file_name
     foreign = next((type(c).__name__ for c in cache if not _is_ours(c)), None)
     if format != "mlxcc" or foreign:
         writer = formats.writer_named("mlx-lm" if format == "mlxcc" else format)
@@ -90,8 +89,8 @@ def save_prompt_cache(
                 f"cannot save {', '.join(given)} with {why}: that file layout holds only the layers "
                 "and string metadata; pass them in metadata or save our cache classes"
             )
-        return writer.save(path, cache, metadata or {})
-    write_atomic(path, *_file_contents(path, cache, tokens, model, messages, text, settings, metadata))
+        return writer.save(file_name, cache, metadata or {})
+    write_atomic(file_name, *_file_contents(file_name, cache, tokens, model, messages, text, settings, metadata))
 
 
 def _is_ours(layer) -> bool:

@@ -104,10 +104,10 @@ from typing import Callable, Collection, Iterator, Sequence
 import mlx.core as mx
 
 from ..cache import BaseCache, quantize_prompt_cache
-from ..config import DEFAULTS, GenerationConfig
+from ..config import GenerationConfig
 from ..errors import UsageError
-from .model_call import call_model
 from .arguments import call_config, call_state, refuse_unsupported
+from .model_call import call_model
 from .pacing import CallPacer
 from .prompt_state import PromptCache, common_prefix_len, ensure_state, reuse_prefix, trim_state
 from .sample import LogitsProcessor, Sampler, make_logits_processors, make_sampler
