@@ -18,7 +18,7 @@ import itertools
 
 import mlx.core as mx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from mlx_lm.generate import generate as lm_generate_text
 from mlx_lm.generate import generate_step as lm_generate_step
@@ -28,7 +28,7 @@ from mlx_lm.models import cache as lm
 from mlx_chatcache import load_prompt_cache, save_prompt_cache
 from mlx_chatcache.cache import KVCache, RotatingKVCache, cache_offset, make_prompt_cache
 from mlx_chatcache.config import DEFAULTS
-from mlx_chatcache.errors import CacheFormatError, UnsupportedCacheError, UsageError
+from mlx_chatcache.errors import CacheFormatError, ChatCacheError, UnsupportedCacheError, UsageError
 from mlx_chatcache.files.cache_io import load_cache_file
 from mlx_chatcache.generation.generate import PromptCache, generate_step
 from mlx_chatcache.generation.text import generate, stream_generate
@@ -305,3 +305,43 @@ def test_unsupported_mlx_lm_keywords_are_refused_in_one_line(llama_model, bad, w
         with pytest.raises(UsageError) as e:
             call()
         assert words in one_line(e)
+
+
+def hostile_entry():
+    """Anything a file may hold for one entry of a batch cache's state."""
+    arrays = st.tuples(st.lists(st.integers(0, 3), min_size=0, max_size=4),
+                       st.sampled_from([mx.int32, mx.float32, mx.uint8])).map(lambda a: mx.zeros(a[0], a[1]))
+    return st.one_of(st.none(), st.integers(-3, 600), st.booleans(), arrays)
+
+
+KV = st.sampled_from([(1, 2, 4, 8), (2, 1, 3, 4)]).map(lambda s: mx.zeros(s))
+PER_SEQ = st.integers(1, 3).map(lambda n: mx.zeros((n,), mx.int32))
+VALID = {  # what mlx-lm writes at each position of the state
+    "BatchKVCache": (KV, KV, PER_SEQ, PER_SEQ, st.integers(0, 4)),
+    "BatchRotatingKVCache": (KV, KV, PER_SEQ, PER_SEQ, st.integers(1, 8), st.integers(0, 9),
+                             st.integers(0, 4), st.booleans()),
+}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rotating=st.booleans(), data=st.data())
+def test_hostile_batch_cache_state_loads_consistent_or_is_refused_in_one_line(tmp_path, rotating, data):
+    name = "BatchRotatingKVCache" if rotating else "BatchKVCache"
+    damaged = data.draw(st.sets(st.integers(0, len(VALID[name]) - 1), max_size=2))
+    state = tuple(data.draw(hostile_entry() if i in damaged else valid) for i, valid in enumerate(VALID[name]))
+    forged = type(name, (), {"state": state})()  # mlx-lm's writer takes any object by its class name
+    path = str(tmp_path / "h.safetensors")
+    lm.save_prompt_cache(path, [forged])
+    try:
+        (c,) = load_prompt_cache(path)
+    except ChatCacheError as e:
+        assert str(e) and "\n" not in str(e)
+        event("refused")
+        return
+    event("loaded")
+    assert type(c).__name__ == name
+    for a in (c.offset, c.left_padding):
+        assert isinstance(a, mx.array) and a.ndim == 1
+    slots = 0 if c.keys is None else c.keys.shape[2]
+    assert c.keys is None or (c.keys.ndim == 4 and c.keys.shape[:3] == c.values.shape[:3])
+    assert 0 <= c._idx <= slots
