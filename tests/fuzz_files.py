@@ -55,7 +55,7 @@ from mlx_chatcache.cache import (
     QuantizedRotatingKVCache,
     RotatingKVCache,
 )
-from mlx_chatcache.files.cache_io import load_prompt_cache, read_cache_info, save_prompt_cache
+from mlx_chatcache.files.cache_io import load_cache_file, read_cache_info, save_prompt_cache
 from mlx_chatcache.errors import ChatCacheError
 from mlx_chatcache.models.fingerprint import ModelFingerprint
 
@@ -824,7 +824,7 @@ def check_file(path: Path, workdir: Path) -> str:
 
     Raises :class:`ContractViolation` when an exception other than a
     ChatCacheError escapes, when a loaded cache is inconsistent, when
-    ``read_cache_info`` and ``load_prompt_cache`` disagree, or when mlx allocates
+    ``read_cache_info`` and ``load_cache_file`` disagree, or when mlx allocates
     more than ``MEM_FACTOR`` x the file size (+ ``MEM_CONST``).
     """
     size = path.stat().st_size
@@ -842,18 +842,18 @@ def check_file(path: Path, workdir: Path) -> str:
     mx.reset_peak_memory()
     py_before = _py_reset()
     try:
-        cache, linfo = load_prompt_cache(path, return_metadata=True)
+        cache, linfo = load_cache_file(path)
     except ChatCacheError as e:
         _one_line(e, path)
         _check_memory(before, py_before, size)
         return type(e).__name__
     except Exception as e:
-        raise ContractViolation(f"load_prompt_cache raised {type(e).__name__}: {e}") from e
+        raise ContractViolation(f"load_cache_file raised {type(e).__name__}: {e}") from e
     _check_memory(before, py_before, size)
     if info_err is not None:
         raise ContractViolation(f"read_cache_info failed ({info_err}) but the file loads")
     if info.classes != linfo.classes or info.tokens != linfo.tokens:
-        raise ContractViolation("read_cache_info and load_prompt_cache disagree")
+        raise ContractViolation("read_cache_info and load_cache_file disagree")
     try:
         check_loaded(cache, linfo, workdir)
     except ContractViolation:
@@ -933,7 +933,7 @@ def check_loaded(cache: list, info, workdir: Path) -> None:
     rt = workdir / "roundtrip.safetensors"
     save_prompt_cache(rt, cache, tokens=info.tokens, model=info.model, messages=info.messages,
                       metadata=info.metadata if info.layout == "mlxcc" else None)
-    back, binfo = load_prompt_cache(rt, return_metadata=True)
+    back, binfo = load_cache_file(rt)
     if [type(c) for c in back] != [type(c) for c in cache] or binfo.tokens != info.tokens:
         raise ContractViolation("save -> load changed the layers or tokens")
     for x, y in zip(back, cache):

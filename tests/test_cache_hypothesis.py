@@ -46,7 +46,7 @@ from mlx_chatcache.cache import (
     trim_prompt_cache,
 )
 from mlx_chatcache.backend import blas
-from mlx_chatcache.files.cache_io import load_prompt_cache, save_prompt_cache
+from mlx_chatcache.files.cache_io import load_cache_file, load_prompt_cache, save_prompt_cache
 
 # With the Linux OpenBLAS swap (mlx_chatcache.backend.blas) a product of one row and one of many
 # rows run different kernels (another summation order), so cached and one-call logits agree to
@@ -222,7 +222,7 @@ def test_random_operation_sequences_match_reference(llama_model, shape, ops, las
                     q_point = min(q_point, len(history))
             elif op == "save_load":
                 save_prompt_cache(path, cache, tokens=history, model=model.fingerprint)
-                loaded, info = load_prompt_cache(path, return_metadata=True, model=model.fingerprint)
+                loaded, info = load_cache_file(path, model=model.fingerprint)
                 assert info.tokens == history
                 for a, b in zip(loaded, cache):
                     assert a.meta_state == b.meta_state

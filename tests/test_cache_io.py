@@ -21,6 +21,7 @@ from mlx_chatcache.cache import (
 from mlx_chatcache.files.cache_io import (
     FORMAT_VERSION,
     check_cache_fits_model,
+    load_cache_file,
     load_prompt_cache,
     read_cache_info,
     save_prompt_cache,
@@ -75,7 +76,7 @@ def test_round_trip_every_kind_exact(tmp_path):
     p = tmp_path / "c.safetensors"
     msgs = [{"role": "user", "content": "héllo"}]
     save_prompt_cache(p, cache, tokens=list(range(12)), model=FP, messages=msgs, metadata={"a": "b"})
-    loaded, info = load_prompt_cache(p, return_metadata=True)
+    loaded, info = load_cache_file(p)
     assert_same(cache, loaded)
     assert info.format_version == FORMAT_VERSION and info.layout == "mlxcc"
     assert info.classes == [type(c).__name__ for c in cache]
@@ -153,7 +154,7 @@ def test_reads_mlx_lm_032_file(tmp_path):
     theirs = lm_filled()
     p = tmp_path / "lm.safetensors"
     lm.save_prompt_cache(str(p), theirs, {"note": "x"})
-    ours, info = load_prompt_cache(p, return_metadata=True)
+    ours, info = load_cache_file(p)
     assert info.layout == "mlx-lm" and info.metadata == {"note": "x"}
     assert [c.offset for c in ours] == [14, 14, 14]
     assert mx.array_equal(ours[0].state[0], theirs[0].keys[..., :14, :])
@@ -201,7 +202,7 @@ def test_reads_legacy_layout(tmp_path):
     }
     p = tmp_path / "legacy.safetensors"
     mx.save_safetensors(str(p), arrays, meta)
-    ours, info = load_prompt_cache(p, return_metadata=True)
+    ours, info = load_cache_file(p)
     assert info.layout == "mlx-lm-legacy" and info.metadata == {"user": "kept"}
     assert mx.array_equal(ours[0].state[0], kv.keys[..., :13, :])
     assert mx.array_equal(ours[1].state[0], rot._temporal_order(rot.keys))
@@ -426,7 +427,7 @@ def test_reads_version_1_files_without_room(tmp_path):
         "mlxcc.layer.0.arrays": "2", "mlxcc.tokens": json.dumps(list(range(12))),
     }  # fmt: skip
     mx.save_safetensors(str(p), {"layer.0.0": k, "layer.0.1": v}, meta)
-    (old,), info = load_prompt_cache(p, return_metadata=True)
+    (old,), info = load_cache_file(p)
     assert info.format_version == 1 and kv_len(old.keys) == 12
     assert_same([c], [old])
     got, want = old.update_and_fetch(rnd(2, 9), rnd(2, 9)), c.update_and_fetch(rnd(2, 9), rnd(2, 9))
@@ -481,7 +482,7 @@ def test_reads_version_2_rotating_files_in_temporal_order(tmp_path):
             "mlxcc.layer.0.class": type(c).__name__, "mlxcc.layer.0.meta": json.dumps(old_meta),
             "mlxcc.layer.0.arrays": str(len(arrays)),
         })  # fmt: skip
-        (old,), info = load_prompt_cache(p, return_metadata=True)
+        (old,), info = load_cache_file(p)
         assert info.format_version == 2 and old._idx == old.keep
         assert old.meta_state == tuple(old_meta) + (str(old.keep),)
         assert all(mx.array_equal(x, y).item() for x, y in zip(old.state, c.state))
@@ -503,7 +504,7 @@ def test_cache_bytes_are_the_file_and_load_with_the_same_checks(llama_model, tmp
     data = prompt_cache_bytes(state.cache, tokens=tokens, model=model.fingerprint, metadata={"k": "v"})
     path = tmp_path / "c.safetensors"
     save_prompt_cache(path, state.cache, tokens=tokens, model=model.fingerprint, metadata={"k": "v"})
-    on_disk = load_prompt_cache(path, return_metadata=True)
+    on_disk = load_cache_file(path)
     cache, info = load_prompt_cache_bytes(data, "mem", model=model.fingerprint)
     assert info.tokens == tokens and info.metadata == {"k": "v"} == on_disk[1].metadata
     assert len(data) == path.stat().st_size

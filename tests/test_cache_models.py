@@ -49,7 +49,7 @@ from mlx_chatcache.cache import (
     trim_prompt_cache,
 )
 from mlx_chatcache.backend import blas
-from mlx_chatcache.files.cache_io import load_prompt_cache, save_prompt_cache
+from mlx_chatcache.files.cache_io import load_cache_file, load_prompt_cache, save_prompt_cache
 
 # With the Linux OpenBLAS swap (mlx_chatcache.backend.blas) a product of one row and one of many
 # rows run different kernels (another summation order), so cached and one-call logits agree to
@@ -277,7 +277,7 @@ def test_save_load_continue_is_bit_exact(tiny_model, flavour, tmp_path):
     path = tmp_path / "c.safetensors"
     save_prompt_cache(path, cache, tokens=head, model=model.fingerprint, metadata={"k": "v"})
     in_memory = copy_prompt_cache(cache)
-    loaded, info = load_prompt_cache(path, return_metadata=True, model=model.fingerprint)
+    loaded, info = load_cache_file(path, model=model.fingerprint)
 
     assert info.layout == "mlxcc" and info.tokens == head and info.metadata == {"k": "v"}
     assert info.classes == [type(c).__name__ for c in cache]

@@ -35,7 +35,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_chatcache.cache import KVCache
-from mlx_chatcache.files.cache_io import load_prompt_cache, save_prompt_cache
+from mlx_chatcache.files.cache_io import load_cache_file, load_prompt_cache, save_prompt_cache
 from mlx_chatcache.errors import CacheFileError
 from mlx_chatcache.files.atomic_write import TEMP_SUFFIX, remove_stale_temp_files
 
@@ -81,7 +81,7 @@ def _tokens(v: int) -> int:
 
 def _check_version(path: Path) -> int:
     """The file loads and is exactly one version, never a mix; returns it."""
-    cache, info = load_prompt_cache(path, return_metadata=True)
+    cache, info = load_cache_file(path)
     v = int(info.metadata["version"])
     assert info.tokens == [v % 1000] * _tokens(v)
     assert len(cache) == 4

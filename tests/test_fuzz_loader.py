@@ -22,7 +22,7 @@ import pytest
 from fuzz_files import MUTATIONS, ContractViolation, FuzzCase, build_seeds, check_file, generate
 
 import mlx_chatcache.cli as cli_pkg
-from mlx_chatcache.files.cache_io import load_prompt_cache
+from mlx_chatcache.files.cache_io import load_cache_file
 from mlx_chatcache.cli.main import main
 
 FUZZ_SEED = 20261130
@@ -95,7 +95,7 @@ def test_seed_files_are_valid_and_cover_every_layout(seeds, tmp_path):
         p = tmp_path / f"{s.name}.safetensors"
         p.write_bytes(s.data)
         assert check_file(p, tmp_path) == "loaded", s.name
-        _, info = load_prompt_cache(p, return_metadata=True)
+        _, info = load_cache_file(p)
         assert info.layout == s.layout
         classes |= set(info.classes)
     assert classes >= {"KVCache", "RotatingKVCache", "QuantizedKVCache", "QuantizedRotatingKVCache",

@@ -18,7 +18,8 @@ from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import ModelMismatchError, SessionError, UsageError
 from mlx_chatcache.generation.text import stream_generate
 from mlx_chatcache.chat.session import ChatSession
-from mlx_chatcache.chat.session_store import SessionLock, session_path
+from mlx_chatcache.chat.session_store import session_path
+from mlx_chatcache.files.lock import SessionLock
 
 CFG = DEFAULTS.updated(max_tokens=8)
 SYSTEM = "Keep your answers short."

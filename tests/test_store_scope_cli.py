@@ -17,7 +17,7 @@ from test_store_cli import SYSTEM, generate_args, reused_of, run_cli
 
 from mlx_chatcache.cache import QuantizedKVCache, kv_quantization_mismatch, quantize_prompt_cache
 from mlx_chatcache.config import DEFAULTS
-from mlx_chatcache.files.cache_io import load_prompt_cache, read_cache_info, save_prompt_cache
+from mlx_chatcache.files.cache_io import load_cache_file, read_cache_info, save_prompt_cache
 from mlx_chatcache.generation.prompt_state import PromptCache
 from mlx_chatcache.generation.prompt_store import render_chat
 from mlx_chatcache.generation.stored_prompt import FileContents, prompt_scope, put_prompt
@@ -73,7 +73,7 @@ def test_older_file_without_kv_settings_adopts_its_layers_quantization(tiny_mode
     d, q, folder = tiny_model_dirs["llama"], tmp_path / "q.safetensors", tmp_path / "D"
     made = generate_args(d, "Tell me about rivers", "--kv-bits", "8", "--save-prompt-cache", str(q))
     assert run_cli(capsys, *made)[0] == 0
-    cache, info = load_prompt_cache(q, return_metadata=True)
+    cache, info = load_cache_file(q)
     old = {k: v for k, v in info.settings.items() if k not in ("kv_bits", "kv_group_size", "quantized_kv_start")}
     save_prompt_cache(q, cache, tokens=info.tokens, model=info.model, messages=info.messages, settings=old)
     assert "kv_bits" not in read_cache_info(q).settings

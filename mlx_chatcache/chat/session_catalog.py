@@ -19,7 +19,9 @@ from pathlib import Path
 from ..errors import ChatCacheError, SessionError
 from ..files.cache_io import CacheFileInfo, read_cache_info
 from ..files.atomic_write import remove_stale_temp_files
-from .session_store import SESSION_KEY, SESSION_SUFFIX, SessionLock, remove_stale_lock, session_path, sessions_dir
+from ..files.cache_file import SESSION_KEY
+from ..files.lock import SessionLock, remove_stale_lock
+from .session_store import SESSION_SUFFIX, session_path, sessions_dir
 
 
 @dataclass

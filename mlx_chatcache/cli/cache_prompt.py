@@ -16,7 +16,7 @@ import time
 
 from ..config import INTERRUPTIBLE_CALL_SECONDS
 from ..errors import UsageError
-from ..files.save_target import check_save_target
+from ..files.cache_file import check_target
 from ..models.context import check_prompt_fits
 from .common import (
     add_cache_args,
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt, args.prompt_file)
     if not prompt and not args.system_prompt:
         raise UsageError("nothing to cache: pass --prompt, --prompt-file or --system-prompt")
-    check_save_target(args.prompt_cache_file, args.force)  # before any work: see save_target
+    check_target(args.prompt_cache_file, args.force, mine=True)  # today's rule; the door lane makes it claim()
     config = check_window_flags(config_from_args(args))  # before the model loads
     model, tokenizer = load_model(args)
     messages, text, tokens = build(args, tokenizer, prompt)

@@ -56,12 +56,11 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def run_trim(args: argparse.Namespace) -> int:
-    from ..chat.session_store import SESSION_KEY
     from ..errors import UsageError
+    from ..files.cache_file import is_session
     from ..files.cache_io import read_cache_info
 
-    info = read_cache_info(args.file)
-    if SESSION_KEY in info.metadata and info.messages is not None:
+    if is_session(read_cache_info(args.file)):
         raise UsageError(f"{args.file} is a chat session: trimming would break its bookkeeping; use /undo "
                          "in 'mlxcc chat' (or export it with 'mlxcc cache convert' first)")  # fmt: skip
     before, after = trim_cache_file(args.file, args.output or args.file, args.n, args.drop)

@@ -17,7 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..chat.session_store import SessionLock, session_path
+from ..chat.session_store import session_path
+from ..files.lock import SessionLock
 from ..errors import SessionError
 from ..files.atomic_write import remove_stale_temp_files
 from .common import (

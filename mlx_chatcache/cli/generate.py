@@ -38,12 +38,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..chat.session_store import SessionLock
+from ..files.lock import SessionLock
 from ..config import INTERRUPTIBLE_CALL_SECONDS, GenerationConfig
 from ..errors import CacheFormatError, UsageError
 from ..files.cache_io import read_cache_info
 from ..files.formats import CacheFileInfo
-from ..files.save_target import check_save_target
+from ..files.cache_file import check_target
 from ..models.context import check_prompt_fits
 from .common import (
     add_cache_args,
@@ -174,7 +174,7 @@ def _run(args: argparse.Namespace) -> int:
     if not prompt:
         raise UsageError("the prompt is empty; pass --prompt TEXT ('-' reads stdin) or --prompt-file FILE")
     if args.save_prompt_cache:
-        check_save_target(args.save_prompt_cache, args.force)  # before any work: see save_target
+        check_target(args.save_prompt_cache, args.force, mine=True)  # today's rule; the door lane makes it claim()
     info = read_cache_info(args.prompt_cache_file) if args.prompt_cache_file else None
     config = check_window_flags(file_config(args, info))  # before the model loads
     model, tokenizer = load_model(args)

@@ -39,7 +39,7 @@ from .common import human_bytes, require_utf8
 from .progress import ProgressBar
 from ..config import mlxcc_home
 from ..errors import ChatCacheError, UsageError
-from ..files.save_target import check_save_target
+from ..files.cache_file import check_target
 from ..chat.session import ChatSession, RollbackResult, TurnResult
 
 HELP = f"""\
@@ -311,7 +311,7 @@ class ChatREPL:
         if not name:
             raise UsageError("usage: /save FILE [--force]")
         path = Path(name).expanduser()
-        check_save_target(path, force)
+        check_target(path, force, mine=True)  # today's rule; the door lane makes it claim()
         for line in self.session.save(path):
             self.note(f"warning: {line}")
         self.note(f"[session saved to {name}]")

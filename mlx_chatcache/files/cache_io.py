@@ -1,9 +1,11 @@
 """The cache file format (see docs/cache-format.md) and its save/load API.
 
-``save_prompt_cache(path, cache, tokens=..., model=..., messages=..., metadata=...)``
+``save_prompt_cache(path, cache, metadata, tokens=..., model=..., messages=...)``
 writes a self-describing safetensors file atomically. ``load_prompt_cache(path)``
 validates everything it reads and returns our cache objects; it also reads files
-written by mlx-lm (0.32 layout and the older meta_state layout).
+written by mlx-lm (0.32 layout and the older meta_state layout). Both take
+mlx-lm's arguments first, with its meaning; ``load_cache_file`` returns the
+file's whole self-description (:class:`CacheFileInfo`) with the layers.
 ``prompt_cache_bytes`` / ``load_prompt_cache_bytes`` do the same with the file
 held in memory (values of a remote store tier). With
 ``format="mlx-lm"`` we write a file mlx-lm 0.32's ``load_prompt_cache`` accepts.
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from .. import __version__
-from ..errors import CacheFileError, CacheFormatError, ChatCacheError, ModelMismatchError
+from ..errors import CacheFileError, CacheFormatError, ChatCacheError, ModelMismatchError, UnsupportedCacheError
 from ..models.fingerprint import ModelFingerprint
 from . import formats
 from .formats import CacheFileInfo
@@ -53,31 +55,47 @@ CACHE_CLASS_NAMES = frozenset({"KVCache", "QuantizedKVCache", "RotatingKVCache",
 
 # ------------------------------------------------------------------ save
 def save_prompt_cache(
-    path: str | os.PathLike,
+    file_name: str | os.PathLike,
     cache: Sequence[BaseCache],
+    metadata: dict[str, str] | None = None,
     *,
     tokens: Sequence[int] | None = None,
     model: ModelFingerprint | None = None,
     messages: list[dict] | None = None,
     text: str | None = None,
     settings: dict | None = None,
-    metadata: dict[str, str] | None = None,
     format: str = "mlxcc",
 ) -> None:
-    """Save ``cache`` (one cache per layer) atomically to ``path``.
+    """Save ``cache`` (one cache per layer) atomically to ``file_name`` (mlx-lm's signature).
 
-    ``tokens``: the token ids the cache holds; ``model``: the fingerprint of the
-    model that made it; ``messages``: the chat it holds; ``text``: the raw text it
-    holds (no chat template); ``settings``: JSON-able shape/sampling settings;
-    ``metadata``: free string metadata.
+    ``metadata``: free string metadata; ``tokens``: the token ids the cache holds;
+    ``model``: the fingerprint of the model that made it; ``messages``: the chat it
+    holds; ``text``: the raw text it holds (no chat template); ``settings``:
+    JSON-able shape/sampling settings. A cache with layers that are not ours
+    (mlx-lm's own classes, e.g. its ``BatchKVCache``) is written in mlx-lm's
+    layout, whatever ``format`` says (see :mod:`.mlxlm_compat`).
     """
-    if format != "mlxcc":
-        writer = formats.writer_named(format)
+    foreign = next((type(c).__name__ for c in cache if not _is_ours(c)), None)
+    if format != "mlxcc" or foreign:
+        writer = formats.writer_named("mlx-lm" if format == "mlxcc" else format)
         if writer is None:
             names = " or ".join(repr(n) for n in ["mlxcc", *formats.format_names()])
             raise CacheFormatError(f"unknown cache file format {format!r}; use {names}")
-        return writer.save(path, cache, metadata or {})
-    write_atomic(path, *_file_contents(path, cache, tokens, model, messages, text, settings, metadata))
+        given = [k for k, v in (("tokens", tokens), ("model", model), ("messages", messages), ("text", text),
+                                ("settings", settings or None)) if v is not None]  # fmt: skip
+        if given:
+            why = f"a {foreign} layer (mlx-lm's class)" if format == "mlxcc" else f"format={format!r}"
+            raise UnsupportedCacheError(
+                f"cannot save {', '.join(given)} with {why}: that file layout holds only the layers "
+                "and string metadata; pass them in metadata or save our cache classes"
+            )
+        return writer.save(file_name, cache, metadata or {})
+    write_atomic(file_name, *_file_contents(file_name, cache, tokens, model, messages, text, settings, metadata))
+
+
+def _is_ours(layer) -> bool:
+    """Whether ``layer`` is one of our cache classes (they alone have ``file_state``)."""
+    return hasattr(layer, "file_state")
 
 
 def prompt_cache_bytes(
@@ -134,25 +152,42 @@ def read_cache_info(path: str | os.PathLike) -> CacheFileInfo:
 
 
 def load_prompt_cache(
-    path: str | os.PathLike,
+    file_name: str | os.PathLike,
     return_metadata: bool = False,
     *,
     model: ModelFingerprint | None = None,
     what: str = "cache file",
 ):
-    """Load a cache file (ours or mlx-lm's). With ``model``, refuse a file made
-    for another model (before reading its arrays; ``what`` names the file in the
-    ModelMismatchError). Returns the cache, or ``(cache, CacheFileInfo)``."""
-    return _load(read_header(path), return_metadata, model, what)
+    """Load a cache file (ours or mlx-lm's; mlx-lm's signature). With ``model``, refuse
+    a file made for another model (before reading its arrays; ``what`` names the file
+    in the ModelMismatchError). Returns the cache, or ``(cache, metadata)`` with the
+    string metadata it was saved with. :func:`load_cache_file` returns all the file says."""
+    cache, info = _load(read_header(file_name), model, what)
+    return (cache, info.metadata) if return_metadata else cache
+
+
+def load_cache_file(path: str | os.PathLike, *, model: ModelFingerprint | None = None,
+                    what: str = "cache file") -> tuple[list[BaseCache], CacheFileInfo]:  # fmt: skip
+    """:func:`load_prompt_cache` returning ``(cache, CacheFileInfo)``: the layers and
+    everything the file says about them (tokens, model, messages, settings...). Only
+    our cache classes: a file of mlx-lm's batch classes is refused (UnsupportedCacheError)."""
+    cache, info = _load(read_header(path), model, what)
+    foreign = next((type(c).__name__ for c in cache if not _is_ours(c)), None)
+    if foreign:
+        raise UnsupportedCacheError(
+            f"{path} holds mlx-lm {foreign} layers (batched generation), which mlx_chatcache does not "
+            "generate with; load it with mlx_chatcache.load_prompt_cache or mlx-lm"
+        )
+    return cache, info
 
 
 def load_prompt_cache_bytes(data: bytes, name: str, *, model: ModelFingerprint | None = None):
     """:func:`load_prompt_cache` for a file held in memory (``name`` stands for
     its path in messages): the same checks. Returns ``(cache, CacheFileInfo)``."""
-    return _load(read_header_bytes(data, name), True, model, name)
+    return _load(read_header_bytes(data, name), model, name)
 
 
-def _load(header: Header, return_metadata: bool, model: ModelFingerprint | None, what: str):
+def _load(header: Header, model: ModelFingerprint | None, what: str):
     info = _info_from_header(header)
     if model is not None:
         model.check(info.model, what=what)
@@ -170,7 +205,7 @@ def _load(header: Header, return_metadata: bool, model: ModelFingerprint | None,
             f"{header.path}: cache layers are inconsistent ({detail}); delete the file or rebuild it"
         ) from e
     _check_tokens_match(header.path, cache, info.tokens)
-    return (cache, info) if return_metadata else cache
+    return cache, info
 
 
 def _build_layers(header: Header, info: CacheFileInfo) -> list[BaseCache]:
@@ -189,7 +224,7 @@ def _check_tokens_match(path, cache, tokens) -> None:
     if tokens is None:
         return
     for i, c in enumerate(cache):
-        if c.offset not in (0, len(tokens)):
+        if _is_ours(c) and c.offset not in (0, len(tokens)):  # mlx-lm's batch layers: one offset per sequence
             raise CacheFormatError(
                 f"{path}: layer {i} holds {c.offset} tokens but {len(tokens)} token ids are "
                 "listed; the cache and its tokens disagree (tampered or damaged file): rebuild it"
@@ -347,6 +382,7 @@ __all__ = [
     "save_prompt_cache",
     "prompt_cache_bytes",
     "load_prompt_cache",
+    "load_cache_file",
     "load_prompt_cache_bytes",
     "read_cache_info",
     "check_cache_fits_model",

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import UnsupportedCacheError, UsageError
-from .cache_io import CacheFileInfo, load_prompt_cache, read_cache_info, save_prompt_cache
+from .cache_io import CacheFileInfo, load_cache_file, read_cache_info, save_prompt_cache
 from .mlxlm_compat import recorded_metadata
 
 FORMATS = ("mlx-lm", "mlxcc")
@@ -54,7 +54,7 @@ def convert_cache_file(src, dst, to: str) -> CacheFileInfo:
     """Write the cache in ``src`` to ``dst`` in layout ``to`` ("mlx-lm" or "mlxcc")."""
     if to not in FORMATS:
         raise UsageError(f"unknown cache format {to!r}; use one of {', '.join(FORMATS)}")
-    cache, info = load_prompt_cache(src, return_metadata=True)
+    cache, info = load_cache_file(src)
     _save(dst, cache, info, to)
     return info
 
@@ -65,7 +65,7 @@ def trim_cache_file(src, dst, n: int, drop: bool = False) -> tuple[int, int]:
     returns (tokens before, tokens after)."""
     from ..cache import can_trim_prompt_cache, cache_offset, trim_prompt_cache  # imports mlx-lm
 
-    cache, info = load_prompt_cache(src, return_metadata=True)
+    cache, info = load_cache_file(src)
     held = cache_offset(cache)
     if n > held:
         raise UsageError(f"{src} holds {held} tokens; cannot {'drop' if drop else 'keep'} {n}")

@@ -19,6 +19,12 @@ Both are converted to our classes: live tokens only; a wrapped rotating ring of
 the file is exactly what the installed mlx-lm expects; a wrapped window is
 written as its ring buffer with mlx-lm's ``_idx`` set.
 
+mlx-lm's own cache objects are written as they are (their ``state``), so a
+cache of mlx-lm's batch classes (``BatchKVCache``, ``BatchRotatingKVCache``),
+which we have no equivalent of, can be saved; reading a 0.32 file, those are
+built as mlx-lm's classes with their state set once it is checked (they go on
+taking tokens), the other classes become ours.
+
 mlx-lm files hold no token ids. When we write one (``mlxcc cache convert --to
 mlx-lm``) we add user metadata mlx-lm ignores: ``mlxcc_tokens``,
 ``mlxcc_messages``, ``mlxcc_text``, ``mlxcc_settings`` (JSON) and
@@ -47,22 +53,25 @@ if TYPE_CHECKING:  # mlx and the cache classes (and so mlx-lm) load only when ar
 _INDEX = re.compile(r"^\d{1,6}$")
 _MLX_LM_CLASSES = {"KVCache", "RotatingKVCache", "QuantizedKVCache", "ArraysCache",
                    "ChunkedKVCache", "CacheList", "ConcatenateKVCache"}
+# mlx-lm classes we have no equivalent of: read from 0.32 files as mlx-lm's own objects (its
+# state setter), after the checks of _batch_state; each name -> the size of its ``state``
+_KEPT_AS_MLX_LM = {"BatchKVCache": 5, "BatchRotatingKVCache": 8}
 
 
-def _classes(meta: dict[str, str], prefix: str) -> list[str] | None:
+def _classes(meta: dict[str, str], prefix: str, known) -> list[str] | None:
     names, i = [], 0
     while f"{prefix}.{i}" in meta:
         names.append(meta[f"{prefix}.{i}"])
         i += 1
-    return names if names and all(n in _MLX_LM_CLASSES for n in names) else None
+    return names if names and all(isinstance(n, str) and n in known for n in names) else None
 
 
 def detect_mlx_lm(header: Header):
     """CacheFileInfo for an mlx-lm file, or None if the file is not one."""
     meta = header.metadata
-    if meta.get("2.0") == "" and (classes := _classes(meta, "1")):
+    if meta.get("2.0") == "" and (classes := _classes(meta, "1", _MLX_LM_CLASSES | set(_KEPT_AS_MLX_LM))):
         layout, user = "mlx-lm", _sub(meta, "0")
-    elif classes := _classes(meta, "2"):
+    elif classes := _classes(meta, "2", _MLX_LM_CLASSES):
         layout, user = "mlx-lm-legacy", _sub(meta, "1")
     else:
         return None
@@ -223,7 +232,50 @@ def _from_032(name: str, s: list) -> BaseCache:
         return _arrays(s[0] if s else [])
     if name == "CacheList":
         return CacheList(*(_from_032(child[1], _as_list(child[0])) for child in s))
+    if name in _KEPT_AS_MLX_LM:
+        from mlx_lm.models import cache as lm
+
+        state = _batch_state(name, s)
+        # made by its __init__, then its state setter: mlx-lm's from_state skips __init__, and the
+        # attributes only __init__ sets (_lengths, _right_padding) would be missing on the next update
+        c = lm.BatchKVCache([0]) if name == "BatchKVCache" else lm.BatchRotatingKVCache(state[4], [0])
+        c.state = state
+        return c
     raise UnsupportedCacheError(f"mlx-lm cache class {_shown(name)} is not supported")
+
+
+def _batch_state(name: str, s: list) -> tuple:
+    """``s`` checked to be a state mlx-lm's ``BatchKVCache``/``BatchRotatingKVCache`` can hold:
+    keys/values ``(B, H, slots, D)`` (or both None), per-sequence ``offset``/``left_padding``
+    (1-D integers), write position within the slots. mlx-lm checks nothing here; the
+    batch sizes are not compared (its own tests save keys of 4 sequences with 2 paddings)."""
+    import mlx.core as mx
+
+    if not isinstance(s, list) or len(s) != _KEPT_AS_MLX_LM[name]:
+        raise CacheFormatError(f"mlx-lm {name} state has {len(s) if isinstance(s, list) else 'no'} entries")
+    keys, values, offset, left_padding, *rest = s
+    if (keys is None) != (values is None):
+        raise CacheFormatError(f"mlx-lm {name} has keys without values or values without keys")
+    if not all(isinstance(a, mx.array) and a.ndim == 1 and mx.issubdtype(a.dtype, mx.integer)
+               for a in (offset, left_padding)):  # fmt: skip
+        raise CacheFormatError(f"mlx-lm {name} offset/left_padding are not one integer per sequence")
+    slots = 0
+    if keys is not None:
+        if not all(isinstance(a, mx.array) and a.ndim == 4 for a in (keys, values)) or \
+                keys.shape[:3] != values.shape[:3]:
+            raise CacheFormatError(f"mlx-lm {name} keys/values are not (batch, heads, slots, dim) arrays")
+        slots = keys.shape[2]
+    if name == "BatchRotatingKVCache":
+        max_size, ring_offset, idx, rotated = map(_int, rest)
+        if max_size < 1 or rotated > 1:
+            raise CacheFormatError(f"mlx-lm {name} max_size/rotated are invalid")
+        rest = [max_size, ring_offset, idx, bool(rotated)]
+    else:
+        idx = _int(rest[0])
+        rest = [idx]
+    if idx > slots:
+        raise CacheFormatError(f"mlx-lm {name} write position {idx} is past its {slots} slots")
+    return (keys, values, offset, left_padding, *rest)
 
 
 def _from_legacy(name: str, s: list, meta) -> BaseCache:
@@ -310,6 +362,13 @@ def _to_mlx_lm(c: BaseCache):
     from mlx_lm.models import cache as lm
 
     name = type(c).__name__
+    if not hasattr(c, "file_state"):  # not ours: mlx-lm's own object, saved as it is
+        if name not in _MLX_LM_CLASSES | set(_KEPT_AS_MLX_LM) or not type(c).__module__.startswith("mlx_lm."):
+            raise UnsupportedCacheError(
+                f"cannot save a layer of class {_shown(name)}: it is neither an mlx_chatcache cache "
+                "nor one of mlx-lm's cache classes"
+            )
+        return c
     if name == "KVCache":
         out = lm.KVCache()
         out.keys, out.values = (c._fetch() if c.keys is not None else (None, None))

@@ -106,8 +106,9 @@ from typing import Callable, Collection, Iterator, Sequence
 import mlx.core as mx
 
 from ..cache import BaseCache, quantize_prompt_cache
-from ..config import DEFAULTS, GenerationConfig, SettingError, check_config
+from ..config import GenerationConfig, SettingError, check_config
 from ..errors import UsageError
+from .arguments import call_config, call_state, refuse_unsupported
 from .model_call import call_model
 from .pacing import CallPacer
 from .prompt_state import PromptCache, common_prefix_len, ensure_state, reuse_prefix, trim_state
@@ -335,18 +336,27 @@ def _restore_random_key(key: mx.array) -> None:
 
 
 def generate_step(
-    prompt_tokens: Sequence[int],
+    prompt: Sequence[int] | mx.array,
     model,
     *,
-    state: PromptCache | None = None,
-    config: GenerationConfig | None = None,
+    max_tokens: int | None = None,
     sampler: Sampler | None = None,
     logits_processors: Sequence[LogitsProcessor] | None = None,
+    max_kv_size: int | None = None,
+    prompt_cache: list[BaseCache] | PromptCache | None = None,
+    prefill_step_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int | None = None,
+    quantized_kv_start: int | None = None,
+    prompt_progress_callback: Progress | None = None,
+    input_embeddings=None,
+    state: PromptCache | None = None,
+    config: GenerationConfig | None = None,
     stop_tokens: Collection[int] = (),
     progress: Progress | None = None,
     max_call_seconds: float | None = None,
 ) -> Iterator[tuple[int, mx.array]]:
-    """Yield ``(token, logprobs (V,))`` for up to ``config.max_tokens`` tokens.
+    """Yield ``(token, logprobs (V,))`` for up to ``config.max_tokens`` tokens (-1: no limit).
 
     A prompt id the model does not have raises
     :class:`~mlx_chatcache.errors.TokenIdError` before ``state`` is touched.
@@ -358,15 +368,38 @@ def generate_step(
     ``progress`` gets ``(done, total)`` over the prompt tokens that are not
     reused, ending with ``(total, total)``. ``max_call_seconds``: see
     :func:`prefill` (the prompt's calls are sized so Ctrl-C is acted upon).
+
+    mlx-lm's keywords are accepted with its meaning: ``max_tokens``, ``max_kv_size``,
+    ``prefill_step_size``, ``kv_bits``, ``kv_group_size``, ``quantized_kv_start``
+    override ``config`` when given; ``prompt_progress_callback`` is ``progress``;
+    ``prompt_cache`` is ``state`` when a :class:`PromptCache`, and when a list of
+    layers (made by :func:`~mlx_chatcache.cache.make_prompt_cache`) the prompt is
+    appended to what they hold, no prefix is reused, every token yielded is fed
+    (the ``max_tokens``-th and stop tokens too) and an error leaves the layers as
+    the model left them, as mlx-lm does. ``input_embeddings`` is refused.
     """
-    config = config or DEFAULTS
-    prompt = [int(t) for t in prompt_tokens]
-    try:
-        check_config(config)  # every field in its range (a seed MLX takes, a top_p that leaves a token)
+    refuse_unsupported(input_embeddings=input_embeddings)
+    config = call_config(
+        config, max_tokens=max_tokens, max_kv_size=max_kv_size, prefill_step_size=prefill_step_size,
+        kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+    )  # fmt: skip
+    if progress is not None and prompt_progress_callback is not None:
+        raise UsageError("pass progress or prompt_progress_callback, not both")
+    progress = progress or prompt_progress_callback
+    prompt = prompt.reshape(-1).tolist() if isinstance(prompt, mx.array) else [int(t) for t in prompt]
+    if config.max_tokens < 1 and config.max_tokens != -1:
+        raise UsageError(f"max_tokens must be >= 1 (or -1: no limit), got {config.max_tokens}")
+    try:  # every field in its range (a seed MLX takes, a top_p that leaves a token)
+        check_config(config.updated(max_tokens=1) if config.max_tokens == -1 else config)
     except SettingError as e:
         raise UsageError(e.named) from None
     check_token_ids(model, prompt)  # before the state is trimmed to the prompt
-    state = ensure_state(model, state, config)
+    state, borrowed = call_state(prompt_cache, state)
+    if not borrowed:
+        state = ensure_state(model, state, config)
+    elif not prompt:
+        raise UsageError("the prompt is empty; give at least one token")
+    guard = (lambda: contextlib.nullcontext()) if borrowed else (lambda: _reset_on_error(state, model))
     own_sampler = sampler is None  # draws indices of the logits
     sampler = sampler or make_sampler(
         config.temp, config.top_p, config.top_k, config.min_p, config.min_tokens_to_keep
@@ -377,9 +410,9 @@ def generate_step(
     if config.seed is not None:
         mx.random.seed(config.seed)
 
-    reused = reuse_prefix(state, prompt, model)
+    reused = 0 if borrowed else reuse_prefix(state, prompt, model)
     todo = prompt[reused:]
-    with _reset_on_error(state, model):
+    with guard():
         rest = prefill(
             model, state.cache, todo, config.prefill_step_size, progress, kv_quantizer=quantizer,
             leave=final_call_size(model, len(todo), config.prefill_step_size), max_call_seconds=max_call_seconds,
@@ -388,21 +421,30 @@ def generate_step(
         token_arr, logprobs = _start_step(model, state, rest, sampler, logits_processors, quantizer)
 
     always_undoable = all(map(_always_undoable, state.cache))
-    for n in range(1, config.max_tokens + 1):
+    n = 0
+    while True:
+        n += 1
         last = n == config.max_tokens
-        with _reset_on_error(state, model):
-            # feed token n before it is known (not the first: see the module doc)
-            ahead = (1 < n < config.max_tokens and not logits_processors
-                     and (always_undoable or all(map(_can_take_back, state.cache))))  # fmt: skip
-            if ahead:
-                key, layers = mx.random.state[0], list(state.cache)
-                following = _start_step(model, state, token_arr[None], sampler, (), quantizer, own_sampler)
-            token = token_arr.item()
-            if ahead:
+        with guard():
+            if borrowed:  # mlx-lm's order: every token is fed before it is yielded
+                ahead = True
+                token = token_arr.item()
                 state.tokens.append(token)
-                if token in stop_tokens:  # fed for nothing: take it back
-                    _take_back_one(state, model, layers)
-                    _restore_random_key(key)
+                following = _start_step(model, state, token_arr[None], sampler, logits_processors, quantizer,
+                                        own_sampler)  # fmt: skip
+            else:
+                # feed token n before it is known (not the first: see the module doc)
+                ahead = (1 < n and not last and not logits_processors
+                         and (always_undoable or all(map(_can_take_back, state.cache))))  # fmt: skip
+                if ahead:
+                    key, layers = mx.random.state[0], list(state.cache)
+                    following = _start_step(model, state, token_arr[None], sampler, (), quantizer, own_sampler)
+                token = token_arr.item()
+                if ahead:
+                    state.tokens.append(token)
+                    if token in stop_tokens:  # fed for nothing: take it back
+                        _take_back_one(state, model, layers)
+                        _restore_random_key(key)
         if n == 1 and progress:
             progress(len(todo), len(todo))
         yield token, logprobs[0]
@@ -413,7 +455,7 @@ def generate_step(
         if ahead:
             token_arr, logprobs = following
         else:
-            with _reset_on_error(state, model):
+            with guard():
                 state.tokens.append(token)
                 token_arr, logprobs = _start_step(
                     model, state, [token], sampler, logits_processors, quantizer

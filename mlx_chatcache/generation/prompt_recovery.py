@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from ..cache import can_trim_prompt_cache, cache_offset, make_prompt_cache, trim_prompt_cache
 from ..errors import CacheFileError, UsageError
-from ..files.cache_io import load_prompt_cache
+from ..files.cache_io import load_cache_file
 from .model_call import call_model
 from .prompt_state import PromptCache
 
@@ -33,7 +33,7 @@ TOLERANCE = 0.05  # max |cached - recomputed| relative to max |recomputed|, per 
 def load_untokenized(path, model, raw: bool) -> PromptCache:
     """A cache file without token ids as a PromptCache whose ``tokens`` are
     still empty (:func:`adopt_prompt_prefix` fills them from the prompt)."""
-    cache, info = load_prompt_cache(path, return_metadata=True, model=getattr(model, "fingerprint", None))
+    cache, info = load_cache_file(path, model=getattr(model, "fingerprint", None))
     max_kv, keep = info.settings.get("max_kv_size"), info.settings.get("keep")
     rotating = next((c for c in cache if type(c).__name__ == "RotatingKVCache"), None)
     if max_kv is None and rotating is not None:

@@ -29,7 +29,7 @@ from typing import Sequence
 from ..cache import BaseCache, cache_offset, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from ..config import DEFAULTS, GenerationConfig, SettingError, check_setting, check_window
 from ..errors import CacheFormatError, UsageError
-from ..files.cache_io import check_cache_fits_model, load_prompt_cache, save_prompt_cache
+from ..files.cache_io import check_cache_fits_model, load_cache_file, save_prompt_cache
 from ..models.fingerprint import ModelFingerprint
 
 
@@ -91,7 +91,7 @@ class PromptCache:
     @classmethod
     def load(cls, path, model) -> "PromptCache":
         """The prompt cache saved at ``path``, for ``model``: checks fingerprint, layers and token ids."""
-        cache, info = load_prompt_cache(path, return_metadata=True, model=model.fingerprint)
+        cache, info = load_cache_file(path, model=model.fingerprint)
         if info.tokens is None:
             raise CacheFormatError(
                 f"{path} does not say which tokens it holds (written by {info.layout}); "

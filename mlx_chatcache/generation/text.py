@@ -16,8 +16,10 @@ from typing import Iterable, Iterator, Sequence
 
 import mlx.core as mx
 
-from ..config import DEFAULTS, GenerationConfig
+from ..cache import BaseCache
+from ..config import GenerationConfig
 from ..errors import UsageError
+from .arguments import call_config, call_state, refuse_unsupported
 from .generate import Progress, generate_step
 from .prompt_state import PromptCache, ensure_state, reuse_prefix
 from .sample import LogitsProcessor, Sampler
@@ -49,6 +51,7 @@ class GenerationResponse:
     ttft: float
     peak_memory: float
     finish_reason: str | None = None
+    from_draft: bool = False  # as mlx-lm's; no draft model here, so always False
 
 
 def as_tokenizer_wrapper(tokenizer):
@@ -100,11 +103,21 @@ def stream_generate(
     model,
     tokenizer,
     prompt: str | Sequence[int] | mx.array,
+    max_tokens: int | None = None,
+    draft_model=None,
     *,
-    state: PromptCache | None = None,
-    config: GenerationConfig | None = None,
     sampler: Sampler | None = None,
     logits_processors: Sequence[LogitsProcessor] | None = None,
+    max_kv_size: int | None = None,
+    prompt_cache: list[BaseCache] | PromptCache | None = None,
+    prefill_step_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int | None = None,
+    quantized_kv_start: int | None = None,
+    prompt_progress_callback: Progress | None = None,
+    input_embeddings=None,
+    state: PromptCache | None = None,
+    config: GenerationConfig | None = None,
     extra_eos_tokens: Iterable[str | int] = (),
     progress: Progress | None = None,
     max_call_seconds: float | None = None,
@@ -115,21 +128,31 @@ def stream_generate(
     is reused and updated in place (see the module docstring); None uses a
     throw-away cache. Generation stops at the tokenizer's EOS tokens, at
     ``extra_eos_tokens`` and at ``config.max_tokens``. ``max_call_seconds``:
-    see :func:`~mlx_chatcache.generation.generate.prefill`.
+    see :func:`~mlx_chatcache.generation.generate.prefill`. mlx-lm's keywords
+    (``max_tokens``, ``prompt_cache``, ...) mean what they mean for
+    :func:`~mlx_chatcache.generation.generate.generate_step`; ``draft_model`` and
+    ``input_embeddings`` are refused.
     """
     start = time.perf_counter()
-    config = config or DEFAULTS
+    refuse_unsupported(draft_model, input_embeddings)
+    config = call_config(
+        config, max_tokens=max_tokens, max_kv_size=max_kv_size, prefill_step_size=prefill_step_size,
+        kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+    )  # fmt: skip
     tokenizer = as_tokenizer_wrapper(tokenizer)
     prompt_ids = encode_prompt(tokenizer, prompt)
     check_token_ids(model, prompt_ids)  # before the state is trimmed to the prompt
     stops = stop_token_ids(tokenizer, extra_eos_tokens)
-    state = ensure_state(model, state, config)
-    reused = reuse_prefix(state, prompt_ids, model)
+    state, borrowed = call_state(prompt_cache, state)
+    reused = 0
+    if not borrowed:
+        state = ensure_state(model, state, config)
+        reused = reuse_prefix(state, prompt_ids, model)
     detokenizer = tokenizer.detokenizer
     steps = generate_step(
-        prompt_ids, model, state=state, config=config, sampler=sampler,
-        logits_processors=logits_processors, stop_tokens=stops, progress=progress,
-        max_call_seconds=max_call_seconds,
+        prompt_ids, model, prompt_cache=state.cache if borrowed else None, state=None if borrowed else state,
+        config=config, sampler=sampler, logits_processors=logits_processors, stop_tokens=stops,
+        progress=progress, prompt_progress_callback=prompt_progress_callback, max_call_seconds=max_call_seconds,
     )  # fmt: skip
     for n, (token, logprobs) in enumerate(steps, 1):
         now = time.perf_counter()
@@ -159,19 +182,33 @@ def generate(
     model,
     tokenizer,
     prompt: str | Sequence[int] | mx.array,
+    verbose: bool = False,
     *,
-    state: PromptCache | None = None,
-    config: GenerationConfig | None = None,
+    max_tokens: int | None = None,
+    draft_model=None,
     sampler: Sampler | None = None,
     logits_processors: Sequence[LogitsProcessor] | None = None,
+    max_kv_size: int | None = None,
+    prompt_cache: list[BaseCache] | PromptCache | None = None,
+    prefill_step_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int | None = None,
+    quantized_kv_start: int | None = None,
+    prompt_progress_callback: Progress | None = None,
+    input_embeddings=None,
+    state: PromptCache | None = None,
+    config: GenerationConfig | None = None,
     extra_eos_tokens: Iterable[str | int] = (),
-    verbose: bool = False,
 ) -> str:
-    """The whole generated text (see :func:`stream_generate`); ``verbose`` prints it and stats."""
+    """The whole generated text (see :func:`stream_generate`, which takes the same
+    keywords); ``verbose`` prints it and stats."""
     text, last = "", None
     for last in stream_generate(
-        model, tokenizer, prompt, state=state, config=config, sampler=sampler,
-        logits_processors=logits_processors, extra_eos_tokens=extra_eos_tokens,
+        model, tokenizer, prompt, max_tokens, draft_model, sampler=sampler, logits_processors=logits_processors,
+        max_kv_size=max_kv_size, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size, kv_bits=kv_bits,
+        kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+        prompt_progress_callback=prompt_progress_callback, input_embeddings=input_embeddings, state=state,
+        config=config, extra_eos_tokens=extra_eos_tokens,
     ):  # fmt: skip
         text += last.text
         if verbose:
@@ -185,7 +222,6 @@ def generate(
         print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s")
         print(f"Peak memory: {last.peak_memory:.3f} GB")
     return text
-
 
 __all__ = [
     "GenerationResponse",

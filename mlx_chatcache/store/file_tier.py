@@ -41,7 +41,7 @@ from pathlib import Path
 
 from ..cache import BaseCache, can_trim_prompt_cache
 from ..errors import CacheFileError, CacheFormatError, UsageError
-from ..files.cache_io import check_cache_fits_model, load_prompt_cache, read_cache_info, save_prompt_cache
+from ..files.cache_io import check_cache_fits_model, load_cache_file, read_cache_info, save_prompt_cache
 from ..files.formats import CacheFileInfo
 from .index import Entry
 from .tiers import Scope, Tier
@@ -124,7 +124,7 @@ class CacheFileTier(Tier):
     def _layers(self, scope: Scope) -> list[BaseCache]:
         ident = self._info[0]
         if self._loaded is None or self._loaded[0] != ident:
-            cache, info = load_prompt_cache(self.read_path, return_metadata=True, model=scope.fingerprint,
+            cache, info = load_cache_file(self.read_path, model=scope.fingerprint,
                                             what=self.what)  # fmt: skip
             if info.tokens != self._info[1].tokens:
                 raise CacheFileError(f"{self.read_path} changed while it was read; run the command again")

@@ -40,7 +40,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache, prompt_cache_nbytes
-from ..files.cache_io import check_cache_fits_model, load_prompt_cache, save_prompt_cache
+from ..files.cache_io import check_cache_fits_model, load_cache_file, save_prompt_cache
 from ..errors import ChatCacheError
 from ..models.fingerprint import ModelFingerprint
 from .disk_folder import claim_folder, entry_file_name, read_entry
@@ -213,7 +213,7 @@ class DiskTier(Tier):
     def fetch(self, entry, scope, expected):
         path = entry.payload
         try:
-            cache, info = load_prompt_cache(path, return_metadata=True, model=scope.fingerprint)
+            cache, info = load_cache_file(path, model=scope.fingerprint)
             if tuple(info.tokens or ()) != entry.tokens:
                 raise ChatCacheError(f"{path} changed since it was indexed")
             check_cache_fits_model(cache, expected, path)
