@@ -64,10 +64,12 @@ def run_trim(args: argparse.Namespace) -> int:
     from ..files.cache_file import is_session
     from ..files.cache_io import read_cache_info
 
-    if is_session(read_cache_info(args.file)):
-        raise UsageError(f"{args.file} is a chat session: trimming would break its bookkeeping; use /undo "
-                         "in 'mlxcc chat' (or export it with 'mlxcc cache convert' first)")  # fmt: skip
-    with claim(args.output or args.file, force=args.force) as out:
+    in_place = args.output is None
+    # in place, FILE is replaced only by its own trimmed cache: it must be one, and not a session (below)
+    with claim(args.output or args.file, force=args.force or in_place) as out:
+        if is_session(read_cache_info(args.file)):
+            raise UsageError(f"{args.file} is a chat session: trimming would break its bookkeeping; use /undo "
+                             "in 'mlxcc chat' (or export it with 'mlxcc cache convert' first)")  # fmt: skip
         before, after = trim_cache_file(args.file, out, args.n, args.drop)
     print(f"{args.output or args.file}: {before} -> {after} tokens")
     return 0
