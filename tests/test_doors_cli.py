@@ -14,7 +14,8 @@ file are replaced, the open session never.
 from __future__ import annotations
 
 import os
-import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -203,8 +204,6 @@ def test_load_switches_the_chat_and_writes_nothing(ctx, tmp_path, session_bytes,
 
 def test_a_symlinked_session_file_shares_the_lock_of_its_target(ctx, tmp_path, session_bytes):
     """A chat holding a session through a symlink keeps ``generate`` on the real path out."""
-    import subprocess
-    import sys
 
     real = tmp_path / "real.safetensors"
     real.write_bytes(session_bytes)
@@ -226,4 +225,3 @@ def test_a_symlinked_session_file_shares_the_lock_of_its_target(ctx, tmp_path, s
     finally:
         chat.communicate("", timeout=60)
     assert chat.returncode == 0 and link.is_symlink()
-    shutil.rmtree(tmp_path / "home", ignore_errors=True)
