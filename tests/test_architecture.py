@@ -195,3 +195,114 @@ def test_import_is_cheap():
     switch = ["mlx_chatcache", "mlx_chatcache.backend", "mlx_chatcache.backend.blas", "mlx_chatcache.backend.blas_elf",
               "mlx_chatcache.config"]
     assert out.strip() == repr(switch)
+
+
+# ------------------------------------------------------------------ the door
+# The low-level writers of a cache file, and the session lock: only the door
+# (files.cache_file), the format modules under it, and the store's own tiers
+# (DiskTier writes store-named files in its marked folder) may name them; every
+# command, the chat and generation write through files.cache_file.
+WRITERS = {"write_atomic", "write_file_atomic", "save_prompt_cache", "save_mlx_lm", "save_safetensors", "SessionLock"}
+WRITER_HOMES = {
+    f"{PKG}.files.atomic_write", f"{PKG}.files.cache_io", f"{PKG}.files.mlxlm_compat", f"{PKG}.files.cache_file",
+    f"{PKG}.files.lock",
+    f"{PKG}.store.tiers",  # DiskTier: its own marked folder (store/disk_folder.py)
+    PKG,  # the public re-export of save_prompt_cache
+}
+LOCK_USERS = {f"{PKG}.chat.session_catalog"}  # 'sessions rm' deletes a session under its lock (no write)
+
+
+def names_used(path: Path) -> set[str]:
+    """Every name a module refers to: names, imported names and called attributes
+    (``io.save_prompt_cache(...)``; ``args.save_prompt_cache`` is a flag's value)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            found.add(node.func.attr)
+        elif isinstance(node, ast.alias):
+            found.add(node.name.rpartition(".")[2])
+    return found
+
+
+def test_only_the_door_names_the_low_level_writers():
+    bad = {}
+    for name, path in all_modules().items():
+        used = names_used(path) & WRITERS
+        if name in LOCK_USERS:
+            used -= {"SessionLock"}
+        if used and name not in WRITER_HOMES:
+            bad[name] = sorted(used)
+    assert not bad, f"write cache files through mlx_chatcache.files.cache_file (claim/write), not: {bad}"
+
+
+def test_the_door_check_sees_a_writer():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "m.py"
+        f.write_text("from x import save_mlx_lm as z\nimport a.save_prompt_cache\n"
+                     "def f(io, args):\n    io.write_file_atomic(args.write_atomic)\n")
+        assert names_used(f) & WRITERS == {"save_mlx_lm", "save_prompt_cache", "write_file_atomic"}
+
+
+# Options that name no file a command writes (any command). A new option must be
+# listed here, in NOT_DOORS (with why), or in tests/test_doors_cli.py's DOORS.
+NEVER_A_FILE = {
+    "help", "version", "model", "adapter_path", "trust_remote_code", "weights", "prompt", "system_prompt",
+    "max_tokens", "temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_kv_size", "kv_bits",
+    "kv_group_size", "quantized_kv_start", "prefill_step_size", "ignore_chat_template", "chat_template_config",
+    "extra_eos_token", "force", "verbose", "json", "to", "n", "drop", "host", "port", "cache_bytes",
+    "disk_cache_bytes", "cache_redis", "context_length", "max_queue", "log_level",
+}
+NOT_DOORS = {
+    "generate --prompt-file": "read", "cache-prompt --prompt-file": "read",
+    "generate --prompt-cache-file": "read (locked while generate runs: files.cache_file.hold)",
+    "chat --prompt-cache-file": "read only (the chat saves to its own session)",
+    "generate --cache-dir": "the store's own marked folder", "chat --cache-dir": "the store's own marked folder",
+    "serve --cache-dir": "the store's own marked folder",
+    "cache info FILE": "read", "cache convert INPUT": "read", "cache diff A": "read", "cache diff B": "read",
+    "sessions show NAME": "read", "sessions rm NAME": "deleted under the session lock",
+}
+
+
+def cli_options():
+    """``("generate --save-prompt-cache", dest)`` for every option and positional of every subcommand."""
+    import argparse
+
+    from mlx_chatcache.cli.main import build_parser
+
+    def walk(parser, prefix):
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    yield from walk(sub, prefix + [name])
+            elif prefix:
+                yield " ".join(prefix + [a.option_strings[0] if a.option_strings else a.dest.upper()]), a.dest
+
+    return list(walk(build_parser(), []))
+
+
+def test_every_option_that_names_a_written_file_is_a_door():
+    from test_doors_cli import DOORS
+
+    options = cli_options()
+    assert ("generate --save-prompt-cache", "save_prompt_cache") in options  # the walk sees options
+    unknown = sorted(key for key, dest in options if dest not in NEVER_A_FILE and key not in NOT_DOORS and key not in DOORS)
+    assert not unknown, (f"options that may name a file: {unknown}; add the ones that write one to DOORS in "
+                         "tests/test_doors_cli.py (and write through files.cache_file), the others to NOT_DOORS")
+    written = {key for key, dest in options if key in DOORS}
+    repl = {key for key in DOORS if key.startswith("/")}
+    assert set(DOORS) == written | repl, f"DOORS rows that are no option: {sorted(set(DOORS) - written - repl)}"
+
+
+def test_every_repl_command_that_takes_a_file_is_a_door():
+    import re
+
+    from mlx_chatcache.cli.repl import HELP
+    from test_doors_cli import DOORS
+
+    takes_file = {f"/{m}" for m in re.findall(r"^\s+/(\w+) FILE", HELP, re.M)}
+    assert takes_file == {"/save", "/load"}
+    assert takes_file <= set(DOORS)

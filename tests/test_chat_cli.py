@@ -168,7 +168,7 @@ def test_commands_and_multiline(tiny_model_dirs, chat, home):
             "/help", '"""', "first line", "", "second line", '"""', "/show info", "/system",
             "/system Be kind.", "/set temp 0.5", "/set max_tokens 3", "/set top_p 2", "/nope",
             "//slash message", "/show stats", f"/save {saved}", "/clear", "/show template",
-            f"/load {saved}", "/undo", "/undo", "/undo", "/show", "/bye", "never sent",
+            f"/load {saved}", "/history", "/undo", "/undo", "/undo", "/show", "/bye", "never sent",
         ),
         "--session", "c", "--system-prompt", SYSTEM,
     )  # fmt: skip
@@ -182,11 +182,14 @@ def test_commands_and_multiline(tiny_model_dirs, chat, home):
     assert "<|im_start|>" in out  # template
     assert "error: there is no exchange" in err
     assert "error: usage: /show info|cache|stats|template" in err
-    info = read_cache_info(saved)
-    users = [m["content"] for m in info.messages if m["role"] == "user"]
-    assert users == ["first line\n\nsecond line", "/slash message"]
-    assert info.messages[0] == {"role": "system", "content": "Be kind."}
-    # after /load and two undos, the session file holds the system prompt only
+    # /save wrote both exchanges; /load continues them (the conversation after it)
+    assert f"[loaded {saved}: 2 turns," in err
+    history = out[out.index("system:\n    Be kind.\nuser:"):]
+    assert history.startswith("system:\n    Be kind.\nuser:\n    first line\n    \n    second line\nassistant:")
+    assert "user:\n    /slash message\nassistant:" in history
+    # /load switched the chat to the loaded file: two undos are saved there; the session
+    # it left keeps what /clear saved
+    assert read_cache_info(saved).messages == [{"role": "system", "content": "Be kind."}]
     final = read_cache_info(home / "sessions" / "c.safetensors")
     assert final.messages == [{"role": "system", "content": "Be kind."}]
 

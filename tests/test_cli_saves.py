@@ -12,56 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from mlx_chatcache.files.cache_io import read_cache_info
 
-TIMEOUT = 60
-
-
-@contextlib.contextmanager
-def unwritable(folder: Path):
-    """While active, no file can be created in ``folder`` (see the module doc)."""
-    if os.geteuid() == 0:
-        r = subprocess.run(["chattr", "+i", str(folder)], capture_output=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot make a folder read-only for root here: {r.stderr.decode().strip()}")
-        undo = ["chattr", "-i", str(folder)]
-    else:
-        folder.chmod(0o555)
-        undo = ["chmod", "755", str(folder)]
-    try:
-        probe = folder / ".probe"
-        with contextlib.suppress(OSError):
-            probe.touch()
-            probe.unlink()
-            pytest.skip("the folder is still writable")
-        yield folder
-    finally:
-        subprocess.run(undo, check=True)
-
-
-def mlxcc(*args, stdin: str | None = None, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlx_chatcache", *map(str, args)], input=stdin,
-                          capture_output=True, text=True, timeout=TIMEOUT, env=env)  # fmt: skip
-
-
-def one_error_line(p: subprocess.CompletedProcess) -> str:
-    lines = [line for line in p.stderr.splitlines() if line.strip()]
-    assert "Traceback" not in p.stderr and len(lines) == 1, p.stderr
-    return lines[0]
-
-
-def wait_for(ok, seconds: float = TIMEOUT) -> None:
-    end = time.monotonic() + seconds
-    while not ok():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.05)
+from cli_helpers import TIMEOUT, foreign_files, mlxcc, one_error_line, unwritable, wait_for  # noqa: E402
 
 
 # ------------------------------------------------------------------ item 1: unwritable targets
@@ -176,11 +134,7 @@ def test_quitting_with_an_unsaved_session_warns_first(tiny_model_dirs, tmp_path)
 # ------------------------------------------------------------------ item 2: never overwrite what is not ours
 @pytest.fixture
 def victims(tmp_path, tiny_model_dirs):
-    notes = tmp_path / "notes.txt"
-    notes.write_text("my notes\n")
-    weights = tmp_path / "model.safetensors"
-    weights.write_bytes((Path(tiny_model_dirs["llama"]) / "model.safetensors").read_bytes())
-    return {"notes": notes, "weights": weights}
+    return foreign_files(tmp_path, tiny_model_dirs["llama"])
 
 
 @pytest.mark.parametrize("victim", ["notes", "weights"])

@@ -3,7 +3,7 @@
 Files
 -----
 A session file is one cache file (see ``docs/cache-format.md``), written
-atomically by :func:`~mlx_chatcache.files.cache_io.save_prompt_cache`: the cache,
+atomically through the door (:func:`~mlx_chatcache.files.cache_file.write`): the cache,
 its token ids, the messages, the model fingerprint and, in the user metadata
 key ``session``, a JSON object with the settings and the bookkeeping of a
 :class:`~mlx_chatcache.chat.session.ChatSession` (a :class:`SessionRecord`).
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from ..files.cache_file import SESSION_KEY
+from ..files.cache_file import SESSION_KEY, Claim, claim
 from ..files.cache_io import read_cache_info
 from ..config import DEFAULTS, RANGES, GenerationConfig, SettingError, check_setting, check_window, mlxcc_home
 from ..errors import CacheFileError, ModelMismatchError, SessionError
@@ -79,17 +79,25 @@ def session_metadata(record: SessionRecord) -> dict:
     }
 
 
-def save_session(path: str | os.PathLike | None, record: SessionRecord, fingerprint: ModelFingerprint | None,
-                 shared: Sequence[Tier] = ()) -> list[str]:  # fmt: skip
+def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
+                 fingerprint: ModelFingerprint | None, shared: Sequence[Tier] = ()) -> list[str]:  # fmt: skip
     """Write ``record`` to ``path`` atomically: its prompt cache, with the
     conversation as its messages and the session JSON as user metadata. It goes
     through the prompt-cache store: ``path`` is a named file tier (its errors are
     raised; None: no file), and ``shared`` tiers (``--cache-dir``) get the cache
-    too; returns one line for each shared tier that could not take it."""
+    too; returns one line for each shared tier that could not take it.
+
+    ``path`` is the chat's :class:`~mlx_chatcache.files.cache_file.Claim` of its
+    session file, or a path claimed as the caller's own (``mine``: a session
+    there is replaced; a file another process holds, or one that is not a
+    cache, is refused) for the write."""
     from ..generation.stored_prompt import FileContents, file_settings, put_prompt
     from ..store.file_tier import CacheFileTier
     from ..store.store import PromptStore
 
+    if path is not None and not isinstance(path, Claim):
+        with claim(path, mine=True) as held:
+            return save_session(held, record, fingerprint, shared)
     settings = file_settings(record.state, _cache_config(record))  # weight policy (informational), window, KV
     contents = FileContents(record.messages, None, settings,
                             {SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)})  # fmt: skip

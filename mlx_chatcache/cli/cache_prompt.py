@@ -16,7 +16,7 @@ import time
 
 from ..config import INTERRUPTIBLE_CALL_SECONDS
 from ..errors import UsageError
-from ..files.cache_file import check_target
+from ..files.cache_file import claim
 from ..models.context import check_prompt_fits
 from .common import (
     add_cache_args,
@@ -74,17 +74,22 @@ def build(args, tokenizer, prompt: str | None) -> tuple[list[dict] | None, str |
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..generation.prompt_state import PromptCache
-    from ..generation.prompt_store import feed_all
-    from ..generation.stored_prompt import cache_settings
-
+    """Claims the file to write (checked and locked) before the model loads, until it is written."""
     if args.prompt is not None and args.prompt_file is not None:
         raise UsageError("give --prompt or --prompt-file, not both")
     prompt = read_prompt(args.prompt, args.prompt_file)
     if not prompt and not args.system_prompt:
         raise UsageError("nothing to cache: pass --prompt, --prompt-file or --system-prompt")
-    check_target(args.prompt_cache_file, args.force, mine=True)  # today's rule; the door lane makes it claim()
     config = check_window_flags(config_from_args(args))  # before the model loads
+    with claim(args.prompt_cache_file, force=args.force) as target:
+        return _run(args, prompt, config, target)
+
+
+def _run(args: argparse.Namespace, prompt: str | None, config, target) -> int:
+    from ..generation.prompt_state import PromptCache
+    from ..generation.prompt_store import feed_all
+    from ..generation.stored_prompt import cache_settings
+
     model, tokenizer = load_model(args)
     messages, text, tokens = build(args, tokenizer, prompt)
     warning = check_prompt_fits(model, len(tokens), config.max_kv_size, "the text to cache",
@@ -109,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         quantize_prompt_cache(stored.cache, config.kv_group_size, config.kv_bits, config.quantized_kv_start)
     elapsed = time.perf_counter() - start
     stored.settings.update(cache_settings(config))  # recorded: generate adopts them, and refuses others
-    stored.save(args.prompt_cache_file)
+    stored.save(target)
     size = os.path.getsize(args.prompt_cache_file)
     sys.stdout.write(
         f"Cached {len(tokens)} tokens in {elapsed:.2f} s ({len(tokens) / max(elapsed, 1e-9):.1f} tokens-per-sec) "

@@ -7,7 +7,8 @@ import argparse
 import json
 
 from ..files.cache_tools import FORMATS, convert_cache_file, diff_cache_files, trim_cache_file
-from .common import non_negative_int
+from ..files.cache_file import claim
+from .common import add_force_arg, non_negative_int
 
 
 def add_actions(csub) -> None:
@@ -22,6 +23,7 @@ def add_actions(csub) -> None:
     conv.add_argument("input", help="the cache file to read (ours or mlx-lm's)")
     conv.add_argument("output", help="the file to write (atomically)")
     conv.add_argument("--to", required=True, choices=FORMATS, help="the layout to write")
+    add_force_arg(conv)
     conv.set_defaults(run=run_convert)
     trim = csub.add_parser(
         "trim",
@@ -35,6 +37,7 @@ def add_actions(csub) -> None:
     trim.add_argument("n", type=non_negative_int, metavar="N", help="tokens to keep (with --drop: to remove from the end)")
     trim.add_argument("--drop", action="store_true", help="N counts the tokens removed from the end")
     trim.add_argument("--output", "-o", help="write the trimmed cache here instead of replacing FILE")
+    add_force_arg(trim)
     trim.set_defaults(run=run_trim)
     diff = csub.add_parser(
         "diff",
@@ -49,7 +52,8 @@ def add_actions(csub) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    info = convert_cache_file(args.input, args.output, args.to)
+    with claim(args.output, force=args.force) as out:
+        info = convert_cache_file(args.input, out, args.to)
     n = f"{info.num_tokens} tokens" if info.num_tokens is not None else "token ids unknown"
     print(f"wrote {args.output} ({args.to} layout, {len(info.classes)} layers, {n})")
     return 0
@@ -60,10 +64,13 @@ def run_trim(args: argparse.Namespace) -> int:
     from ..files.cache_file import is_session
     from ..files.cache_io import read_cache_info
 
-    if is_session(read_cache_info(args.file)):
-        raise UsageError(f"{args.file} is a chat session: trimming would break its bookkeeping; use /undo "
-                         "in 'mlxcc chat' (or export it with 'mlxcc cache convert' first)")  # fmt: skip
-    before, after = trim_cache_file(args.file, args.output or args.file, args.n, args.drop)
+    in_place = args.output is None
+    # in place, FILE is replaced only by its own trimmed cache: it must be one, and not a session (below)
+    with claim(args.output or args.file, force=args.force or in_place) as out:
+        if is_session(read_cache_info(args.file)):
+            raise UsageError(f"{args.file} is a chat session: trimming would break its bookkeeping; use /undo "
+                             "in 'mlxcc chat' (or export it with 'mlxcc cache convert' first)")  # fmt: skip
+        before, after = trim_cache_file(args.file, out, args.n, args.drop)
     print(f"{args.output or args.file}: {before} -> {after} tokens")
     return 0
 

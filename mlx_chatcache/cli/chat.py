@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from ..chat.session_store import session_path
-from ..files.lock import SessionLock
+from ..files.cache_file import claim
 from ..errors import SessionError
 from ..files.atomic_write import remove_stale_temp_files
 from .common import (
@@ -75,12 +75,12 @@ def run(args: argparse.Namespace) -> int:
             raise SessionError(f"cannot keep a session in {path}: folder {path.parent} does not exist")
     if path is None:
         return _chat(args, None, None)
-    with SessionLock(path, label):
+    with claim(path, mine=True, label=label, required=True) as held:  # the REPL saves through it
         remove_stale_temp_files(path)  # left by a killed save of this session
-        return _chat(args, path, label)
+        return _chat(args, path, label, held)
 
 
-def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int:
+def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=None) -> int:
     from ..chat.session import ChatSession  # imports mlx-lm: only when the chat starts, not for --help
     from .chat_input import StreamReader, TerminalReader
     from .repl import ChatREPL, history_file, plural
@@ -124,7 +124,7 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None) -> int
         reader,
         out=sys.stdout,
         err=sys.stderr,
-        autosave=path,
+        held=held,
         verbose=args.verbose,
         interactive=interactive,
         model_ref=source["model"] if source else args.model,

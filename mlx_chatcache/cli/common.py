@@ -236,8 +236,9 @@ def check_cache_dir(cache_dir: str | None) -> None:
 def add_force_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--force", action="store_true",
-        help="replace the file to save even when it is not a prompt cache (default: refuse, so a "
-        "text file or a model's weights are never overwritten by mistake)",
+        help="replace the file to save even when it is not a prompt cache or is a chat session "
+        "(default: refuse, so a text file, a model's weights or a chat are never overwritten by "
+        "mistake; a session open in a chat is always refused)",
     )  # fmt: skip
 
 

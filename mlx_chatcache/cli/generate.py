@@ -22,8 +22,10 @@ and DIR). A file's window and KV settings shape the run unless flags give them
 (other values are refused); an older file that does not record its KV settings
 is taken to have those of its quantized layers.
 
-The save path is checked before the model is loaded (writable; an existing
-file must be a prompt cache unless ``--force``). Ctrl-C is acted upon within
+The save path is claimed before the model is loaded
+(:func:`~mlx_chatcache.files.cache_file.claim`: writable, not open in a chat;
+an existing file must be a prompt cache and not a chat session unless
+``--force``). Ctrl-C is acted upon within
 about a second, also while the prompt is processed: the printed line is ended
 and nothing is saved (a previous file stays as it was).
 """
@@ -35,15 +37,13 @@ import dataclasses
 import os
 import sys
 from contextlib import ExitStack
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..files.lock import SessionLock
 from ..config import INTERRUPTIBLE_CALL_SECONDS, GenerationConfig
 from ..errors import CacheFormatError, UsageError
 from ..files.cache_io import read_cache_info
 from ..files.formats import CacheFileInfo
-from ..files.cache_file import check_target
+from ..files.cache_file import Claim, claim, hold
 from ..models.context import check_prompt_fits
 from .common import (
     add_cache_args,
@@ -158,30 +158,31 @@ def build_prompt(args, tokenizer, messages: list[dict] | None, text: str | None,
 
 
 def run(args: argparse.Namespace) -> int:
-    """Holds the session lock of the files it reads and writes (a chat may have one open)."""
+    """Claims the file it writes (checked and locked, before the model loads) and holds
+    the lock of the file it reads (a chat may have one open) until it ends."""
     check_cache_dir(args.cache_dir)  # before the lock files (they would make a new DIR non-empty)
-    with ExitStack() as held:
-        for f in dict.fromkeys(f for f in (args.prompt_cache_file, args.save_prompt_cache) if f):
-            lock = SessionLock(Path(f).expanduser(), f)
-            held.callback(lock.acquire(required=False).release)
-        return _run(args)
-
-
-def _run(args: argparse.Namespace) -> int:
     if args.prompt is not None and args.prompt_file is not None:
         raise UsageError("give --prompt or --prompt-file, not both")
     prompt = read_prompt(args.prompt, args.prompt_file)
     if not prompt:
         raise UsageError("the prompt is empty; pass --prompt TEXT ('-' reads stdin) or --prompt-file FILE")
-    if args.save_prompt_cache:
-        check_target(args.save_prompt_cache, args.force, mine=True)  # today's rule; the door lane makes it claim()
+    with ExitStack() as held:
+        save = None
+        if args.save_prompt_cache:
+            save = held.enter_context(claim(args.save_prompt_cache, force=args.force))
+        if args.prompt_cache_file and not (save and save.covers(args.prompt_cache_file)):
+            held.enter_context(hold(args.prompt_cache_file))  # one lock per file: flock is per open file
+        return _run(args, prompt, save)
+
+
+def _run(args: argparse.Namespace, prompt: str, save: Claim | None) -> int:
     info = read_cache_info(args.prompt_cache_file) if args.prompt_cache_file else None
     config = check_window_flags(file_config(args, info))  # before the model loads
     model, tokenizer = load_model(args)
     if info is not None and info.tokens is None:
-        job = _start_untokenized(args, model, tokenizer, config, prompt)
+        job = _start_untokenized(args, model, tokenizer, config, prompt, save)
     else:
-        job = _start(args, model, tokenizer, config, info, prompt)
+        job = _start(args, model, tokenizer, config, info, prompt, save)
     warning = check_prompt_fits(model, len(job.tokens), job.state.max_kv_size, "the prompt",
                                 "shorten the prompt, or pass --max-kv-size N to keep only the latest N tokens")  # fmt: skip
     if warning:
@@ -213,7 +214,7 @@ def _store(args, named) -> PromptStore:
     return PromptStore([named, *shared_tiers(args.cache_dir)])
 
 
-def _start(args, model, tokenizer, config, info, prompt) -> _Job:
+def _start(args, model, tokenizer, config, info, prompt, save: Claim | None) -> _Job:
     """The named file (strict) and --cache-dir behind one store; the longest stored prefix."""
     from ..generation.stored_prompt import checkout_prompt, prompt_scope
     from ..store.file_tier import CacheFileTier
@@ -228,13 +229,13 @@ def _start(args, model, tokenizer, config, info, prompt) -> _Job:
     else:
         messages, text = info.messages, info.text
     tokens, messages, text = build_prompt(args, tokenizer, messages, text, prompt)
-    store = _store(args, CacheFileTier(args.prompt_cache_file, args.save_prompt_cache, header=info))
+    store = _store(args, CacheFileTier(args.prompt_cache_file, save, header=info))
     scope = prompt_scope(model, config)
     state, tier = checkout_prompt(store, scope, model, tokens, config.max_kv_size, config.keep)
     return _Job(tokens, state, config, store, scope, messages, text, info.settings if info else {}, tier)
 
 
-def _start_untokenized(args, model, tokenizer, config, prompt) -> _Job:
+def _start_untokenized(args, model, tokenizer, config, prompt, save: Claim | None) -> _Job:
     """An mlx-lm file (no token ids): taken to hold the prompt's first tokens (prompt_recovery)."""
     from ..generation.prompt_recovery import adopt_prompt_prefix, load_untokenized
     from ..generation.stored_prompt import prompt_scope
@@ -245,7 +246,7 @@ def _start_untokenized(args, model, tokenizer, config, prompt) -> _Job:
     config = layer_kv_config(args, config, stored.cache)
     tokens, messages, text = build_prompt(args, tokenizer, stored.messages, stored.text, prompt)
     sys.stderr.write(adopt_prompt_prefix(stored, tokens, model, args.prompt_cache_file) + "\n")
-    store = _store(args, CacheFileTier(None, args.save_prompt_cache))
+    store = _store(args, CacheFileTier(None, save))
     scope = prompt_scope(model, dataclasses.replace(config, max_kv_size=stored.max_kv_size, keep=stored.keep))
     return _Job(tokens, stored, config, store, scope, messages, text, stored.settings, "file", shared=False)
 

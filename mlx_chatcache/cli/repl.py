@@ -21,9 +21,13 @@ starts). Ctrl-C at the prompt clears the line; Ctrl-D (end of input) ends the ch
 Nothing a user typed is lost to a failed save: ``/save`` and autosave errors
 are one line and the chat goes on; a failed autosave is retried after the
 next change and, if it still fails when the chat ends on a terminal, the user
-is asked once to ``/save`` elsewhere. ``/save`` refuses to replace a file that
-is not a prompt cache unless ``--force``. A line that is not valid UTF-8 is
-refused in one line (nothing sent).
+is asked once to ``/save`` elsewhere. ``/save`` goes through the door
+(:func:`~mlx_chatcache.files.cache_file.claim`): it refuses a file another chat
+holds, and a file that is not a prompt cache or is another chat session unless
+``--force``. ``/load FILE`` switches the chat to FILE (claimed as this chat's
+session: refused when another chat holds it) and writes nothing; the session
+it leaves stays as last saved. A line that is not valid UTF-8 is refused in
+one line (nothing sent).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from .common import human_bytes, require_utf8
 from .progress import ProgressBar
 from ..config import mlxcc_home
 from ..errors import ChatCacheError, UsageError
-from ..files.cache_file import check_target
+from ..files.cache_file import Claim, claim
 from ..chat.session import ChatSession, RollbackResult, TurnResult
 
 HELP = f"""\
@@ -58,8 +62,10 @@ Commands (anything else is sent to the model):
                          the model and settings, the cache, the last turn's
                          statistics, the chat template
   /save FILE [--force]   save the session to FILE (--force: even over a file
-                         that is not a prompt cache)
-  /load FILE             continue the session saved in FILE
+                         that is not a prompt cache, or another chat session)
+  /load FILE             continue the session saved in FILE: the chat is saved
+                         there from now on (the session it leaves stays as last
+                         saved)
   {FENCE}                   start or end a multi-line message
   //text                 send a message that starts with '/'
 Ctrl-C stops a reply; the conversation keeps what was written so far. Before
@@ -100,10 +106,12 @@ class StopFlag:
 class ChatREPL:
     """Runs a chat on ``session`` until the input ends or ``/bye``.
 
-    ``autosave`` (a path) is written atomically after every turn and every
+    ``held``, the claim of the session file (:mod:`mlx_chatcache.files.cache_file`:
+    locked by this chat), is written atomically after every turn and every
     command that changes the session (without it the session's shared store
-    tiers, ``--cache-dir``, still get its cache). Returns 0, or 1 when a command failed
-    and the input is not interactive (so scripts notice).
+    tiers, ``--cache-dir``, still get its cache); the REPL releases it, or the
+    one ``/load`` switched to, when the chat ends. Returns 0, or 1 when a command
+    failed and the input is not interactive (so scripts notice).
     """
 
     def __init__(
@@ -113,7 +121,7 @@ class ChatREPL:
         *,
         out: TextIO = sys.stdout,
         err: TextIO = sys.stderr,
-        autosave: Path | None = None,
+        held: Claim | None = None,
         verbose: bool = False,
         interactive: bool = False,
         model_ref: str | None = None,
@@ -122,7 +130,7 @@ class ChatREPL:
         self.session = session
         self.reader = reader
         self.out, self.err = out, err
-        self.autosave = autosave
+        self.held = held
         self.verbose = verbose
         self.interactive = interactive
         self.model_ref = model_ref
@@ -132,6 +140,11 @@ class ChatREPL:
         self.unsaved = False  # the last autosave failed: retried after the next change
         self._warned_unsaved = False
         self._bar: ProgressBar | None = None
+
+    @property
+    def autosave(self) -> Path | None:
+        """The session file the chat is saved to (None: none)."""
+        return self.held.path if self.held is not None else None
 
     # -------------------------------------------------------------- output
     def say(self, text: str = "") -> None:
@@ -159,6 +172,13 @@ class ChatREPL:
 
     # -------------------------------------------------------------- loop
     def run(self) -> int:
+        try:
+            return self._loop()
+        finally:
+            if self.held is not None:
+                self.held.release()
+
+    def _loop(self) -> int:
         if self.interactive:
             self.note("Type a message, /help for commands, /bye or Ctrl-D to quit.")
         while True:
@@ -247,7 +267,7 @@ class ChatREPL:
             return
         with StopFlag():  # a Ctrl-C must not interrupt the write (it is atomic anyway)
             try:
-                problems = self.session.save(self.autosave)
+                problems = self.session.save(self.held)
             except ChatCacheError as e:
                 self.unsaved = True
                 self.error(f"could not save the session: {e} (the conversation is kept: saving is "
@@ -310,23 +330,41 @@ class ChatREPL:
         name, force = parse_save_arg(arg)
         if not name:
             raise UsageError("usage: /save FILE [--force]")
-        path = Path(name).expanduser()
-        check_target(path, force, mine=True)  # today's rule; the door lane makes it claim()
-        for line in self.session.save(path):
-            self.note(f"warning: {line}")
+        if self.held is not None and self.held.covers(name):  # this chat's own session file
+            self.save()
+            if not self.unsaved:
+                self.note(f"[session saved to {name}]")
+            return
+        with claim(name, force=force) as target:
+            for line in self.session.save(target):
+                self.note(f"warning: {line}")
         self.note(f"[session saved to {name}]")
 
     def _load(self, arg: str) -> None:
+        """Continue the session in ``arg``: the chat switches to it (its claim replaces
+        this chat's); nothing is written (the session left stays as last saved)."""
         if not arg:
             raise UsageError("usage: /load FILE")
         s = self.session
-        loaded = ChatSession.load(Path(arg).expanduser(), s.model, s.tokenizer, shared=s.shared.tiers)
+        own = self.held is not None and self.held.covers(arg)
+        # mine: this chat's session from now on; whatever FILE holds is checked by the load
+        new = self.held if own else claim(arg, mine=True, label=arg, required=True)
+        try:
+            loaded = ChatSession.load(new.path, s.model, s.tokenizer, shared=s.shared.tiers)
+        except BaseException:
+            if not own:
+                new.release()
+            raise
+        if not own:
+            if self.held is not None:
+                self.held.release()
+            self.held, self.session_label = new, arg
         for line in loaded.load_notes:
             self.note(line)
         self.session = loaded
+        self.unsaved = False  # the file holds what was loaded
         self.note(f"[loaded {arg}: {plural(loaded.num_turns, 'turn')}, {loaded.cached_tokens} tokens "
-                  "in the cache, 0 tokens recomputed]")  # fmt: skip
-        self.save()
+                  "in the cache, 0 tokens recomputed; saved there from now on]")  # fmt: skip
 
     @staticmethod
     def _how(r: RollbackResult) -> str:

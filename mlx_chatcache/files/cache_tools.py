@@ -14,7 +14,11 @@ mlx-lm's, trim, and compare two files.
   prefix. (``mlxcc cache trim`` refuses chat session files: ``/undo`` does that in a chat.)
 - :func:`diff_cache_files` compares two headers (no arrays read).
 
-Every write goes through :func:`save_prompt_cache` (atomic: temp file + rename).
+Every write goes through the door (:func:`~mlx_chatcache.files.cache_file.write`,
+atomic: temp file + rename) to ``dst``: the
+:class:`~mlx_chatcache.files.cache_file.Claim` the caller holds, or a path
+claimed for the write (a file that is not a cache, a chat session and a file
+another process holds are refused).
 """
 
 from __future__ import annotations
@@ -23,22 +27,23 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import UnsupportedCacheError, UsageError
-from .cache_io import CacheFileInfo, load_cache_file, read_cache_info, save_prompt_cache
+from . import cache_file
+from .cache_io import CacheFileInfo, load_cache_file, read_cache_info
 from .mlxlm_compat import recorded_metadata
 
 FORMATS = ("mlx-lm", "mlxcc")
 
 
-def _save(path, cache, info: CacheFileInfo, fmt: str) -> None:
+def _save(dst: cache_file.Claim | str | os.PathLike, cache, info: CacheFileInfo, fmt: str) -> None:
     if fmt == "mlx-lm":
         meta = dict(info.metadata)
         meta.setdefault("model", _loadable(info.model.model_id) if info.model else "")
         meta.setdefault("tokenizer_config", "{}")
         meta.update(recorded_metadata(info))
-        save_prompt_cache(path, cache, metadata=meta, format="mlx-lm")
+        cache_file.write(dst, cache, metadata=meta, format="mlx-lm")
         return
-    save_prompt_cache(path, cache, tokens=info.tokens, model=info.model, messages=info.messages,
-                      text=info.text, settings=info.settings, metadata=info.metadata)  # fmt: skip
+    cache_file.write(dst, cache, tokens=info.tokens, model=info.model, messages=info.messages,
+                     text=info.text, settings=info.settings, metadata=info.metadata)  # fmt: skip
 
 
 def _loadable(model_id: str) -> str:

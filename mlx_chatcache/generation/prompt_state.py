@@ -14,7 +14,8 @@ sampling live in :mod:`mlx_chatcache.generation.generate`. All defaults come fro
 It is the one value type for "a cache and what it holds": it also carries the
 ``fingerprint`` of the model that made it, the chat ``messages`` or raw
 ``text`` the tokens are (None when unknown) and JSON-able ``settings``.
-:meth:`PromptCache.save` writes all of it to one cache file, atomically;
+:meth:`PromptCache.save` writes all of it to one cache file, atomically,
+through the door (:mod:`mlx_chatcache.files.cache_file`);
 :meth:`PromptCache.load` reads one back for a model and refuses a file made
 for another model, one whose layers the model does not make and one that does
 not list its token ids. ``generate``/``stream_generate`` reuse and update it,
@@ -29,7 +30,8 @@ from typing import Sequence
 from ..cache import BaseCache, cache_offset, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from ..config import DEFAULTS, GenerationConfig, SettingError, check_setting, check_window
 from ..errors import CacheFormatError, UsageError
-from ..files.cache_io import check_cache_fits_model, load_cache_file, save_prompt_cache
+from ..files import cache_file
+from ..files.cache_io import check_cache_fits_model, load_cache_file
 from ..models.fingerprint import ModelFingerprint
 
 
@@ -79,13 +81,16 @@ class PromptCache:
         del self.tokens[:]
 
     # ------------------------------------------------------------ files
-    def save(self, path, metadata: dict[str, str] | None = None) -> None:
-        """Write everything to the cache file ``path`` atomically (``metadata``: free user strings)."""
+    def save(self, path, metadata: dict[str, str] | None = None, *, force: bool = False) -> None:
+        """Write everything to the cache file ``path`` atomically (``metadata``: free user
+        strings) through the door (:mod:`mlx_chatcache.files.cache_file`): ``path`` is the
+        :class:`~mlx_chatcache.files.cache_file.Claim` the caller holds, or a path claimed
+        for the write (``force``: even over a file that is not a cache, or a chat session)."""
         settings = dict(self.settings)
         settings.update(max_kv_size=self.max_kv_size, keep=self.keep)
-        save_prompt_cache(
+        cache_file.write(
             path, self.cache, tokens=self.tokens, model=self.fingerprint,
-            messages=self.messages, text=self.text, settings=settings, metadata=metadata,
+            messages=self.messages, text=self.text, settings=settings, metadata=metadata, force=force,
         )  # fmt: skip
 
     @classmethod

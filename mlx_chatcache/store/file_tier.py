@@ -20,8 +20,11 @@ read). It differs from the anonymous tiers (memory, disk, Redis) in three ways:
   layers; :class:`~mlx_chatcache.errors.UsageError`);
   :meth:`fetch` raises for layers the model does not make;
 - **never evicted** and without a byte budget; :meth:`add` always (re)writes
-  ``write_path`` (None: nothing is written), atomically, also for an empty
-  cache (a chat that was cleared);
+  ``write_path`` (None: nothing is written) through the door
+  (:func:`mlx_chatcache.files.cache_file.write`), atomically, also for an empty
+  cache (a chat that was cleared). ``write_path`` is the
+  :class:`~mlx_chatcache.files.cache_file.Claim` the caller holds, or a path
+  claimed for each write;
 - **carries the file's contents**: :meth:`add` takes a :class:`FileContents`
   (the chat messages or raw text the tokens are, the settings and user
   metadata, e.g. a chat session's record), which
@@ -41,7 +44,8 @@ from pathlib import Path
 
 from ..cache import BaseCache, can_trim_prompt_cache
 from ..errors import CacheFileError, CacheFormatError, UsageError
-from ..files.cache_io import check_cache_fits_model, load_cache_file, read_cache_info, save_prompt_cache
+from ..files import cache_file
+from ..files.cache_io import check_cache_fits_model, load_cache_file, read_cache_info
 from ..files.formats import CacheFileInfo
 from .index import Entry
 from .tiers import Scope, Tier
@@ -64,13 +68,17 @@ class CacheFileTier(Tier):
     name = "file"
     named = True
 
-    def __init__(self, read_path: str | os.PathLike | None, write_path: str | os.PathLike | None = None,
+    def __init__(self, read_path: str | os.PathLike | None,
+                 write_path: cache_file.Claim | str | os.PathLike | None = None,
                  what: str = "cache file", header: CacheFileInfo | None = None):  # fmt: skip
-        """``header``: ``read_path``'s header as the caller just read it (not read again;
+        """``write_path``: the claim of the file to write (or a path, claimed per write);
+        ``header``: ``read_path``'s header as the caller just read it (not read again;
         the layers' token ids are checked against it when they are loaded)."""
         super().__init__(0)
         self.read_path = None if read_path is None else Path(read_path)
-        self.write_path = None if write_path is None else Path(write_path)
+        self._target = write_path if write_path is None or isinstance(write_path, cache_file.Claim) \
+            else Path(write_path)  # fmt: skip
+        self.write_path = self._target.path if isinstance(self._target, cache_file.Claim) else self._target
         self.what = what
         self._info: tuple[tuple, CacheFileInfo] | None = None  # (file identity, header)
         if header is not None and self.read_path is not None:
@@ -147,8 +155,8 @@ class CacheFileTier(Tier):
         if self.write_path is None:
             return False
         c = contents or FileContents()
-        save_prompt_cache(self.write_path, cache, tokens=list(tokens), model=scope.fingerprint,
-                          messages=c.messages, text=c.text, settings=c.settings, metadata=c.metadata)  # fmt: skip
+        cache_file.write(self._target, cache, tokens=list(tokens), model=scope.fingerprint,
+                         messages=c.messages, text=c.text, settings=c.settings, metadata=c.metadata)  # fmt: skip
         self.counters["added"] += 1
         return True
 
