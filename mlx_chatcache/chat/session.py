@@ -86,7 +86,7 @@ from ..generation.prompt_store import chat_text, encode_text, has_chat_template
 from ..generation.stored_prompt import checkout_prompt, scope_of
 from ..generation.text import as_tokenizer_wrapper
 from .session_rollback import SessionRollback
-from .session_store import SessionRecord, load_session, save_session, session_metadata
+from .session_store import SessionRecord, load_session, save_session
 from ..store.store import PromptStore
 from ..store.tiers import Scope, Tier
 
@@ -404,9 +404,6 @@ class ChatSession(SessionRollback):
         return SessionRecord(self.state, self.messages, self.config, self.pending, self.text,
                              self.checkpoints, self.attempt, getattr(self.model, "source", None))  # fmt: skip
 
-    def session_metadata(self) -> dict:
-        return session_metadata(self.record())
-
     def save(self, path: str | os.PathLike | None) -> list[str]:
         """Write the session to ``path`` atomically (a previous file survives any failure),
         through the store: ``path`` as a named file tier (None: none), and the shared tiers.
@@ -431,6 +428,30 @@ class ChatSession(SessionRollback):
         self._setup(model, tokenizer, record.config, max_checkpoints, record.messages, shared)
         self.state, self.pending, self.text = record.state, record.pending, record.text
         self.checkpoints, self.attempt = record.checkpoints, record.attempt
+        return self
+
+    @classmethod
+    def from_prompt_cache(
+        cls,
+        model,
+        tokenizer,
+        prompt: PromptCache,
+        *,
+        config: GenerationConfig = DEFAULTS,
+        max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS,
+        shared: Sequence[Tier] = (),
+    ) -> "ChatSession":
+        """A new chat that continues the messages of ``prompt`` (a chat cache, e.g. made
+        by ``mlxcc cache-prompt``) and holds it as its cache, so its first turn feeds only
+        the new tokens. ``prompt`` keeps its window shape; ``config`` gives the settings."""
+        if prompt.messages is None:
+            raise UsageError("a chat starts only from a chat cache (messages, not raw text)")
+        self = cls.__new__(cls)
+        self._setup(model, tokenizer, config, max_checkpoints, [dict(m) for m in prompt.messages], shared)
+        self.state, self.pending, self.checkpoints, self.attempt = prompt, [], [], 0
+        text = self.render(self.messages, add_generation_prompt=False) if self.messages else ""
+        # the held text is known only when the tokens are its encoding (else turns match held tokens by decoding)
+        self.text = text if text and self.encode(text) == prompt.tokens else ""
         return self
 
 
