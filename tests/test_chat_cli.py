@@ -414,7 +414,10 @@ def _refusal_files(d, other_model, tmp_path):
     save_prompt_cache(entry, stored.cache, tokens=stored.tokens, model=stored.fingerprint)
     mlxlm = tmp_path / "mlxlm.safetensors"
     save_prompt_cache(mlxlm, stored.cache, format="mlx-lm")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a cache\n")
     return {
+        "not a cache file": (notes, (), "is not a safetensors file", True),
         "raw text": (raw, (), "chat needs a chat cache", True),
         "mlx-lm file": (mlxlm, (), "does not say which tokens it holds", True),
         "store entry": (entry, (), "store entry", True),

@@ -48,9 +48,11 @@ Files and the store
 -------------------
 :meth:`ChatSession.save` writes the session to one cache file, atomically;
 :meth:`ChatSession.load` reads it back and refuses a session made with another
-model (:class:`~mlx_chatcache.errors.ModelMismatchError`). Both go through the
-prompt-cache store (:mod:`mlx_chatcache.store`), the file being a strict named
-tier. ``shared`` tiers (``mlxcc chat --cache-dir``: the disk tier a server
+model (:class:`~mlx_chatcache.errors.ModelMismatchError`);
+:meth:`ChatSession.from_prompt_cache` starts a new chat from a prebuilt chat
+cache (``mlxcc cache-prompt``), reusing every held token that matches. Save and
+load go through the prompt-cache store (:mod:`mlx_chatcache.store`), the file
+being a strict named tier. ``shared`` tiers (``mlxcc chat --cache-dir``: the disk tier a server
 uses) get the cache on every save, and a turn that starts with an empty cache
 (a new session, after ``/clear`` or a new system prompt) starts from their
 longest prefix of its prompt: a new chat whose system prompt (or first

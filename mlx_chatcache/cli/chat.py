@@ -15,7 +15,8 @@ cache-prompt`` made (its system prompt and messages), so its first turn feeds
 only the new tokens. F is only read: the chat is saved to its own session
 (``--session``/``--session-file``, which must not exist yet) or not at all.
 F is checked before the model loads (a chat cache with token ids, with the
-window and KV settings the flags ask for; unset flags take F's).
+window and KV settings the flags ask for; unset flags take F's). When F ends
+with a user message (``cache-prompt -p``), the first turn adds a second one.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ from pathlib import Path
 
 from ..chat.session_store import session_path
 from ..files.lock import SessionLock
-from ..errors import CacheFileError, CacheFormatError, ModelMismatchError, SessionError, UsageError
-from ..files.cache_io import read_cache_info
+from ..errors import SessionError
 from ..files.atomic_write import remove_stale_temp_files
 from .common import (
     add_cache_args,
@@ -154,6 +154,8 @@ def _prebuilt_header(args, path: Path | None, label: str | None):
     the chat's session must be new, the file a chat cache with token ids, and the
     window and KV flags those of the file (the generate command's rules: unset flags
     take the file's). Raises one line for anything else."""
+    from ..errors import CacheFormatError, UsageError
+    from ..files.cache_io import read_cache_info
     from ..generation.stored_prompt import scope_of
     from ..store.file_tier import CacheFileTier
     from .generate import file_config
@@ -186,6 +188,7 @@ def _prebuilt_header(args, path: Path | None, label: str | None):
 def _from_prebuilt(args, model, tokenizer, shared, info, config):
     """A new chat session holding the cache of ``--prompt-cache-file`` (read, never written)."""
     from ..chat.session import ChatSession
+    from ..errors import CacheFileError, ModelMismatchError
     from ..generation.prompt_state import PromptCache
 
     f = args.prompt_cache_file
