@@ -395,6 +395,22 @@ def test_chat_from_a_kv_quantized_prebuilt_cache_takes_its_settings(tiny_model_d
     assert f.read_bytes() == before
 
 
+def test_chat_from_a_prebuilt_cache_with_another_system_prompt_reads_it_again(tiny_model_dirs, chat, tmp_path):
+    d = tiny_model_dirs["llama"]
+    f = tmp_path / "sys.safetensors"
+    cache_prompt(d, f, "--system-prompt", SYSTEM, "--max-kv-size", "64")
+    before = f.read_bytes()
+    rc, fresh_out, fresh_err = chat(d, script(TURNS[0]), "--system-prompt", "Be kind.", "--max-kv-size", "64")
+    rc2, out, err = chat(d, script(TURNS[0]), "--prompt-cache-file", str(f), "--system-prompt", "Be kind.")
+    assert rc == rc2 == 0 and out == fresh_out and stats(err) == stats(fresh_err)
+    assert "[new system prompt: the cache of" in err and "[started from" not in err
+    # the same system prompt is no change; a window pinning less than the system prompt is said
+    rc, out, err = chat(d, script(TURNS[0]), "--prompt-cache-file", str(f), "--system-prompt", SYSTEM)
+    assert rc == 0 and stats(err)[0]["reused"] == len(read_cache_info(f).tokens)
+    assert "pins its first 4 tokens, not the whole system prompt" in err
+    assert f.read_bytes() == before
+
+
 def _refusal_files(d, other_model, tmp_path):
     """name -> (file, extra flags, words the one-line refusal must contain, refused before the model loads)."""
     from mlx_chatcache.files.cache_io import save_prompt_cache
