@@ -330,3 +330,155 @@ def test_session_file_keeps_its_window_for_mlxcc_generate(tiny_model_dirs, tmp_p
     assert stored.max_kv_size == 48 and stored.keep > 4
     capsys.readouterr()
     assert main(["generate", "--model", model_dir, "-p", "more", "-m", "3", "--prompt-cache-file", str(f)]) == 0
+
+
+# ------------------------------------------------------------------ from a prebuilt cache
+def cache_prompt(model_dir, path: Path, *flags: str) -> None:
+    assert main(["cache-prompt", "--model", str(model_dir), "--prompt-cache-file", str(path), *flags]) == 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "hybrid"])
+def test_chat_from_a_prebuilt_system_prompt_feeds_only_new_tokens(kind, tiny_model_dirs, chat, home, tmp_path):
+    d = tiny_model_dirs[kind]
+    f = tmp_path / "sys.safetensors"
+    cache_prompt(d, f, "--system-prompt", SYSTEM)
+    before = f.read_bytes()
+    cached = len(read_cache_info(f).tokens)
+    rc, fresh_out, fresh_err = chat(d, script(*TURNS[:2]), "--system-prompt", SYSTEM)
+    assert rc == 0
+    rc, out, err = chat(d, script(*TURNS[:2]), "--prompt-cache-file", str(f), "--session", "n")
+    assert rc == 0, err
+    assert out == fresh_out  # the same replies as a chat that computed the system prompt itself
+    fresh, st = stats(fresh_err), stats(err)
+    assert len(st) == 2 and fresh[0]["reused"] == 0
+    # the first turn feeds only what follows the cached system prompt
+    assert st[0]["reused"] == cached > 0 and st[0]["recomputed"] == 0
+    assert st[0]["new"] == fresh[0]["new"] - cached
+    assert st[1] == fresh[1]
+    assert f.read_bytes() == before  # F is only read
+    info = read_cache_info(home / "sessions" / "n.safetensors")
+    assert [m["role"] for m in info.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert info.messages[0]["content"] == SYSTEM and info.messages[3]["content"] == TURNS[1]
+    # and the new session resumes like any other
+    rc, _, err = chat(d, script(TURNS[2]), "--session", "n")
+    assert rc == 0 and "resumed session 'n': 2 turns," in err and stats(err)[0]["recomputed"] == 0
+
+
+def test_chat_from_a_prebuilt_conversation_equals_a_fresh_session(llama_model, tiny_model_dirs, chat, tmp_path):
+    from mlx_chatcache.chat.session import ChatSession
+    from mlx_chatcache.config import DEFAULTS
+
+    d = tiny_model_dirs["llama"]
+    f = tmp_path / "conv.safetensors"
+    cache_prompt(d, f, "--system-prompt", SYSTEM, "-p", TURNS[0], "--max-kv-size", "200")
+    before = f.read_bytes()
+    cached = len(read_cache_info(f).tokens)
+    rc, out, err = chat(d, script(TURNS[1], TURNS[2]), "--prompt-cache-file", str(f))  # no session: unsaved
+    assert rc == 0, err
+    model, tokenizer = llama_model
+    ref = ChatSession(model, tokenizer, system_prompt=SYSTEM, config=DEFAULTS.updated(max_tokens=8, max_kv_size=200))
+    ref.messages.append({"role": "user", "content": TURNS[0]})
+    replies = [ref.ask(TURNS[1]), ref.ask(TURNS[2])]
+    assert out == "".join(r.text + "\n" for r in replies)
+    st = stats(err)
+    assert st[0]["reused"] == cached and st[0]["new"] == replies[0].stats.prompt_tokens - cached
+    assert f.read_bytes() == before
+
+
+def test_chat_from_a_kv_quantized_prebuilt_cache_takes_its_settings(tiny_model_dirs, chat, tmp_path):
+    d = tiny_model_dirs["llama"]
+    f = tmp_path / "q.safetensors"
+    cache_prompt(d, f, "--system-prompt", SYSTEM, "--kv-bits", "8", "--quantized-kv-start", "0")
+    before = f.read_bytes()
+    rc, out, err = chat(d, script(TURNS[0], TURNS[1]), "--prompt-cache-file", str(f))
+    assert rc == 0, err
+    assert stats(err)[0]["reused"] == len(read_cache_info(f).tokens)
+    rc, out2, err2 = chat(d, script(TURNS[0], TURNS[1]), "--prompt-cache-file", str(f), "--kv-bits", "8")
+    assert rc == 0 and out2 == out
+    assert f.read_bytes() == before
+
+
+def test_chat_from_a_prebuilt_cache_with_another_system_prompt_reads_it_again(tiny_model_dirs, chat, tmp_path):
+    d = tiny_model_dirs["llama"]
+    f = tmp_path / "sys.safetensors"
+    cache_prompt(d, f, "--system-prompt", SYSTEM, "--max-kv-size", "64")
+    before = f.read_bytes()
+    rc, fresh_out, fresh_err = chat(d, script(TURNS[0]), "--system-prompt", "Be kind.", "--max-kv-size", "64")
+    rc2, out, err = chat(d, script(TURNS[0]), "--prompt-cache-file", str(f), "--system-prompt", "Be kind.")
+    assert rc == rc2 == 0 and out == fresh_out and stats(err) == stats(fresh_err)
+    assert "[new system prompt: the cache of" in err and "[started from" not in err
+    # the same system prompt is no change; a window pinning less than the system prompt is said
+    rc, out, err = chat(d, script(TURNS[0]), "--prompt-cache-file", str(f), "--system-prompt", SYSTEM)
+    assert rc == 0 and stats(err)[0]["reused"] == len(read_cache_info(f).tokens)
+    assert "pins its first 4 tokens, not the whole system prompt" in err
+    assert f.read_bytes() == before
+
+
+def _refusal_files(d, other_model, tmp_path):
+    """name -> (file, extra flags, words the one-line refusal must contain, refused before the model loads)."""
+    from mlx_chatcache.files.cache_io import save_prompt_cache
+    from mlx_chatcache.generation.prompt_state import PromptCache
+    from mlx_chatcache.models.loading import load
+
+    sys_f = tmp_path / "sys.safetensors"
+    cache_prompt(d, sys_f, "--system-prompt", SYSTEM)
+    raw = tmp_path / "raw.safetensors"
+    cache_prompt(d, raw, "-p", "Once upon a time", "--ignore-chat-template")
+    win = tmp_path / "win.safetensors"
+    cache_prompt(d, win, "--system-prompt", SYSTEM, "--max-kv-size", "64")
+    q8 = tmp_path / "q8.safetensors"
+    cache_prompt(d, q8, "--system-prompt", SYSTEM, "--kv-bits", "8")
+    stored = PromptCache.load(sys_f, load(str(d))[0])
+    entry = tmp_path / "entry.safetensors"
+    save_prompt_cache(entry, stored.cache, tokens=stored.tokens, model=stored.fingerprint)
+    mlxlm = tmp_path / "mlxlm.safetensors"
+    save_prompt_cache(mlxlm, stored.cache, format="mlx-lm")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a cache\n")
+    return {
+        "not a cache file": (notes, (), "is not a safetensors file", True),
+        "raw text": (raw, (), "chat needs a chat cache", True),
+        "mlx-lm file": (mlxlm, (), "does not say which tokens it holds", True),
+        "store entry": (entry, (), "store entry", True),
+        "other window": (win, ("--max-kv-size", "32"), "max_kv_size=64", True),
+        "window on an unbounded file": (sys_f, ("--max-kv-size", "64"), "max_kv_size=None", True),
+        "other kv bits": (q8, ("--kv-bits", "4"), "kv_bits=8", True),
+        "missing file": (tmp_path / "nope.safetensors", (), "not found", True),
+        "another model": (sys_f, ("--model", str(other_model)), "differs from the loaded model", False),
+    }
+
+
+def test_chat_from_a_prebuilt_cache_refusals(tiny_model_dirs, make_tiny_model_dir, chat, home, tmp_path):
+    d = tiny_model_dirs["llama"]
+    files = _refusal_files(d, make_tiny_model_dir("llama", seed=1), tmp_path)
+    for name, (f, flags, words, early) in files.items():
+        before = f.read_bytes() if f.exists() else None
+        # early refusals come before the model loads: a model that does not exist is never reached
+        model = ("--model", str(tmp_path / "no-model")) if early else ()
+        rc, out, err = chat(d, script(TURNS[0]), "--prompt-cache-file", str(f), "--session", "x", *model, *flags)
+        assert rc == 1 and out == "", name
+        assert err.count("\n") == 1 and err.startswith("mlxcc: error: ") and words in err, (name, err)
+        assert (f.read_bytes() if f.exists() else None) == before, name
+        assert not (home / "sessions" / "x.safetensors").exists(), name
+    # an existing session is resumed, never restarted from a prebuilt cache (nor is F itself a session)
+    sys_f = files["another model"][0]
+    assert chat(d, script(TURNS[0]), "--session", "old")[0] == 0
+    for where, target in ((("--session", "old"), home / "sessions" / "old.safetensors"),
+                          (("--session-file", str(sys_f)), sys_f)):  # fmt: skip
+        before = target.read_bytes()
+        rc, out, err = chat(d, script(TURNS[1]), "--prompt-cache-file", str(sys_f), "--model",
+                            str(tmp_path / "no-model"), *where)  # fmt: skip
+        assert rc == 1 and err.count("\n") == 1 and "exists: resume it without --prompt-cache-file" in err
+        assert target.read_bytes() == before
+
+
+def test_session_file_refusal_of_a_prebuilt_cache_names_the_right_command(tiny_model_dirs, chat, tmp_path):
+    d = tiny_model_dirs["llama"]
+    f = tmp_path / "sys.safetensors"
+    cache_prompt(d, f, "--system-prompt", SYSTEM)
+    rc, out, err = chat(d, script(TURNS[0]), "--session-file", str(f))
+    assert rc == 1 and err.count("\n") == 1
+    assert f"'mlxcc chat --prompt-cache-file {f}'" in err and f"'mlxcc generate --prompt-cache-file {f}'" in err
+    # the command it names works
+    rc, out, err = chat(d, script(TURNS[0]), "--prompt-cache-file", str(f))
+    assert rc == 0 and stats(err)[0]["recomputed"] == 0

@@ -280,6 +280,54 @@ def test_load_refuses_another_model_and_non_sessions(llama_model, make_tiny_mode
     assert loaded.config.temp == 0.3
 
 
+# ------------------------------------------------------------------ from a prebuilt cache
+def _prebuilt(model, tokens: list[int], messages: list[dict]):
+    """A prompt cache fed ``tokens`` that says it holds ``messages`` (as cache-prompt makes one)."""
+    from mlx_chatcache.generation.prompt_state import PromptCache
+    from mlx_chatcache.generation.prompt_store import feed_all
+
+    prompt = PromptCache.new(model)
+    feed_all(model, prompt, tokens, 512)
+    prompt.messages = [dict(m) for m in messages]
+    return prompt
+
+
+@pytest.mark.parametrize("held", ["exact", "system only", "other system prompt"])
+def test_from_prompt_cache_continues_like_a_fresh_session(held, tiny_model):
+    """Whatever tokens the prebuilt cache holds, the chat answers as a fresh session on the
+    same messages; the held tokens are reused exactly as far as they match."""
+    from mlx_chatcache.generation.prompt_store import render_chat
+
+    kind, model, tokenizer = tiny_model
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    fed = {"exact": msgs, "system only": msgs[:1], "other system prompt": [{"role": "system", "content": "Be rude."}]}
+    tokens = render_chat(tokenizer, fed[held], add_generation_prompt=False)
+    prompt = _prebuilt(model, tokens, msgs)
+    s = ChatSession.from_prompt_cache(model, tokenizer, prompt, config=CFG)
+    ref = new_session(model, tokenizer)
+    ref.messages.append(dict(msgs[1]))
+    for i, q in enumerate(QUESTIONS[1:]):
+        r, want = s.ask(q), ref.ask(q)
+        assert r.text == want.text and r.stats.prompt_tokens == want.stats.prompt_tokens, kind
+        assert s.tokens == ref.tokens
+        if i == 0 and held == "other system prompt":
+            assert r.stats.reused_tokens < len(tokens)
+        elif i == 0:  # every held token reused: only the new ones fed
+            assert r.stats.reused_tokens == len(tokens) and r.stats.recomputed_tokens == 0
+            assert r.stats.new_tokens == r.stats.prompt_tokens - len(tokens)
+    assert prompt.messages == msgs  # the session works on its own copy of the messages
+
+
+def test_from_prompt_cache_refuses_raw_text(llama_model):
+    from mlx_chatcache.generation.prompt_state import PromptCache
+
+    model, tokenizer = llama_model
+    prompt = PromptCache.new(model)
+    prompt.text = "Once upon a time"
+    with pytest.raises(UsageError, match="chat cache"):
+        ChatSession.from_prompt_cache(model, tokenizer, prompt)
+
+
 # ------------------------------------------------------------------ names and locks
 @pytest.mark.parametrize(
     "name", ["../x", "a/../../b", "/etc/passwd", "a\x00b", "x" * 300, "", ".hidden", "-x", "a b", "..", "a..b"]

@@ -48,9 +48,11 @@ Files and the store
 -------------------
 :meth:`ChatSession.save` writes the session to one cache file, atomically;
 :meth:`ChatSession.load` reads it back and refuses a session made with another
-model (:class:`~mlx_chatcache.errors.ModelMismatchError`). Both go through the
-prompt-cache store (:mod:`mlx_chatcache.store`), the file being a strict named
-tier. ``shared`` tiers (``mlxcc chat --cache-dir``: the disk tier a server
+model (:class:`~mlx_chatcache.errors.ModelMismatchError`);
+:meth:`ChatSession.from_prompt_cache` starts a new chat from a prebuilt chat
+cache (``mlxcc cache-prompt``), reusing every held token that matches. Save and
+load go through the prompt-cache store (:mod:`mlx_chatcache.store`), the file
+being a strict named tier. ``shared`` tiers (``mlxcc chat --cache-dir``: the disk tier a server
 uses) get the cache on every save, and a turn that starts with an empty cache
 (a new session, after ``/clear`` or a new system prompt) starts from their
 longest prefix of its prompt: a new chat whose system prompt (or first
@@ -88,7 +90,7 @@ from ..generation.stored_prompt import checkout_prompt, scope_of
 from ..generation.text import as_tokenizer_wrapper
 from ..models.context import check_prompt_fits
 from .session_rollback import SessionRollback
-from .session_store import SessionRecord, load_session, save_session, session_metadata
+from .session_store import SessionRecord, load_session, save_session
 from ..store.store import PromptStore
 from ..store.tiers import Scope, Tier
 
@@ -411,9 +413,6 @@ class ChatSession(SessionRollback):
         return SessionRecord(self.state, self.messages, self.config, self.pending, self.text,
                              self.checkpoints, self.attempt, getattr(self.model, "source", None))  # fmt: skip
 
-    def session_metadata(self) -> dict:
-        return session_metadata(self.record())
-
     def save(self, path: str | os.PathLike | None) -> list[str]:
         """Write the session to ``path`` atomically (a previous file survives any failure),
         through the store: ``path`` as a named file tier (None: none), and the shared tiers.
@@ -440,6 +439,30 @@ class ChatSession(SessionRollback):
         self.state, self.pending, self.text = record.state, record.pending, record.text
         self.checkpoints, self.attempt = record.checkpoints, record.attempt
         self.load_notes = record.notes
+        return self
+
+    @classmethod
+    def from_prompt_cache(
+        cls,
+        model,
+        tokenizer,
+        prompt: PromptCache,
+        *,
+        config: GenerationConfig = DEFAULTS,
+        max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS,
+        shared: Sequence[Tier] = (),
+    ) -> "ChatSession":
+        """A new chat that continues the messages of ``prompt`` (a chat cache, e.g. made
+        by ``mlxcc cache-prompt``) and holds it as its cache, so its first turn feeds only
+        the new tokens. ``prompt`` keeps its window shape; ``config`` gives the settings."""
+        if prompt.messages is None:
+            raise UsageError("a chat starts only from a chat cache (messages, not raw text)")
+        self = cls.__new__(cls)
+        self._setup(model, tokenizer, config, max_checkpoints, [dict(m) for m in prompt.messages], shared)
+        self.state, self.pending, self.checkpoints, self.attempt = prompt, [], [], 0
+        text = self.render(self.messages, add_generation_prompt=False) if self.messages else ""
+        # the held text is known only when the tokens are its encoding (else turns match held tokens by decoding)
+        self.text = text if text and self.encode(text) == prompt.tokens else ""
         return self
 
 

@@ -139,8 +139,9 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
     raw = info.metadata.get(SESSION_KEY)
     if raw is None or info.messages is None or info.tokens is None:
         raise SessionError(
-            f"{path} is a cache file but not a chat session (no messages or session "
-            "settings); use it with 'mlxcc generate --prompt-cache' instead"
+            f"{path} is a cache file but not a chat session (no messages or session settings); "
+            f"start a chat from it with 'mlxcc chat --prompt-cache-file {path}' (or use it with "
+            f"'mlxcc generate --prompt-cache-file {path}')"
         )
     meta = _parse_session_json(path, raw)
     notes: list[str] = []

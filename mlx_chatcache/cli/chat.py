@@ -9,6 +9,14 @@ may hold a session (an exclusive lock on ``NAME.lock``).
 With ``--cache-dir DIR`` (the folder of ``mlxcc serve --cache-dir``) every save
 also stores the cache there, and a turn that starts from an empty cache (a
 new chat) starts from the longest prefix of its prompt found there.
+
+With ``--prompt-cache-file F`` a new chat starts from a cache ``mlxcc
+cache-prompt`` made (its system prompt and messages), so its first turn feeds
+only the new tokens. F is only read: the chat is saved to its own session
+(``--session``/``--session-file``, which must not exist yet) or not at all.
+F is checked before the model loads (a chat cache with token ids, with the
+window and KV settings the flags ask for; unset flags take F's). When F ends
+with a user message (``cache-prompt -p``), the first turn adds a second one.
 """
 
 from __future__ import annotations
@@ -58,6 +66,11 @@ def add_parser(sub) -> None:
         "~/.mlxcc) and resume it when it exists (with the model it was made with unless --model is given)",
     )  # fmt: skip
     where.add_argument("--session-file", metavar="PATH", help="keep the chat in this file (resumed when it exists)")
+    p.add_argument(
+        "--prompt-cache-file", metavar="FILE",
+        help="start a new chat from this prebuilt cache ('mlxcc cache-prompt': its system prompt and "
+        "messages are not computed again); FILE is only read, the chat is saved to --session/--session-file",
+    )  # fmt: skip
     add_cache_dir_arg(p)
     add_verbose_arg(p, "print each turn's statistics on stderr")
     p.set_defaults(run=run)
@@ -85,6 +98,7 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=N
     from .chat_input import StreamReader, TerminalReader
     from .repl import ChatREPL, history_file, plural
 
+    prebuilt = _prebuilt_header(args, path, label) if args.prompt_cache_file is not None else None
     source = None
     if path is not None and path.exists() and args.model is None:
         from ..chat.session_catalog import resume_source
@@ -97,7 +111,11 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=N
 
     model, tokenizer = load_model(args, source)
     shared = shared_tiers(args.cache_dir)
-    if path is not None and path.exists():
+    if prebuilt is not None:
+        session = _from_prebuilt(args, model, tokenizer, shared, *prebuilt)
+        if path is not None:
+            _note(f"new session {label} (saved after every turn to {path})")
+    elif path is not None and path.exists():
         overrides = config_overrides(args)
         session = ChatSession.load(path, model, tokenizer, overrides=overrides, shared=shared)
         for line in session.load_notes:
@@ -131,6 +149,67 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=N
         session_label=label,
     )
     return repl.run()
+
+
+def _prebuilt_header(args, path: Path | None, label: str | None):
+    """``(header, config)`` of ``--prompt-cache-file``, checked before the model loads:
+    the chat's session must be new, the file a chat cache with token ids, and the
+    window and KV flags those of the file (the generate command's rules: unset flags
+    take the file's). Raises one line for anything else."""
+    from ..errors import CacheFormatError, UsageError
+    from ..files.cache_io import read_cache_info
+    from ..generation.stored_prompt import scope_of
+    from ..store.file_tier import CacheFileTier
+    from .generate import file_config
+
+    f = args.prompt_cache_file
+    if path is not None and path.exists():
+        raise UsageError(f"session {label} exists: resume it without --prompt-cache-file, or pick a new name")
+    info = read_cache_info(f)
+    if info.tokens is None:
+        raise CacheFormatError(
+            f"{f} does not say which tokens it holds (written by {info.layout}); chat needs a file "
+            "made by 'mlxcc cache-prompt'"
+        )
+    if info.messages is None:
+        if info.text is not None:
+            raise UsageError(
+                f"{f} holds raw text (made with --ignore-chat-template); chat needs a chat cache: "
+                "rebuild it without --ignore-chat-template"
+            )
+        raise UsageError(
+            f"{f} is a prompt-cache store entry (token ids only, no messages); chat needs a file made by "
+            "'mlxcc cache-prompt', or pass the store's folder as --cache-dir"
+        )
+    config = file_config(args, info)  # F's window and KV settings; a different --max-kv-size is refused
+    # the named-file tier's shape check (other KV settings are refused), without the model: no fingerprint
+    CacheFileTier(f, None, header=info).find(scope_of(None, config), [*info.tokens, -1], None)
+    return info, config
+
+
+def _from_prebuilt(args, model, tokenizer, shared, info, config):
+    """A new chat session holding the cache of ``--prompt-cache-file`` (read, never written)."""
+    from ..chat.session import ChatSession
+    from ..errors import CacheFileError, ModelMismatchError
+    from ..generation.prompt_state import PromptCache
+
+    f = args.prompt_cache_file
+    try:
+        prompt = PromptCache.load(f, model)  # fingerprint, layers and token ids checked
+    except ModelMismatchError as e:
+        raise ModelMismatchError(f"{f}: {e}") from None
+    if prompt.tokens != info.tokens:
+        raise CacheFileError(f"{f} changed while it was read; run the command again")
+    session = ChatSession.from_prompt_cache(model, tokenizer, prompt, config=config, shared=shared)
+    if args.system_prompt is not None and args.system_prompt != (session.system_prompt or ""):
+        session.set_system_prompt(args.system_prompt)
+        _note(f"[new system prompt: the cache of {f} is not used; its messages will be read on the first turn]")
+        return session
+    _note(f"[started from {f}: {len(prompt.tokens)} tokens in the cache, 0 tokens recomputed]")
+    if prompt.max_kv_size is not None and prompt.keep < session.pinned_tokens():
+        _note(f"[the window of {f} pins its first {prompt.keep} tokens, not the whole system prompt: it leaves "
+              f"the window once the chat outgrows max_kv_size={prompt.max_kv_size}]")  # fmt: skip
+    return session
 
 
 def _note(text: str) -> None:
