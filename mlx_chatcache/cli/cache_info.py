@@ -110,7 +110,7 @@ def decoded_preview(info: CacheFileInfo, model_ref: str | None) -> str | None:
 
 def _checksums(state: str, info: CacheFileInfo) -> str:
     if state == "verified":
-        return "verified (every tensor and the header match the CRC32s the file carries)"
+        return "verified (every tensor and the header match their CRC32)"
     if info.layout != "mlxcc":
         return f"none ({info.layout} files carry none; damage cannot be detected)"
     return f"none (format version {info.format_version} files carry none; damage cannot be detected)"
@@ -134,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
         f"cache types: {types} ({s['num_layers']} layers)",
         f"tokens:      {s['num_tokens'] if s['num_tokens'] is not None else 'unknown'}{_room(s)}",
         f"bytes:       {human_bytes(s['nbytes'])} of arrays, {human_bytes(s['file_size'])} on disk",
-        f"checksums:   {_checksums(s['checksums'], info)}",
     ]
+    lines += field("checksums", _checksums(s["checksums"], info))
     if s["weights"]:
         lines += field("weights", f"{s['weights']} (the weight policy it was computed with; any policy can continue it)")
     if info.messages is not None:
