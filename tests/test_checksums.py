@@ -28,6 +28,7 @@ from mlx_chatcache.files.cache_io import (
     save_prompt_cache,
     verify_cache_file,
 )
+from mlx_chatcache.files import checksum
 from mlx_chatcache.files.checksum import HEADER_KEY, TENSORS_KEY
 
 TOKENS = list(range(10))
@@ -123,6 +124,24 @@ def test_damaged_tensor_is_named(saved, tmp_path):
     p.write_bytes(data[:-1] + bytes([data[-1] ^ 0x20]))
     with pytest.raises(CacheFileError, match="does not match its checksum"):
         load_prompt_cache(p)
+
+
+def test_threaded_verification_agrees(saved, tmp_path, monkeypatch):
+    """Big files are verified over threads: the same verdicts, tensor for tensor."""
+    path, data, cache = saved
+    monkeypatch.setattr(checksum, "PARALLEL_BYTES", 0)
+    loaded = load_prompt_cache(path)
+    assert all(mx.array_equal(x, y) for a, b in zip(cache, loaded) for x, y in zip(a.state, b.state))
+    _, h = _split(data)
+    sums = json.loads(h["__metadata__"][TENSORS_KEY])
+    for name in sums:
+        b, e = h[name]["data_offsets"]
+        if e > b:
+            at = 8 + _split(data)[0] + (b + e) // 2
+            p = tmp_path / "bad.safetensors"
+            p.write_bytes(data[:at] + bytes([data[at] ^ 0x80]) + data[at + 1 :])
+            with pytest.raises(CacheFileError, match=f"tensor '{name}' does not match"):
+                load_prompt_cache(p)
 
 
 def _strip(h, version="3"):

@@ -13,7 +13,7 @@ exactly (the header parser checks that). :func:`checksummed` adds both keys
 (the header's as a placeholder) before a write; :func:`seal_file` /
 :func:`seal_bytes` fill in the header's value once the header bytes exist.
 :func:`header_checksums` checks a parsed header and returns the tensors'
-sums, which :func:`check_tensor` compares with each array read. CRC32 is
+sums, which :func:`check_tensors` compares with each array read. CRC32 is
 zlib's (the Redis tier checks its chunks with the same function): it finds
 damage, it does not authenticate (anyone can recompute it).
 """
@@ -21,9 +21,11 @@ damage, it does not authenticate (anyone can recompute it).
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +39,8 @@ TENSORS_KEY = "mlxcc.tensor_crc32"
 PLACEHOLDER = "00000000"
 # the key and its value (any 8 characters) in the JSON header, whatever the spacing
 _FIELD = re.compile(rb'"mlxcc\.header_crc32"[ \t\n\r]*:[ \t\n\r]*"([^"\\]{8})"')
+PARALLEL_BYTES = 16 << 20  # below this a thread pool costs more than it saves
+MAX_THREADS = 8
 _HEX = re.compile(r"^[0-9a-f]{8}$")
 
 
@@ -53,6 +57,19 @@ def array_crc32(a: mx.array) -> int:
     if not view.c_contiguous:
         view = memoryview(mx.contiguous(a))
     return crc32(view)
+
+
+def arrays_crc32(arrays: list[mx.array]) -> list[int]:
+    """:func:`array_crc32` of each array, spread over threads when there is enough
+    to share (zlib releases the GIL; mlx is only touched on this thread)."""
+    views = [memoryview(a) for a in arrays]
+    if any(not v.c_contiguous for v in views):
+        return [array_crc32(a) for a in arrays]
+    workers = min(len(views), os.cpu_count() or 1, MAX_THREADS)
+    if workers < 2 or sum(v.nbytes for v in views) < PARALLEL_BYTES:
+        return [crc32(v) for v in views]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(crc32, views))
 
 
 def checksummed(arrays: dict[str, mx.array], metadata: dict[str, str]) -> dict[str, str]:
@@ -132,7 +149,9 @@ def header_checksums(path: Path, raw: bytes, metadata: dict[str, str], names) ->
     return {k: int(v, 16) for k, v in sums.items()}
 
 
-def check_tensor(path: Path, name: str, a: mx.array, expected: int) -> None:
-    """Raise :func:`damaged` unless the array read as ``name`` has the checksum ``expected``."""
-    if array_crc32(a) != expected:
-        raise damaged(path, f"tensor {name!r} does not match its checksum")
+def check_tensors(path: Path, arrays: dict[str, mx.array], expected: dict[str, int]) -> None:
+    """Raise :func:`damaged` unless each array read as ``name`` has the checksum ``expected[name]``."""
+    names = list(arrays)
+    for name, got in zip(names, arrays_crc32([arrays[n] for n in names])):
+        if got != expected[name]:
+            raise damaged(path, f"tensor {name!r} does not match its checksum")

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CacheFileError, CacheFormatError
-from .checksum import check_tensor, header_checksums
+from .checksum import check_tensors, header_checksums
 
 if TYPE_CHECKING:  # mlx loads when arrays are read or written: parsing a header needs none
     import mlx.core as mx
@@ -265,8 +265,7 @@ def _checked_arrays(header: Header, names: list[str], loaded: dict, why: str) ->
         out[name] = a
     mx.eval(list(out.values()))
     if header.checksums is not None:
-        for name, a in out.items():
-            check_tensor(header.path, name, a, header.checksums[name])
+        check_tensors(header.path, out, header.checksums)
     return out
 
 
