@@ -236,3 +236,30 @@ def test_a_damaged_session_is_refused_and_left_alone(llama_model, tmp_path):
     with pytest.raises(CacheFileError, match="is damaged"):
         ChatSession.load(bad, model, tokenizer).ask("And then?")
     assert bad.read_bytes() == data
+
+
+def test_a_damaged_disk_tier_entry_is_a_miss(llama_model, tmp_path):
+    """A store entry whose array bytes were overwritten (same size, header intact)
+    is never served: the lookup misses and counts it corrupt."""
+    from mlx_chatcache.cache import make_prompt_cache
+    from mlx_chatcache.generation.prompt_state import PromptCache
+    from mlx_chatcache.generation.prompt_store import feed_all
+    from mlx_chatcache.store.store import PromptStore
+    from mlx_chatcache.store.tiers import DiskTier, make_scope
+
+    model, _ = llama_model
+    tokens = [3 + (i * 7) % 300 for i in range(20)]
+    state = PromptCache.new(model)
+    feed_all(model, state, tokens, 512)
+    scope = make_scope(model.fingerprint, {"max_kv_size": None, "keep": 4})
+    disk = DiskTier(tmp_path, 1 << 30)
+    disk.add(scope, tokens, state.cache, key=None)
+    path = disk.index.get(scope.namespace, tuple(tokens)).payload
+    data = path.read_bytes()
+    n, _ = _split(data)
+    at = 8 + n + 16  # the first live token's K/V of the first tensor in the file
+    path.write_bytes(data[:at] + bytes(64) + data[at + 64 :])
+    assert path.read_bytes() != data
+    store = PromptStore([DiskTier(tmp_path, 1 << 30)])
+    assert store.checkout(scope, tokens + [9], make_prompt_cache(model)) is None
+    assert store.tiers[0].stats()["corrupt"] == 1
