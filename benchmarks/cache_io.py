@@ -485,8 +485,9 @@ def checksum_cost(sizes, folder: Path, repeats: int) -> str:
         ours, _ = _fill(n, seed=n)
         on, off = folder / f"sums-{n}.safetensors", folder / f"nosums-{n}.safetensors"
         t = {k: [] for k in ("save_on", "save_off", "on", "off", "crc")}
+        saves = (("save_on", cache_io.save_prompt_cache), ("save_off", save_without))
         for r in range(repeats):
-            for key, save in ((("save_on", cache_io.save_prompt_cache), ("save_off", save_without))[:: 1 - 2 * (r % 2)]):
+            for key, save in saves[:: 1 - 2 * (r % 2)]:
                 t0 = time.perf_counter()
                 save(on if key == "save_on" else off, ours)
                 t[key].append(time.perf_counter() - t0)

@@ -79,7 +79,8 @@ def fuzz_run(seeds, tmp_path_factory):
     elapsed = time.perf_counter() - start
     rss_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
     return {
-        "outcomes": outcomes, "violations": violations, "damaged_loaded": damaged_loaded, "rejected": rejected, "info_rejected": info_rejected,
+        "outcomes": outcomes, "violations": violations, "damaged_loaded": damaged_loaded,
+        "rejected": rejected, "info_rejected": info_rejected,
         "elapsed": elapsed,
         "rss_growth": rss_growth, "max_size": max_size, "work": work,
     }
