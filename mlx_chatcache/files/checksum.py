@@ -41,7 +41,7 @@ PLACEHOLDER = "00000000"
 _FIELD = re.compile(rb'"mlxcc\.header_crc32"[ \t\n\r]*:[ \t\n\r]*"([^"\\]{8})"')
 PARALLEL_BYTES = 16 << 20  # below this a thread pool costs more than it saves
 MAX_THREADS = 8
-_HEX = re.compile(r"^[0-9a-f]{8}$")
+_HEX = re.compile(r"[0-9a-f]{8}")
 
 
 def crc32(buf) -> int:
@@ -134,7 +134,7 @@ def header_checksums(path: Path, raw: bytes, metadata: dict[str, str], names) ->
     head = struct.pack("<Q", len(raw)) + raw
     at = _value_offset(head)
     value = metadata[HEADER_KEY]
-    if at is None or not _HEX.match(value) or head[at : at + 8] != value.encode():
+    if at is None or not _HEX.fullmatch(value) or head[at : at + 8] != value.encode():
         raise damaged(path, "its header checksum is malformed")
     if _header_crc(head, at) != int(value, 16):
         raise damaged(path, "the header does not match its checksum")
@@ -143,7 +143,7 @@ def header_checksums(path: Path, raw: bytes, metadata: dict[str, str], names) ->
     except (ValueError, RecursionError):
         sums = None
     if not isinstance(sums, dict) or set(sums) != set(names) or not all(
-        isinstance(v, str) and _HEX.match(v) for v in sums.values()
+        isinstance(v, str) and _HEX.fullmatch(v) for v in sums.values()
     ):
         raise damaged(path, "its tensor checksums do not list its tensors")
     return {k: int(v, 16) for k, v in sums.items()}
