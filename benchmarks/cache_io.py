@@ -4,6 +4,7 @@ One command (from the repository root):
 
     .venv/bin/python benchmarks/cache_io.py                 # prints the table
     .venv/bin/python benchmarks/cache_io.py --write-results # also updates RESULTS.md
+    .venv/bin/python benchmarks/cache_io.py --checksums     # only the checksums' cost
 
 For caches of 1k, 4k and 16k tokens of a mid-size model shape (16 layers, 8 KV
 heads x 128 dims, float16) filled with random K/V through ``update_and_fetch``
@@ -450,6 +451,78 @@ def bench_size(n_tokens: int, folder: Path, repeats: int, cold_repeats: int, bit
     return rows
 
 
+def checksum_cost(sizes, folder: Path, repeats: int) -> str:
+    """What the files' CRC32 checksums cost: our float16 file loaded (every array
+    evaluated) with its checksums verified vs a copy without them (the same bytes,
+    the two keys stripped, as a version 3 file: nothing to verify), saved with and
+    without them, and zlib.crc32's own speed over the file's bytes."""
+    import json
+    import struct
+    import zlib
+
+    from mlx_chatcache.files import atomic_write, cache_io
+    from mlx_chatcache.files.checksum import HEADER_KEY, TENSORS_KEY
+
+    def stripped(data: bytes) -> bytes:
+        (n,) = struct.unpack("<Q", data[:8])
+        h = json.loads(data[8 : 8 + n])
+        for k in (HEADER_KEY, TENSORS_KEY):
+            h["__metadata__"].pop(k)
+        h["__metadata__"]["mlxcc.format_version"] = "3"
+        new = json.dumps(h, separators=(",", ":")).encode()
+        return struct.pack("<Q", len(new)) + new + data[8 + n :]
+
+    def save_without(path, cache):
+        saved = atomic_write.checksummed, atomic_write.seal_file
+        atomic_write.checksummed, atomic_write.seal_file = (lambda arrays, meta: meta), (lambda tmp: None)
+        try:
+            cache_io.save_prompt_cache(path, cache)
+        finally:
+            atomic_write.checksummed, atomic_write.seal_file = saved
+
+    rows = []
+    for n in sizes:
+        ours, _ = _fill(n, seed=n)
+        on, off = folder / f"sums-{n}.safetensors", folder / f"nosums-{n}.safetensors"
+        t = {k: [] for k in ("save_on", "save_off", "on", "off", "crc")}
+        saves = (("save_on", cache_io.save_prompt_cache), ("save_off", save_without))
+        for r in range(repeats):
+            for key, save in saves[:: 1 - 2 * (r % 2)]:
+                t0 = time.perf_counter()
+                save(on if key == "save_on" else off, ours)
+                t[key].append(time.perf_counter() - t0)
+        data = on.read_bytes()
+        off.write_bytes(stripped(data))
+        os.sync()
+        for r in range(repeats):
+            for key, path in ((("on", on), ("off", off))[:: 1 - 2 * (r % 2)]):
+                _load_for("mlxcc", path)  # page cache and allocator warm
+                t0 = time.perf_counter()
+                c = _load_for("mlxcc", path)
+                t[key].append(time.perf_counter() - t0)
+                if not _same_content(ours, c):
+                    raise SystemExit(f"checksums {n}: the loaded cache differs from the saved one")
+                del c
+            t0 = time.perf_counter()
+            zlib.crc32(data)
+            t["crc"].append(time.perf_counter() - t0)
+        m = {k: median(v) for k, v in t.items()}
+        mb = len(data) / 1e6
+        rows.append([n, f"{mb:.1f}", fmt_ms(m["save_off"]), fmt_ms(m["save_on"]), fmt_ms(m["off"]), fmt_ms(m["on"]),
+                     f"{(m['on'] - m['off']) * 1e3:+.1f} ({(m['on'] / m['off'] - 1) * 100:+.0f} %)",
+                     f"{mb / m['off']:.0f}", f"{mb / m['on']:.0f}", f"{mb / m['crc']:.0f}"])
+        on.unlink()
+        off.unlink()
+    out = header_block("Cache files: cost of the CRC32 checksums") + "\n"
+    out += (f"Our float16 file ({L_LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM} dims); medians of {repeats} "
+            "interleaved in-process runs. 'without': the same file with the checksum keys stripped (a version 3 "
+            "file: nothing to verify) and saved with the checksum step switched off; loads evaluate every array, "
+            "warm page cache. 'crc32 MB/s': zlib.crc32 over the file's bytes alone.\n\n")
+    out += md_table(["tokens", "file MB", "save ms without", "save ms with", "load ms without", "load ms with",
+                     "load cost ms", "load MB/s without", "load MB/s with", "crc32 MB/s"], rows)
+    return out
+
+
 def lossless_ratios(arrays) -> dict[str, float]:
     """Compressed / raw size of ``arrays`` as float16 bytes, as stored, and with the
     two bytes of every element split into two planes (exponent bytes together),
@@ -528,11 +601,20 @@ def main(argv=None) -> int:
     ap.add_argument("--openblas", action="store_true", help="LD_PRELOAD Debian's OpenBLAS")
     ap.add_argument("--fresh-repeats", type=int, default=3,
                     help="loads timed in new processes (median; default 3, 0 = skip)")
+    ap.add_argument("--checksums", action="store_true",
+                    help="only measure what the files' checksums cost (save and load, with and without)")
     ap.add_argument("--fresh-job", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.fresh_job:
         return fresh_job(*args.fresh_job)
     sizes = [int(x) for x in args.tokens.split(",") if x]
+    if args.checksums:
+        with tempfile.TemporaryDirectory(prefix="mlxcc-bench-", dir=os.environ.get("MLXCC_BENCH_DIR")) as d:
+            out = checksum_cost(sizes, Path(d), repeats_for(0, args)[0])
+        print(out)
+        if args.write_results:
+            write_results_section("cache_io_checksums", out, args.results)
+        return 0
     bits_list = [int(x) for x in args.bits.split(",") if x]
 
     # probe (and only then drop the page cache) when cold runs are asked for

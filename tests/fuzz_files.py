@@ -21,7 +21,11 @@ shapes, dtypes, entries), header-consistent lies (reshapes, dtype swaps, swapped
 tensors: they pass the safetensors checks and reach the cache classes), our
 metadata lies (counts, class names, meta states, token ids, misc fields), mlx-lm
 and legacy metadata lies, data-section rewrites, random flips, random bytes and
-splices of two files.
+splices of two files. Our seeds carry checksums: a mutation that rebuilds the
+header recomputes the header's (as a forger would, so the lie reaches the checks
+behind it; header text edits do so half the time), data rewrites forge the
+tensor's checksum half the time; flips and truncations never do, and the
+checksums must find them.
 
 ``check_file`` is the contract: loading either succeeds, and then the result is
 consistent (state shapes, ``from_state`` rebuild, quantized arrays dequantize,
@@ -39,6 +43,7 @@ import random
 import struct
 import tempfile
 import tracemalloc
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -57,6 +62,7 @@ from mlx_chatcache.cache import (
 )
 from mlx_chatcache.files.cache_io import load_cache_file, read_cache_info, save_prompt_cache
 from mlx_chatcache.errors import ChatCacheError
+from mlx_chatcache.files.checksum import TENSORS_KEY, seal_bytes
 from mlx_chatcache.models.fingerprint import ModelFingerprint
 
 # mlx may allocate at most this multiple of the file size (+ constant) while loading
@@ -113,14 +119,35 @@ def dumps(obj) -> str:
     return text
 
 
-def assemble(header, payload: bytes, length: int | None = None) -> bytes:
-    """A safetensors file from a header (dict, str or bytes) and a data section."""
+def assemble(header, payload: bytes, length: int | None = None, seal: bool = True) -> bytes:
+    """A safetensors file from a header (dict, str or bytes) and a data section.
+
+    With ``seal``, a header checksum the header carries is recomputed, as a
+    forger would: the lie then reaches the checks behind the checksum."""
     if isinstance(header, dict):
         header = dumps(header)
     if isinstance(header, str):
         header = header.encode("utf-8", "surrogatepass")
     n = len(header) if length is None else length
-    return struct.pack("<Q", n % 2**64) + header + payload
+    data = struct.pack("<Q", n % 2**64) + header + payload
+    return forge_header_checksum(data) if seal else data
+
+
+def forge_header_checksum(data: bytes) -> bytes:
+    """``data`` with its header checksum recomputed, when it has exactly one."""
+    try:
+        return seal_bytes(data)
+    except (ValueError, struct.error):
+        return data
+
+
+def forge_tensor_checksum(h: dict, name: str, data: bytes) -> None:
+    """Set tensor ``name``'s checksum in header ``h`` to that of ``data``, when ``h`` lists checksums."""
+    meta = h.get("__metadata__") or {}
+    if TENSORS_KEY in meta:
+        sums = json.loads(meta[TENSORS_KEY])
+        sums[name] = f"{zlib.crc32(data):08x}"
+        meta[TENSORS_KEY] = json.dumps(sums)
 
 
 def _rnd(shape, seed):
@@ -315,9 +342,9 @@ def m_header_bytes(rng, s):
         else:
             text[i:i] = _pick(rng, [b"\xff", b"\xc3", b"\xed\xa0\x80", b"\\ud800", b"\\u0000", b"\x00"])
         what.append(f"op{op}@{i}")
-    fix_len = rng.random() < 0.8
-    return ("header text " + ",".join(what) + (" (length fixed)" if fix_len else ""),
-            assemble(bytes(text), s.payload, None if fix_len else n))
+    fix_len, seal = rng.random() < 0.8, rng.random() < 0.5
+    return ("header text " + ",".join(what) + (" (length fixed)" if fix_len else "") + (" (sealed)" if seal else ""),
+            assemble(bytes(text), s.payload, None if fix_len else n, seal))
 
 
 def m_header_json(rng, s):
@@ -713,7 +740,10 @@ def m_data(rng, s):
         payload[b:e] = bytes(e - b)
     else:  # NaN floats
         payload[b:e] = (b"\x00\x00\xc0\x7f" * ((e - b) // 4 + 1))[: e - b]
-    return f"data op{op} {name}", assemble(h, bytes(payload))
+    forged = rng.random() < 0.5  # else a checksum-carrying file is found damaged
+    if forged:
+        forge_tensor_checksum(h, name, bytes(payload[b:e]))
+    return f"data op{op} {name}" + (" (checksum forged)" if forged else ""), assemble(h, bytes(payload))
 
 
 def m_random_flips(rng, s):

@@ -45,6 +45,16 @@ def test_cache_io_smoke(tmp_path):
     assert results.read_text().count("<!-- BEGIN cache_io -->") == 1
 
 
+def test_cache_io_checksums_smoke(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    out = run("cache_io.py", "--checksums", "--tokens", "40", "--repeats", "1", "--write-results",
+              "--results", str(results))
+    assert re.search(r"^\| tokens +\| file MB +\| save ms without", out, re.M)
+    assert len([line for line in out.splitlines() if line.startswith("| 40 ")]) == 1
+    text = results.read_text()
+    assert "<!-- BEGIN cache_io_checksums -->" in text and "<!-- BEGIN cache_io -->" not in text
+
+
 def test_decode_smoke(tmp_path):
     out = run("decode.py", "--models", "tiny", "--tokens", "4", "--repeats", "1")
     assert re.search(r"^\| model +\| engine +\| prompt tok", out, re.M)

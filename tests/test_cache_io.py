@@ -33,6 +33,7 @@ from mlx_chatcache.errors import (
     ModelMismatchError,
     UnsupportedCacheError,
 )
+from mlx_chatcache.files.checksum import seal_bytes
 from mlx_chatcache.models.fingerprint import ModelFingerprint
 
 
@@ -219,12 +220,14 @@ def good_file(tmp_path):
 
 
 def rewrite_header(src, dst, edit):
+    """``src`` with its header edited, written to ``dst``, the header checksum
+    recomputed (as a forger would: the checks behind the checksum must hold alone)."""
     raw = src.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
     edit(header)
     new = json.dumps(header).encode()
-    dst.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
+    dst.write_bytes(seal_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :]))
     return dst
 
 
@@ -433,7 +436,7 @@ def test_reads_version_1_files_without_room(tmp_path):
     got, want = old.update_and_fetch(rnd(2, 9), rnd(2, 9)), c.update_and_fetch(rnd(2, 9), rnd(2, 9))
     assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
     save_prompt_cache(tmp_path / "v3.safetensors", [old], tokens=list(range(14)))
-    assert read_cache_info(tmp_path / "v3.safetensors").format_version == FORMAT_VERSION == 3
+    assert read_cache_info(tmp_path / "v3.safetensors").format_version == FORMAT_VERSION == 4
 
 
 def wrapped_rings():

@@ -29,6 +29,7 @@ FUZZ_SEED = 20261130
 N_FILES = 110 * len(MUTATIONS)  # 2,090: 110 files of every mutation class
 CLI_PER_CLASS = 3  # rejected files of each class sent through the CLI in-process (~57)
 CLI_SUBPROCESSES = 10
+UNFORGED_DAMAGE = ("truncate", "random_flips")  # mutations that never recompute a checksum
 GENERATE_CLI = Path(cli_pkg.__file__).parent / "generate.py"
 
 
@@ -46,6 +47,8 @@ def fuzz_run(seeds, tmp_path_factory):
     violations: list[tuple[FuzzCase, str]] = []
     rejected: dict[str, list[FuzzCase]] = collections.defaultdict(list)  # by the loader
     info_rejected: dict[str, list[FuzzCase]] = collections.defaultdict(list)  # by read_cache_info too
+    seed_of = {s.name: s for s in seeds}
+    damaged_loaded: list[FuzzCase] = []  # unforged damage to a checksummed file that loaded anyway
     max_size = 0
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     tracing = tracemalloc.is_tracing()
@@ -62,6 +65,10 @@ def fuzz_run(seeds, tmp_path_factory):
                 violations.append((case, str(e)))
                 outcome = "VIOLATION"
             outcomes[case.kind][outcome] += 1
+            seed = seed_of[case.seed_name]
+            if (outcome == "loaded" and case.kind in UNFORGED_DAMAGE and seed.layout == "mlxcc"
+                    and case.data != seed.data):  # fmt: skip
+                damaged_loaded.append(case)
             if outcome not in ("loaded", "VIOLATION") and len(rejected[case.kind]) < CLI_PER_CLASS:
                 rejected[case.kind].append(case)
             if outcome != "VIOLATION" and check_file.info_outcome != "ok" and len(info_rejected[case.kind]) < CLI_PER_CLASS:
@@ -72,7 +79,8 @@ def fuzz_run(seeds, tmp_path_factory):
     elapsed = time.perf_counter() - start
     rss_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
     return {
-        "outcomes": outcomes, "violations": violations, "rejected": rejected, "info_rejected": info_rejected,
+        "outcomes": outcomes, "violations": violations, "damaged_loaded": damaged_loaded,
+        "rejected": rejected, "info_rejected": info_rejected,
         "elapsed": elapsed,
         "rss_growth": rss_growth, "max_size": max_size, "work": work,
     }
@@ -118,6 +126,13 @@ def test_loader_contract_on_2000_bad_files(fuzz_run):
         f"  #{c.index} {c.kind} from {c.seed_name} ({c.what}): {err}" for c, err in fuzz_run["violations"][:15]
     )
     assert not fuzz_run["violations"], f"{len(fuzz_run['violations'])} contract violations:\n{shown}"
+
+
+def test_checksums_find_every_flip_and_cut_of_our_files(fuzz_run):
+    """A file of our format whose bytes were flipped or cut (no checksum recomputed) never loads."""
+    cases = fuzz_run["damaged_loaded"]
+    shown = ", ".join(f"#{c.index} {c.kind} ({c.what})" for c in cases[:10])
+    assert not cases, f"{len(cases)} damaged files loaded: {shown}"
 
 
 def test_every_mutation_class_is_exercised(fuzz_run):

@@ -1,4 +1,7 @@
-"""``mlxcc cache info FILE [--json]``: what a cache file holds, without a model."""
+"""``mlxcc cache info FILE [--json]``: what a cache file holds, without a model.
+
+It reads every array to check the file's checksums: a damaged file is one error line.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import shutil
 import textwrap
 from collections import Counter
 
-from ..files.cache_io import CacheFileInfo, read_cache_info
+from ..files.cache_io import CacheFileInfo, read_cache_info, verify_cache_file
 from .common import human_bytes
 
 PREVIEW_CHARS = 240
@@ -25,7 +28,8 @@ def add_parser(sub) -> None:
         "info",
         help="show a cache file's format, model, cache types, tokens, size and a preview",
         description="Show what a cache file holds: format, model, cache types, token "
-        "count, bytes, chat messages and a decoded preview of the cached text.",
+        "count, bytes, chat messages and a decoded preview of the cached text; "
+        "checks the file's checksums (a damaged file is an error).",
     )
     info.add_argument("file", help="the .safetensors cache file")
     info.add_argument("--json", action="store_true", help="print a JSON object instead of text")
@@ -104,9 +108,18 @@ def decoded_preview(info: CacheFileInfo, model_ref: str | None) -> str | None:
     return text if len(text) <= PREVIEW_CHARS else "…" + text[-PREVIEW_CHARS:]
 
 
+def _checksums(state: str, info: CacheFileInfo) -> str:
+    if state == "verified":
+        return "verified (every tensor and the header match their CRC32)"
+    if info.layout != "mlxcc":
+        return f"none ({info.layout} files carry none; damage cannot be detected)"
+    return f"none (format version {info.format_version} files carry none; damage cannot be detected)"
+
+
 def run(args: argparse.Namespace) -> int:
     info = read_cache_info(args.file)
     s = summary(info)
+    s["checksums"] = "verified" if verify_cache_file(args.file) else "none"
     s["preview"] = decoded_preview(info, args.model)
     if args.json:
         print(json.dumps(s, indent=2, ensure_ascii=False))
@@ -122,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         f"tokens:      {s['num_tokens'] if s['num_tokens'] is not None else 'unknown'}{_room(s)}",
         f"bytes:       {human_bytes(s['nbytes'])} of arrays, {human_bytes(s['file_size'])} on disk",
     ]
+    lines += field("checksums", _checksums(s["checksums"], info))
     if s["weights"]:
         lines += field("weights", f"{s['weights']} (the weight policy it was computed with; any policy can continue it)")
     if info.messages is not None:

@@ -10,7 +10,10 @@ Every failure of a write, creating the temp file included (a read-only
 folder, ``/proc``), is one :class:`CacheFileError` line saying what failed
 and what to do; :func:`check_writable` probes the same before any work.
 ``safetensors_bytes`` gives the bytes of such a file without writing one (a
-value for a remote store).
+value for a remote store). Both write the checksums of :mod:`.checksum`: the
+tensors' sums go into the metadata first, the header's own is filled in once
+the header bytes exist (8 bytes rewritten before the fsync: no second pass
+over the data).
 """
 
 from __future__ import annotations
@@ -27,16 +30,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CacheFileError
+from .checksum import checksummed, seal_bytes, seal_file
 
 if TYPE_CHECKING:  # mlx loads when arrays are written
     import mlx.core as mx
 
 
 def write_atomic(path: str | os.PathLike, arrays: dict[str, mx.array], metadata: dict[str, str]) -> None:
-    """Write a safetensors file atomically (temp file + fsync + rename)."""
+    """Write a safetensors file with checksums atomically (temp file + fsync + rename)."""
     import mlx.core as mx
 
-    write_file_atomic(path, lambda tmp: mx.save_safetensors(tmp, arrays, metadata))
+    metadata = checksummed(arrays, metadata)
+
+    def write(tmp: str) -> None:
+        mx.save_safetensors(tmp, arrays, metadata)
+        seal_file(tmp)
+
+    write_file_atomic(path, write)
 
 
 def safetensors_bytes(arrays: dict[str, mx.array], metadata: dict[str, str]) -> bytes:
@@ -44,8 +54,8 @@ def safetensors_bytes(arrays: dict[str, mx.array], metadata: dict[str, str]) -> 
     import mlx.core as mx
 
     buf = io.BytesIO()
-    mx.save_safetensors(buf, arrays, metadata)
-    return buf.getvalue()
+    mx.save_safetensors(buf, arrays, checksummed(arrays, metadata))
+    return seal_bytes(buf.getvalue())
 
 
 def write_file_atomic(path: str | os.PathLike, write) -> None:

@@ -10,7 +10,7 @@ file's whole self-description (:class:`CacheFileInfo`) with the layers.
 held in memory (values of a remote store tier). With
 ``format="mlx-lm"`` we write a file mlx-lm 0.32's ``load_prompt_cache`` accepts.
 
-Layout of our files (format version 3):
+Layout of our files (format version 4):
 - tensors ``layer.{i}.{j}``: array ``j`` of layer ``i``'s ``file_state()``: its
   ``state``, or for a K/V cache the live tokens followed by zeroed room up to
   the next multiple of 256 tokens (``spare_slots``), so a loaded cache grows
@@ -21,7 +21,10 @@ Layout of our files (format version 3):
 - metadata ``mlxcc.format_version``, ``mlxcc.num_layers``,
   ``mlxcc.layer.{i}.class`` / ``.meta`` (JSON list of strings) / ``.arrays`` (count),
   ``mlxcc.tokens`` (JSON list of ints), ``mlxcc.messages`` (JSON, chats only),
-  ``model.id`` / ``model.weights_hash`` / ``model.tokenizer_hash``, ``user.*``.
+  ``model.id`` / ``model.weights_hash`` / ``model.tokenizer_hash``, ``user.*``;
+- checksums (version 4 on; :mod:`.checksum`): ``mlxcc.tensor_crc32``,
+  ``mlxcc.header_crc32``. A version 4 file without them is refused; older
+  files have none and load unchecked.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ if TYPE_CHECKING:  # the cache classes (and so mlx-lm) load only when arrays bec
     from ..cache import BaseCache
 
 FORMAT_NAME = "mlx_chatcache"
-FORMAT_VERSION = 3  # 3: rotating meta_state ends in ring_idx; 2: K/V room; 1: live tokens only
+FORMAT_VERSION = 4  # 4: checksums; 3: rotating meta_state ends in ring_idx; 2: K/V room; 1: live tokens only
+CHECKSUMS_SINCE = 4
 MAX_LAYERS = 4096
 MAX_TOKEN_ID = 2**31 - 1
 # the names in mlx_chatcache.cache.CACHE_CLASSES (a test keeps them equal): reading a header checks a
@@ -149,6 +153,17 @@ def _header_metadata(cache, stored, tokens, model, messages, metadata) -> dict[s
 def read_cache_info(path: str | os.PathLike) -> CacheFileInfo:
     """The file's self-description, validated, without reading its arrays."""
     return _info_from_header(read_header(path))
+
+
+def verify_cache_file(path: str | os.PathLike) -> bool:
+    """Read every array of ``path`` and check the file against its checksums:
+    True when it carries them and they all match, False when it carries none
+    (an older file, an mlx-lm file); damage raises CacheFileError."""
+    header = read_header(path)
+    if header.checksums is None:
+        return False
+    read_arrays(header)
+    return True
 
 
 def load_prompt_cache(
@@ -259,6 +274,11 @@ def _parse_ours(header: Header) -> CacheFileInfo:
         )
     if version < 1:
         raise CacheFormatError(f"{path}: invalid cache format version {version}")
+    if version >= CHECKSUMS_SINCE and header.checksums is None:
+        raise CacheFormatError(
+            f"{path} is damaged (a version {version} file carries checksums, this one has none): "
+            "nothing was loaded: delete it or rebuild it (mlxcc cache-prompt)"
+        )
     n = _int_field(path, meta, "mlxcc.num_layers")
     if n > MAX_LAYERS:
         raise CacheFormatError(f"{path}: implausible layer count {n}")
@@ -385,6 +405,7 @@ __all__ = [
     "load_cache_file",
     "load_prompt_cache_bytes",
     "read_cache_info",
+    "verify_cache_file",
     "check_cache_fits_model",
     "FORMAT_VERSION",
 ]

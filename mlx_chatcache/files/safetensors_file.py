@@ -9,6 +9,9 @@ header was validated (same device, inode, size and mtime) with ``mx.load``,
 which reads straight into the arrays (one copy, like mlx-lm's loader), and
 checks every array's shape and dtype against the validated header.
 
+A header carrying checksums (:mod:`.checksum`) is checked against its own
+when it is parsed, and every array read against its tensor's checksum.
+
 ``read_header_bytes`` does the same for a file held in memory (a value from a
 remote store): same checks, no file.
 
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CacheFileError, CacheFormatError
+from .checksum import check_tensors, header_checksums
 
 if TYPE_CHECKING:  # mlx loads when arrays are read or written: parsing a header needs none
     import mlx.core as mx
@@ -72,6 +76,7 @@ class Header:
     file_size: int
     identity: tuple = ()  # (st_dev, st_ino, st_size, st_mtime_ns) of the validated file
     data: bytes | None = field(default=None, repr=False)  # the whole file, when it was read from memory
+    checksums: dict[str, int] | None = None  # each tensor's CRC32, when the file carries them (verified header)
 
 
 def _bad(path: Path, what: str) -> CacheFileError:
@@ -130,7 +135,8 @@ def _parse_header(path: Path, raw: bytes, size: int, identity: tuple = ()) -> He
     data_len = size - 8 - n
     tensors = {name: _parse_entry(path, name, e, data_len) for name, e in header.items()}
     _check_ranges(path, tensors, data_len)
-    return Header(path, tensors, metadata, 8 + n, size, identity)
+    sums = header_checksums(path, raw, metadata, tensors)
+    return Header(path, tensors, metadata, 8 + n, size, identity, checksums=sums)
 
 
 def _looks_like_safetensors(head: bytes) -> bool:
@@ -247,7 +253,8 @@ def _read_arrays_bytes(header: Header, names: list[str]) -> dict[str, mx.array]:
 
 
 def _checked_arrays(header: Header, names: list[str], loaded: dict, why: str) -> dict[str, mx.array]:
-    """``loaded[name]`` for ``names``, each checked against the validated header, evaluated."""
+    """``loaded[name]`` for ``names``, each checked against the validated header
+    (shape, dtype and, when it has them, checksum), evaluated."""
     import mlx.core as mx
 
     out = {}
@@ -257,6 +264,8 @@ def _checked_arrays(header: Header, names: list[str], loaded: dict, why: str) ->
             raise _bad(header.path, why)
         out[name] = a
     mx.eval(list(out.values()))
+    if header.checksums is not None:
+        check_tensors(header.path, out, header.checksums)
     return out
 
 
