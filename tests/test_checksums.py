@@ -21,6 +21,7 @@ from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import CacheFileError, CacheFormatError
 from mlx_chatcache.files.cache_io import (
     FORMAT_VERSION,
+    load_cache_file,
     load_prompt_cache,
     load_prompt_cache_bytes,
     prompt_cache_bytes,
@@ -155,7 +156,7 @@ def test_files_without_checksums_still_load(saved, tmp_path):
     _, data, cache = saved
     p = tmp_path / "v3.safetensors"
     p.write_bytes(_with_header(data, _strip))
-    loaded, info = load_prompt_cache(p, return_metadata=True)
+    loaded, info = load_cache_file(p)
     assert info.format_version == 3 and info.tokens == TOKENS
     for a, b in zip(cache, loaded):
         for x, y in zip(a.state, b.state):
