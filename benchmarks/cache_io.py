@@ -1,4 +1,4 @@
-"""Cache file benchmark: mlx-lm's save/load_prompt_cache vs mlx_chatcache.files.cache_io.
+"""Cache file benchmark: mlx-lm's save/load_prompt_cache vs mlx_chatcache.files.mlxcc_format.
 
 One command (from the repository root):
 
@@ -316,13 +316,13 @@ def _load_for(engine: str, path):
     import mlx.core as mx
     from mlx_lm.models import cache as lmc
 
-    from mlx_chatcache.files import cache_io
+    from mlx_chatcache.files import mlxcc_format
 
     if engine == "mlx-lm":
         c = lmc.load_prompt_cache(str(path))
         mx.eval(_arrays_of(c))
     else:
-        c = cache_io.load_prompt_cache(path)
+        c = mlxcc_format.load_prompt_cache(path)
         mx.eval([x.eval_arrays() for x in c])
     return c
 
@@ -341,7 +341,7 @@ def fresh_job(engine: str, path: str) -> int:
     import mlx.core as mx
     from mlx_lm.models import cache as _lmc  # noqa: F401  (imports outside the clock)
 
-    from mlx_chatcache.files import cache_io as _io  # noqa: F401
+    from mlx_chatcache.files import mlxcc_format as _io  # noqa: F401
 
     mx.eval(mx.zeros(4) + 1)  # MLX initialised before the clock starts
     t0 = time.perf_counter()
@@ -369,7 +369,7 @@ def bench_size(n_tokens: int, folder: Path, repeats: int, cold_repeats: int, bit
     from mlx_lm.models import cache as lmc
 
     from mlx_chatcache import cache as cc
-    from mlx_chatcache.files import cache_io
+    from mlx_chatcache.files import mlxcc_format
 
     ours, theirs = _fill(n_tokens, seed=n_tokens)
     variants = [("f16", ours, theirs)]
@@ -386,7 +386,7 @@ def bench_size(n_tokens: int, folder: Path, repeats: int, cold_repeats: int, bit
 
     engines = {
         "mlx-lm": (lambda p, c: lmc.save_prompt_cache(str(p), c), lambda p: _load_for("mlx-lm", p)),
-        "mlxcc": (lambda p, c: cache_io.save_prompt_cache(p, c), lambda p: _load_for("mlxcc", p)),
+        "mlxcc": (lambda p, c: mlxcc_format.save_prompt_cache(p, c), lambda p: _load_for("mlxcc", p)),
     }
     rows = []
     for tag, ours_c, theirs_c in variants:
@@ -460,7 +460,7 @@ def checksum_cost(sizes, folder: Path, repeats: int) -> str:
     import struct
     import zlib
 
-    from mlx_chatcache.files import atomic_write, cache_io
+    from mlx_chatcache.files import atomic, cache_io
     from mlx_chatcache.files.checksum import HEADER_KEY, TENSORS_KEY
 
     def stripped(data: bytes) -> bytes:
@@ -473,12 +473,12 @@ def checksum_cost(sizes, folder: Path, repeats: int) -> str:
         return struct.pack("<Q", len(new)) + new + data[8 + n :]
 
     def save_without(path, cache):
-        saved = atomic_write.checksummed, atomic_write.seal_file
-        atomic_write.checksummed, atomic_write.seal_file = (lambda arrays, meta: meta), (lambda tmp: None)
+        saved = atomic.checksummed, atomic.seal_file
+        atomic.checksummed, atomic.seal_file = (lambda arrays, meta: meta), (lambda tmp: None)
         try:
-            cache_io.save_prompt_cache(path, cache)
+            mlxcc_format.save_prompt_cache(path, cache)
         finally:
-            atomic_write.checksummed, atomic_write.seal_file = saved
+            atomic.checksummed, atomic.seal_file = saved
 
     rows = []
     for n in sizes:

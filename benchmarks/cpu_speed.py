@@ -85,7 +85,7 @@ def workload(prefill: int, decode: int) -> dict:
 def _stream(engine: str, model):
     """``(prompt ids, max tokens) -> iterator of token ids`` for an MLX engine."""
     from mlx_chatcache.config import DEFAULTS
-    from mlx_chatcache.generation.generate import generate_step
+    from mlx_chatcache.generation.loop import generate_step
 
     if engine == "mlx-lm default":
         from mlx_lm.generate import generate_step as lm_step

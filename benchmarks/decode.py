@@ -15,7 +15,7 @@ per engine (interleaved, alternating order, each on a fresh cache); the table
 gives medians:
 
 - ``mlx-lm``: ``mlx_lm.generate.generate_step`` with mlx-lm's own cache;
-- ``mlxcc``: ``mlx_chatcache.generation.generate.generate_step`` with a ``PromptCache``;
+- ``mlxcc``: ``mlx_chatcache.generation.loop.generate_step`` with a ``PromptCache``;
 - ``mlx-lm loop + mlxcc cache`` (diagnostic): mlx-lm's loop driving our cache
   classes, which separates the cache's cost from the loop's.
 
@@ -99,7 +99,7 @@ def run_engine(engine: str, model, prompt: list[int], n_tokens: int):
     t0 = time.perf_counter()
     if engine == "mlxcc":
         from mlx_chatcache.config import DEFAULTS
-        from mlx_chatcache.generation.generate import PromptCache, generate_step
+        from mlx_chatcache.generation.loop import PromptCache, generate_step
 
         config = DEFAULTS.updated(max_tokens=n_tokens, temp=0.0)
         steps = generate_step(prompt, model, state=PromptCache.new(model), config=config)

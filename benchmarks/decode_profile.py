@@ -65,7 +65,7 @@ def step_split(model, prompt: list[int], steps: int) -> tuple[float, float]:
 
 def generate_step_tps(model, prompt: list[int], steps: int) -> float:
     from mlx_chatcache.config import DEFAULTS
-    from mlx_chatcache.generation.generate import generate_step
+    from mlx_chatcache.generation.loop import generate_step
 
     times = [time.perf_counter() for _ in generate_step(prompt, model, config=DEFAULTS.updated(max_tokens=steps + 1))]
     return (len(times) - 1) / (times[-1] - times[0])

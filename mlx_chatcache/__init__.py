@@ -21,10 +21,10 @@ _EXPORTS = {
     "load": "models.loading",
     "generate": "generation.text",
     "stream_generate": "generation.text",
-    "PromptCache": "generation.prompt_state",
+    "PromptCache": "generation.prompt",
     "make_prompt_cache": "cache",
-    "save_prompt_cache": "files.cache_io",
-    "load_prompt_cache": "files.cache_io",
+    "save_prompt_cache": "files.mlxcc_format",
+    "load_prompt_cache": "files.mlxcc_format",
     "ChatSession": "chat.session",
 }
 
@@ -33,8 +33,8 @@ __all__ = [*_EXPORTS, "__version__"]
 if TYPE_CHECKING:  # for type checkers and IDEs only; at run time see __getattr__
     from .cache import make_prompt_cache
     from .chat.session import ChatSession
-    from .files.cache_io import load_prompt_cache, save_prompt_cache
-    from .generation.prompt_state import PromptCache
+    from .files.mlxcc_format import load_prompt_cache, save_prompt_cache
+    from .generation.prompt import PromptCache
     from .generation.text import generate, stream_generate
     from .models.loading import load
 

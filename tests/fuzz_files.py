@@ -60,7 +60,7 @@ from mlx_chatcache.cache import (
     QuantizedRotatingKVCache,
     RotatingKVCache,
 )
-from mlx_chatcache.files.cache_io import load_cache_file, read_cache_info, save_prompt_cache
+from mlx_chatcache.files.mlxcc_format import load_cache_file, read_cache_info, save_prompt_cache
 from mlx_chatcache.errors import ChatCacheError
 from mlx_chatcache.files.checksum import TENSORS_KEY, seal_bytes
 from mlx_chatcache.models.fingerprint import ModelFingerprint

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mlx_chatcache.generation.prompt_state import PromptCache
-from mlx_chatcache.generation.prompt_store import feed_all
+from mlx_chatcache.generation.prompt import PromptCache
+from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.store.tiers import make_scope
 
 SETTINGS = {"max_kv_size": None, "keep": 4}

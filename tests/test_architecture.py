@@ -161,8 +161,8 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_import_resolution_on_a_known_module():
     modules = all_modules()
-    got = imports_of(f"{PKG}.files.cache_io", modules[f"{PKG}.files.cache_io"], modules)
-    assert {f"{PKG}.files.formats", f"{PKG}.cache", f"{PKG}.models.fingerprint", PKG} <= got
+    got = imports_of(f"{PKG}.files.mlxcc_format", modules[f"{PKG}.files.mlxcc_format"], modules)
+    assert {f"{PKG}.files.registry", f"{PKG}.cache", f"{PKG}.models.fingerprint", PKG} <= got
 
 
 def test_modules_are_small():
@@ -204,7 +204,7 @@ def test_import_is_cheap():
 # command, the chat and generation write through files.cache_file.
 WRITERS = {"write_atomic", "write_file_atomic", "save_prompt_cache", "save_mlx_lm", "save_safetensors", "SessionLock"}
 WRITER_HOMES = {
-    f"{PKG}.files.atomic_write", f"{PKG}.files.cache_io", f"{PKG}.files.mlxlm_compat", f"{PKG}.files.cache_file",
+    f"{PKG}.files.atomic", f"{PKG}.files.mlxcc_format", f"{PKG}.files.mlxlm", f"{PKG}.files.cache_file",
     f"{PKG}.files.lock",
     f"{PKG}.store.tiers",  # DiskTier: its own marked folder (store/disk_folder.py)
     PKG,  # the public re-export of save_prompt_cache

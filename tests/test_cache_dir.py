@@ -33,7 +33,7 @@ def user_files(tiny_model_dirs, llama_model, tmp_path):
     folder.mkdir()
     shutil.copy(tiny_model_dirs["llama"] / "model.safetensors", folder / "model.safetensors")
     model, _ = llama_model
-    from mlx_chatcache.files.cache_io import save_prompt_cache
+    from mlx_chatcache.files.mlxcc_format import save_prompt_cache
 
     save_prompt_cache(folder / "s.safetensors", filled(model, tokens_of(12)), tokens=tokens_of(12))
     return folder
@@ -171,11 +171,11 @@ def test_a_command_on_a_server_folder_deletes_nothing(tiny_model_dirs, llama_mod
     import dataclasses
 
     from mlx_chatcache import config
-    from mlx_chatcache.generation import stored_prompt
+    from mlx_chatcache.generation import checkout
 
     tiny = dataclasses.replace(config.SERVER_DEFAULTS, disk_cache_bytes=1000)
     monkeypatch.setattr(config, "SERVER_DEFAULTS", tiny)
-    monkeypatch.setattr(stored_prompt, "SERVER_DEFAULTS", tiny, raising=False)
+    monkeypatch.setattr(checkout, "SERVER_DEFAULTS", tiny, raising=False)
     model, _ = llama_model
     folder = tmp_path / "server"
     server = DiskTier(folder, 1 << 30)

@@ -18,7 +18,7 @@ from mlx_chatcache.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
-from mlx_chatcache.files.cache_io import (
+from mlx_chatcache.files.mlxcc_format import (
     FORMAT_VERSION,
     check_cache_fits_model,
     load_cache_file,
@@ -496,9 +496,9 @@ def test_cache_bytes_are_the_file_and_load_with_the_same_checks(llama_model, tmp
     import numpy as np
 
     from mlx_chatcache.errors import CacheFileError, ModelMismatchError
-    from mlx_chatcache.files.cache_io import load_prompt_cache_bytes, prompt_cache_bytes
-    from mlx_chatcache.generation.prompt_state import PromptCache
-    from mlx_chatcache.generation.prompt_store import feed_all
+    from mlx_chatcache.files.mlxcc_format import load_prompt_cache_bytes, prompt_cache_bytes
+    from mlx_chatcache.generation.prompt import PromptCache
+    from mlx_chatcache.generation.templates import feed_all
 
     model, _ = llama_model
     tokens = [5 + i % 90 for i in range(70)]

@@ -49,7 +49,7 @@ from mlx_chatcache.cache import (
     trim_prompt_cache,
 )
 from mlx_chatcache.backend import blas
-from mlx_chatcache.files.cache_io import load_cache_file, load_prompt_cache, save_prompt_cache
+from mlx_chatcache.files.mlxcc_format import load_cache_file, load_prompt_cache, save_prompt_cache
 
 # With the Linux OpenBLAS swap (mlx_chatcache.backend.blas) a product of one row and one of many
 # rows run different kernels (another summation order), so cached and one-call logits agree to

@@ -18,7 +18,7 @@ import sys
 import mlx.core as mx
 import pytest
 
-from mlx_chatcache.files.cache_io import load_prompt_cache, read_cache_info
+from mlx_chatcache.files.mlxcc_format import load_prompt_cache, read_cache_info
 
 DOC = "The Nile is the longest river in Africa and flows north into the sea."
 QUESTION = " Which sea does it reach?"

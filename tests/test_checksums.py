@@ -19,7 +19,7 @@ from mlx_chatcache.chat.session import ChatSession
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import CacheFileError, CacheFormatError
-from mlx_chatcache.files.cache_io import (
+from mlx_chatcache.files.mlxcc_format import (
     FORMAT_VERSION,
     load_cache_file,
     load_prompt_cache,
@@ -243,8 +243,8 @@ def test_a_damaged_disk_tier_entry_is_a_miss(llama_model, tmp_path):
     """A store entry whose array bytes were overwritten (same size, header intact)
     is never served: the lookup misses and counts it corrupt."""
     from mlx_chatcache.cache import make_prompt_cache
-    from mlx_chatcache.generation.prompt_state import PromptCache
-    from mlx_chatcache.generation.prompt_store import feed_all
+    from mlx_chatcache.generation.prompt import PromptCache
+    from mlx_chatcache.generation.templates import feed_all
     from mlx_chatcache.store.store import PromptStore
     from mlx_chatcache.store.tiers import DiskTier, make_scope
 

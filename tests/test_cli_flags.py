@@ -17,7 +17,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_chatcache.files.cache_io import read_cache_info
+from mlx_chatcache.files.mlxcc_format import read_cache_info
 from mlx_chatcache.config import DEFAULTS
 
 PROMPT = "Name a river in Africa."

@@ -20,7 +20,7 @@ import pytest
 
 pexpect = pytest.importorskip("pexpect")
 
-from mlx_chatcache.files.cache_io import read_cache_info  # noqa: E402
+from mlx_chatcache.files.mlxcc_format import read_cache_info  # noqa: E402
 
 TIMEOUT = 120
 LONG = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 30  # ~430 tokens

@@ -6,12 +6,12 @@ import re
 
 import pytest
 
-from mlx_chatcache.files.cache_io import read_cache_info
+from mlx_chatcache.files.mlxcc_format import read_cache_info
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.generation.text import generate
 from mlx_chatcache.models.loading import load
-from mlx_chatcache.generation.prompt_store import render_chat
+from mlx_chatcache.generation.templates import render_chat
 
 pytestmark = pytest.mark.real_model
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_chatcache.files.cache_io import read_cache_info
+from mlx_chatcache.files.mlxcc_format import read_cache_info
 
 from cli_helpers import TIMEOUT, foreign_files, mlxcc, one_error_line, unwritable, wait_for  # noqa: E402
 

@@ -21,8 +21,8 @@ from mlx_chatcache import __version__
 from mlx_chatcache.cache import CACHE_CLASSES, KVCache
 from mlx_chatcache.chat.session import ChatSession
 from mlx_chatcache.config import DEFAULTS
-from mlx_chatcache.files.cache_io import CACHE_CLASS_NAMES, read_cache_info, save_prompt_cache
-from mlx_chatcache.files.cache_tools import convert_cache_file
+from mlx_chatcache.files.mlxcc_format import CACHE_CLASS_NAMES, read_cache_info, save_prompt_cache
+from mlx_chatcache.files.convert import convert_cache_file
 
 HEAVY = ("mlx_lm", "transformers")  # seconds of imports
 OPTIONAL = ("mlx.core",)  # 0.2 s; see test_header_only_commands_do_not_load_mlx

@@ -35,9 +35,9 @@ import mlx.core as mx
 import pytest
 
 from mlx_chatcache.cache import KVCache
-from mlx_chatcache.files.cache_io import load_cache_file, load_prompt_cache, save_prompt_cache
+from mlx_chatcache.files.mlxcc_format import load_cache_file, load_prompt_cache, save_prompt_cache
 from mlx_chatcache.errors import CacheFileError
-from mlx_chatcache.files.atomic_write import TEMP_SUFFIX, remove_stale_temp_files
+from mlx_chatcache.files.atomic import TEMP_SUFFIX, remove_stale_temp_files
 
 KILLS = 24
 KILL_SEED = 5
@@ -48,7 +48,7 @@ WRITER = textwrap.dedent(
     import sys
     import mlx.core as mx
     from mlx_chatcache.cache import KVCache
-    from mlx_chatcache.files.cache_io import save_prompt_cache
+    from mlx_chatcache.files.mlxcc_format import save_prompt_cache
 
     def tokens(v):
         return 384 + 64 * (v % 5)
@@ -151,7 +151,7 @@ def test_stale_temp_cleanup_is_conservative(tmp_path):
     path = tmp_path / "c.safetensors"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    from mlx_chatcache.files.atomic_write import _HOST
+    from mlx_chatcache.files.atomic import _HOST
 
     keep = {
         "live writer (this process' parent)": f".c.safetensors.{_HOST}-{os.getppid()}.abcdefgh{TEMP_SUFFIX}",
@@ -249,7 +249,7 @@ def test_real_write_failure_keeps_the_old_file(old_file, fmt):
         import resource, signal, sys
         import mlx.core as mx
         from mlx_chatcache.cache import KVCache
-        from mlx_chatcache.files.cache_io import save_prompt_cache
+        from mlx_chatcache.files.mlxcc_format import save_prompt_cache
         from mlx_chatcache.errors import CacheFileError
         c = KVCache()
         c.update_and_fetch(mx.full((1, 8, 1024, 64), 2.0), mx.full((1, 8, 1024, 64), -2.0))
@@ -319,7 +319,7 @@ def test_sparse_file_matching_a_huge_claim_is_refused_before_allocation(tmp_path
         import resource, sys
         resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
         import mlx.core as mx
-        from mlx_chatcache.files.cache_io import load_prompt_cache
+        from mlx_chatcache.files.mlxcc_format import load_prompt_cache
         from mlx_chatcache.errors import CacheFileError
         try:
             load_prompt_cache({str(p)!r})
@@ -340,7 +340,7 @@ MEASURE = textwrap.dedent(
     """
     import sys
     import mlx.core as mx
-    from mlx_chatcache.files.cache_io import load_prompt_cache
+    from mlx_chatcache.files.mlxcc_format import load_prompt_cache
 
     def status(key):
         with open("/proc/self/status") as f:

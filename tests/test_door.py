@@ -16,7 +16,7 @@ from mlx_chatcache.cache import KVCache
 from mlx_chatcache.errors import CacheFileError, ChatCacheError, SessionError
 from mlx_chatcache.files import cache_file
 from mlx_chatcache.files.cache_file import SESSION_KEY, claim, hold, write
-from mlx_chatcache.files.cache_io import read_cache_info, save_prompt_cache
+from mlx_chatcache.files.mlxcc_format import read_cache_info, save_prompt_cache
 from mlx_chatcache.files.lock import SessionLock
 
 

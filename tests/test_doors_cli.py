@@ -24,7 +24,7 @@ import pytest
 
 from mlx_chatcache.errors import ChatCacheError
 from mlx_chatcache.files.cache_file import is_session
-from mlx_chatcache.files.cache_io import read_cache_info, save_prompt_cache
+from mlx_chatcache.files.mlxcc_format import read_cache_info, save_prompt_cache
 from mlx_chatcache.files.lock import SessionLock
 
 from cli_helpers import mlxcc  # noqa: E402

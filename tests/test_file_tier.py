@@ -1,4 +1,4 @@
-"""The store's named file tier (store/file_tier.py) with real caches: what it serves,
+"""The store's named file tier (store/named_file.py) with real caches: what it serves,
 that it is strict (errors instead of misses), what it writes, and how
 PromptStore.put treats named and shared tiers."""
 
@@ -11,11 +11,11 @@ from store_helpers import SETTINGS, filled_state, scope, tokens_of
 
 from mlx_chatcache.cache import make_prompt_cache
 from mlx_chatcache.errors import CacheFormatError, ChatCacheError, ModelMismatchError, UsageError
-from mlx_chatcache.files.cache_io import read_cache_info, save_prompt_cache
-from mlx_chatcache.generation.generate import forward
-from mlx_chatcache.generation.prompt_state import PromptCache, reuse_prefix
+from mlx_chatcache.files.mlxcc_format import read_cache_info, save_prompt_cache
+from mlx_chatcache.generation.loop import forward
+from mlx_chatcache.generation.prompt import PromptCache, reuse_prefix
 from mlx_chatcache.models.loading import load
-from mlx_chatcache.store.file_tier import CacheFileTier, FileContents
+from mlx_chatcache.store.named_file import CacheFileTier, FileContents
 from mlx_chatcache.store.store import PromptStore
 from mlx_chatcache.store.tiers import DiskTier
 

@@ -22,7 +22,7 @@ import pytest
 from fuzz_files import MUTATIONS, ContractViolation, FuzzCase, build_seeds, check_file, generate
 
 import mlx_chatcache.cli as cli_pkg
-from mlx_chatcache.files.cache_io import load_cache_file
+from mlx_chatcache.files.mlxcc_format import load_cache_file
 from mlx_chatcache.cli.main import main
 
 FUZZ_SEED = 20261130

@@ -1,4 +1,4 @@
-"""Tests of :mod:`mlx_chatcache.generation.generate` on the tiny models (float32, CPU).
+"""Tests of :mod:`mlx_chatcache.generation.loop` on the tiny models (float32, CPU).
 
 References are computed without any reuse: the model is called on the whole
 token sequence for every step (no cache, or a fresh cache per call).
@@ -35,7 +35,7 @@ from mlx_chatcache.cache import (
 from mlx_chatcache.backend import blas
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import UsageError
-from mlx_chatcache.generation.generate import (
+from mlx_chatcache.generation.loop import (
     PromptCache,
     forward,
     generate_step,

@@ -1,4 +1,4 @@
-"""Tests of how :func:`mlx_chatcache.generation.generate.generate_step` schedules model calls.
+"""Tests of how :func:`mlx_chatcache.generation.loop.generate_step` schedules model calls.
 
 - Feeding ahead: with a trimmable cache and no logits processors, token ``k >= 2``
   is fed (and token ``k+1`` computed) before token ``k`` is yielded. At every
@@ -25,9 +25,9 @@ import pytest
 from tiny_models import SLIDING_WINDOW
 
 from mlx_chatcache.cache import KVCache, cache_offset, can_trim_prompt_cache
-from mlx_chatcache.chat.chat_turn import stream_reply
+from mlx_chatcache.chat.turn import stream_reply
 from mlx_chatcache.config import DEFAULTS
-from mlx_chatcache.generation.generate import PromptCache, final_call_size, generate_step, prefill
+from mlx_chatcache.generation.loop import PromptCache, final_call_size, generate_step, prefill
 from mlx_chatcache.chat.session import ChatSession
 
 GREEDY = DEFAULTS.updated(temp=0.0)
@@ -208,7 +208,7 @@ def test_seeded_sampling_is_unchanged_by_feeding_ahead(llama_model, kind_state):
 
 def test_seeded_sampling_matches_the_synchronous_step_by_step_loop(llama_model):
     """The old loop (prefill + decode_one_token per token) as the reference."""
-    from mlx_chatcache.generation.generate import decode_one_token
+    from mlx_chatcache.generation.loop import decode_one_token
     from mlx_chatcache.generation.sample import make_sampler
 
     model, tok = llama_model

@@ -49,7 +49,7 @@ from mlx_chatcache.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
-from mlx_chatcache.files.cache_io import load_prompt_cache, read_cache_info, save_prompt_cache
+from mlx_chatcache.files.mlxcc_format import load_prompt_cache, read_cache_info, save_prompt_cache
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.errors import UnsupportedCacheError
 

@@ -25,7 +25,7 @@ import pytest
 
 import mlx_chatcache
 from mlx_chatcache import cache as ours
-from mlx_chatcache.generation.generate import generate_step
+from mlx_chatcache.generation.loop import generate_step
 
 REBOUND = {
     **{name: getattr(ours, name) for name in (

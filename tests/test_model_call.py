@@ -25,8 +25,8 @@ from mlx_chatcache.cli.main import main
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import CacheNotUpdatedError, UnsupportedCacheError
 from mlx_chatcache.generation.model_call import call_model
-from mlx_chatcache.generation.prompt_state import PromptCache
-from mlx_chatcache.generation.prompt_store import feed_all
+from mlx_chatcache.generation.prompt import PromptCache
+from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.generation.text import generate
 
 

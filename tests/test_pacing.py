@@ -14,7 +14,7 @@ import pytest
 from mlx_chatcache.chat.session import ChatSession
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.generation import pacing
-from mlx_chatcache.generation.generate import PromptCache, generate_step, prefill
+from mlx_chatcache.generation.loop import PromptCache, generate_step, prefill
 from mlx_chatcache.backend import blas
 from mlx_chatcache.generation.pacing import PROBE_TOKENS, CallPacer
 
@@ -112,7 +112,7 @@ def test_chat_turns_polling_a_stop_are_paced_with_equal_replies(tiny_model, budg
     s = ChatSession(counting, tok, system_prompt="Be brief.", config=GREEDY)
     if budget is not None:
         monkey = pytest.MonkeyPatch()
-        monkey.setattr("mlx_chatcache.chat.chat_turn.INTERRUPTIBLE_CALL_SECONDS", budget)
+        monkey.setattr("mlx_chatcache.chat.turn.INTERRUPTIBLE_CALL_SECONDS", budget)
     try:
         replies = [s.ask(t, should_stop=lambda: False).text for t in turns]
     finally:

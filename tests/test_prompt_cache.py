@@ -8,9 +8,9 @@ import mlx_chatcache
 from mlx_chatcache import PromptCache, generate
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import CacheFormatError, ModelMismatchError
-from mlx_chatcache.files import cache_io
-from mlx_chatcache.generation import prompt_state
-from mlx_chatcache.generation.prompt_store import feed_all
+from mlx_chatcache.files import mlxcc_format
+from mlx_chatcache.generation import prompt as prompt_module
+from mlx_chatcache.generation.templates import feed_all
 
 GREEDY = DEFAULTS.updated(temp=0.0, max_tokens=6)
 
@@ -58,12 +58,12 @@ def test_load_refuses_another_model_and_a_file_without_tokens(llama_model, make_
     other, _ = make_tiny_model("llama", seed=7)
     with pytest.raises(ModelMismatchError):
         PromptCache.load(tmp_path / "p.safetensors", other)
-    cache_io.save_prompt_cache(tmp_path / "bare.safetensors", PromptCache.new(model).cache)  # no tokens listed
+    mlxcc_format.save_prompt_cache(tmp_path / "bare.safetensors", PromptCache.new(model).cache)  # no tokens listed
     with pytest.raises(CacheFormatError, match="does not say which tokens"):
         PromptCache.load(tmp_path / "bare.safetensors", model)
 
 
 def test_flat_api_names_are_the_library_functions():
-    assert mlx_chatcache.save_prompt_cache is cache_io.save_prompt_cache
-    assert mlx_chatcache.load_prompt_cache is cache_io.load_prompt_cache
-    assert mlx_chatcache.PromptCache is prompt_state.PromptCache
+    assert mlx_chatcache.save_prompt_cache is mlxcc_format.save_prompt_cache
+    assert mlx_chatcache.load_prompt_cache is mlxcc_format.load_prompt_cache
+    assert mlx_chatcache.PromptCache is prompt_module.PromptCache

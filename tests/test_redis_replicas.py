@@ -21,7 +21,7 @@ from redis_server import shared_redis  # noqa: E402,F401  (fixture)
 from server_process import ServerProcess  # noqa: E402
 from test_server import chat, expected_cached, local_reply  # noqa: E402
 
-from mlx_chatcache.generation.prompt_store import render_chat  # noqa: E402
+from mlx_chatcache.generation.templates import render_chat  # noqa: E402
 
 FAILED = "/0 failed ("  # in the one warning line of an outage: "Redis cache tier at URL failed (...)"
 

@@ -15,10 +15,10 @@ import pytest
 fakeredis = pytest.importorskip("fakeredis")
 
 from mlx_chatcache.cache import make_prompt_cache  # noqa: E402
-from mlx_chatcache.files.cache_io import prompt_cache_bytes  # noqa: E402
+from mlx_chatcache.files.mlxcc_format import prompt_cache_bytes  # noqa: E402
 from mlx_chatcache.errors import UsageError  # noqa: E402
-from mlx_chatcache.generation.generate import forward  # noqa: E402
-from mlx_chatcache.generation.prompt_state import PromptCache, reuse_prefix  # noqa: E402
+from mlx_chatcache.generation.loop import forward  # noqa: E402
+from mlx_chatcache.generation.prompt import PromptCache, reuse_prefix  # noqa: E402
 from mlx_chatcache.store.store import PromptStore, build_store  # noqa: E402
 from mlx_chatcache.store.tiers import MemoryTier  # noqa: E402
 from mlx_chatcache.store.redis_layout import Chain, Manifest  # noqa: E402

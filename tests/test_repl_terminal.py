@@ -14,7 +14,7 @@ import pytest
 
 pexpect = pytest.importorskip("pexpect")
 
-from mlx_chatcache.files.cache_io import read_cache_info  # noqa: E402
+from mlx_chatcache.files.mlxcc_format import read_cache_info  # noqa: E402
 
 TIMEOUT = 30
 PROMPT = ">>>"  # prompt_toolkit draws the trailing space as a cursor move

@@ -18,9 +18,9 @@ openai = pytest.importorskip("openai")
 
 from server_process import ServerProcess  # noqa: E402
 
-from mlx_chatcache.generation.prompt_state import common_prefix_len  # noqa: E402
+from mlx_chatcache.generation.prompt import common_prefix_len  # noqa: E402
 from mlx_chatcache.generation.text import stream_generate  # noqa: E402
-from mlx_chatcache.generation.prompt_store import render_chat  # noqa: E402
+from mlx_chatcache.generation.templates import render_chat  # noqa: E402
 
 MAX_TOKENS = 12
 FIRST = [{"role": "system", "content": "Keep your answers short."},

@@ -11,10 +11,10 @@ openai = pytest.importorskip("openai")
 
 from server_process import ServerProcess  # noqa: E402
 
-from mlx_chatcache.generation.prompt_state import common_prefix_len  # noqa: E402
+from mlx_chatcache.generation.prompt import common_prefix_len  # noqa: E402
 from mlx_chatcache.generation.text import stream_generate  # noqa: E402
 from mlx_chatcache.models.loading import load  # noqa: E402
-from mlx_chatcache.generation.prompt_store import render_chat  # noqa: E402
+from mlx_chatcache.generation.templates import render_chat  # noqa: E402
 
 MAX_TOKENS = 10
 TURN1 = [{"role": "user", "content": "Explain why the sky looks blue during the day."}]

@@ -13,12 +13,12 @@ import json
 import pytest
 
 from mlx_chatcache.cache import KVCache, RotatingKVCache, cache_offset
-from mlx_chatcache.files.cache_io import read_cache_info, save_prompt_cache as save_cache
+from mlx_chatcache.files.mlxcc_format import read_cache_info, save_prompt_cache as save_cache
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import ModelMismatchError, SessionError, UsageError
 from mlx_chatcache.generation.text import stream_generate
 from mlx_chatcache.chat.session import ChatSession
-from mlx_chatcache.chat.session_store import session_path
+from mlx_chatcache.chat.session_file import session_path
 from mlx_chatcache.files.lock import SessionLock
 
 CFG = DEFAULTS.updated(max_tokens=8)
@@ -283,8 +283,8 @@ def test_load_refuses_another_model_and_non_sessions(llama_model, make_tiny_mode
 # ------------------------------------------------------------------ from a prebuilt cache
 def _prebuilt(model, tokens: list[int], messages: list[dict]):
     """A prompt cache fed ``tokens`` that says it holds ``messages`` (as cache-prompt makes one)."""
-    from mlx_chatcache.generation.prompt_state import PromptCache
-    from mlx_chatcache.generation.prompt_store import feed_all
+    from mlx_chatcache.generation.prompt import PromptCache
+    from mlx_chatcache.generation.templates import feed_all
 
     prompt = PromptCache.new(model)
     feed_all(model, prompt, tokens, 512)
@@ -296,7 +296,7 @@ def _prebuilt(model, tokens: list[int], messages: list[dict]):
 def test_from_prompt_cache_continues_like_a_fresh_session(held, tiny_model):
     """Whatever tokens the prebuilt cache holds, the chat answers as a fresh session on the
     same messages; the held tokens are reused exactly as far as they match."""
-    from mlx_chatcache.generation.prompt_store import render_chat
+    from mlx_chatcache.generation.templates import render_chat
 
     kind, model, tokenizer = tiny_model
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
@@ -319,7 +319,7 @@ def test_from_prompt_cache_continues_like_a_fresh_session(held, tiny_model):
 
 
 def test_from_prompt_cache_refuses_raw_text(llama_model):
-    from mlx_chatcache.generation.prompt_state import PromptCache
+    from mlx_chatcache.generation.prompt import PromptCache
 
     model, tokenizer = llama_model
     prompt = PromptCache.new(model)

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from mlx_chatcache.files.cache_io import read_cache_info
+from mlx_chatcache.files.mlxcc_format import read_cache_info
 
 
 def mlxcc(*args, home, input=None, timeout=180) -> subprocess.CompletedProcess:

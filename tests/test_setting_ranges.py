@@ -26,7 +26,7 @@ from mlx_chatcache.cli.common import setting_type
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.config import DEFAULTS, RANGES, SEED_LIMIT, SettingError, check_setting
 from mlx_chatcache.errors import UsageError
-from mlx_chatcache.files.cache_io import read_cache_info
+from mlx_chatcache.files.mlxcc_format import read_cache_info
 
 SEED_RANGE = "must be an integer between 0 and 18446744073709551615"
 LONG = " ".join(["apples and oranges"] * 40)  # ~330 tokens for the tiny tokenizer
@@ -131,7 +131,7 @@ def test_window_smaller_than_keep_is_one_line_before_the_model_loads(tiny_model_
 
 
 def test_library_refuses_a_window_that_does_not_hold_more_than_keep(llama_model):
-    from mlx_chatcache.generation.prompt_state import PromptCache
+    from mlx_chatcache.generation.prompt import PromptCache
 
     with pytest.raises(UsageError, match=r"max_kv_size \(4\) must be larger than keep \(4\)"):
         PromptCache.new(llama_model[0], 4, 4)
@@ -139,7 +139,7 @@ def test_library_refuses_a_window_that_does_not_hold_more_than_keep(llama_model)
 
 
 def test_library_generation_refuses_an_out_of_range_seed(llama_model):
-    from mlx_chatcache.generation.generate import generate_step
+    from mlx_chatcache.generation.loop import generate_step
 
     model, tok = llama_model
     with pytest.raises(UsageError, match=SEED_RANGE):

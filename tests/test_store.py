@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from mlx_chatcache.cache import make_prompt_cache
-from mlx_chatcache.generation.generate import forward
-from mlx_chatcache.generation.prompt_state import PromptCache, reuse_prefix
-from mlx_chatcache.generation.prompt_store import feed_all
+from mlx_chatcache.generation.loop import forward
+from mlx_chatcache.generation.prompt import PromptCache, reuse_prefix
+from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.store.store import PromptStore
 from mlx_chatcache.store.tiers import DiskTier, MemoryTier, make_scope
 

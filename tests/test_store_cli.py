@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from mlx_chatcache.cli.main import main
-from mlx_chatcache.generation.prompt_state import common_prefix_len
-from mlx_chatcache.generation.prompt_store import render_chat
+from mlx_chatcache.generation.prompt import common_prefix_len
+from mlx_chatcache.generation.templates import render_chat
 from mlx_chatcache.generation.text import stream_generate
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.models.loading import load
@@ -69,7 +69,7 @@ def test_generate_reuses_a_prefix_another_process_stored(tiny_model_dirs, tmp_pa
 
 def test_rolling_file_and_cache_dir_together(tiny_model_dirs, tmp_path, capsys):
     """The named file wins ties and keeps its messages; the folder changes no output."""
-    from mlx_chatcache.files.cache_io import read_cache_info
+    from mlx_chatcache.files.mlxcc_format import read_cache_info
 
     d, folder = tiny_model_dirs["llama"], str(tmp_path / "shared")
     runs = {}

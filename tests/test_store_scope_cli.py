@@ -17,12 +17,12 @@ from test_store_cli import SYSTEM, generate_args, reused_of, run_cli
 
 from mlx_chatcache.cache import QuantizedKVCache, kv_quantization_mismatch, quantize_prompt_cache
 from mlx_chatcache.config import DEFAULTS
-from mlx_chatcache.files.cache_io import load_cache_file, read_cache_info, save_prompt_cache
-from mlx_chatcache.generation.prompt_state import PromptCache
-from mlx_chatcache.generation.prompt_store import render_chat
-from mlx_chatcache.generation.stored_prompt import FileContents, prompt_scope, put_prompt
+from mlx_chatcache.files.mlxcc_format import load_cache_file, read_cache_info, save_prompt_cache
+from mlx_chatcache.generation.prompt import PromptCache
+from mlx_chatcache.generation.templates import render_chat
+from mlx_chatcache.generation.checkout import FileContents, prompt_scope, put_prompt
 from mlx_chatcache.models.loading import load
-from mlx_chatcache.store.file_tier import CacheFileTier, recorded_shape
+from mlx_chatcache.store.named_file import CacheFileTier, recorded_shape
 from mlx_chatcache.store.store import PromptStore
 from mlx_chatcache.store.tiers import DiskTier
 

@@ -24,11 +24,11 @@ from mlx.utils import tree_flatten
 from mlx_chatcache.models import weights as W
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import UsageError
-from mlx_chatcache.files.cache_io import read_cache_info
+from mlx_chatcache.files.mlxcc_format import read_cache_info
 from mlx_chatcache.generation.text import generate
 from mlx_chatcache.models.loading import load
-from mlx_chatcache.generation.prompt_state import PromptCache
-from mlx_chatcache.generation.prompt_store import feed_all
+from mlx_chatcache.generation.prompt import PromptCache
+from mlx_chatcache.generation.templates import feed_all
 
 PROMPT = [3, 17, 42, 99, 5, 8, 61, 23, 77, 14, 2, 31]  # 12 tokens: the prefill path (>= 8 rows)
 

@@ -56,7 +56,7 @@ from mlx_lm.utils import MODEL_REMAPPING
 
 from mlx_chatcache.cache import CacheList, KVCache, copy_prompt_cache, make_prompt_cache
 from mlx_chatcache.cache.cache_base import kv_slice
-from mlx_chatcache.files.cache_io import load_prompt_cache, save_prompt_cache
+from mlx_chatcache.files.mlxcc_format import load_prompt_cache, save_prompt_cache
 from mlx_chatcache.errors import UnsupportedCacheError
 from zoo_configs import VOCAB, config
 

@@ -1,7 +1,7 @@
 """Chat: multi-turn sessions whose history lives in the prompt cache. ``session`` (``ChatSession``:
-ask, undo/retry, save/load), ``session_rollback`` (turn checkpoints and rolling back to them),
-``chat_turn`` (one turn's prefill and streamed reply), ``checkpoints`` (what a rollback point holds),
-``session_store`` (session files, read and written through the prompt-cache store; names and the
+ask, undo/retry, save/load), ``rollback`` (turn checkpoints and rolling back to them),
+``turn`` (one turn's prefill and streamed reply), ``checkpoints`` (what a rollback point holds),
+``session_file`` (session files, read and written through the prompt-cache store; names and the
 session lock). A library layer with no terminal I/O
 (the interactive loop of ``mlxcc chat`` is in ``cli``). May import ``generation``, ``store``, ``files``,
 ``cache``, ``models``, ``errors`` and ``config``, never ``cli``; importing this package is cheap (the

@@ -1,11 +1,11 @@
 """A multi-turn chat whose history is never fed to the model twice.
 
 :class:`ChatSession` holds the conversation (``messages``), a prompt cache with
-the exact token ids it has been fed (a :class:`~mlx_chatcache.generation.prompt_state.PromptCache`),
+the exact token ids it has been fed (a :class:`~mlx_chatcache.generation.prompt.PromptCache`),
 the settings (a :class:`GenerationConfig`) and per-turn checkpoints. This
 module decides what each turn feeds and keeps; the model work of a turn
 (feeding and streaming that stop on request, statistics) is in
-:mod:`mlx_chatcache.chat.chat_turn`.
+:mod:`mlx_chatcache.chat.turn`.
 
 How a turn is built
 -------------------
@@ -17,12 +17,12 @@ encoding of the rest of the text. So the reply tokens stay in the cache exactly
 as generated, never re-tokenized. When it is not a prefix (a template that
 rewrites history, e.g. drops an earlier reply's reasoning) the prompt keeps the
 longest run of held tokens whose decoded text starts the rendering and encodes
-the rest; :func:`~mlx_chatcache.generation.prompt_state.reuse_prefix` then trims the cache to
+the rest; :func:`~mlx_chatcache.generation.prompt.reuse_prefix` then trims the cache to
 that run, and a cache that cannot be trimmed restarts from the latest turn
 checkpoint inside it. Such templates just reuse less.
 
 The generate loop never feeds the last token it yields (see
-:mod:`mlx_chatcache.generation.generate`): after a reply ``r1..rn`` the cache holds
+:mod:`mlx_chatcache.generation.loop`): after a reply ``r1..rn`` the cache holds
 everything but ``rn``, which waits in ``pending`` and is fed first next turn.
 The session's full token sequence is ``state.tokens + pending``.
 
@@ -58,7 +58,7 @@ uses) get the cache on every save, and a turn that starts with an empty cache
 longest prefix of its prompt: a new chat whose system prompt (or first
 messages) a server or another chat already processed reuses them. The file's
 layout, session names and the session lock are in
-:mod:`mlx_chatcache.chat.session_store`.
+:mod:`mlx_chatcache.chat.session_file`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ import time
 from typing import Mapping, Sequence
 
 from ..cache import CacheList, can_trim_prompt_cache, prompt_cache_nbytes
-from .chat_turn import (
+from .turn import (
     Reply,
     StopCheck,
     TextCallback,
@@ -84,13 +84,13 @@ from .checkpoints import Checkpoint, RollbackResult
 from ..config import (DEFAULT_MAX_CHECKPOINTS, DEFAULTS, SEED_LIMIT, GenerationConfig, SettingError, check_config,
                       check_setting)
 from ..errors import SessionError, UsageError
-from ..generation.prompt_state import PromptCache, common_prefix_len, reuse_prefix
-from ..generation.prompt_store import chat_text, encode_text, has_chat_template
-from ..generation.stored_prompt import checkout_prompt, scope_of
+from ..generation.prompt import PromptCache, common_prefix_len, reuse_prefix
+from ..generation.templates import chat_text, encode_text, has_chat_template
+from ..generation.checkout import checkout_prompt, scope_of
 from ..generation.text import as_tokenizer_wrapper
 from ..models.context import check_prompt_fits
-from .session_rollback import SessionRollback
-from .session_store import SessionRecord, load_session, save_session
+from .rollback import SessionRollback
+from .session_file import SessionRecord, load_session, save_session
 from ..store.store import PromptStore
 from ..store.tiers import Scope, Tier
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ChatCacheError, SessionError
-from ..files.cache_io import CacheFileInfo, read_cache_info
-from ..files.atomic_write import remove_stale_temp_files
+from ..files.mlxcc_format import CacheFileInfo, read_cache_info
+from ..files.atomic import remove_stale_temp_files
 from ..files.cache_file import SESSION_KEY
 from ..files.lock import SessionLock, remove_stale_lock
-from .session_store import SESSION_SUFFIX, session_path, sessions_dir
+from .session_file import SESSION_SUFFIX, session_path, sessions_dir
 
 
 @dataclass

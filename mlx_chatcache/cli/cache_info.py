@@ -12,7 +12,7 @@ import shutil
 import textwrap
 from collections import Counter
 
-from ..files.cache_io import CacheFileInfo, read_cache_info, verify_cache_file
+from ..files.mlxcc_format import CacheFileInfo, read_cache_info, verify_cache_file
 from .common import human_bytes
 
 PREVIEW_CHARS = 240

@@ -57,7 +57,7 @@ def add_parser(sub) -> None:
 
 def build(args, tokenizer, prompt: str | None) -> tuple[list[dict] | None, str | None, list[int]]:
     """``(messages, text, tokens)``: what the file will hold (chat messages or raw text) and its ids."""
-    from ..generation.prompt_store import render_chat  # generation/ (hence mlx-lm): only when a model runs
+    from ..generation.templates import render_chat  # generation/ (hence mlx-lm): only when a model runs
     from ..generation.text import encode_prompt
 
     if args.ignore_chat_template:
@@ -86,9 +86,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, prompt: str | None, config, target) -> int:
-    from ..generation.prompt_state import PromptCache
-    from ..generation.prompt_store import feed_all
-    from ..generation.stored_prompt import cache_settings
+    from ..generation.prompt import PromptCache
+    from ..generation.templates import feed_all
+    from ..generation.checkout import cache_settings
 
     model, tokenizer = load_model(args)
     messages, text, tokens = build(args, tokenizer, prompt)

@@ -1,12 +1,12 @@
 """``mlxcc cache convert|trim|diff``: whole-file operations on cache files
-(thin wrappers over :mod:`mlx_chatcache.files.cache_tools`)."""
+(thin wrappers over :mod:`mlx_chatcache.files.convert`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from ..files.cache_tools import FORMATS, convert_cache_file, diff_cache_files, trim_cache_file
+from ..files.convert import FORMATS, convert_cache_file, diff_cache_files, trim_cache_file
 from ..files.cache_file import claim
 from .common import add_force_arg, non_negative_int
 
@@ -62,7 +62,7 @@ def run_convert(args: argparse.Namespace) -> int:
 def run_trim(args: argparse.Namespace) -> int:
     from ..errors import UsageError
     from ..files.cache_file import is_session
-    from ..files.cache_io import read_cache_info
+    from ..files.mlxcc_format import read_cache_info
 
     in_place = args.output is None
     # in place, FILE is replaced only by its own trimmed cache: it must be one, and not a session (below)

@@ -25,10 +25,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..chat.session_store import session_path
+from ..chat.session_file import session_path
 from ..files.cache_file import claim
 from ..errors import SessionError
-from ..files.atomic_write import remove_stale_temp_files
+from ..files.atomic import remove_stale_temp_files
 from .common import (
     add_cache_args,
     add_cache_dir_arg,
@@ -107,7 +107,7 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=N
         if args.adapter_path is not None:
             source["adapter_path"] = args.adapter_path
         _note(f"[model: {source['model']} (recorded in the session)]")
-    from ..generation.stored_prompt import shared_tiers
+    from ..generation.checkout import shared_tiers
 
     model, tokenizer = load_model(args, source)
     shared = shared_tiers(args.cache_dir)
@@ -157,9 +157,9 @@ def _prebuilt_header(args, path: Path | None, label: str | None):
     window and KV flags those of the file (the generate command's rules: unset flags
     take the file's). Raises one line for anything else."""
     from ..errors import CacheFormatError, UsageError
-    from ..files.cache_io import read_cache_info
-    from ..generation.stored_prompt import scope_of
-    from ..store.file_tier import CacheFileTier
+    from ..files.mlxcc_format import read_cache_info
+    from ..generation.checkout import scope_of
+    from ..store.named_file import CacheFileTier
     from .generate import file_config
 
     f = args.prompt_cache_file
@@ -191,7 +191,7 @@ def _from_prebuilt(args, model, tokenizer, shared, info, config):
     """A new chat session holding the cache of ``--prompt-cache-file`` (read, never written)."""
     from ..chat.session import ChatSession
     from ..errors import CacheFileError, ModelMismatchError
-    from ..generation.prompt_state import PromptCache
+    from ..generation.prompt import PromptCache
 
     f = args.prompt_cache_file
     try:

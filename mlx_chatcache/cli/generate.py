@@ -5,7 +5,7 @@ With ``--prompt-cache-file F --save-prompt-cache F`` the file is a rolling cache
 each call reuses what F holds, adds its prompt and reply, and saves it back.
 A chat cache keeps its messages, so the next call renders the whole
 conversation with the chat template and reuses the cached prefix. A cache file
-without token ids (mlx-lm's) is used as :mod:`mlx_chatcache.generation.prompt_recovery`
+without token ids (mlx-lm's) is used as :mod:`mlx_chatcache.generation.untokenized`
 says (its tokens are only assumed, so its cache goes to ``--save-prompt-cache``
 only, never into ``--cache-dir``). A store entry (token ids without messages or
 text: a ``--cache-dir`` file) is refused, in one line. The files it reads and
@@ -13,7 +13,7 @@ writes are locked like a chat session's.
 
 The files go through the prompt-cache store (:mod:`mlx_chatcache.store`),
 the interface ``mlxcc serve`` uses: the named files are one strict file tier
-(:class:`~mlx_chatcache.store.file_tier.CacheFileTier`: another model's file,
+(:class:`~mlx_chatcache.store.named_file.CacheFileTier`: another model's file,
 other cache settings or a damaged file are one-line errors) and
 ``--cache-dir DIR`` adds the disk tier a server with the same ``--cache-dir``
 uses. The longest cached prefix of the prompt is checked out of the store,
@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING
 
 from ..config import INTERRUPTIBLE_CALL_SECONDS, GenerationConfig
 from ..errors import CacheFormatError, UsageError
-from ..files.cache_io import read_cache_info
-from ..files.formats import CacheFileInfo
+from ..files.mlxcc_format import read_cache_info
+from ..files.registry import CacheFileInfo
 from ..files.cache_file import Claim, claim, hold
 from ..models.context import check_prompt_fits
 from .common import (
@@ -64,7 +64,7 @@ from .common import (
 from .progress import ProgressBar
 
 if TYPE_CHECKING:
-    from ..generation.prompt_state import PromptCache
+    from ..generation.prompt import PromptCache
     from ..store.store import PromptStore
     from ..store.tiers import Scope
 
@@ -101,14 +101,14 @@ def file_config(args, info: CacheFileInfo | None) -> GenerationConfig:
     """The flags' config, shaped like the cache file ``info`` describes: its window
     and KV settings are used unless a flag gives them (a different --max-kv-size is refused)."""
     config = config_from_args(args)
-    if info is None or info.tokens is None:  # mlx-lm's files: shaped by their layers (prompt_recovery)
+    if info is None or info.tokens is None:  # mlx-lm's files: shaped by their layers (untokenized)
         return config
     f, s = args.prompt_cache_file, info.settings
     made, keep = s.get("max_kv_size"), s.get("keep", config.keep)
     if made is not None and (type(made) is not int or type(keep) is not int):
         raise CacheFormatError(f"{f}: settings max_kv_size/keep are not integers; the file is damaged")
     same_window(args, made)
-    from ..store.file_tier import recorded_shape
+    from ..store.named_file import recorded_shape
 
     shape = recorded_shape(info)  # an older file's KV quantization is read off its layers
     changes = {k: shape[k] for k in KV_KEYS if k in shape and getattr(args, k) is None}
@@ -138,7 +138,7 @@ def layer_kv_config(args, config: GenerationConfig, cache) -> GenerationConfig:
 def build_prompt(args, tokenizer, messages: list[dict] | None, text: str | None, prompt: str):
     """``(token ids, messages, text)`` of the full prompt: the cached chat (``messages``)
     or raw ``text`` followed by ``prompt``."""
-    from ..generation.prompt_store import render_chat
+    from ..generation.templates import render_chat
     from ..generation.text import encode_prompt
 
     if args.ignore_chat_template:
@@ -208,7 +208,7 @@ class _Job:
 
 def _store(args, named) -> PromptStore:
     """The run's store: the named files' tier first, then --cache-dir's disk tier."""
-    from ..generation.stored_prompt import shared_tiers
+    from ..generation.checkout import shared_tiers
     from ..store.store import PromptStore
 
     return PromptStore([named, *shared_tiers(args.cache_dir)])
@@ -216,8 +216,8 @@ def _store(args, named) -> PromptStore:
 
 def _start(args, model, tokenizer, config, info, prompt, save: Claim | None) -> _Job:
     """The named file (strict) and --cache-dir behind one store; the longest stored prefix."""
-    from ..generation.stored_prompt import checkout_prompt, prompt_scope
-    from ..store.file_tier import CacheFileTier
+    from ..generation.checkout import checkout_prompt, prompt_scope
+    from ..store.named_file import CacheFileTier
 
     if info is None:
         messages, text = (None, "") if args.ignore_chat_template else ([], None)
@@ -236,10 +236,10 @@ def _start(args, model, tokenizer, config, info, prompt, save: Claim | None) -> 
 
 
 def _start_untokenized(args, model, tokenizer, config, prompt, save: Claim | None) -> _Job:
-    """An mlx-lm file (no token ids): taken to hold the prompt's first tokens (prompt_recovery)."""
-    from ..generation.prompt_recovery import adopt_prompt_prefix, load_untokenized
-    from ..generation.stored_prompt import prompt_scope
-    from ..store.file_tier import CacheFileTier
+    """An mlx-lm file (no token ids): taken to hold the prompt's first tokens (untokenized)."""
+    from ..generation.untokenized import adopt_prompt_prefix, load_untokenized
+    from ..generation.checkout import prompt_scope
+    from ..store.named_file import CacheFileTier
 
     stored = load_untokenized(args.prompt_cache_file, model, args.ignore_chat_template)
     same_window(args, stored.max_kv_size)
@@ -252,7 +252,7 @@ def _start_untokenized(args, model, tokenizer, config, prompt, save: Claim | Non
 
 
 def _generate(args, model, tokenizer, job: _Job) -> int:
-    from ..generation.stored_prompt import FileContents, file_settings, put_prompt
+    from ..generation.checkout import FileContents, file_settings, put_prompt
     from ..generation.text import stream_generate
 
     bar = ProgressBar("prompt")

@@ -12,7 +12,7 @@ import os
 import time
 
 from ..chat.session_catalog import format_conversation, list_sessions, read_session_info, remove_session, session_source
-from ..chat.session_store import sessions_dir
+from ..chat.session_file import sessions_dir
 from .common import human_bytes
 
 COLUMNS = ("NAME", "MODEL", "TURNS", "TOKENS", "SIZE", "LAST USED")

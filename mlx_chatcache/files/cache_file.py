@@ -23,7 +23,7 @@ a file's lock once (``flock`` is per open file): code that writes a file its
 caller holds (a chat's session, ``generate``'s rolling cache) is given the
 claim, never the path. :func:`hold` locks a file a command only reads.
 
-The write itself stays atomic (:mod:`mlx_chatcache.files.atomic_write`): a
+The write itself stays atomic (:mod:`mlx_chatcache.files.atomic`): a
 reader always sees a whole file, so reading takes no lock.
 """
 
@@ -33,8 +33,8 @@ import os
 from pathlib import Path
 
 from ..errors import CacheFileError, SessionError
-from . import formats
-from .atomic_write import check_writable
+from . import registry
+from .atomic import check_writable
 from .lock import SessionLock
 from .safetensors_file import read_header
 
@@ -42,7 +42,7 @@ SESSION_KEY = "session"  # user metadata key holding a chat session's JSON
 FORCE_HINT = "add --force to replace it, or choose another file name"
 
 
-def is_session(info: formats.CacheFileInfo) -> bool:
+def is_session(info: registry.CacheFileInfo) -> bool:
     """Whether a cache file's header is a chat session's (messages and the session key)."""
     return info.messages is not None and SESSION_KEY in info.metadata
 
@@ -51,7 +51,7 @@ def cache_file_kind(path: str | os.PathLike) -> str | None:
     """``"mlxcc"`` or the registered format's layout (``"mlx-lm"``, ...) when
     ``path`` is a prompt cache file, else None (not a safetensors file,
     damaged, or a safetensors file of something else)."""
-    from .cache_io import FORMAT_NAME
+    from .mlxcc_format import FORMAT_NAME
 
     try:
         header = read_header(path)
@@ -59,7 +59,7 @@ def cache_file_kind(path: str | os.PathLike) -> str | None:
         return None
     if header.metadata.get("mlxcc.format") == FORMAT_NAME:
         return "mlxcc"
-    info = formats.detect(header)
+    info = registry.detect(header)
     return None if info is None else info.layout
 
 
@@ -92,7 +92,7 @@ def check_overwrite(path: str | os.PathLike, force: bool = False, mine: bool = F
 
 def _session_turns(path: Path) -> str | None:
     """``"N turns"`` when ``path`` is a chat session, else None."""
-    from .cache_io import read_cache_info
+    from .mlxcc_format import read_cache_info
 
     try:
         info = read_cache_info(path)
@@ -184,10 +184,10 @@ def write(target: Claim | str | os.PathLike, cache, *, tokens=None, model=None, 
           settings: dict | None = None, metadata: dict[str, str] | None = None, format: str = "mlxcc",
           force: bool = False) -> None:
     """Write ``cache`` (a layer list; the other fields as
-    :func:`~mlx_chatcache.files.cache_io.save_prompt_cache` takes them) atomically
+    :func:`~mlx_chatcache.files.mlxcc_format.save_prompt_cache` takes them) atomically
     to ``target``: a :class:`Claim` the caller holds, or a path, claimed (``force``)
     for the duration of the write. The one way a command writes a cache file."""
-    from .cache_io import save_prompt_cache
+    from .mlxcc_format import save_prompt_cache
 
     if not isinstance(target, Claim):
         with claim(target, force=force) as c:

@@ -1,7 +1,7 @@
-"""Generation: a prompt cache plus the exact token ids it holds (``prompt_state``), longest-common-prefix
-reuse, the prefill/decode loop (``generate``: ``generate_step``, ``stream_generate``, ``generate``),
+"""Generation: a prompt cache plus the exact token ids it holds (``prompt``), longest-common-prefix
+reuse, the prefill/decode loop (``loop``: ``generate_step``, ``stream_generate``, ``loop``),
 sampling and logits processors (``sample``), and saving/loading a fed prompt with its text or messages
-(``prompt_store``), and finding and keeping prompt caches through the store (``stored_prompt``: the
+(``templates``), and finding and keeping prompt caches through the store (``checkout``: the
 scope of a model and settings, checkout and put, ``--cache-dir``'s tier). May import ``store``,
 ``files``, ``cache``, ``models``, ``errors`` and ``config``, never ``chat`` or ``cli``. Named ``generation`` so that ``mlx_chatcache.generate`` stays the function; importing this
 package is cheap (the submodules are not imported here).

@@ -1,9 +1,9 @@
 """Text in, text out on a reusable prompt cache: :func:`stream_generate` and :func:`generate`.
 
-The top two layers of :mod:`mlx_chatcache.generation.generate` (read its docstring for what the
+The top two layers of :mod:`mlx_chatcache.generation.loop` (read its docstring for what the
 state holds after a call, feeding ahead and cache settings): :func:`stream_generate` encodes the
 prompt, reuses the longest prefix the state already holds, runs
-:func:`~mlx_chatcache.generation.generate.generate_step` and yields a :class:`GenerationResponse`
+:func:`~mlx_chatcache.generation.loop.generate_step` and yields a :class:`GenerationResponse`
 text segment with statistics per token; :func:`generate` returns the whole text. Also the tokenizer
 helpers they need (:func:`as_tokenizer_wrapper`, :func:`encode_prompt`, :func:`stop_token_ids`).
 """
@@ -20,8 +20,8 @@ from ..cache import BaseCache
 from ..config import GenerationConfig
 from ..errors import UsageError
 from .arguments import call_config, call_state, refuse_unsupported
-from .generate import Progress, generate_step
-from .prompt_state import PromptCache, ensure_state, reuse_prefix
+from .loop import Progress, generate_step
+from .prompt import PromptCache, ensure_state, reuse_prefix
 from .sample import LogitsProcessor, Sampler
 from .token_ids import check_token_ids
 
@@ -128,9 +128,9 @@ def stream_generate(
     is reused and updated in place (see the module docstring); None uses a
     throw-away cache. Generation stops at the tokenizer's EOS tokens, at
     ``extra_eos_tokens`` and at ``config.max_tokens``. ``max_call_seconds``:
-    see :func:`~mlx_chatcache.generation.generate.prefill`. mlx-lm's keywords
+    see :func:`~mlx_chatcache.generation.loop.prefill`. mlx-lm's keywords
     (``max_tokens``, ``prompt_cache``, ...) mean what they mean for
-    :func:`~mlx_chatcache.generation.generate.generate_step`; ``draft_model`` and
+    :func:`~mlx_chatcache.generation.loop.generate_step`; ``draft_model`` and
     ``input_embeddings`` are refused.
     """
     start = time.perf_counter()

@@ -26,7 +26,7 @@ from pathlib import Path
 from ..config import GenerationConfig
 from ..errors import ChatCacheError, TokenIdError
 from ..generation.text import encode_prompt
-from ..generation.prompt_store import has_chat_template, render_chat
+from ..generation.templates import has_chat_template, render_chat
 from ..generation.token_ids import check_token_ids
 from ..models.context import model_context_length
 from ..store.store import PromptStore

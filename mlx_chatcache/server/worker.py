@@ -45,9 +45,9 @@ import mlx.core as mx
 from ..cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 from ..config import GenerationConfig
 from ..errors import ChatCacheError
-from ..generation.generate import make_kv_quantizer, prefill
-from ..generation.prompt_state import PromptCache, reuse_prefix
-from ..generation.stored_prompt import prompt_scope
+from ..generation.loop import make_kv_quantizer, prefill
+from ..generation.prompt import PromptCache, reuse_prefix
+from ..generation.checkout import prompt_scope
 from ..generation.text import stream_generate
 from ..store.store import PromptStore
 from ..store.tiers import Scope, compact_copy

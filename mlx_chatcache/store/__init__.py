@@ -11,7 +11,7 @@ Its users: ``mlxcc serve``'s generation worker (memory, disk, Redis),
 ``mlxcc generate`` (``--prompt-cache-file``/``--save-prompt-cache`` as a file
 tier, ``--cache-dir`` as the disk tier) and chat sessions (the session file
 as a file tier, ``mlxcc chat --cache-dir``), through
-:mod:`mlx_chatcache.generation.stored_prompt`. The store sits between generation and cache
+:mod:`mlx_chatcache.generation.checkout`. The store sits between generation and cache
 files: it hands out caches and their token ids, and keeps caches it is given;
 feeding and sampling stay in :mod:`mlx_chatcache.generation`. May import
 ``files``, ``cache``, ``models``, ``errors`` and ``config``. ``build_store``

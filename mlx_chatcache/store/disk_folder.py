@@ -17,7 +17,7 @@ Contract
   :func:`entry_file_name` gives them. Files that are not (``foreign``) are
   never deleted, also in a marked folder (a user may save a session there).
 - :func:`is_store_temp` names the temp files our atomic writes leave
-  (``.NAME.*.tmp.safetensors``, see :mod:`mlx_chatcache.files.atomic_write`);
+  (``.NAME.*.tmp.safetensors``, see :mod:`mlx_chatcache.files.atomic`);
   the writer removes its own stale ones, the scan ignores them.
 """
 
@@ -31,8 +31,8 @@ from typing import Sequence
 
 from ..config import default_cache_dir
 from ..errors import ChatCacheError, UsageError
-from ..files.atomic_write import TEMP_SUFFIX
-from ..files.cache_io import read_cache_info
+from ..files.atomic import TEMP_SUFFIX
+from ..files.mlxcc_format import read_cache_info
 from .index import Entry
 
 MARKER = ".mlxcc-store"

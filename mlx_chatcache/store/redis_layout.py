@@ -11,7 +11,7 @@ cache settings, so entries of another model or cache shape are never found):
 - ``P:m:{ns}:{eid}`` -> manifest (JSON, :class:`Manifest`): which version's
   chunks make the value, their sizes and checksums, the token ids.
 - ``P:c:{ns}:{eid}:{version}:{j}`` -> chunk ``j`` of the value: one cache file
-  in our format (``cache_io.prompt_cache_bytes``).
+  in our format (``mlxcc_format.prompt_cache_bytes``).
 - ``P:lru`` (sorted set) ``"{ns}:{eid}"`` -> last use (unix time), and
   ``P:meta`` (hash) ``"{ns}:{eid}"`` -> ``"{nbytes}:{pinned}"``: the byte budget.
 

@@ -42,7 +42,7 @@ from collections import OrderedDict
 from typing import Sequence
 
 from ..cache import can_trim_prompt_cache
-from ..files.cache_io import check_cache_fits_model, load_prompt_cache_bytes, prompt_cache_bytes
+from ..files.mlxcc_format import check_cache_fits_model, load_prompt_cache_bytes, prompt_cache_bytes
 from ..config import SERVER_DEFAULTS
 from ..errors import ChatCacheError
 from .index import Entry

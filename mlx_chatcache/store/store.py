@@ -49,7 +49,7 @@ from typing import Callable, Sequence
 
 from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache
 from ..errors import ChatCacheError
-from .file_tier import FileContents
+from .named_file import FileContents
 from .index import Entry
 from .tiers import DiskTier, MemoryTier, Scope, Tier, compact_copy
 

@@ -40,7 +40,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache, prompt_cache_nbytes
-from ..files.cache_io import check_cache_fits_model, load_cache_file, save_prompt_cache
+from ..files.mlxcc_format import check_cache_fits_model, load_cache_file, save_prompt_cache
 from ..errors import ChatCacheError
 from ..models.fingerprint import ModelFingerprint
 from .disk_folder import claim_folder, entry_file_name, read_entry

@@ -22,9 +22,9 @@ import mlx.core as mx
 
 from ..cache import can_trim_prompt_cache, cache_offset, make_prompt_cache, trim_prompt_cache
 from ..errors import CacheFileError, UsageError
-from ..files.cache_io import load_cache_file
+from ..files.mlxcc_format import load_cache_file
 from .model_call import call_model
-from .prompt_state import PromptCache
+from .prompt import PromptCache
 
 CHECK_TOKENS = 8  # assumed tokens recomputed at each end of the cache
 TOLERANCE = 0.05  # max |cached - recomputed| relative to max |recomputed|, per layer

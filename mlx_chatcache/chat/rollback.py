@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..cache import can_trim_prompt_cache
 from ..errors import SessionError
-from .chat_turn import StopCheck, feed_prompt
+from .turn import StopCheck, feed_prompt
 from .checkpoints import Checkpoint, RollbackResult, drop_old_copies, restore, rewind_cache, snapshot
 
 

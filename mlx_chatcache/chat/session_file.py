@@ -34,14 +34,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from ..files.cache_file import SESSION_KEY, Claim, claim
-from ..files.cache_io import read_cache_info
+from ..files.mlxcc_format import read_cache_info
 from ..config import DEFAULTS, RANGES, GenerationConfig, SettingError, check_setting, check_window, mlxcc_home
 from ..errors import CacheFileError, ModelMismatchError, SessionError
 from ..models.fingerprint import ModelFingerprint
 
 if TYPE_CHECKING:  # imported where a session is loaded: names, paths and locks need no MLX or mlx-lm
-    from ..files.formats import CacheFileInfo
-    from ..generation.prompt_state import PromptCache
+    from ..files.registry import CacheFileInfo
+    from ..generation.prompt import PromptCache
     from ..store.tiers import Scope, Tier
     from .checkpoints import Checkpoint
 
@@ -91,8 +91,8 @@ def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
     session file, or a path claimed as the caller's own (``mine``: a session
     there is replaced; a file another process holds, or one that is not a
     cache, is refused) for the write."""
-    from ..generation.stored_prompt import FileContents, file_settings, put_prompt
-    from ..store.file_tier import CacheFileTier
+    from ..generation.checkout import FileContents, file_settings, put_prompt
+    from ..store.named_file import CacheFileTier
     from ..store.store import PromptStore
 
     if path is not None and not isinstance(path, Claim):
@@ -110,7 +110,7 @@ def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
 def session_scope(fingerprint: ModelFingerprint | None, record: SessionRecord) -> Scope:
     """The store scope of a session's cache: the model, the session's window and KV
     settings, the weight policy its model was loaded with."""
-    from ..generation.stored_prompt import scope_of
+    from ..generation.checkout import scope_of
 
     return scope_of(fingerprint, _cache_config(record), record.state.settings.get("weights"))
 
@@ -160,8 +160,8 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
 def _checkout(path, model, info: CacheFileInfo, config: GenerationConfig) -> PromptCache:
     """The session's cache, holding exactly the tokens its header ``info`` lists, from
     the file as a strict store tier."""
-    from ..generation.stored_prompt import checkout_prompt, prompt_scope
-    from ..store.file_tier import CacheFileTier
+    from ..generation.checkout import checkout_prompt, prompt_scope
+    from ..store.named_file import CacheFileTier
     from ..store.store import PromptStore
 
     store = PromptStore([CacheFileTier(path, None, what="session", header=info)])

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 from ..errors import UnsupportedCacheError, UsageError
 from . import cache_file
-from .cache_io import CacheFileInfo, load_cache_file, read_cache_info
-from .mlxlm_compat import recorded_metadata
+from .mlxcc_format import CacheFileInfo, load_cache_file, read_cache_info
+from .mlxlm import recorded_metadata
 
 FORMATS = ("mlx-lm", "mlxcc")
 

@@ -20,9 +20,9 @@ Contract
   UsageError). A command has no byte budget there: it never evicts, it
   only adds its entries; the server owning DIR enforces its budget.
 - :func:`checkout_prompt` is the store's longest cached prefix of a prompt as
-  a :class:`~mlx_chatcache.generation.prompt_state.PromptCache` of the given
+  a :class:`~mlx_chatcache.generation.prompt.PromptCache` of the given
   shape (an empty one on a miss), not yet trimmed to the prompt:
-  :func:`~mlx_chatcache.generation.prompt_state.reuse_prefix` (which
+  :func:`~mlx_chatcache.generation.prompt.reuse_prefix` (which
   ``stream_generate`` calls) does that, and says how many tokens were reused.
 - :func:`put_prompt` stores a prompt cache in every tier, the named file with
   ``contents``; a shared tier that fails is reported, in one line, to ``warn``
@@ -41,10 +41,10 @@ from typing import Callable, Sequence
 from ..cache import kv_quantization_mismatch, make_prompt_cache
 from ..config import GenerationConfig
 from ..models.fingerprint import ModelFingerprint
-from ..store.file_tier import FileContents
+from ..store.named_file import FileContents
 from ..store.store import PromptStore
 from ..store.tiers import DiskTier, Scope, Tier, make_scope
-from .prompt_state import PromptCache
+from .prompt import PromptCache
 
 
 def cache_settings(config: GenerationConfig) -> dict:

@@ -1,10 +1,10 @@
 """What a prompt cache holds: chat messages rendered to token ids, or all of a prompt fed.
 
-A :class:`~mlx_chatcache.generation.prompt_state.PromptCache` (cache + token ids)
+A :class:`~mlx_chatcache.generation.prompt.PromptCache` (cache + token ids)
 holds either the chat ``messages`` or the raw ``text`` (caches made
 without a chat template); saving and loading it is
-:meth:`~mlx_chatcache.generation.prompt_state.PromptCache.save` /
-:meth:`~mlx_chatcache.generation.prompt_state.PromptCache.load`.
+:meth:`~mlx_chatcache.generation.prompt.PromptCache.save` /
+:meth:`~mlx_chatcache.generation.prompt.PromptCache.load`.
 ``feed_all`` feeds every token of a prompt into an empty one, without
 sampling (what ``mlxcc cache-prompt`` saves).
 ``render_chat`` turns messages into token ids with the tokenizer's chat
@@ -17,9 +17,9 @@ import mlx.core as mx
 
 from ..cache import cache_offset
 from ..errors import UsageError
-from .generate import prefill
+from .loop import prefill
 from .model_call import call_model
-from .prompt_state import PromptCache
+from .prompt import PromptCache
 
 
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
@@ -50,7 +50,7 @@ def encode_text(tokenizer, text: str) -> list[int]:
 def feed_all(model, state: PromptCache, tokens: list[int], prefill_step_size: int,
              progress=None, max_call_seconds: float | None = None) -> None:
     """Feed every one of ``tokens`` into an empty ``state`` (no sampling);
-    ``max_call_seconds``: see :func:`~mlx_chatcache.generation.generate.prefill`."""
+    ``max_call_seconds``: see :func:`~mlx_chatcache.generation.loop.prefill`."""
     if state.tokens or cache_offset(state.cache):
         raise UsageError("feed_all needs an empty prompt cache")
     rest = prefill(model, state.cache, tokens, prefill_step_size, progress, max_call_seconds=max_call_seconds)

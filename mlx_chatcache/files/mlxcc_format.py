@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Sequence
 from .. import __version__
 from ..errors import CacheFileError, CacheFormatError, ChatCacheError, ModelMismatchError, UnsupportedCacheError
 from ..models.fingerprint import ModelFingerprint
-from . import formats
-from .formats import CacheFileInfo
-from .atomic_write import safetensors_bytes, write_atomic
+from . import registry
+from .registry import CacheFileInfo
+from .atomic import safetensors_bytes, write_atomic
 from .safetensors_file import Header, read_arrays, read_header, read_header_bytes
 
 if TYPE_CHECKING:  # the cache classes (and so mlx-lm) load only when arrays become layers
@@ -81,9 +81,9 @@ def save_prompt_cache(
     """
     foreign = next((type(c).__name__ for c in cache if not _is_ours(c)), None)
     if format != "mlxcc" or foreign:
-        writer = formats.writer_named("mlx-lm" if format == "mlxcc" else format)
+        writer = registry.writer_named("mlx-lm" if format == "mlxcc" else format)
         if writer is None:
-            names = " or ".join(repr(n) for n in ["mlxcc", *formats.format_names()])
+            names = " or ".join(repr(n) for n in ["mlxcc", *registry.format_names()])
             raise CacheFormatError(f"unknown cache file format {format!r}; use {names}")
         given = [k for k, v in (("tokens", tokens), ("model", model), ("messages", messages), ("text", text),
                                 ("settings", settings or None)) if v is not None]  # fmt: skip
@@ -210,7 +210,7 @@ def _load(header: Header, model: ModelFingerprint | None, what: str):
         if info.layout == "mlxcc":
             cache = _build_layers(header, info)
         else:
-            cache = formats.reader_for(info.layout).load(header, read_arrays(header), info)
+            cache = registry.reader_for(info.layout).load(header, read_arrays(header), info)
     except ChatCacheError:
         raise
     except Exception as e:  # a malformed array/meta combination we did not foresee
@@ -253,7 +253,7 @@ def _info_from_header(header: Header) -> CacheFileInfo:
     if meta.get("mlxcc.format") == FORMAT_NAME:
         info = _parse_ours(header)
     else:
-        info = formats.detect(header)
+        info = registry.detect(header)
         if info is None:
             raise CacheFormatError(
                 f"{header.path} is a safetensors file but not a prompt cache (no mlx_chatcache "

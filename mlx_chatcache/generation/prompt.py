@@ -8,7 +8,7 @@ empty cache of the same shape can be rebuilt. The functions here keep that
 pairing when a state is reused for a new prompt: :func:`reuse_prefix` reduces
 a state to the longest part of a prompt it already holds, :func:`trim_state`
 trims it back to a given length when every layer can be trimmed. Feeding and
-sampling live in :mod:`mlx_chatcache.generation.generate`. All defaults come from
+sampling live in :mod:`mlx_chatcache.generation.loop`. All defaults come from
 :data:`~mlx_chatcache.config.DEFAULTS`.
 
 It is the one value type for "a cache and what it holds": it also carries the
@@ -18,8 +18,8 @@ It is the one value type for "a cache and what it holds": it also carries the
 through the door (:mod:`mlx_chatcache.files.cache_file`);
 :meth:`PromptCache.load` reads one back for a model and refuses a file made
 for another model, one whose layers the model does not make and one that does
-not list its token ids. ``generate``/``stream_generate`` reuse and update it,
-``mlxcc cache-prompt``/``generate`` save and load it, a chat session holds one.
+not list its token ids. ``loop``/``stream_generate`` reuse and update it,
+``mlxcc cache-prompt``/``loop`` save and load it, a chat session holds one.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ..cache import BaseCache, cache_offset, can_trim_prompt_cache, make_prompt_
 from ..config import DEFAULTS, GenerationConfig, SettingError, check_setting, check_window
 from ..errors import CacheFormatError, UsageError
 from ..files import cache_file
-from ..files.cache_io import check_cache_fits_model, load_cache_file
+from ..files.mlxcc_format import check_cache_fits_model, load_cache_file
 from ..models.fingerprint import ModelFingerprint
 
 

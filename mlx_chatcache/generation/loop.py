@@ -8,8 +8,8 @@ Layers, each usable on its own (lowest first):
    already holds: it trims the rest, or starts a fresh cache when the cache
    cannot be trimmed.
 
-   (1 and 2 live in :mod:`mlx_chatcache.generation.prompt_state`; they are imported here
-   so that ``from mlx_chatcache.generation.generate import PromptCache`` keeps working.)
+   (1 and 2 live in :mod:`mlx_chatcache.generation.prompt`; they are imported here
+   so that ``from mlx_chatcache.generation.loop import PromptCache`` keeps working.)
 3. :func:`prefill` feeds all prompt tokens but the last few, in chunks;
    :func:`final_call_size` says how many to leave: the last chunk, fed in
    the model call that samples the first token (one call instead of two),
@@ -111,7 +111,7 @@ from ..errors import UsageError
 from .arguments import call_config, call_state, refuse_unsupported
 from .model_call import call_model
 from .pacing import CallPacer
-from .prompt_state import PromptCache, common_prefix_len, ensure_state, reuse_prefix, trim_state
+from .prompt import PromptCache, common_prefix_len, ensure_state, reuse_prefix, trim_state
 from .sample import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 from .token_ids import check_token_ids
 

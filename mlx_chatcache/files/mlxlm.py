@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CacheFormatError, UnsupportedCacheError, shown
 
-from .formats import CacheFileInfo, ForeignFormat, register_format
-from .atomic_write import write_file_atomic
+from .registry import CacheFileInfo, ForeignFormat, register_format
+from .atomic import write_file_atomic
 from .safetensors_file import Header
 
 if TYPE_CHECKING:  # mlx and the cache classes (and so mlx-lm) load only when arrays become layers
@@ -106,7 +106,7 @@ def _read_recorded(info) -> None:
     """Fill ``info`` from the ``mlxcc_*`` keys of an mlx-lm file we wrote (validated as ours)."""
     import json
 
-    from .cache_io import _parse_messages, _parse_settings, _parse_tokens
+    from .mlxcc_format import _parse_messages, _parse_settings, _parse_tokens
     from ..models.fingerprint import ModelFingerprint
 
     user, path = info.metadata, info.path

@@ -4,12 +4,12 @@ both stopping on request, and what the turn cost.
 Contract
 --------
 :func:`feed_prompt` feeds ``ids[len(state.tokens):upto]`` into a
-:class:`~mlx_chatcache.generation.prompt_state.PromptCache` in
+:class:`~mlx_chatcache.generation.prompt.PromptCache` in
 ``prefill_step_size`` chunks, recording each chunk in ``state.tokens``. It
 polls ``should_stop`` before every chunk and raises :class:`TurnCancelled`
 when it says so; the state then holds the chunks fed so far (the caller rolls
 the turn back). When ``upto == len(ids) - 1`` (the prompt up to the token the
-reply starts from), the tokens :func:`~mlx_chatcache.generation.generate.final_call_size`
+reply starts from), the tokens :func:`~mlx_chatcache.generation.loop.final_call_size`
 gives (the prompt's last chunk, or only its last token for a quantized model)
 are left to :func:`stream_reply`: the generate loop feeds them in the model
 call that samples the first reply token, one call instead of two.
@@ -23,7 +23,7 @@ leaves the layers holding ``state.tokens`` (trimmed back) or an empty state.
 of, passing each text piece to ``on_text``. It polls ``should_stop`` after
 every token that does not end the reply and ends the reply there
 ("interrupted"), then passes on the text the detokenizer held back. The state
-is left as :mod:`mlx_chatcache.generation.generate` documents for a reply that ends:
+is left as :mod:`mlx_chatcache.generation.loop` documents for a reply that ends:
 every reply token but the last has been fed (after an interruption, the token
 the generate loop fed ahead is trimmed back off).
 
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..config import INTERRUPTIBLE_CALL_SECONDS, GenerationConfig
-from ..generation.generate import Progress, final_call_size, make_kv_quantizer, prefill
+from ..generation.loop import Progress, final_call_size, make_kv_quantizer, prefill
 from ..generation.pacing import CallPacer
-from ..generation.prompt_state import PromptCache, trim_state
+from ..generation.prompt import PromptCache, trim_state
 from ..generation.text import GenerationResponse, stream_generate
 
 TextCallback = Callable[[str], None]

@@ -13,7 +13,7 @@ read). It differs from the anonymous tiers (memory, disk, Redis) in three ways:
   :class:`~mlx_chatcache.errors.CacheFormatError`), a file made by another model
   (:class:`~mlx_chatcache.errors.ModelMismatchError`, ``what`` names the file
   kind in it), one that lists no token ids (mlx-lm's: the caller handles those,
-  see :mod:`mlx_chatcache.generation.prompt_recovery`) and one made with other
+  see :mod:`mlx_chatcache.generation.untokenized`) and one made with other
   cache settings (``max_kv_size``/``keep`` and the KV quantization, which every
   file mlxcc writes records; for an older file that does not,
   :func:`recorded_shape` reads ``kv_bits``/``kv_group_size`` off its quantized
@@ -45,8 +45,8 @@ from pathlib import Path
 from ..cache import BaseCache, can_trim_prompt_cache
 from ..errors import CacheFileError, CacheFormatError, UsageError
 from ..files import cache_file
-from ..files.cache_io import check_cache_fits_model, load_cache_file, read_cache_info
-from ..files.formats import CacheFileInfo
+from ..files.mlxcc_format import check_cache_fits_model, load_cache_file, read_cache_info
+from ..files.registry import CacheFileInfo
 from .index import Entry
 from .tiers import Scope, Tier
 from .trie import lcp

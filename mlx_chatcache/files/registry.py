@@ -3,7 +3,7 @@
 :class:`CacheFileInfo` is a file's validated self-description (everything but the arrays), whatever
 its layout. A reader of another program's layout (today mlx-lm's, in :mod:`.mlxlm_compat`) describes
 itself as a :class:`ForeignFormat` and calls :func:`register_format` when imported; the package
-``mlx_chatcache.files`` imports each such reader once. :mod:`.cache_io` finds readers and writers only
+``mlx_chatcache.files`` imports each such reader once. :mod:`.mlxcc_format` finds readers and writers only
 here (:func:`detect`, :func:`reader_for`, :func:`writer_named`), so format modules never import each
 other.
 """
