@@ -8,12 +8,16 @@ import numpy as np
 from mlx_chatcache.generation.prompt import PromptCache
 from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.store.tiers import make_scope
+from tiny_models import VOCAB_SIZE
 
 SETTINGS = {"max_kv_size": None, "keep": 4}
 
 
+
+
 def tokens_of(n, start=3):
-    return [start + (i * 7) % 300 for i in range(n)]
+    """``n`` token ids from ``start``, all in the tiny models' vocabulary (ids past it are refused)."""
+    return [(start + (i * 7) % 300) % VOCAB_SIZE for i in range(n)]
 
 
 def filled_state(model, tokens, max_kv_size=None, keep=4):

@@ -13,12 +13,9 @@ from mlx_chatcache.generation.prompt import PromptCache, reuse_prefix
 from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.store.store import PromptStore
 from mlx_chatcache.store.tiers import DiskTier, MemoryTier, make_scope
+from store_helpers import tokens_of
 
 SETTINGS = {"max_kv_size": None, "keep": 4}
-
-
-def tokens_of(n, start=3):
-    return [start + (i * 7) % 300 for i in range(n)]
 
 
 def filled(model, tokens):
