@@ -460,7 +460,7 @@ def checksum_cost(sizes, folder: Path, repeats: int) -> str:
     import struct
     import zlib
 
-    from mlx_chatcache.files import atomic, cache_io
+    from mlx_chatcache.files import atomic, mlxcc_format
     from mlx_chatcache.files.checksum import HEADER_KEY, TENSORS_KEY
 
     def stripped(data: bytes) -> bytes:
@@ -485,7 +485,7 @@ def checksum_cost(sizes, folder: Path, repeats: int) -> str:
         ours, _ = _fill(n, seed=n)
         on, off = folder / f"sums-{n}.safetensors", folder / f"nosums-{n}.safetensors"
         t = {k: [] for k in ("save_on", "save_off", "on", "off", "crc")}
-        saves = (("save_on", cache_io.save_prompt_cache), ("save_off", save_without))
+        saves = (("save_on", mlxcc_format.save_prompt_cache), ("save_off", save_without))
         for r in range(repeats):
             for key, save in saves[:: 1 - 2 * (r % 2)]:
                 t0 = time.perf_counter()

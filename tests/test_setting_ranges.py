@@ -26,6 +26,7 @@ from mlx_chatcache.cli.common import setting_type
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.config import DEFAULTS, RANGES, SEED_LIMIT, SettingError, check_setting
 from mlx_chatcache.errors import UsageError
+from mlx_chatcache.files.checksum import seal_bytes
 from mlx_chatcache.files.mlxcc_format import read_cache_info
 
 SEED_RANGE = "must be an integer between 0 and 18446744073709551615"
@@ -227,7 +228,7 @@ def rewrite_session_settings(path: Path, **changes) -> None:
     header["__metadata__"]["user.session"] = json.dumps(meta)
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    path.write_bytes(seal_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :]))  # the header sum made again
 
 
 def test_session_holding_out_of_range_settings_resumes_with_them_dropped(tiny_model_dirs, chat, tmp_path):

@@ -149,6 +149,17 @@ def header_checksums(path: Path, raw: bytes, metadata: dict[str, str], names) ->
     return {k: int(v, 16) for k, v in sums.items()}
 
 
+def check_file_tensors(path: Path, data_start: int, ranges: dict[str, tuple[int, int]],
+                       expected: dict[str, int]) -> None:  # fmt: skip
+    """:func:`check_tensors` over the file's own bytes (``ranges``: each tensor's byte range in
+    the data section), one tensor at a time and without MLX: for commands that only inspect."""
+    with open(path, "rb") as f:
+        for name, (begin, end) in ranges.items():
+            f.seek(data_start + begin)
+            if crc32(f.read(end - begin)) != expected[name]:
+                raise damaged(path, f"tensor {name!r} does not match its checksum")
+
+
 def check_tensors(path: Path, arrays: dict[str, mx.array], expected: dict[str, int]) -> None:
     """Raise :func:`damaged` unless each array read as ``name`` has the checksum ``expected[name]``."""
     names = list(arrays)

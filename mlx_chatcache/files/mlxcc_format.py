@@ -40,6 +40,7 @@ from ..models.fingerprint import ModelFingerprint
 from . import registry
 from .registry import CacheFileInfo
 from .atomic import safetensors_bytes, write_atomic
+from .checksum import check_file_tensors
 from .safetensors_file import Header, read_arrays, read_header, read_header_bytes
 
 if TYPE_CHECKING:  # the cache classes (and so mlx-lm) load only when arrays become layers
@@ -156,13 +157,14 @@ def read_cache_info(path: str | os.PathLike) -> CacheFileInfo:
 
 
 def verify_cache_file(path: str | os.PathLike) -> bool:
-    """Read every array of ``path`` and check the file against its checksums:
-    True when it carries them and they all match, False when it carries none
-    (an older file, an mlx-lm file); damage raises CacheFileError."""
+    """Read every tensor's bytes of ``path`` and check the file against its checksums
+    (without MLX): True when it carries them and they all match, False when it carries
+    none (an older file, an mlx-lm file); damage raises CacheFileError."""
     header = read_header(path)
     if header.checksums is None:
         return False
-    read_arrays(header)
+    ranges = {name: (e.begin, e.end) for name, e in header.tensors.items()}
+    check_file_tensors(header.path, header.data_start, ranges, header.checksums)
     return True
 
 
