@@ -300,25 +300,8 @@ def _start_step(
     return token, logprobs
 
 
-def _can_take_back(layer: BaseCache) -> bool:
-    """Whether ``layer`` can be trimmed by one token after it is fed one more."""
-    if not layer.is_trimmable():
-        return False
-    inner = getattr(layer, "caches", None)  # CacheList
-    if inner is not None:
-        return all(_can_take_back(c) for c in inner)
-    window = getattr(layer, "max_size", None)  # rotating: trimmable until it drops a token
-    return window is None or layer.offset + 1 < window
-
-
-def _always_undoable(layer: BaseCache) -> bool:
-    """Whether ``layer`` can be trimmed by one token at any length (checked once
-    per call instead of per token): trimmable, not a window, not a list."""
-    return layer.is_trimmable() and not hasattr(layer, "max_size") and not hasattr(layer, "caches")
-
-
 def _take_back_one(state: PromptCache, model, layers: list[BaseCache]) -> None:
-    """Unfeed the last token (checked possible by :func:`_can_take_back`).
+    """Unfeed the last token (checked possible by ``can_take_back``).
 
     ``layers`` are the cache's layers before that token was fed: the model
     updated them in place, but KV quantization may have replaced some since;
@@ -420,7 +403,7 @@ def generate_step(
         state.tokens.extend(todo)
         token_arr, logprobs = _start_step(model, state, rest, sampler, logits_processors, quantizer)
 
-    always_undoable = all(map(_always_undoable, state.cache))
+    always_undoable = all(c.always_trimmable() for c in state.cache)
     n = 0
     while True:
         n += 1
@@ -435,7 +418,7 @@ def generate_step(
             else:
                 # feed token n before it is known (not the first: see the module doc)
                 ahead = (1 < n and not last and not logits_processors
-                         and (always_undoable or all(map(_can_take_back, state.cache))))  # fmt: skip
+                         and (always_undoable or all(c.can_take_back(1) for c in state.cache))))  # fmt: skip
                 if ahead:
                     key, layers = mx.random.state[0], list(state.cache)
                     following = _start_step(model, state, token_arr[None], sampler, (), quantizer, own_sampler)

@@ -42,7 +42,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
+from ..cache import make_prompt_cache
 from ..config import GenerationConfig
 from ..errors import ChatCacheError
 from ..generation.loop import make_kv_quantizer, prefill
@@ -197,7 +197,7 @@ class GenerationWorker:
         """Feed the prompt up to the end of its last message and copy the cache
         there, when the cache could not be trimmed back to it later."""
         b = job.boundary
-        if b is None or not 0 < b < len(job.prompt) or always_trimmable(state.cache) or len(state.tokens) >= b:
+        if b is None or not 0 < b < len(job.prompt) or all(c.always_trimmable() for c in state.cache) or len(state.tokens) >= b:
             return None
         todo = job.prompt[len(state.tokens) : b]
         try:
@@ -268,10 +268,3 @@ class StopMatcher:
         out, self.pending = self.pending, ""
         return out
 
-
-def always_trimmable(cache) -> bool:
-    """Whether every layer can be trimmed back to any length (plain K/V layers)."""
-    def ok(c):
-        return all(ok(x) for x in c.caches) if isinstance(c, CacheList) else type(c) in (KVCache, QuantizedKVCache)
-
-    return all(ok(c) for c in cache)
