@@ -418,7 +418,7 @@ def generate_step(
             else:
                 # feed token n before it is known (not the first: see the module doc)
                 ahead = (1 < n and not last and not logits_processors
-                         and (always_undoable or all(c.can_take_back(1) for c in state.cache))))  # fmt: skip
+                         and (always_undoable or all(c.can_take_back(1) for c in state.cache)))  # fmt: skip
                 if ahead:
                     key, layers = mx.random.state[0], list(state.cache)
                     following = _start_step(model, state, token_arr[None], sampler, (), quantizer, own_sampler)
