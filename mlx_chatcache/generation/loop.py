@@ -348,8 +348,8 @@ def generate_step(
     (see the module docstring, also for when a token is fed ahead).
     ``sampler``/``logits_processors`` default to those the config describes.
     ``progress`` gets ``(done, total)`` over the prompt tokens that are not
-    reused, ending with ``(total, total)``. ``max_call_seconds``: see
-    :func:`prefill` (the prompt's calls are sized so Ctrl-C is acted upon).
+    reused, ending with ``(total, total)``. ``max_call_seconds``: the prompt's
+    calls are paced to take about that long at most, so Ctrl-C is acted upon (see :func:`prefill`).
 
     mlx-lm's keywords are accepted with its meaning: ``max_tokens``, ``max_kv_size``,
     ``prefill_step_size``, ``kv_bits``, ``kv_group_size``, ``quantized_kv_start``
@@ -381,7 +381,10 @@ def generate_step(
         state = ensure_state(model, state, config)
     elif not prompt:
         raise UsageError("the prompt is empty; give at least one token")
-    guard = (lambda: contextlib.nullcontext()) if borrowed else (lambda: consistent_on_error(state, model, trim_back=False))
+
+    def guard():  # an owned state is reset when a call fails; borrowed layers are left as they are
+        return contextlib.nullcontext() if borrowed else consistent_on_error(state, model, trim_back=False)
+
     own_sampler = sampler is None  # draws indices of the logits
     sampler = sampler or make_sampler(
         config.temp, config.top_p, config.top_k, config.min_p, config.min_tokens_to_keep
