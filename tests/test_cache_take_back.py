@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlx_chatcache.cache import (
+    CACHE_CLASSES,
     ArraysCache,
     BaseCache,
     CacheList,
@@ -58,6 +59,13 @@ def old_always_trimmable(c: BaseCache) -> bool:
 
 
 # ------------------------------------------------------------ random caches
+DRAWN = (KVCache, QuantizedKVCache, ChunkedKVCache, RotatingKVCache, QuantizedRotatingKVCache, ArraysCache, CacheList)
+
+
+def test_every_cache_class_is_drawn():
+    assert set(CACHE_CLASSES.values()) == set(DRAWN)
+
+
 def leaf(draw) -> BaseCache:
     kind = draw(st.sampled_from(["kv", "qkv", "chunked", "rot", "qrot", "arrays"]))
     if kind == "kv":

@@ -12,10 +12,14 @@ from loop_helpers import forward
 
 from mlx_chatcache.backend import blas
 from mlx_chatcache.cache import cache_offset, can_trim_prompt_cache, make_prompt_cache
+from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.generation import loop
 from mlx_chatcache.generation.loop import PrefillStopped, consistent_on_error, prefill
 from mlx_chatcache.generation.prompt import PromptCache
 from mlx_chatcache.generation.templates import feed_all
+from mlx_chatcache.server.worker import GenerationWorker, Job
+from mlx_chatcache.store.store import PromptStore
+from mlx_chatcache.store.tiers import MemoryTier
 
 ATOL = 1e-4 if blas.STATUS.active else 1e-5
 TEXT = "The weather was cold and windy, so we stayed inside and read our books. " * 2
@@ -107,3 +111,31 @@ def test_cache_prompt_feeds_through_the_one_prefill(llama_model, monkeypatch):
     state = PromptCache.new(model)
     feed_all(model, state, prompt, 4)
     assert fed == prompt and state.tokens == prompt and cache_offset(state.cache) == 11
+
+
+def test_a_server_job_cancelled_during_its_checkpoint_keeps_what_it_fed(make_tiny_model):
+    model, tok = make_tiny_model("hybrid", seed=0)  # conv layers: the checkpoint path
+    prompt = tok.encode(TEXT, add_special_tokens=False)[:20]
+    config = DEFAULTS.updated(prefill_step_size=4, max_tokens=2)
+    job = Job(prompt, config, emit=lambda event: None, boundary=15)
+    cancelling = CancellingModel(model, job, at=2)
+    worker = GenerationWorker(cancelling, tok, PromptStore([MemoryTier(1 << 30)]), config, max_queue=1)
+    state = PromptCache.new(model)
+    with pytest.raises(Exception) as got:
+        worker._checkpoint(job, state)
+    assert type(got.value).__name__ == "_Cancelled"
+    assert state.tokens == prompt[:8] and cache_offset(state.cache) == 8  # two chunks, kept for the store
+
+
+class CancellingModel(FailingModel):
+    """Cancels ``job`` during its ``at``-th call (the client went away)."""
+
+    def __init__(self, model, job, at: int):
+        super().__init__(model, at=0)
+        self.job, self.cancel_at = job, at
+
+    def __call__(self, inputs, cache=None):
+        out = super().__call__(inputs, cache=cache)
+        if self.calls == self.cancel_at:
+            self.job.cancel()
+        return out
