@@ -22,6 +22,7 @@ import dataclasses
 import mlx.core as mx
 import numpy as np
 import pytest
+from loop_helpers import forward
 from tiny_models import IM_END, SLIDING_WINDOW
 
 from mlx_chatcache.cache import (
@@ -35,13 +36,8 @@ from mlx_chatcache.cache import (
 from mlx_chatcache.backend import blas
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import UsageError
-from mlx_chatcache.generation.loop import (
-    PromptCache,
-    forward,
-    generate_step,
-    prefill,
-    reuse_prefix,
-)
+from mlx_chatcache.generation.loop import generate_step, prefill
+from mlx_chatcache.generation.prompt import PromptCache, reuse_prefix
 from mlx_chatcache.generation.text import generate, stream_generate
 
 # cached vs uncached logits: float32 rounding. With the Linux OpenBLAS swap one-row and many-row
@@ -130,7 +126,7 @@ def test_cached_logits_equal_uncached(tiny_model, mode):
         logits = forward(model, cache, prompt)[0]
     else:
         step = 3 if mode == "chunks_of_3" else 1
-        rest = prefill(model, cache, prompt, step)
+        rest = prefill(model, PromptCache(cache), prompt, step)
         assert rest == prompt[-1:]
         logits = forward(model, cache, rest)[0]
     assert max_diff(logits, uncached_logits(model, prompt)) <= ATOL
@@ -140,7 +136,7 @@ def test_prefill_reports_progress(llama_model):
     model, tok = llama_model
     prompt = prompt_ids(tok, 11)
     seen = []
-    rest = prefill(model, make_prompt_cache(model), prompt, 4, lambda d, t: seen.append((d, t)))
+    rest = prefill(model, PromptCache.new(model), prompt, 4, lambda d, t: seen.append((d, t)))
     assert rest == prompt[-1:]
     assert seen == [(0, 11), (4, 11), (8, 11), (10, 11)]
 
@@ -150,7 +146,7 @@ def test_trim_then_refeed_gives_identical_logits(tiny_model):
     kind, model, tok = tiny_model
     prompt = prompt_ids(tok, 12)
     cache = make_prompt_cache(model)
-    prefill(model, cache, prompt, 5)
+    prefill(model, PromptCache(cache), prompt, 5)
     if not can_trim_prompt_cache(cache):
         assert kind in ("hybrid", "ssm")  # ArraysCache state cannot be rolled back
         pytest.skip(f"{kind} caches are not trimmable")
@@ -201,8 +197,8 @@ def test_reuse_prefix_keeps_one_token_to_feed(tiny_model):
     kind, model, tok = tiny_model
     prompt = prompt_ids(tok, 6)
     state = PromptCache.new(model)
-    prefill(model, state.cache, prompt + [5], 10)  # the cache holds exactly `prompt`
-    state.tokens.extend(prompt)
+    prefill(model, state, prompt + [5], 10)  # the cache holds exactly `prompt`
+    assert state.tokens == prompt
     reused = reuse_prefix(state, prompt, model)
     if kind in ("llama", "sliding"):
         assert reused == 5 and state.tokens == prompt[:5]

@@ -27,7 +27,8 @@ from tiny_models import SLIDING_WINDOW
 from mlx_chatcache.cache import KVCache, cache_offset, can_trim_prompt_cache
 from mlx_chatcache.chat.turn import stream_reply
 from mlx_chatcache.config import DEFAULTS
-from mlx_chatcache.generation.loop import PromptCache, final_call_size, generate_step, prefill
+from mlx_chatcache.generation.loop import final_call_size, generate_step, prefill
+from mlx_chatcache.generation.prompt import PromptCache
 from mlx_chatcache.chat.session import ChatSession
 
 GREEDY = DEFAULTS.updated(temp=0.0)
@@ -208,7 +209,7 @@ def test_seeded_sampling_is_unchanged_by_feeding_ahead(llama_model, kind_state):
 
 def test_seeded_sampling_matches_the_synchronous_step_by_step_loop(llama_model):
     """The old loop (prefill + decode_one_token per token) as the reference."""
-    from mlx_chatcache.generation.loop import decode_one_token
+    from loop_helpers import decode_one_token
     from mlx_chatcache.generation.sample import make_sampler
 
     model, tok = llama_model
@@ -250,7 +251,7 @@ def test_quantized_model_keeps_the_last_token_alone(make_tiny_model):
     next(generate_step(prompt, counting, config=GREEDY.updated(max_tokens=1, prefill_step_size=16)))
     assert counting.calls == [10, 1]
     seen = []
-    rest = prefill(counting, PromptCache.new(model).cache, prompt, 4, lambda d, t: seen.append((d, t)))
+    rest = prefill(counting, PromptCache.new(model), prompt, 4, lambda d, t: seen.append((d, t)))
     assert rest == prompt[-1:] and seen == [(0, 11), (4, 11), (8, 11), (10, 11)]
 
 

@@ -14,7 +14,8 @@ import pytest
 from mlx_chatcache.chat.session import ChatSession
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.generation import pacing
-from mlx_chatcache.generation.loop import PromptCache, generate_step, prefill
+from mlx_chatcache.generation.loop import generate_step, prefill
+from mlx_chatcache.generation.prompt import PromptCache
 from mlx_chatcache.backend import blas
 from mlx_chatcache.generation.pacing import PROBE_TOKENS, CallPacer
 
@@ -87,10 +88,10 @@ def test_paced_prefill_with_a_generous_budget_grows_to_full_steps(llama_model):
     model, tok = llama_model
     prompt = tok.encode(TEXT, add_special_tokens=False)[:40]
     counting = CountingModel(model)
-    rest = prefill(counting, PromptCache.new(model).cache, prompt, 16, leave=1, max_call_seconds=1e9)
+    rest = prefill(counting, PromptCache.new(model), prompt, 16, leave=1, pacer=CallPacer(counting, 1e9))
     assert counting.calls == [1, 2, 4, 8, 16, 8] and rest == prompt[-1:]  # growing 2x per call
     counting.calls.clear()  # measured now: the next prompt starts at full steps
-    prefill(counting, PromptCache.new(model).cache, prompt, 16, leave=1, max_call_seconds=1e9)
+    prefill(counting, PromptCache.new(model), prompt, 16, leave=1, pacer=CallPacer(counting, 1e9))
     assert counting.calls == [16, 16, 7]
 
 
@@ -98,7 +99,7 @@ def test_prefill_feeds_more_than_leave_when_the_rest_would_take_too_long(llama_m
     model, tok = llama_model
     prompt = tok.encode(TEXT, add_special_tokens=False)[:20]
     counting = CountingModel(model)
-    rest = prefill(counting, PromptCache.new(model).cache, prompt, 512, leave=20, max_call_seconds=1e-9)
+    rest = prefill(counting, PromptCache.new(model), prompt, 512, leave=20, pacer=CallPacer(counting, 1e-9))
     assert len(rest) == 1 and sum(counting.calls) == 19 and max(counting.calls) <= PROBE_TOKENS
 
 

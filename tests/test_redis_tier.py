@@ -17,12 +17,12 @@ fakeredis = pytest.importorskip("fakeredis")
 from mlx_chatcache.cache import make_prompt_cache  # noqa: E402
 from mlx_chatcache.files.mlxcc_format import prompt_cache_bytes  # noqa: E402
 from mlx_chatcache.errors import UsageError  # noqa: E402
-from mlx_chatcache.generation.loop import forward  # noqa: E402
 from mlx_chatcache.generation.prompt import PromptCache, reuse_prefix  # noqa: E402
 from mlx_chatcache.store.store import PromptStore, build_store  # noqa: E402
 from mlx_chatcache.store.tiers import MemoryTier  # noqa: E402
 from mlx_chatcache.store.redis_layout import Chain, Manifest  # noqa: E402
 from mlx_chatcache.store.redis_tier import RedisTier  # noqa: E402
+from loop_helpers import forward  # noqa: E402
 from store_helpers import SETTINGS, arrays, filled, scope, tokens_of  # noqa: E402
 
 BLOCK = 16

@@ -6,9 +6,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from loop_helpers import forward
 
 from mlx_chatcache.cache import make_prompt_cache
-from mlx_chatcache.generation.loop import forward
 from mlx_chatcache.generation.prompt import PromptCache, reuse_prefix
 from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.store.store import PromptStore

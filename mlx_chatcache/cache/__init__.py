@@ -156,6 +156,12 @@ class CacheList(BaseCache, mlx_lm_cache.CacheList):
     def is_trimmable(self) -> bool:
         return all(c.is_trimmable() for c in self.caches)
 
+    def can_take_back(self, n: int = 1) -> bool:
+        return all(c.can_take_back(n) for c in self.caches)
+
+    def always_trimmable(self) -> bool:
+        return all(c.always_trimmable() for c in self.caches)
+
     def trim(self, n: int) -> int:
         if not self.is_trimmable():
             return 0

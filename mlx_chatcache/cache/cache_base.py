@@ -19,6 +19,14 @@ chat session rely on):
 - ``offset`` (tokens seen), ``size()`` (tokens held), ``is_trimmable()``,
   ``trim(n) -> int``, ``nbytes``, ``empty()``, ``eval_arrays()`` (what to pass to
   ``mx.eval`` without copying).
+- Taking tokens back, asked before the cache is fed (conservative: False when unsure):
+  ``can_take_back(n)``: after ``n`` more tokens are fed, ``trim(n)`` returns the cache
+  to its content now, as the model's next call sees it (a plain K/V cache; a chunked
+  one, which may have dropped tokens before its chunk as that call would; a window
+  that will not have dropped a token; never an SSM/convolution ``ArraysCache``).
+  ``always_trimmable()``: at every fill, ``trim`` reaches every shorter length it has
+  held (plain and quantized K/V caches, and lists of them: their rollbacks need no
+  copy); when True, ``can_take_back(n)`` is True for every ``n``.
 - mlx-lm's batch-only methods (:data:`BATCH_ONLY_METHODS`: ``merge``,
   ``extract``, ``filter``, ``extend``, ``prepare``, ``finalize``) raise
   :class:`UnsupportedCacheError`: our caches serve one sequence each.
@@ -126,6 +134,14 @@ class BaseCache:
         return self.state
 
     def is_trimmable(self) -> bool:
+        return False
+
+    def can_take_back(self, n: int = 1) -> bool:
+        """Whether ``trim(n)`` undoes feeding ``n`` more tokens (see the module doc)."""
+        return False
+
+    def always_trimmable(self) -> bool:
+        """Whether ``trim`` reaches every shorter length at every fill (see the module doc)."""
         return False
 
     def trim(self, n: int) -> int:

@@ -176,6 +176,12 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
     def is_trimmable(self) -> bool:
         return True
 
+    def can_take_back(self, n: int = 1) -> bool:
+        return True
+
+    def always_trimmable(self) -> bool:
+        return True
+
     def trim(self, n: int) -> int:
         n = max(0, min(self._held(), n))
         self.offset -= n
@@ -268,6 +274,9 @@ class ChunkedKVCache(KVCache, mlx_lm_cache.ChunkedKVCache):
 
     make_mask = Absent("the model builds its chunk mask itself")
     to_quantized = Absent("chunked caches are not quantized")
+
+    def always_trimmable(self) -> bool:
+        return False  # tokens before start_position are gone
 
     def __init__(self, chunk_size: int):
         self._init_empty()

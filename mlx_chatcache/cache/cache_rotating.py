@@ -252,6 +252,12 @@ class RotatingKVCache(KVCache, mlx_lm_cache.RotatingKVCache):
     def is_trimmable(self) -> bool:
         return self.offset <= self.max_size
 
+    def can_take_back(self, n: int = 1) -> bool:
+        return self.offset + n < self.max_size
+
+    def always_trimmable(self) -> bool:
+        return False  # not once the window drops a token
+
     def trim(self, n: int) -> int:
         if not self.is_trimmable():
             return 0

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..cache import BaseCache, CacheList, KVCache, QuantizedKVCache, copy_prompt_cache
+from ..cache import BaseCache, copy_prompt_cache
 from ..generation.prompt import PromptCache, trim_state
 
 LayerCopies = list[BaseCache | None]  # one entry per layer; None: a plain K/V layer (trimmed instead)
@@ -71,9 +71,9 @@ def snapshot(cache: list[BaseCache]) -> LayerCopies | None:
     """Copies of the layers that might not trim back to this point (None
     entries for plain K/V layers, which always can); None when all are plain.
     So a hybrid model's checkpoint holds its small SSM states, not its K/V."""
-    if all(_always_trimmable(c) for c in cache):
+    if all(c.always_trimmable() for c in cache):
         return None
-    snap = [None if _always_trimmable(c) else _copy_layer(c) for c in cache]
+    snap = [None if c.always_trimmable() else _copy_layer(c) for c in cache]
     mx.eval([c.state for c in snap if c is not None])
     return snap
 
@@ -121,12 +121,6 @@ def drop_old_copies(checkpoints: list[Checkpoint], max_checkpoints: int) -> None
     """Bounded memory: cache copies only for the last ``max_checkpoints`` turns."""
     for ck in checkpoints[: -max_checkpoints or None]:  # all of them when max_checkpoints is 0
         ck.cache = None
-
-
-def _always_trimmable(c: BaseCache) -> bool:
-    if isinstance(c, CacheList):
-        return all(_always_trimmable(x) for x in c.caches)
-    return type(c) in (KVCache, QuantizedKVCache)
 
 
 def _copy_layer(c: BaseCache) -> BaseCache:

@@ -13,7 +13,7 @@ reply starts from), the tokens :func:`~mlx_chatcache.generation.loop.final_call_
 gives (the prompt's last chunk, or only its last token for a quantized model)
 are left to :func:`stream_reply`: the generate loop feeds them in the model
 call that samples the first reply token, one call instead of two.
-``should_stop`` is polled before that chunk too. With ``should_stop`` the
+``should_stop`` is polled before that chunk too when it is more than one token. With ``should_stop`` the
 chunks are paced (:mod:`mlx_chatcache.generation.pacing`): each model call, the one left
 to the reply included, is sized to take about ``INTERRUPTIBLE_CALL_SECONDS``
 at most, so a stop request is honoured within a second. A chunk that raises
@@ -32,13 +32,19 @@ the generate loop fed ahead is trimmed back off).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from ..config import INTERRUPTIBLE_CALL_SECONDS, GenerationConfig
-from ..generation.loop import Progress, final_call_size, make_kv_quantizer, prefill
+from ..generation.loop import (
+    PrefillStopped,
+    Progress,
+    consistent_on_error,
+    final_call_size,
+    make_kv_quantizer,
+    prefill,
+)
 from ..generation.pacing import CallPacer
 from ..generation.prompt import PromptCache, trim_state
 from ..generation.text import GenerationResponse, stream_generate
@@ -121,57 +127,20 @@ def feed_prompt(
     chunks (and the call left to the reply) are also sized to take at most
     about ``INTERRUPTIBLE_CALL_SECONDS`` (:mod:`mlx_chatcache.generation.pacing`), so a
     stop request is honoured within a second. ``progress`` gets ``(fed, to
-    feed)`` after each chunk."""
+    feed)`` (:func:`~mlx_chatcache.generation.loop.prefill`)."""
     step = config.prefill_step_size
-    quantizer = make_kv_quantizer(config)
     pacer = CallPacer(model, INTERRUPTIBLE_CALL_SECONDS) if should_stop is not None else None
-    first, final = len(state.tokens), 0
-    if upto == len(ids) - 1 and len(state.tokens) <= upto:  # the reply comes next
-        final = final_call_size(model, len(ids) - len(state.tokens), step)
-    end = _feed_end(upto, len(ids), final, pacer)
-    while len(state.tokens) < end:
-        if should_stop is not None and should_stop():
-            raise TurnCancelled
-        a = len(state.tokens)
-        b = min(a + (step if pacer is None else pacer.size(step)), end)
-        if pacer is not None:
-            pacer.start()
-        with _consistent_on_error(model, state):
-            prefill(model, state.cache, ids[a : b + 1], step, kv_quantizer=quantizer)  # feeds ids[a:b]
-        if pacer is not None:
-            pacer.record(b - a)
-        state.tokens.extend(ids[a:b])
-        if progress:
-            progress(b - first, len(ids) - first)
-        end = _feed_end(upto, len(ids), final, pacer)
-    if end < upto and should_stop is not None and should_stop():  # before the chunk left to the reply
-        raise TurnCancelled
-
-
-@contextlib.contextmanager
-def _consistent_on_error(model, state: PromptCache):
-    """A chunk that fails (a second Ctrl-C, a bad KV setting) leaves every layer
-    holding exactly ``state.tokens`` again (trimmed back), or the state empty."""
+    first = len(state.tokens)
+    if upto == len(ids) - 1 and first <= upto:  # the reply comes next
+        todo, leave = ids[first:], final_call_size(model, len(ids) - first, step)
+    else:
+        todo, leave = ids[first:upto], 0
     try:
-        yield
-    except BaseException:
-        n = len(state.tokens)
-        for c in state.cache:
-            extra = c.offset - n
-            if extra > 0 and not (c.is_trimmable() and c.trim(extra) == extra and c.offset == n):
-                state.reset(model)
-                break
-        raise
-
-
-def _feed_end(upto: int, n_ids: int, final: int, pacer: CallPacer | None) -> int:
-    """Where :func:`feed_prompt` stops: ``upto``, or before the ``final`` tokens
-    left to the reply's first call (fewer when the pacer says they would take too long)."""
-    if not final:
-        return upto
-    if pacer is not None:
-        final = min(final, max(pacer.size(final), 1))
-    return n_ids - final
+        with consistent_on_error(state, model):
+            prefill(model, state, todo, step, progress, kv_quantizer=make_kv_quantizer(config), leave=leave,
+                    pacer=pacer, should_stop=should_stop)  # fmt: skip
+    except PrefillStopped:
+        raise TurnCancelled from None
 
 
 def stream_reply(

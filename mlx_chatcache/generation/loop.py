@@ -2,29 +2,26 @@
 
 Layers, each usable on its own (lowest first):
 
-1. :class:`PromptCache` holds a prompt cache (one cache per layer) and
-   ``tokens``, the token ids that cache has been fed, in order.
-2. :func:`reuse_prefix` reduces a state to the longest part of a new prompt it
-   already holds: it trims the rest, or starts a fresh cache when the cache
-   cannot be trimmed.
-
-   (1 and 2 live in :mod:`mlx_chatcache.generation.prompt`; they are imported here
-   so that ``from mlx_chatcache.generation.loop import PromptCache`` keeps working.)
-3. :func:`prefill` feeds all prompt tokens but the last few, in chunks;
-   :func:`final_call_size` says how many to leave: the last chunk, fed in
-   the model call that samples the first token (one call instead of two),
-   or the last token for a quantized model. With ``max_call_seconds`` the
-   chunks are paced to a time budget so Ctrl-C is acted upon
-   (:mod:`mlx_chatcache.generation.pacing`; results equal within float tolerance).
-4. :func:`decode_one_token` feeds tokens, records them in the state and samples
-   the next token, one synchronous step.
-5. :func:`generate_step` yields ``(token, logprobs)`` pairs. While decoding
+1. :class:`~mlx_chatcache.generation.prompt.PromptCache` holds a prompt cache
+   (one cache per layer) and ``tokens``, the token ids that cache has been fed,
+   in order; :func:`~mlx_chatcache.generation.prompt.reuse_prefix` reduces it to
+   the longest part of a new prompt it already holds (both in
+   :mod:`mlx_chatcache.generation.prompt`).
+2. :func:`prefill` feeds all prompt tokens but the last few, in chunks, and
+   records them in the state; :func:`final_call_size` says how many to leave:
+   the last chunk, fed in the model call that samples the first token (one call
+   instead of two), or the last token for a quantized model. It is the one
+   prompt feeder (generation, chat turns, ``cache-prompt``, the server's
+   checkpoints): a pacer sizes the calls to a time budget so Ctrl-C is acted
+   upon (:mod:`mlx_chatcache.generation.pacing`; results equal within float
+   tolerance), and a stop check is polled between calls.
+   :func:`consistent_on_error` is the one recovery from a model call that raises.
+3. :func:`generate_step` yields ``(token, logprobs)`` pairs. While decoding
    it computes one token ahead (see below).
-6. :func:`stream_generate` yields :class:`GenerationResponse` text segments
-   with statistics.
-7. :func:`generate` returns the whole text.
-
-   (6 and 7 live in :mod:`mlx_chatcache.generation.text`.)
+4. :func:`~mlx_chatcache.generation.text.stream_generate` yields
+   ``GenerationResponse`` text segments with statistics, and
+   :func:`~mlx_chatcache.generation.text.generate` returns the whole text (both
+   in :mod:`mlx_chatcache.generation.text`).
 
 What ``state.tokens`` holds
 ---------------------------
@@ -49,8 +46,8 @@ To keep the machine busy while the consumer handles token ``k``,
 :func:`generate_step` feeds token ``k`` and starts computing token ``k+1``
 *before* it yields token ``k`` (as mlx-lm does), without knowing yet whether
 ``k`` ends the reply. It does so only when this can be undone: every layer can
-be trimmed by one token after the feed (not an ``ArraysCache``/SSM layer, not
-a rotating window about to drop a token), and there are no logits processors
+take the token back (``can_take_back(1)``, see :mod:`mlx_chatcache.cache.cache_base`:
+not an ``ArraysCache``/SSM layer, not a rotating window about to drop a token), and there are no logits processors
 (they would see a context that is not known yet). Not for the first token
 either: with MLX on the CPU, reading a token while the next step is queued
 waits for much of that step, which would add about one decode step to the
@@ -81,8 +78,9 @@ id the model does not have (the prompt's are checked before the state is
 touched; a token fed ahead is not waited for when the config's sampler drew it).
 
 If a model call raises (KeyboardInterrupt included), some layers may have been
-updated and others not. The state is then reset to an empty cache of the same
-shape (``tokens == []``) before the exception propagates.
+updated and others not. :func:`generate_step` then resets the state to an empty
+cache of the same shape (``tokens == []``) before the exception propagates
+(:func:`consistent_on_error` with ``trim_back=False``).
 
 Cache shape and settings
 ------------------------
@@ -111,7 +109,7 @@ from ..errors import UsageError
 from .arguments import call_config, call_state, refuse_unsupported
 from .model_call import call_model
 from .pacing import CallPacer
-from .prompt import PromptCache, common_prefix_len, ensure_state, reuse_prefix, trim_state
+from .prompt import PromptCache, ensure_state, reuse_prefix, trim_state
 from .sample import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 from .token_ids import check_token_ids
 
@@ -121,14 +119,32 @@ KVQuantizer = Callable[[list[BaseCache]], None]
 
 
 # ------------------------------------------------------------------ errors
+class PrefillStopped(Exception):
+    """:func:`prefill`'s stop check said stop; the state holds the chunks fed so far."""
+
+
 @contextlib.contextmanager
-def _reset_on_error(state: PromptCache, model):
-    """Model calls inside leave the state consistent or empty, never half-updated."""
+def consistent_on_error(state: PromptCache, model, *, trim_back: bool = True):
+    """Model calls inside that raise (KeyboardInterrupt included) leave ``state``
+    consistent, never half-updated: every layer trimmed back to ``len(state.tokens)``
+    when every layer can be (with ``trim_back``), else an empty cache of the same shape."""
     try:
         yield
     except BaseException:
-        state.reset(model)
+        if not (trim_back and _trimmed_back(state)):
+            state.reset(model)
         raise
+
+
+def _trimmed_back(state: PromptCache) -> bool:
+    """Trim every layer that moved past ``len(state.tokens)`` back to it; False
+    when one cannot be (some layers may have been trimmed)."""
+    n = len(state.tokens)
+    for c in state.cache:
+        extra = c.offset - n
+        if extra < 0 or (extra > 0 and not (c.is_trimmable() and c.trim(extra) == extra and c.offset == n)):
+            return False
+    return True
 
 
 # ------------------------------------------------------------------ feeding
@@ -143,59 +159,63 @@ def make_kv_quantizer(config: GenerationConfig) -> KVQuantizer | None:
     return quantize
 
 
-def forward(model, cache: list[BaseCache], tokens: Sequence[int]) -> mx.array:
-    """Feed ``tokens`` (updating ``cache``); logits of the last one ``(1, V)``."""
-    return call_model(model, tokens, cache)[:, -1, :]  # (1, T, V) -> (1, V)
-
-
 def prefill(
     model,
-    cache: list[BaseCache],
+    state: PromptCache,
     tokens: Sequence[int],
     prefill_step_size: int,
     progress: Progress | None = None,
     *,
     kv_quantizer: KVQuantizer | None = None,
     leave: int = 1,
-    max_call_seconds: float | None = None,
+    pacer: CallPacer | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[int]:
-    """Feed all of ``tokens`` but the last ``leave``, ``prefill_step_size`` at a time.
+    """Feed all of ``tokens`` but the last ``leave``, ``prefill_step_size`` at a time,
+    recording each chunk in ``state.tokens`` once it is evaluated (bounded memory).
 
-    Each chunk is evaluated before the next (bounded memory). ``progress``
-    gets ``(fed, len(tokens))`` before the first chunk and after each.
-    Returns the tokens left to feed (see :func:`final_call_size`).
-    With ``max_call_seconds`` every call is sized to take about that long at
-    most (:class:`~mlx_chatcache.generation.pacing.CallPacer`), so that Ctrl-C is acted
-    upon between calls; more than ``leave`` tokens are fed when the ones
-    left would take longer (at least one is always left).
+    Returns the tokens left to feed (see :func:`final_call_size`). ``progress`` gets
+    ``(fed, len(tokens))`` before the first chunk and after each. ``should_stop`` is
+    polled before every call and before returning more than one token (a call that
+    may take long); when it says so, :class:`PrefillStopped` is raised with the state
+    holding the chunks fed so far. With a ``pacer`` every call is sized to take about
+    its ``max_seconds`` at most (:class:`~mlx_chatcache.generation.pacing.CallPacer`),
+    so that Ctrl-C or a stop request is acted upon between calls; more than ``leave``
+    tokens are fed when the ones left would take longer (at least one is always left
+    when ``leave`` >= 1). A model call that raises leaves the layers holding more than
+    ``state.tokens``: callers wrap it in :func:`consistent_on_error`.
     """
     if prefill_step_size < 1:
         raise UsageError(f"prefill step size must be >= 1, got {prefill_step_size}")
     tokens = list(tokens)
     todo = max(len(tokens) - leave, 0)
-    pacer = CallPacer(model, max_call_seconds) if max_call_seconds else None
     if progress:
         progress(0, len(tokens))
     start, since_clear = 0, 0
     while start < todo or (pacer is not None and not pacer.fits(len(tokens) - start)):
+        if should_stop is not None and should_stop():
+            raise PrefillStopped
         end = todo if start < todo else len(tokens) - 1
         n = min(prefill_step_size, end - start)
         if pacer is not None:
             n = pacer.size(n)
             pacer.start()
         chunk = tokens[start : start + n]
-        call_model(model, chunk, cache)
+        call_model(model, chunk, state.cache)
         if kv_quantizer:
-            kv_quantizer(cache)
-        mx.eval([c.eval_arrays() for c in cache])
+            kv_quantizer(state.cache)
+        mx.eval([c.eval_arrays() for c in state.cache])
         if pacer is not None:
             pacer.record(n)
+        state.tokens.extend(chunk)
         start, since_clear = start + n, since_clear + n
         if since_clear >= prefill_step_size or pacer is None:
             mx.clear_cache()
             since_clear = 0
         if progress:
             progress(start, len(tokens))
+    if len(tokens) - start > 1 and should_stop is not None and should_stop():
+        raise PrefillStopped
     return tokens[start:]
 
 
@@ -252,27 +272,6 @@ def sample_token(
     return sampler(logprobs), logprobs
 
 
-def decode_one_token(
-    model,
-    state: PromptCache,
-    tokens: Sequence[int],
-    sampler: Sampler,
-    processors: Sequence[LogitsProcessor] = (),
-    kv_quantizer: KVQuantizer | None = None,
-) -> tuple[int, mx.array]:
-    """Feed ``tokens`` (recorded in ``state.tokens``); sample the next token.
-
-    Returns ``(token, logprobs)`` with ``logprobs`` of shape ``(V,)``.
-    """
-    logits = forward(model, state.cache, tokens)  # (1, V)
-    if kv_quantizer:
-        kv_quantizer(state.cache)
-    state.tokens.extend(tokens)
-    token, logprobs = sample_token(logits, state.tokens, sampler, processors)
-    mx.eval(token, logprobs, [c.eval_arrays() for c in state.cache])
-    return token.item(), logprobs[0]
-
-
 # ------------------------------------------------------------------ generate_step
 def _start_step(
     model,
@@ -300,25 +299,8 @@ def _start_step(
     return token, logprobs
 
 
-def _can_take_back(layer: BaseCache) -> bool:
-    """Whether ``layer`` can be trimmed by one token after it is fed one more."""
-    if not layer.is_trimmable():
-        return False
-    inner = getattr(layer, "caches", None)  # CacheList
-    if inner is not None:
-        return all(_can_take_back(c) for c in inner)
-    window = getattr(layer, "max_size", None)  # rotating: trimmable until it drops a token
-    return window is None or layer.offset + 1 < window
-
-
-def _always_undoable(layer: BaseCache) -> bool:
-    """Whether ``layer`` can be trimmed by one token at any length (checked once
-    per call instead of per token): trimmable, not a window, not a list."""
-    return layer.is_trimmable() and not hasattr(layer, "max_size") and not hasattr(layer, "caches")
-
-
 def _take_back_one(state: PromptCache, model, layers: list[BaseCache]) -> None:
-    """Unfeed the last token (checked possible by :func:`_can_take_back`).
+    """Unfeed the last token (checked possible by ``can_take_back``).
 
     ``layers`` are the cache's layers before that token was fed: the model
     updated them in place, but KV quantization may have replaced some since;
@@ -366,8 +348,8 @@ def generate_step(
     (see the module docstring, also for when a token is fed ahead).
     ``sampler``/``logits_processors`` default to those the config describes.
     ``progress`` gets ``(done, total)`` over the prompt tokens that are not
-    reused, ending with ``(total, total)``. ``max_call_seconds``: see
-    :func:`prefill` (the prompt's calls are sized so Ctrl-C is acted upon).
+    reused, ending with ``(total, total)``. ``max_call_seconds``: the prompt's
+    calls are paced to take about that long at most, so Ctrl-C is acted upon (see :func:`prefill`).
 
     mlx-lm's keywords are accepted with its meaning: ``max_tokens``, ``max_kv_size``,
     ``prefill_step_size``, ``kv_bits``, ``kv_group_size``, ``quantized_kv_start``
@@ -399,7 +381,10 @@ def generate_step(
         state = ensure_state(model, state, config)
     elif not prompt:
         raise UsageError("the prompt is empty; give at least one token")
-    guard = (lambda: contextlib.nullcontext()) if borrowed else (lambda: _reset_on_error(state, model))
+
+    def guard():  # an owned state is reset when a call fails; borrowed layers are left as they are
+        return contextlib.nullcontext() if borrowed else consistent_on_error(state, model, trim_back=False)
+
     own_sampler = sampler is None  # draws indices of the logits
     sampler = sampler or make_sampler(
         config.temp, config.top_p, config.top_k, config.min_p, config.min_tokens_to_keep
@@ -414,13 +399,14 @@ def generate_step(
     todo = prompt[reused:]
     with guard():
         rest = prefill(
-            model, state.cache, todo, config.prefill_step_size, progress, kv_quantizer=quantizer,
-            leave=final_call_size(model, len(todo), config.prefill_step_size), max_call_seconds=max_call_seconds,
+            model, state, todo, config.prefill_step_size, progress, kv_quantizer=quantizer,
+            leave=final_call_size(model, len(todo), config.prefill_step_size),
+            pacer=CallPacer(model, max_call_seconds) if max_call_seconds else None,
         )  # fmt: skip
-        state.tokens.extend(todo)
+        state.tokens.extend(rest)
         token_arr, logprobs = _start_step(model, state, rest, sampler, logits_processors, quantizer)
 
-    always_undoable = all(map(_always_undoable, state.cache))
+    always_undoable = all(c.always_trimmable() for c in state.cache)
     n = 0
     while True:
         n += 1
@@ -435,7 +421,7 @@ def generate_step(
             else:
                 # feed token n before it is known (not the first: see the module doc)
                 ahead = (1 < n and not last and not logits_processors
-                         and (always_undoable or all(map(_can_take_back, state.cache))))  # fmt: skip
+                         and (always_undoable or all(c.can_take_back(1) for c in state.cache)))  # fmt: skip
                 if ahead:
                     key, layers = mx.random.state[0], list(state.cache)
                     following = _start_step(model, state, token_arr[None], sampler, (), quantizer, own_sampler)
@@ -463,16 +449,13 @@ def generate_step(
 
 
 __all__ = [
-    "PromptCache",
-    "ensure_state",
-    "common_prefix_len",
-    "reuse_prefix",
-    "trim_state",
+    "Progress",
+    "KVQuantizer",
+    "PrefillStopped",
+    "consistent_on_error",
     "make_kv_quantizer",
-    "forward",
     "prefill",
     "final_call_size",
     "sample_token",
-    "decode_one_token",
     "generate_step",
 ]

@@ -13,12 +13,10 @@ template (``chat_text`` then ``encode_text``, which chat sessions use too).
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 from ..cache import cache_offset
 from ..errors import UsageError
-from .loop import prefill
-from .model_call import call_model
+from .loop import consistent_on_error, prefill
+from .pacing import CallPacer
 from .prompt import PromptCache
 
 
@@ -49,13 +47,14 @@ def encode_text(tokenizer, text: str) -> list[int]:
 
 def feed_all(model, state: PromptCache, tokens: list[int], prefill_step_size: int,
              progress=None, max_call_seconds: float | None = None) -> None:
-    """Feed every one of ``tokens`` into an empty ``state`` (no sampling);
-    ``max_call_seconds``: see :func:`~mlx_chatcache.generation.loop.prefill`."""
+    """Feed every one of ``tokens`` into an empty ``state`` (no sampling); a model call
+    that raises leaves it holding the chunks fed before. ``max_call_seconds``: see
+    :func:`~mlx_chatcache.generation.loop.prefill`."""
     if state.tokens or cache_offset(state.cache):
         raise UsageError("feed_all needs an empty prompt cache")
-    rest = prefill(model, state.cache, tokens, prefill_step_size, progress, max_call_seconds=max_call_seconds)
-    call_model(model, rest, state.cache)
-    mx.eval([c.eval_arrays() for c in state.cache])
-    state.tokens.extend(tokens)
+    pacer = CallPacer(model, max_call_seconds) if max_call_seconds else None
+    with consistent_on_error(state, model):
+        rest = prefill(model, state, tokens, prefill_step_size, progress, pacer=pacer)
+        prefill(model, state, rest, max(len(rest), 1), leave=0)  # in one call: the pacer made it fit
     if progress:
         progress(len(tokens), len(tokens))

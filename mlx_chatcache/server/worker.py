@@ -42,10 +42,10 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
+from ..cache import make_prompt_cache
 from ..config import GenerationConfig
 from ..errors import ChatCacheError
-from ..generation.loop import make_kv_quantizer, prefill
+from ..generation.loop import PrefillStopped, consistent_on_error, make_kv_quantizer, prefill
 from ..generation.prompt import PromptCache, reuse_prefix
 from ..generation.checkout import prompt_scope
 from ..generation.text import stream_generate
@@ -197,16 +197,17 @@ class GenerationWorker:
         """Feed the prompt up to the end of its last message and copy the cache
         there, when the cache could not be trimmed back to it later."""
         b = job.boundary
-        if b is None or not 0 < b < len(job.prompt) or always_trimmable(state.cache) or len(state.tokens) >= b:
+        if b is None or not 0 < b < len(job.prompt) or len(state.tokens) >= b:
+            return None
+        if all(c.always_trimmable() for c in state.cache):
             return None
         todo = job.prompt[len(state.tokens) : b]
         try:
-            prefill(self.model, state.cache, todo, self.config.prefill_step_size, self._progress(job),
-                    kv_quantizer=make_kv_quantizer(job.config), leave=0)  # fmt: skip
-        except BaseException:  # some chunks fed, not recorded: the cache is unusable
-            state.reset(self.model)
-            raise
-        state.tokens.extend(todo)
+            with consistent_on_error(state, self.model):
+                prefill(self.model, state, todo, self.config.prefill_step_size, leave=0,
+                        kv_quantizer=make_kv_quantizer(job.config), should_stop=lambda: job.cancelled)  # fmt: skip
+        except PrefillStopped:  # the chunks fed so far are in the state
+            raise _Cancelled from None
         return compact_copy(state.cache)
 
     def _progress(self, job: Job):
@@ -268,10 +269,3 @@ class StopMatcher:
         out, self.pending = self.pending, ""
         return out
 
-
-def always_trimmable(cache) -> bool:
-    """Whether every layer can be trimmed back to any length (plain K/V layers)."""
-    def ok(c):
-        return all(ok(x) for x in c.caches) if isinstance(c, CacheList) else type(c) in (KVCache, QuantizedKVCache)
-
-    return all(ok(c) for c in cache)
