@@ -5,6 +5,7 @@ Every ``import`` and ``from ... import`` in mlx_chatcache/ (function-level ones 
 """
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -169,6 +170,24 @@ def test_modules_are_small():
     long = {n: len(p.read_text().splitlines()) for n, p in all_modules().items()}
     long = {n: k for n, k in long.items() if k > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them): {long}"
+
+
+# config imports nothing of ours, so that ``import mlx_chatcache`` stays cheap (test_import_is_cheap)
+CLIPS_ITS_OWN_TEXT = {f"{PKG}.errors", f"{PKG}.config"}
+CUT = re.compile(r"""\+ *(['"])\.\.\.\1|\.split\(\)\)\[:""")  # `s[:77] + "..."`, `" ".join(t.split())[:200]`
+
+
+def test_text_is_cut_for_a_message_in_one_place():
+    """Text quoted in a message is cut by ``errors.clipped``/``one_line``/``shown``, never by a copy."""
+    copies = {n: i + 1 for n, p in all_modules().items() if n not in CLIPS_ITS_OWN_TEXT
+              for i, line in enumerate(p.read_text().splitlines()) if CUT.search(line)}  # fmt: skip
+    assert not copies, f"text cut for a message outside mlx_chatcache.errors: {copies}"
+
+
+def test_the_cut_check_sees_a_copy():
+    assert CUT.search("s if len(s) <= 80 else s[:77] + \"...\"")
+    assert CUT.search("detail = \" \".join(str(e).split())[:200]")
+    assert not CUT.search("return clipped(text, 80)")
 
 
 def test_flat_public_api():

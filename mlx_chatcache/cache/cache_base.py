@@ -40,7 +40,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
-from ..errors import CacheFormatError, UnsupportedCacheError, shown  # noqa: F401  (shown: re-exported)
+from ..errors import CacheFormatError, UnsupportedCacheError, shown
 
 BATCH_ONLY_METHODS: dict[str, str] = {
     name: "mlx-lm's batched generation (BatchGenerator, batch_generate) only; mlx_chatcache caches "

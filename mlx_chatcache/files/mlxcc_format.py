@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from .. import __version__
-from ..errors import CacheFileError, CacheFormatError, ChatCacheError, ModelMismatchError, UnsupportedCacheError
+from ..errors import (
+    CacheFileError, CacheFormatError, ChatCacheError, ModelMismatchError, UnsupportedCacheError, clipped, one_line,
+)  # fmt: skip
 from ..models.fingerprint import ModelFingerprint
 from . import registry
 from .registry import CacheFileInfo
@@ -214,8 +216,7 @@ def _load(header: Header, model: ModelFingerprint | None, what: str):
     except ChatCacheError:
         raise
     except Exception as e:  # a malformed array/meta combination we did not foresee
-        detail = " ".join(f"{type(e).__name__}: {e}".split())  # one line, even for array reprs
-        detail = detail if len(detail) <= 200 else detail[:197] + "..."
+        detail = one_line(f"{type(e).__name__}: {e}", 200)  # one line, even for array reprs
         raise CacheFormatError(
             f"{header.path}: cache layers are inconsistent ({detail}); delete the file or rebuild it"
         ) from e
@@ -319,8 +320,9 @@ def _parse_ours(header: Header) -> CacheFileInfo:
 def _int_field(path, meta: dict, key: str) -> int:
     v = meta.get(key)
     if not isinstance(v, str) or not (v.isascii() and v.isdigit()) or len(v) > 12:
-        shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
-        raise CacheFormatError(f"{path}: metadata {key} is missing or not a number ({shown}); the file is damaged")
+        raise CacheFormatError(
+            f"{path}: metadata {key} is missing or not a number ({clipped(repr(v), 40)}); the file is damaged"
+        )
     return int(v)
 
 

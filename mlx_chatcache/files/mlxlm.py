@@ -39,7 +39,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CacheFormatError, UnsupportedCacheError, shown
+from ..errors import CacheFormatError, UnsupportedCacheError, clipped, shown
 
 from .registry import CacheFileInfo, ForeignFormat, register_format
 from .atomic import write_file_atomic
@@ -306,8 +306,7 @@ def _from_legacy(name: str, s: list, meta) -> BaseCache:
 
 def _shown(name) -> str:
     """A class name read from a file, safe to put in a one-line message."""
-    s = repr(name) if isinstance(name, str) else f"<{type(name).__name__}>"
-    return s if len(s) <= 80 else s[:77] + "..."
+    return clipped(repr(name) if isinstance(name, str) else f"<{type(name).__name__}>", 80)
 
 
 def _kv_cache(c: KVCache, keys, values, offset: int) -> KVCache:
