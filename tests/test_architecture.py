@@ -190,6 +190,13 @@ def test_the_cut_check_sees_a_copy():
     assert not CUT.search("return clipped(text, 80)")
 
 
+def test_one_common_prefix_function():
+    """Token runs are compared by ``cache.common_prefix_len`` only."""
+    own = re.compile(r"def \w*(prefix_len|lcp)\b|commonprefix\(")
+    found = sorted(n for n, p in all_modules().items() if own.search(p.read_text()))
+    assert found == [f"{PKG}.cache"], found
+
+
 def test_flat_public_api():
     import mlx_chatcache
 

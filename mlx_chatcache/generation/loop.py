@@ -111,7 +111,7 @@ from ..errors import UsageError
 from .arguments import call_config, call_state, refuse_unsupported
 from .model_call import call_model
 from .pacing import CallPacer
-from .prompt import PromptCache, common_prefix_len, ensure_state, reuse_prefix, trim_state
+from .prompt import PromptCache, ensure_state, reuse_prefix, trim_state
 from .sample import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 from .token_ids import check_token_ids
 
@@ -465,7 +465,6 @@ def generate_step(
 __all__ = [
     "PromptCache",
     "ensure_state",
-    "common_prefix_len",
     "reuse_prefix",
     "trim_state",
     "make_kv_quantizer",

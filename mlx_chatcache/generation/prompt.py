@@ -27,7 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..cache import BaseCache, cache_offset, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from ..cache import (
+    BaseCache, cache_offset, can_trim_prompt_cache, common_prefix_len, make_prompt_cache, trim_prompt_cache,
+)  # fmt: skip
 from ..config import DEFAULTS, GenerationConfig, SettingError, check_setting, check_window
 from ..errors import CacheFormatError, UsageError
 from ..files import cache_file
@@ -143,15 +145,6 @@ def ensure_state(model, state: PromptCache | None, config: GenerationConfig) -> 
 
 
 # ------------------------------------------------------------------ reuse
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def reuse_prefix(state: PromptCache, prompt_tokens: Sequence[int], model) -> int:
     """Make ``state`` hold a prefix of ``prompt_tokens``; return its length.
 
@@ -198,4 +191,4 @@ def trim_state(state: PromptCache, n: int) -> bool:
     return False
 
 
-__all__ = ["PromptCache", "ensure_state", "common_prefix_len", "reuse_prefix", "trim_state"]
+__all__ = ["PromptCache", "ensure_state", "reuse_prefix", "trim_state"]

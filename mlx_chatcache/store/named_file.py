@@ -42,14 +42,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..cache import BaseCache, can_trim_prompt_cache
+from ..cache import BaseCache, can_trim_prompt_cache, common_prefix_len
 from ..errors import CacheFileError, CacheFormatError, UsageError
 from ..files import cache_file
 from ..files.mlxcc_format import check_cache_fits_model, load_cache_file, read_cache_info
 from ..files.registry import CacheFileInfo
 from .index import Entry
 from .tiers import Scope, Tier
-from .trie import lcp
 
 SHAPE_KEYS = ("max_kv_size", "keep", "kv_bits", "kv_group_size", "quantized_kv_start")
 
@@ -102,7 +101,7 @@ class CacheFileTier(Tier):
             return None
         self._check(info, scope)
         tokens = tuple(info.tokens)
-        n = lcp(tokens, query)
+        n = common_prefix_len(tokens, query)
         if n == 0:
             return None
         trimmable = n == len(tokens) or can_trim_prompt_cache(self._layers(scope))
