@@ -170,9 +170,6 @@ def check_arrays(cls_name: str, state: Sequence, count: int) -> None:
 
 
 # ---------------------------------------------------------------- K/V helpers
-KV = "mx.array | tuple[mx.array, ...]"
-
-
 def kv_len(x) -> int:
     """Sequence length (axis 2) of a float or quantized K/V buffer."""
     return (x[0] if isinstance(x, tuple) else x).shape[2]

@@ -154,9 +154,6 @@ class PromptStore:
         for tier in self.tiers:
             tier.close()
 
-    def memory_bytes(self) -> int:
-        return sum(t.index.nbytes for t in self.tiers if t.name == "memory")
-
 
 def build_store(memory_bytes: int, disk_bytes: int, cache_dir, redis_url: str | None = None,
                 redis_bytes: int | None = None) -> PromptStore:  # fmt: skip
