@@ -197,6 +197,37 @@ def test_one_common_prefix_function():
     assert found == [f"{PKG}.cache"], found
 
 
+def _private_uses(tree: ast.AST) -> list[str]:
+    """Private names imported from another module, and private attributes read off anything but
+    ``self``/``cls`` (another object's internals)."""
+    out = []
+    for n in ast.walk(tree):
+        private = (lambda name: name.startswith("_") and not name.startswith("__"))
+        if isinstance(n, ast.ImportFrom) and n.level > 0:
+            out += [f"{n.lineno}: import {a.name}" for a in n.names if private(a.name)]
+        elif isinstance(n, ast.Attribute) and private(n.attr) and not (
+            isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")
+        ):
+            out.append(f"{n.lineno}: {ast.unparse(n)}")
+    return out
+
+
+def test_no_module_reaches_into_another():
+    """No module imports another's private names; the file formats read caches and each other
+    through public names only (a private parser or field shared across modules is made public)."""
+    imports = {n: u for n, p in all_modules().items()
+               if (u := [x for x in _private_uses(ast.parse(p.read_text())) if " import " in x])}  # fmt: skip
+    assert not imports, imports
+    files = {n: u for n, p in all_modules().items() if n.startswith(f"{PKG}.files.")
+             if (u := _private_uses(ast.parse(p.read_text())))}  # fmt: skip
+    assert not files, files
+
+
+def test_the_private_use_check_sees_one():
+    code = "from .mlxcc_format import _parse_tokens\nk = c._fetch()\nself._x = 1\nfrom . import registry"
+    assert _private_uses(ast.parse(code)) == ["1: import _parse_tokens", "2: c._fetch"]
+
+
 def test_flat_public_api():
     import mlx_chatcache
 
