@@ -228,6 +228,12 @@ def test_the_private_use_check_sees_one():
     assert _private_uses(ast.parse(code)) == ["1: import _parse_tokens", "2: c._fetch"]
 
 
+def test_one_checksum_function():
+    """Every CRC32 (cache files, Redis chunks) is ``files.checksum.crc32``."""
+    found = sorted(n for n, p in all_modules().items() if re.search(r"\bzlib\b", p.read_text()))
+    assert found == [f"{PKG}.files.checksum"], found
+
+
 def test_flat_public_api():
     import mlx_chatcache
 
