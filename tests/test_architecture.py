@@ -191,10 +191,10 @@ def test_the_cut_check_sees_a_copy():
 
 
 def test_one_common_prefix_function():
-    """Token runs are compared by ``cache.common_prefix_len`` only."""
+    """Token runs are compared by ``files.tokens.common_prefix_len`` only."""
     own = re.compile(r"def \w*(prefix_len|lcp)\b|commonprefix\(")
     found = sorted(n for n, p in all_modules().items() if own.search(p.read_text()))
-    assert found == [f"{PKG}.cache"], found
+    assert found == [f"{PKG}.files.tokens"], found
 
 
 def _private_uses(tree: ast.AST) -> list[str]:

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from mlx_chatcache.cache import can_trim_prompt_cache, common_prefix_len
+from mlx_chatcache.cache import can_trim_prompt_cache
 from mlx_chatcache.files.mlxcc_format import load_prompt_cache, read_cache_info
+from mlx_chatcache.files.tokens import common_prefix_len
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.generation.text import generate

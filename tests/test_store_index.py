@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_chatcache.cache import common_prefix_len
+from mlx_chatcache.files.tokens import common_prefix_len
 from mlx_chatcache.store.index import Entry, EntryIndex
 from mlx_chatcache.store.trie import TokenTrie
 

@@ -9,8 +9,6 @@ prompt-cache helpers (a prompt cache is a list with one cache per layer).
 - :data:`UNSUPPORTED` lists mlx-lm cache classes we knowingly do not mirror,
   each with the reason; :data:`UNSUPPORTED_METHODS` the methods of mlx-lm's
   caches ours refuse (batched generation), each with the reason.
-- :func:`common_prefix_len` is the one common-prefix length of token runs
-  (how much of a prompt a cache already holds), for every layer above this one.
 
 Every class here is also a subclass of mlx-lm's class of the same name, so
 mlx-lm's models and generate loop treat it as theirs (mamba stores its state
@@ -336,15 +334,6 @@ def cache_offset(cache: Sequence[BaseCache]) -> int:
     return max((c.offset for c in cache), default=0)
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int], start_b: int = 0) -> int:
-    """How many leading tokens ``a`` and ``b[start_b:]`` share: how much of a
-    prompt ``b`` a cache holding ``a`` already has."""
-    n, limit = 0, min(len(a), len(b) - start_b)
-    while n < limit and a[n] == b[start_b + n]:
-        n += 1
-    return n
-
-
 __all__ = [
     "BaseCache",
     "KVCache",
@@ -367,5 +356,4 @@ __all__ = [
     "copy_prompt_cache",
     "prompt_cache_nbytes",
     "cache_offset",
-    "common_prefix_len",
 ]

@@ -68,7 +68,7 @@ import os
 import time
 from typing import Mapping, Sequence
 
-from ..cache import CacheList, can_trim_prompt_cache, common_prefix_len, prompt_cache_nbytes
+from ..cache import CacheList, can_trim_prompt_cache, prompt_cache_nbytes
 from .turn import (
     Reply,
     StopCheck,
@@ -84,6 +84,7 @@ from .checkpoints import Checkpoint, RollbackResult
 from ..config import (DEFAULT_MAX_CHECKPOINTS, DEFAULTS, SEED_LIMIT, GenerationConfig, SettingError, check_config,
                       check_setting)
 from ..errors import SessionError, UsageError
+from ..files.tokens import common_prefix_len
 from ..generation.prompt import PromptCache, reuse_prefix
 from ..generation.templates import chat_text, encode_text, has_chat_template
 from ..generation.checkout import checkout_prompt, scope_of

@@ -26,11 +26,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..cache import common_prefix_len
 from ..errors import UnsupportedCacheError, UsageError
 from . import cache_file
 from .mlxcc_format import CacheFileInfo, load_cache_file, read_cache_info
 from .mlxlm import recorded_metadata
+from .tokens import common_prefix_len
 
 FORMATS = ("mlx-lm", "mlxcc")
 

@@ -27,13 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..cache import (
-    BaseCache, cache_offset, can_trim_prompt_cache, common_prefix_len, make_prompt_cache, trim_prompt_cache,
-)  # fmt: skip
+from ..cache import BaseCache, cache_offset, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from ..config import DEFAULTS, GenerationConfig, SettingError, check_setting, check_window
 from ..errors import CacheFormatError, UsageError
 from ..files import cache_file
 from ..files.mlxcc_format import check_cache_fits_model, load_cache_file
+from ..files.tokens import common_prefix_len
 from ..models.fingerprint import ModelFingerprint
 
 

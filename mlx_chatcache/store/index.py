@@ -35,7 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..cache import common_prefix_len
+from ..files.tokens import common_prefix_len
 from .trie import TokenTrie
 
 

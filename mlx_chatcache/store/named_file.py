@@ -42,11 +42,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..cache import BaseCache, can_trim_prompt_cache, common_prefix_len
+from ..cache import BaseCache, can_trim_prompt_cache
 from ..errors import CacheFileError, CacheFormatError, UsageError
 from ..files import cache_file
 from ..files.mlxcc_format import check_cache_fits_model, load_cache_file, read_cache_info
 from ..files.registry import CacheFileInfo
+from ..files.tokens import common_prefix_len
 from .index import Entry
 from .tiers import Scope, Tier
 

@@ -17,14 +17,14 @@ the longest prefix of the query under these rules (``length`` tokens), or None
 when nothing shares a token. Ties prefer an exact (untrimmed) value. Edges hold
 token runs, so memory grows with the number of distinct branches, not with
 tokens times entries. Token runs are compared with
-:func:`mlx_chatcache.cache.common_prefix_len`.
+:func:`mlx_chatcache.files.tokens.common_prefix_len`.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
-from ..cache import common_prefix_len
+from ..files.tokens import common_prefix_len
 
 _NO_VALUE = object()
 
