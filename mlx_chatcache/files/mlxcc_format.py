@@ -78,7 +78,7 @@ def save_prompt_cache(
     holds; ``text``: the raw text it holds (no chat template); ``settings``:
     JSON-able shape/sampling settings. A cache with layers that are not ours
     (mlx-lm's own classes, e.g. its ``BatchKVCache``) is written in mlx-lm's
-    layout, whatever ``format`` says (see :mod:`.mlxlm_compat`).
+    layout, whatever ``format`` says (see :mod:`.mlxlm`).
     """
     foreign = next((type(c).__name__ for c in cache if not _is_ours(c)), None)
     if format != "mlxcc" or foreign:
