@@ -47,7 +47,17 @@ class CacheNotUpdatedError(UnsupportedCacheError):
     (the model does not use our cache for that layer): its output would be wrong."""
 
 
+def clipped(text: str, limit: int) -> str:
+    """``text`` if it has at most ``limit`` characters, else its start and ``"..."``
+    (``limit`` characters in all): text quoted in a message can be huge."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def one_line(text: str, limit: int) -> str:
+    """``text`` with each run of whitespace made one space, then :func:`clipped`."""
+    return clipped(" ".join(text.split()), limit)
+
+
 def shown(v, limit: int = 40) -> str:
-    """``repr(v)`` cut to ``limit`` characters: values quoted from a hostile file can be huge."""
-    r = " ".join(repr(v).split())  # one line, even for an array's repr
-    return r if len(r) <= limit else r[: limit - 3] + "..."
+    """``repr(v)`` on one line, cut to ``limit`` characters: values quoted from a hostile file can be huge."""
+    return one_line(repr(v), limit)

@@ -5,6 +5,7 @@ Every ``import`` and ``from ... import`` in mlx_chatcache/ (function-level ones 
 """
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -169,6 +170,68 @@ def test_modules_are_small():
     long = {n: len(p.read_text().splitlines()) for n, p in all_modules().items()}
     long = {n: k for n, k in long.items() if k > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them): {long}"
+
+
+# config imports nothing of ours, so that ``import mlx_chatcache`` stays cheap (test_import_is_cheap)
+CLIPS_ITS_OWN_TEXT = {f"{PKG}.errors", f"{PKG}.config"}
+CUT = re.compile(r"""\+ *(['"])\.\.\.\1|\.split\(\)\)\[:""")  # `s[:77] + "..."`, `" ".join(t.split())[:200]`
+
+
+def test_text_is_cut_for_a_message_in_one_place():
+    """Text quoted in a message is cut by ``errors.clipped``/``one_line``/``shown``, never by a copy."""
+    copies = {n: i + 1 for n, p in all_modules().items() if n not in CLIPS_ITS_OWN_TEXT
+              for i, line in enumerate(p.read_text().splitlines()) if CUT.search(line)}  # fmt: skip
+    assert not copies, f"text cut for a message outside mlx_chatcache.errors: {copies}"
+
+
+def test_the_cut_check_sees_a_copy():
+    assert CUT.search("s if len(s) <= 80 else s[:77] + \"...\"")
+    assert CUT.search("detail = \" \".join(str(e).split())[:200]")
+    assert not CUT.search("return clipped(text, 80)")
+
+
+def test_one_common_prefix_function():
+    """Token runs are compared by ``files.tokens.common_prefix_len`` only."""
+    own = re.compile(r"def \w*(prefix_len|lcp)\b|commonprefix\(")
+    found = sorted(n for n, p in all_modules().items() if own.search(p.read_text()))
+    assert found == [f"{PKG}.files.tokens"], found
+
+
+def _private_uses(tree: ast.AST) -> list[str]:
+    """Private names imported from another module, and private attributes read off anything but
+    ``self``/``cls`` (another object's internals)."""
+    out = []
+    for n in ast.walk(tree):
+        private = (lambda name: name.startswith("_") and not name.startswith("__"))
+        if isinstance(n, ast.ImportFrom) and n.level > 0:
+            out += [f"{n.lineno}: import {a.name}" for a in n.names if private(a.name)]
+        elif isinstance(n, ast.Attribute) and private(n.attr) and not (
+            isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")
+        ):
+            out.append(f"{n.lineno}: {ast.unparse(n)}")
+    return out
+
+
+def test_no_module_reaches_into_another():
+    """No module imports another's private names; the file formats read caches and each other
+    through public names only (a private parser or field shared across modules is made public)."""
+    imports = {n: u for n, p in all_modules().items()
+               if (u := [x for x in _private_uses(ast.parse(p.read_text())) if " import " in x])}  # fmt: skip
+    assert not imports, imports
+    files = {n: u for n, p in all_modules().items() if n.startswith(f"{PKG}.files.")
+             if (u := _private_uses(ast.parse(p.read_text())))}  # fmt: skip
+    assert not files, files
+
+
+def test_the_private_use_check_sees_one():
+    code = "from .mlxcc_format import _parse_tokens\nk = c._fetch()\nself._x = 1\nfrom . import registry"
+    assert _private_uses(ast.parse(code)) == ["1: import _parse_tokens", "2: c._fetch"]
+
+
+def test_one_checksum_function():
+    """Every CRC32 (cache files, Redis chunks) is ``files.checksum.crc32``."""
+    found = sorted(n for n, p in all_modules().items() if re.search(r"\bzlib\b", p.read_text()))
+    assert found == [f"{PKG}.files.checksum"], found
 
 
 def test_flat_public_api():

@@ -10,9 +10,9 @@ import pytest
 
 from mlx_chatcache.cache import can_trim_prompt_cache
 from mlx_chatcache.files.mlxcc_format import load_prompt_cache, read_cache_info
+from mlx_chatcache.files.tokens import common_prefix_len
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.config import DEFAULTS
-from mlx_chatcache.generation.prompt import common_prefix_len
 from mlx_chatcache.generation.text import generate
 from mlx_chatcache.models.loading import load
 from mlx_chatcache.generation.templates import render_chat

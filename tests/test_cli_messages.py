@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 TIMEOUT = 60
 
@@ -118,3 +120,14 @@ def test_cache_info_wraps_long_values(mlx_lm_file, tiny_model_dirs, tmp_path):
     assert p.returncode == 0 and max(map(len, lines[1:])) <= 80, p.stdout
     assert any(line.startswith("settings:    ") and "max_kv_size=None" in line for line in lines)  # after weights=
     assert any(line.startswith("metadata:    session = {") for line in lines)
+
+
+@given(st.text(), st.integers(min_value=3, max_value=400))
+def test_one_line_is_one_short_line_that_starts_like_the_text(text, limit):
+    from mlx_chatcache.errors import clipped, one_line
+
+    line = one_line(text, limit)
+    joined = " ".join(text.split())
+    assert len(line) <= limit and not any(c in line for c in "\n\r\t")
+    assert line == joined if len(joined) <= limit else (line.endswith("...") and joined.startswith(line[:-3]))
+    assert clipped(joined, limit) == line

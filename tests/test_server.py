@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai")
 
 from server_process import ServerProcess  # noqa: E402
 
-from mlx_chatcache.generation.prompt import common_prefix_len  # noqa: E402
+from mlx_chatcache.files.tokens import common_prefix_len  # noqa: E402
 from mlx_chatcache.generation.text import stream_generate  # noqa: E402
 from mlx_chatcache.generation.templates import render_chat  # noqa: E402
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mlx_chatcache.files.tokens import common_prefix_len
 from mlx_chatcache.store.index import Entry, EntryIndex
 from mlx_chatcache.store.trie import TokenTrie
 
@@ -53,6 +54,14 @@ def test_trie_longest_matches_brute_force(operations, queries):
     for tokens in stored:  # every stored prefix of a sequence is listed, shortest first
         listed = [n for _, n in trie.prefixes(tokens)]
         assert listed == sorted(len(t) for t in stored if tokens[: len(t)] == t)
+
+
+@given(st.lists(st.integers(0, 3), max_size=12), st.lists(st.integers(0, 3), max_size=12), st.integers(0, 14))
+def test_common_prefix_len_is_the_longest_shared_start(a, b, start):
+    n = common_prefix_len(a, b, start)
+    rest = b[start:]
+    assert a[:n] == rest[:n] and (n == min(len(a), len(rest)) or a[n] != rest[n])
+    assert common_prefix_len(tuple(a), b, start) == n == common_prefix_len(rest, a[:n] + [9])
 
 
 def test_trie_untrimmable_serves_only_its_own_prefix():

@@ -23,11 +23,11 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_lm_cache
 
-from .cache_base import BATCH_ONLY_METHODS, BaseCache, check_arrays, parse_ints, shown
+from .cache_base import BATCH_ONLY_METHODS, BaseCache, check_arrays, parse_ints
 from .cache_kv import ChunkedKVCache, KVCache, QuantizedKVCache
 from .cache_rotating import QuantizedRotatingKVCache, RotatingKVCache
 from ..config import DEFAULTS
-from ..errors import CacheFormatError, UnsupportedCacheError, UsageError
+from ..errors import CacheFormatError, UnsupportedCacheError, UsageError, clipped, shown
 
 
 class ArraysCache(BaseCache, mlx_lm_cache.ArraysCache):
@@ -204,9 +204,8 @@ def cache_class(name: str) -> type[BaseCache]:
     if not isinstance(name, str) or name not in CACHE_CLASSES:
         reason = UNSUPPORTED.get(name) if isinstance(name, str) else None
         known = ", ".join(sorted(CACHE_CLASSES))
-        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."  # names from hostile files
         raise UnsupportedCacheError(
-            f"unknown cache class {shown}"
+            f"unknown cache class {clipped(repr(name), 80)}"
             + (f" ({reason})" if reason else "")
             + f"; known classes: {known}. The file may come from a newer version or be damaged"
         )

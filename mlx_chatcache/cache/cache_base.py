@@ -48,7 +48,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
-from ..errors import CacheFormatError, UnsupportedCacheError, shown  # noqa: F401  (shown: re-exported)
+from ..errors import CacheFormatError, UnsupportedCacheError, shown
 
 BATCH_ONLY_METHODS: dict[str, str] = {
     name: "mlx-lm's batched generation (BatchGenerator, batch_generate) only; mlx_chatcache caches "
@@ -186,9 +186,6 @@ def check_arrays(cls_name: str, state: Sequence, count: int) -> None:
 
 
 # ---------------------------------------------------------------- K/V helpers
-KV = "mx.array | tuple[mx.array, ...]"
-
-
 def kv_len(x) -> int:
     """Sequence length (axis 2) of a float or quantized K/V buffer."""
     return (x[0] if isinstance(x, tuple) else x).shape[2]

@@ -84,7 +84,8 @@ from .checkpoints import Checkpoint, RollbackResult
 from ..config import (DEFAULT_MAX_CHECKPOINTS, DEFAULTS, SEED_LIMIT, GenerationConfig, SettingError, check_config,
                       check_setting)
 from ..errors import SessionError, UsageError
-from ..generation.prompt import PromptCache, common_prefix_len, reuse_prefix
+from ..files.tokens import common_prefix_len
+from ..generation.prompt import PromptCache, reuse_prefix
 from ..generation.templates import chat_text, encode_text, has_chat_template
 from ..generation.checkout import checkout_prompt, scope_of
 from ..generation.text import as_tokenizer_wrapper

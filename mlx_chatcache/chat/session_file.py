@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Sequence
 from ..files.cache_file import SESSION_KEY, Claim, claim
 from ..files.mlxcc_format import read_cache_info
 from ..config import DEFAULTS, RANGES, GenerationConfig, SettingError, check_setting, check_window, mlxcc_home
-from ..errors import CacheFileError, ModelMismatchError, SessionError
+from ..errors import CacheFileError, ModelMismatchError, SessionError, clipped
 from ..models.fingerprint import ModelFingerprint
 
 if TYPE_CHECKING:  # imported where a session is loaded: names, paths and locks need no MLX or mlx-lm
@@ -277,7 +277,7 @@ def sessions_dir() -> Path:
 def session_path(name: str) -> Path:
     """``mlxcc_home()/sessions/NAME.safetensors``; SessionError for a name that
     could leave that folder or is not a plain file name."""
-    shown = repr(name if len(name) <= 40 else name[:40] + "...") if isinstance(name, str) else repr(name)
+    shown = repr(clipped(name, 43) if isinstance(name, str) else name)
     ok = (
         isinstance(name, str)
         and 0 < len(name) <= MAX_NAME

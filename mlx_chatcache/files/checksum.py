@@ -13,8 +13,8 @@ exactly (the header parser checks that). :func:`checksummed` adds both keys
 (the header's as a placeholder) before a write; :func:`seal_file` /
 :func:`seal_bytes` fill in the header's value once the header bytes exist.
 :func:`header_checksums` checks a parsed header and returns the tensors'
-sums, which :func:`check_tensors` compares with each array read. CRC32 is
-zlib's (the Redis tier checks its chunks with the same function): it finds
+sums, which :func:`check_tensors` compares with each array read. :func:`crc32` is
+the project's one checksum (the Redis tier checks its chunks with it too): it finds
 damage, it does not authenticate (anyone can recompute it).
 """
 

@@ -30,6 +30,7 @@ from ..errors import UnsupportedCacheError, UsageError
 from . import cache_file
 from .mlxcc_format import CacheFileInfo, load_cache_file, read_cache_info
 from .mlxlm import recorded_metadata
+from .tokens import common_prefix_len
 
 FORMATS = ("mlx-lm", "mlxcc")
 
@@ -124,7 +125,7 @@ def diff_cache_files(path_a, path_b) -> CacheDiff:
     a, b = read_cache_info(path_a), read_cache_info(path_b)
     same = a.model.matches(b.model) if a.model and b.model else None
     known = a.tokens is not None and b.tokens is not None
-    prefix = len(os.path.commonprefix([a.tokens, b.tokens])) if known else None  # works on lists too
+    prefix = common_prefix_len(a.tokens, b.tokens) if known else None
     d = CacheDiff(a, b, same, prefix)
     if len(a.classes) != len(b.classes):
         d.layer_differences.append(f"{len(a.classes)} layers vs {len(b.classes)}")

@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from .. import __version__
-from ..errors import CacheFileError, CacheFormatError, ChatCacheError, ModelMismatchError, UnsupportedCacheError
+from ..errors import (
+    CacheFileError, CacheFormatError, ChatCacheError, ModelMismatchError, UnsupportedCacheError, clipped, one_line,
+)  # fmt: skip
 from ..models.fingerprint import ModelFingerprint
 from . import registry
 from .registry import CacheFileInfo
@@ -50,7 +52,6 @@ FORMAT_NAME = "mlx_chatcache"
 FORMAT_VERSION = 4  # 4: checksums; 3: rotating meta_state ends in ring_idx; 2: K/V room; 1: live tokens only
 CHECKSUMS_SINCE = 4
 MAX_LAYERS = 4096
-MAX_TOKEN_ID = 2**31 - 1
 # the names in mlx_chatcache.cache.CACHE_CLASSES (a test keeps them equal): reading a header checks a
 # layer's class name against these without importing the cache classes, hence mlx-lm; any other
 # name goes to cache.cache_class, which refuses it with the reason
@@ -78,7 +79,7 @@ def save_prompt_cache(
     holds; ``text``: the raw text it holds (no chat template); ``settings``:
     JSON-able shape/sampling settings. A cache with layers that are not ours
     (mlx-lm's own classes, e.g. its ``BatchKVCache``) is written in mlx-lm's
-    layout, whatever ``format`` says (see :mod:`.mlxlm_compat`).
+    layout, whatever ``format`` says (see :mod:`.mlxlm`).
     """
     foreign = next((type(c).__name__ for c in cache if not _is_ours(c)), None)
     if format != "mlxcc" or foreign:
@@ -216,8 +217,7 @@ def _load(header: Header, model: ModelFingerprint | None, what: str):
     except ChatCacheError:
         raise
     except Exception as e:  # a malformed array/meta combination we did not foresee
-        detail = " ".join(f"{type(e).__name__}: {e}".split())  # one line, even for array reprs
-        detail = detail if len(detail) <= 200 else detail[:197] + "..."
+        detail = one_line(f"{type(e).__name__}: {e}", 200)  # one line, even for array reprs
         raise CacheFormatError(
             f"{header.path}: cache layers are inconsistent ({detail}); delete the file or rebuild it"
         ) from e
@@ -308,11 +308,11 @@ def _parse_ours(header: Header) -> CacheFileInfo:
         format_version=version,
         layout="mlxcc",
         classes=classes,
-        tokens=_parse_tokens(path, meta.get("mlxcc.tokens")),
+        tokens=registry.parse_tokens(path, meta.get("mlxcc.tokens")),
         model=ModelFingerprint.from_metadata(meta),
-        messages=_parse_messages(path, meta.get("mlxcc.messages")),
+        messages=registry.parse_messages(path, meta.get("mlxcc.messages")),
         text=meta.get("mlxcc.text"),
-        settings=_parse_settings(path, meta.get("mlxcc.settings")),
+        settings=registry.parse_settings(path, meta.get("mlxcc.settings")),
         metadata={k[5:]: v for k, v in meta.items() if k.startswith("user.")},
         extra={"layers": layers},
     )
@@ -321,8 +321,9 @@ def _parse_ours(header: Header) -> CacheFileInfo:
 def _int_field(path, meta: dict, key: str) -> int:
     v = meta.get(key)
     if not isinstance(v, str) or not (v.isascii() and v.isdigit()) or len(v) > 12:
-        shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
-        raise CacheFormatError(f"{path}: metadata {key} is missing or not a number ({shown}); the file is damaged")
+        raise CacheFormatError(
+            f"{path}: metadata {key} is missing or not a number ({clipped(repr(v), 40)}); the file is damaged"
+        )
     return int(v)
 
 
@@ -331,52 +332,6 @@ def _json_field(path, meta: dict, key: str):
         return json.loads(meta[key])
     except (KeyError, ValueError, RecursionError):  # ValueError: bad JSON, too-long integers
         raise CacheFormatError(f"{path}: metadata {key} is missing or not JSON; the file is damaged") from None
-
-
-def _parse_tokens(path, raw: str | None) -> list[int] | None:
-    if raw is None:
-        return None
-    try:
-        tokens = json.loads(raw)
-    except (ValueError, RecursionError):
-        tokens = None
-    if not isinstance(tokens, list) or not all(
-        type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens
-    ):
-        raise CacheFormatError(f"{path}: token ids are not a list of non-negative integers; the file is damaged")
-    return tokens
-
-
-def _parse_messages(path, raw: str | None) -> list[dict] | None:
-    if raw is None:
-        return None
-    try:
-        msgs = json.loads(raw)
-    except (ValueError, RecursionError):
-        msgs = None
-    ok = isinstance(msgs, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in msgs
-    )
-    try:  # JSON escapes can smuggle in lone surrogates, which no file (nor tokenizer) can take
-        ok = ok and bool(json.dumps(msgs, ensure_ascii=False).encode("utf-8"))
-    except UnicodeEncodeError:
-        ok = False
-    if not ok:
-        raise CacheFormatError(f"{path}: chat messages are malformed; the file is damaged")
-    return msgs
-
-
-def _parse_settings(path, raw: str | None) -> dict:
-    if raw is None:
-        return {}
-    try:
-        settings = json.loads(raw)
-    except (ValueError, RecursionError):
-        settings = None
-    if not isinstance(settings, dict):
-        raise CacheFormatError(f"{path}: settings are not a JSON object; the file is damaged")
-    return settings
 
 
 def check_cache_fits_model(cache: Sequence[BaseCache], expected: Sequence[BaseCache], path="cache") -> None:

@@ -39,9 +39,9 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CacheFormatError, UnsupportedCacheError, shown
+from ..errors import CacheFormatError, UnsupportedCacheError, clipped, shown
 
-from .registry import CacheFileInfo, ForeignFormat, register_format
+from .registry import CacheFileInfo, ForeignFormat, parse_messages, parse_settings, parse_tokens, register_format
 from .atomic import write_file_atomic
 from .safetensors_file import Header
 
@@ -106,15 +106,14 @@ def _read_recorded(info) -> None:
     """Fill ``info`` from the ``mlxcc_*`` keys of an mlx-lm file we wrote (validated as ours)."""
     import json
 
-    from .mlxcc_format import _parse_messages, _parse_settings, _parse_tokens
     from ..models.fingerprint import ModelFingerprint
 
     user, path = info.metadata, info.path
     info.metadata = {k: v for k, v in user.items() if k not in RECORDED}  # shown as tokens, messages, ...
-    info.tokens = _parse_tokens(path, user.get("mlxcc_tokens"))
-    info.messages = _parse_messages(path, user.get("mlxcc_messages"))
+    info.tokens = parse_tokens(path, user.get("mlxcc_tokens"))
+    info.messages = parse_messages(path, user.get("mlxcc_messages"))
     info.text = user.get("mlxcc_text")
-    info.settings = _parse_settings(path, user.get("mlxcc_settings"))
+    info.settings = parse_settings(path, user.get("mlxcc_settings"))
     if "mlxcc_model" in user:
         try:
             fp = json.loads(user["mlxcc_model"])
@@ -306,8 +305,7 @@ def _from_legacy(name: str, s: list, meta) -> BaseCache:
 
 def _shown(name) -> str:
     """A class name read from a file, safe to put in a one-line message."""
-    s = repr(name) if isinstance(name, str) else f"<{type(name).__name__}>"
-    return s if len(s) <= 80 else s[:77] + "..."
+    return clipped(repr(name) if isinstance(name, str) else f"<{type(name).__name__}>", 80)
 
 
 def _kv_cache(c: KVCache, keys, values, offset: int) -> KVCache:
@@ -371,21 +369,21 @@ def _to_mlx_lm(c: BaseCache):
         return c
     if name == "KVCache":
         out = lm.KVCache()
-        out.keys, out.values = (c._fetch() if c.keys is not None else (None, None))
+        out.keys, out.values = c.keys_and_values()
         out.offset = c.offset
     elif name == "QuantizedKVCache":
         out = lm.QuantizedKVCache(c.group_size, c.bits)
-        k, v = c._fetch() if c.keys is not None else (None, None)
+        k, v = c.keys_and_values()
         out.keys, out.values = (list(k), list(v)) if k is not None else (None, None)
         out.offset = c.offset
     elif name == "RotatingKVCache":
         out = lm.RotatingKVCache(c.max_size, c.keep)
-        out.offset = c.offset
-        if c.keys is not None and c._wrapped():  # the ring as it is: mlx-lm's _idx is our oldest slot
-            out.keys, out.values, out._idx = c.keys, c.values, c._idx
-        else:
-            out.keys, out.values = c._temporal()
-            out._idx = out.keys.shape[2] if out.keys is not None else 0
+        if c.keys is not None and c.offset > c.max_size:  # wrapped: the ring as it is, and its oldest slot
+            keys, values, idx = c.keys, c.values, int(c.meta_state[3])  # (offset, max_size, keep, ring_idx)
+        else:  # temporal order, the next slot to write after the held tokens
+            keys, values = c.state or (None, None)
+            idx = keys.shape[2] if keys is not None else 0
+        out.state = (keys, values, c.offset, c.keep, c.max_size, idx)  # mlx-lm's (keys, values, offset, keep, max_size, _idx)
     elif name == "ArraysCache":
         out = lm.ArraysCache(len(c.cache))
         out.cache = list(c.cache)

@@ -1,19 +1,24 @@
 """What every cache file says about itself, and the registry of file formats other than ours.
 
 :class:`CacheFileInfo` is a file's validated self-description (everything but the arrays), whatever
-its layout. A reader of another program's layout (today mlx-lm's, in :mod:`.mlxlm_compat`) describes
+its layout. A reader of another program's layout (today mlx-lm's, in :mod:`.mlxlm`) describes
 itself as a :class:`ForeignFormat` and calls :func:`register_format` when imported; the package
 ``mlx_chatcache.files`` imports each such reader once. :mod:`.mlxcc_format` finds readers and writers only
 here (:func:`detect`, :func:`reader_for`, :func:`writer_named`), so format modules never import each
-other.
+other. :func:`parse_tokens`, :func:`parse_messages` and :func:`parse_settings` read the fields every
+layout of ours records (JSON in the safetensors metadata).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..errors import CacheFormatError
 from ..models.fingerprint import ModelFingerprint
+
+MAX_TOKEN_ID = 2**31 - 1
 
 
 @dataclass
@@ -85,4 +90,57 @@ def writer_named(name: str) -> ForeignFormat | None:
     return next((f for f in _FORMATS if f.name == name), None)
 
 
-__all__ = ["CacheFileInfo", "ForeignFormat", "register_format", "format_names", "detect", "reader_for", "writer_named"]
+# ------------------------------------------------------------------ recorded fields
+# How every layout of ours records a cache's token ids, messages and settings (JSON strings in the
+# safetensors metadata), read back into a CacheFileInfo's fields.
+def parse_tokens(path, raw: str | None) -> list[int] | None:
+    """The token ids recorded as JSON ``raw`` (None: none recorded); CacheFormatError if malformed."""
+    if raw is None:
+        return None
+    try:
+        tokens = json.loads(raw)
+    except (ValueError, RecursionError):
+        tokens = None
+    if not isinstance(tokens, list) or not all(
+        type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens
+    ):
+        raise CacheFormatError(f"{path}: token ids are not a list of non-negative integers; the file is damaged")
+    return tokens
+
+
+def parse_messages(path, raw: str | None) -> list[dict] | None:
+    """The chat messages recorded as JSON ``raw`` (None: none recorded); CacheFormatError if malformed."""
+    if raw is None:
+        return None
+    try:
+        msgs = json.loads(raw)
+    except (ValueError, RecursionError):
+        msgs = None
+    ok = isinstance(msgs, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in msgs
+    )
+    try:  # JSON escapes can smuggle in lone surrogates, which no file (nor tokenizer) can take
+        ok = ok and bool(json.dumps(msgs, ensure_ascii=False).encode("utf-8"))
+    except UnicodeEncodeError:
+        ok = False
+    if not ok:
+        raise CacheFormatError(f"{path}: chat messages are malformed; the file is damaged")
+    return msgs
+
+
+def parse_settings(path, raw: str | None) -> dict:
+    """The settings recorded as a JSON object ``raw`` ({} when none); CacheFormatError if malformed."""
+    if raw is None:
+        return {}
+    try:
+        settings = json.loads(raw)
+    except (ValueError, RecursionError):
+        settings = None
+    if not isinstance(settings, dict):
+        raise CacheFormatError(f"{path}: settings are not a JSON object; the file is damaged")
+    return settings
+
+
+__all__ = ["CacheFileInfo", "ForeignFormat", "register_format", "format_names", "detect", "reader_for", "writer_named",
+           "MAX_TOKEN_ID", "parse_tokens", "parse_messages", "parse_settings"]

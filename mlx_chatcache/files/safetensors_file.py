@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import CacheFileError, CacheFormatError
+from ..errors import CacheFileError, CacheFormatError, clipped
 from .checksum import check_tensors, header_checksums
 
 if TYPE_CHECKING:  # mlx loads when arrays are read or written: parsing a header needs none
@@ -80,10 +80,8 @@ class Header:
 
 
 def _bad(path: Path, what: str) -> CacheFileError:
-    if len(what) > 200:  # names and values quoted from a hostile file can be huge
-        what = what[:197] + "..."
     return CacheFileError(
-        f"{path} is not a valid cache file ({what}); it may be truncated or damaged: "
+        f"{path} is not a valid cache file ({clipped(what, 200)}); it may be truncated or damaged: "
         "delete it or rebuild it (mlxcc cache-prompt)"
     )
 

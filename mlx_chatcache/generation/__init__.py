@@ -1,8 +1,11 @@
-"""Generation: a prompt cache plus the exact token ids it holds (``prompt``), longest-common-prefix
-reuse, the prefill/decode loop (``loop``: ``generate_step``, ``stream_generate``, ``loop``),
-sampling and logits processors (``sample``), and saving/loading a fed prompt with its text or messages
-(``templates``), and finding and keeping prompt caches through the store (``checkout``: the
-scope of a model and settings, checkout and put, ``--cache-dir``'s tier). May import ``store``,
-``files``, ``cache``, ``models``, ``errors`` and ``config``, never ``chat`` or ``cli``. Named ``generation`` so that ``mlx_chatcache.generate`` stays the function; importing this
-package is cheap (the submodules are not imported here).
+"""Generation: running a model on a prompt cache. ``prompt`` (``PromptCache``: a cache and the exact
+token ids it holds, prefix reuse and trimming), ``loop`` (prefill and ``generate_step``), ``text``
+(``stream_generate``/``generate``: text in, text out), ``model_call`` (the one door every model call
+goes through), ``sample`` (samplers and logits processors), ``pacing`` (calls short enough for Ctrl-C),
+``token_ids`` (the ids a model can take), ``arguments`` (mlx-lm's keywords), ``templates`` (chat
+messages or raw text to token ids), ``checkout`` (checkout from and put into the store; the scope of a
+model and cache shape), ``untokenized`` (cache files that list no token ids). May import ``store``,
+``files``, ``cache``, ``models``, ``errors`` and ``config``, never ``chat`` or ``cli``. Named
+``generation`` so that ``mlx_chatcache.generate`` stays the function; importing this package is cheap
+(the submodules are not imported here).
 """

@@ -32,6 +32,7 @@ from ..config import DEFAULTS, GenerationConfig, SettingError, check_setting, ch
 from ..errors import CacheFormatError, UsageError
 from ..files import cache_file
 from ..files.mlxcc_format import check_cache_fits_model, load_cache_file
+from ..files.tokens import common_prefix_len
 from ..models.fingerprint import ModelFingerprint
 
 
@@ -143,15 +144,6 @@ def ensure_state(model, state: PromptCache | None, config: GenerationConfig) -> 
 
 
 # ------------------------------------------------------------------ reuse
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def reuse_prefix(state: PromptCache, prompt_tokens: Sequence[int], model) -> int:
     """Make ``state`` hold a prefix of ``prompt_tokens``; return its length.
 
@@ -198,4 +190,4 @@ def trim_state(state: PromptCache, n: int) -> bool:
     return False
 
 
-__all__ = ["PromptCache", "ensure_state", "common_prefix_len", "reuse_prefix", "trim_state"]
+__all__ = ["PromptCache", "ensure_state", "reuse_prefix", "trim_state"]

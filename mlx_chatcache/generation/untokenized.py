@@ -44,10 +44,6 @@ def load_untokenized(path, model, raw: bool) -> PromptCache:
     return prompt
 
 
-def needs_tokens(state: PromptCache) -> bool:
-    return not state.tokens and cache_offset(state.cache) > 0
-
-
 def adopt_prompt_prefix(state: PromptCache, prompt_tokens: list[int], model, path) -> str:
     """Take the cache's tokens to be the first ones of ``prompt_tokens`` after
     checking what can be checked; returns the one-line note saying what was assumed."""
@@ -120,4 +116,4 @@ def _check_tail(model, cache, tokens: list[int], path) -> int:
     return w
 
 
-__all__ = ["load_untokenized", "needs_tokens", "adopt_prompt_prefix"]
+__all__ = ["load_untokenized", "adopt_prompt_prefix"]

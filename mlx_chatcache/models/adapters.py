@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, one_line
 from .fingerprint import ModelFingerprint, hash_files
 
 ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")
@@ -38,7 +38,7 @@ def apply_adapters(model, adapter_path: str):
     try:
         model = load_adapters(model, str(folder))
     except Exception as e:  # bad config, shapes that do not fit the model, ...
-        detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        detail = one_line(f"{type(e).__name__}: {e}", 300)
         raise ModelLoadError(f"could not apply the adapters in {adapter_path} ({detail}); "
                              "were they trained for this model?") from e  # fmt: skip
     model.eval()

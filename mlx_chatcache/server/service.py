@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..config import GenerationConfig
-from ..errors import ChatCacheError, TokenIdError
+from ..errors import ChatCacheError, TokenIdError, one_line
 from ..generation.text import encode_prompt
 from ..generation.templates import has_chat_template, render_chat
 from ..generation.token_ids import check_token_ids
@@ -72,9 +72,9 @@ class Service:
             raise
         except (ChatCacheError, ValueError, TypeError, KeyError) as e:
             param = "messages" if req.kind == "chat" else "prompt"
-            raise RequestError(400, f"the prompt could not be built: {one_line(e)}", param) from e
+            raise RequestError(400, f"the prompt could not be built: {_described(e)}", param) from e
         except Exception as e:  # a chat template's own error (jinja raises its own kinds)
-            raise RequestError(400, f"the chat template refused these messages: {one_line(e)}", "messages") from e
+            raise RequestError(400, f"the chat template refused these messages: {_described(e)}", "messages") from e
         boundary = len(head) if head == prompt[: len(head)] else None
         return self._checked(prompt, "messages"), boundary
 
@@ -107,6 +107,6 @@ class Service:
         return self.config.updated(**changes)
 
 
-def one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
+def _described(e: BaseException) -> str:
+    """``e``'s message on one line (its class name when it has none), at most 300 characters."""
+    return one_line(str(e), 300) or type(e).__name__

@@ -2,9 +2,10 @@
 
 Layers: :mod:`.trie` (longest shared token prefix), :mod:`.index` (entries,
 byte budget, LRU, the eviction rule), :mod:`.tiers` (``MemoryTier``,
-``DiskTier`` behind one interface), :mod:`.redis_tier` (``RedisTier``, the
-same interface over Redis; :mod:`.redis_layout`, :mod:`.redis_link`,
-:mod:`.redis_writer`), :mod:`.file_tier` (``CacheFileTier``: one cache file
+``DiskTier`` behind one interface; :mod:`.disk_folder`, the disk tier's
+folder), :mod:`.redis_tier` (``RedisTier``, the same interface over Redis;
+:mod:`.redis_layout`, :mod:`.redis_link`, :mod:`.redis_writer`),
+:mod:`.named_file` (``CacheFileTier``: one cache file
 the user named, strict, carrying its messages/text and metadata),
 :mod:`.store` (``PromptStore``: lookup across tiers, put into all).
 Its users: ``mlxcc serve``'s generation worker (memory, disk, Redis),

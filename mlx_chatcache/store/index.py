@@ -35,7 +35,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .trie import TokenTrie, lcp
+from ..files.tokens import common_prefix_len
+from .trie import TokenTrie
 
 
 @dataclass(eq=False)
@@ -54,7 +55,7 @@ class Entry:
 
     def serves(self, query: Sequence[int]) -> int:
         """How many tokens of ``query`` this entry can serve."""
-        n = lcp(self.tokens, query)
+        n = common_prefix_len(self.tokens, query)
         return n if self.trimmable or n == len(self.tokens) else 0
 
 

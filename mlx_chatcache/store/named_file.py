@@ -47,9 +47,9 @@ from ..errors import CacheFileError, CacheFormatError, UsageError
 from ..files import cache_file
 from ..files.mlxcc_format import check_cache_fits_model, load_cache_file, read_cache_info
 from ..files.registry import CacheFileInfo
+from ..files.tokens import common_prefix_len
 from .index import Entry
 from .tiers import Scope, Tier
-from .trie import lcp
 
 SHAPE_KEYS = ("max_kv_size", "keep", "kv_bits", "kv_group_size", "quantized_kv_start")
 
@@ -102,7 +102,7 @@ class CacheFileTier(Tier):
             return None
         self._check(info, scope)
         tokens = tuple(info.tokens)
-        n = lcp(tokens, query)
+        n = common_prefix_len(tokens, query)
         if n == 0:
             return None
         trimmable = n == len(tokens) or can_trim_prompt_cache(self._layers(scope))

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+
+from ..files.checksum import crc32
 
 MANIFEST_FORMAT = 1
 _HASH_BYTES = 16
@@ -132,7 +133,7 @@ class Manifest:
     def for_value(cls, namespace, eid, version, data: bytes, chunk_bytes: int, tokens, trimmable, key):
         """The manifest of ``data`` cut into chunks of ``chunk_bytes``; also returns the chunks."""
         chunks = [data[i : i + chunk_bytes] for i in range(0, len(data), chunk_bytes)] or [b""]
-        m = cls(namespace, eid, version, tuple(len(c) for c in chunks), tuple(zlib.crc32(c) for c in chunks),
+        m = cls(namespace, eid, version, tuple(len(c) for c in chunks), tuple(crc32(c) for c in chunks),
                 tuple(int(t) for t in tokens), bool(trimmable), key)  # fmt: skip
         return m, chunks
 

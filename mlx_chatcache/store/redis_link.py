@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable, TypeVar
 
-from ..errors import UsageError
+from ..errors import UsageError, one_line
 
 log = logging.getLogger("mlx_chatcache.store.redis")
 T = TypeVar("T")
@@ -92,7 +92,7 @@ class RedisLink:
                 self.outages += 1
                 log.warning(
                     "Redis cache tier at %s failed (%s: %s); serving from the other tiers, reconnecting with backoff",
-                    self.url, type(e).__name__, " ".join(str(e).split())[:200],
+                    self.url, type(e).__name__, one_line(str(e), 200),
                 )  # fmt: skip
             else:
                 self._delay = min(self._delay * 2, self.max_delay)

@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import secrets
 import threading
-import zlib
 from collections import OrderedDict
 from typing import Sequence
 
 from ..cache import can_trim_prompt_cache
+from ..files.checksum import crc32
 from ..files.mlxcc_format import check_cache_fits_model, load_prompt_cache_bytes, prompt_cache_bytes
 from ..config import SERVER_DEFAULTS
 from ..errors import ChatCacheError
@@ -164,7 +164,7 @@ class RedisTier(Tier):
 
     def _verified(self, m: Manifest, parts: list[bytes], scope, expected):
         sizes = tuple(len(p) for p in parts)
-        if sizes != m.chunk_sizes or tuple(zlib.crc32(p) for p in parts) != m.checksums:
+        if sizes != m.chunk_sizes or tuple(crc32(p) for p in parts) != m.checksums:
             return None
         name = f"redis:{self.keys.manifest(m.namespace, m.eid)}"
         try:

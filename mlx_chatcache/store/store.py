@@ -24,11 +24,11 @@ Contract
   it extends (their tokens are a prefix of its own); ``key`` (a conversation
   id) pins it: pinned entries outlive unpinned ones under eviction, and a
   lookup with that key prefers them.
-- Named tiers (:class:`~.file_tier.CacheFileTier`: a file the user named,
+- Named tiers (:class:`~.named_file.CacheFileTier`: a file the user named,
   ``mlxcc generate --prompt-cache-file``, a chat session file) are strict:
   their ``find``/``fetch`` raise instead of missing. ``put`` writes them at
   once (never deferred), also for an empty cache, and passes them
-  ``contents`` (a :class:`~.file_tier.FileContents`: the messages or text the
+  ``contents`` (a :class:`~.named_file.FileContents`: the messages or text the
   tokens are, settings, user metadata); an error there is raised. With
   ``on_error``, a failing anonymous tier (a full shared disk) is reported to
   it, ``on_error(tier, error)``, and the other tiers are still written.
@@ -153,9 +153,6 @@ class PromptStore:
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()
-
-    def memory_bytes(self) -> int:
-        return sum(t.index.nbytes for t in self.tiers if t.name == "memory")
 
 
 def build_store(memory_bytes: int, disk_bytes: int, cache_dir, redis_url: str | None = None,

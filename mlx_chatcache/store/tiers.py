@@ -16,7 +16,7 @@ Contract of a tier (:class:`Tier`)
 - ``stats() -> dict``: entries, bytes, budget and counters;
 - ``close()``: at shutdown (a no-op but for the Redis tier).
 
-A *named* tier (``named = True``: :class:`~.file_tier.CacheFileTier`, one
+A *named* tier (``named = True``: :class:`~.named_file.CacheFileTier`, one
 cache file the user named) is strict instead: what it cannot serve raises
 rather than being a miss, it is never evicted, and its ``add`` also takes the
 file's contents (messages, text, settings, user metadata).

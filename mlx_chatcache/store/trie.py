@@ -16,13 +16,15 @@ sequence; adding the same sequence again replaces the value). Each value is
 the longest prefix of the query under these rules (``length`` tokens), or None
 when nothing shares a token. Ties prefer an exact (untrimmed) value. Edges hold
 token runs, so memory grows with the number of distinct branches, not with
-tokens times entries. :func:`lcp` is the common-prefix length the trie (and
-the store's index and file tier) compares token runs with.
+tokens times entries. Token runs are compared with
+:func:`mlx_chatcache.files.tokens.common_prefix_len`.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
+
+from ..files.tokens import common_prefix_len
 
 _NO_VALUE = object()
 
@@ -37,14 +39,6 @@ class _Node:
         self.value: Any = _NO_VALUE
         self.trimmable = False
         self.n_trim = 0  # trimmable values in this subtree (this node included)
-
-
-def lcp(a: Sequence[int], b: Sequence[int], start_b: int = 0) -> int:
-    """Common prefix length of ``a`` and ``b[start_b:]``."""
-    n, limit = 0, min(len(a), len(b) - start_b)
-    while n < limit and a[n] == b[start_b + n]:
-        n += 1
-    return n
 
 
 class TokenTrie:
@@ -96,7 +90,7 @@ class TokenTrie:
             child = node.children.get(query[depth])
             if child is None:
                 break
-            k = lcp(child.edge, query, depth)
+            k = common_prefix_len(child.edge, query, depth)
             if child.n_trim:
                 best_trim = (child, depth + k)
             if k < len(child.edge):
@@ -117,7 +111,7 @@ class TokenTrie:
             if depth == len(tokens):
                 return
             child = node.children.get(tokens[depth])
-            if child is None or lcp(child.edge, tokens, depth) < len(child.edge):
+            if child is None or common_prefix_len(child.edge, tokens, depth) < len(child.edge):
                 return
             node, depth = child, depth + len(child.edge)
 
@@ -139,7 +133,7 @@ class TokenTrie:
                 new = _Node(tokens[depth:], node)
                 node.children[tokens[depth]] = new
                 return new
-            k = lcp(child.edge, tokens, depth)
+            k = common_prefix_len(child.edge, tokens, depth)
             if k < len(child.edge):
                 child = self._split(child, k)
             node, depth = child, depth + k
