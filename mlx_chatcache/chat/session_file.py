@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..files.cache_file import SESSION_KEY, Claim, claim
 from ..files.mlxcc_format import read_cache_info
-from ..config import DEFAULTS, RANGES, GenerationConfig, SettingError, check_setting, check_window, mlxcc_home
+from ..config import DEFAULTS, RANGES, SHAPE_KEYS, GenerationConfig, SettingError, check_setting, check_window, mlxcc_home
 from ..errors import CacheFileError, ModelMismatchError, SessionError
 from ..models.fingerprint import ModelFingerprint
 
@@ -231,15 +231,14 @@ def _parse_window(path, meta: dict) -> tuple[int | None, int]:
 
 
 def _with_overrides(path, config: GenerationConfig, overrides: dict | None) -> GenerationConfig:
-    overrides = dict(overrides or {})
-    want = overrides.pop("max_kv_size", None)
-    if want is not None and want != config.max_kv_size:
+    overrides = overrides or {}
+    shape = config.shape.adopted(overrides)
+    if shape is None:
         raise SessionError(
             f"{path} was made with max_kv_size={config.max_kv_size}; resume it with the same "
             "--max-kv-size (or none) or start a new session"
         )
-    overrides.pop("keep", None)
-    return config.updated(**overrides)
+    return config.shaped(shape).updated(**{k: v for k, v in overrides.items() if k not in SHAPE_KEYS})
 
 
 def _parse_text(path, meta: dict) -> tuple[list[int], str]:

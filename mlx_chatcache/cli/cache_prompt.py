@@ -88,7 +88,6 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, prompt: str | None, config, target) -> int:
     from ..generation.prompt import PromptCache
     from ..generation.templates import feed_all
-    from ..generation.checkout import cache_settings
 
     model, tokenizer = load_model(args)
     messages, text, tokens = build(args, tokenizer, prompt)
@@ -113,7 +112,7 @@ def _run(args: argparse.Namespace, prompt: str | None, config, target) -> int:
 
         quantize_prompt_cache(stored.cache, config.kv_group_size, config.kv_bits, config.quantized_kv_start)
     elapsed = time.perf_counter() - start
-    stored.settings.update(cache_settings(config))  # recorded: generate adopts them, and refuses others
+    stored.settings.update(config.shape.settings())  # recorded: generate adopts them, and refuses others
     stored.save(target)
     size = os.path.getsize(args.prompt_cache_file)
     sys.stdout.write(

@@ -4,7 +4,7 @@ sessions use to find and keep caches.
 
 Contract
 --------
-- :func:`cache_settings` is what shapes a cache (the window, KV
+- ``config.shape`` (:class:`~mlx_chatcache.config.CacheShape`) is what shapes a cache (the window, KV
   quantization); every named file mlxcc writes records them
   (:func:`file_settings`), so the strict file tier can refuse a run with other
   ones. :func:`prompt_scope` is the store :class:`~mlx_chatcache.store.tiers.Scope`
@@ -36,6 +36,7 @@ Contract
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Callable, Sequence
 
 from ..cache import kv_quantization_mismatch, make_prompt_cache
@@ -45,12 +46,6 @@ from ..store.named_file import FileContents
 from ..store.store import PromptStore
 from ..store.tiers import DiskTier, Scope, Tier, make_scope
 from .prompt import PromptCache
-
-
-def cache_settings(config: GenerationConfig) -> dict:
-    """What shapes a cache, so entries made otherwise are never reused."""
-    return {"max_kv_size": config.max_kv_size, "keep": config.keep, "kv_bits": config.kv_bits,
-            "kv_group_size": config.kv_group_size, "quantized_kv_start": config.quantized_kv_start}  # fmt: skip
 
 
 def prompt_scope(model, config: GenerationConfig) -> Scope:
@@ -64,7 +59,7 @@ def scope_of(fingerprint: ModelFingerprint | None, config: GenerationConfig, pol
     ``config``. Without a fingerprint (a model not loaded by
     :func:`mlx_chatcache.load`) the namespace is empty: only a named file can
     hold such caches, never a shared tier."""
-    settings = cache_settings(config)
+    settings = config.shape.settings()
     if policy is not None:
         settings["weights"] = policy
     if fingerprint is None:
@@ -116,10 +111,10 @@ def put_prompt(store: PromptStore, scope: Scope, state: PromptCache, contents: F
 def file_settings(state: PromptCache, config: GenerationConfig, recorded: dict | None = None) -> dict:
     """The settings a named file records for ``state``, made with ``config``: what
     it recorded before (``recorded``), this model's weight policy, the window
-    and the KV quantization (:func:`cache_settings`)."""
-    return {**(recorded or {}), **state.settings, **cache_settings(config), "max_kv_size": state.max_kv_size,
-            "keep": state.keep}  # fmt: skip
+    and the KV quantization (:attr:`~mlx_chatcache.config.GenerationConfig.shape`)."""
+    shape = replace(config.shape, max_kv_size=state.max_kv_size, keep=state.keep)
+    return {**(recorded or {}), **state.settings, **shape.settings()}
 
 
-__all__ = ["cache_settings", "prompt_scope", "scope_of", "shared_tiers", "checkout_prompt", "put_prompt", "file_settings",
+__all__ = ["prompt_scope", "scope_of", "shared_tiers", "checkout_prompt", "put_prompt", "file_settings",
            "FileContents"]  # fmt: skip

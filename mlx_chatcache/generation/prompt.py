@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..cache import BaseCache, cache_offset, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-from ..config import DEFAULTS, GenerationConfig, SettingError, check_setting, check_window
+from ..config import DEFAULTS, CacheShape, GenerationConfig, SettingError, check_setting, check_window
 from ..errors import CacheFormatError, UsageError
 from ..files import cache_file
 from ..files.mlxcc_format import check_cache_fits_model, load_cache_file
@@ -103,10 +103,8 @@ class PromptCache:
                 "rebuild it with 'mlxcc cache-prompt'"
             )
         settings = info.settings
-        max_kv_size, keep = settings.get("max_kv_size"), settings.get("keep", DEFAULTS.keep)
-        if max_kv_size is not None and (type(max_kv_size) is not int or type(keep) is not int):
-            raise CacheFormatError(f"{path}: settings max_kv_size/keep are not integers; the file is damaged")
-        prompt = cls.fitted(model, cache, info.tokens, max_kv_size, keep, path)
+        shape = CacheShape.recorded(settings, path)
+        prompt = cls.fitted(model, cache, info.tokens, shape.max_kv_size, shape.keep, path)
         prompt.messages, prompt.text = info.messages, info.text
         prompt.settings = {**settings, **prompt.settings}  # the weight policy: this model's from now on
         return prompt

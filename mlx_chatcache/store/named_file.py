@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..cache import BaseCache, can_trim_prompt_cache
+from ..config import SHAPE_KEYS
 from ..errors import CacheFileError, CacheFormatError, UsageError
 from ..files import cache_file
 from ..files.mlxcc_format import check_cache_fits_model, load_cache_file, read_cache_info
@@ -50,8 +51,6 @@ from ..files.registry import CacheFileInfo
 from .index import Entry
 from .tiers import Scope, Tier
 from .trie import lcp
-
-SHAPE_KEYS = ("max_kv_size", "keep", "kv_bits", "kv_group_size", "quantized_kv_start")
 
 
 @dataclass(frozen=True)
