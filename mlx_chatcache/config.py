@@ -88,6 +88,11 @@ class GenerationConfig:
         """A copy whose cache-shape fields are ``shape``'s."""
         return replace(self, **shape.settings())
 
+    def windowed(self, shape: CacheShape) -> "GenerationConfig":
+        """A copy with the window (``max_kv_size``, ``keep``) of ``shape``: these settings
+        applied to a cache made with that window."""
+        return replace(self, max_kv_size=shape.max_kv_size, keep=shape.keep)
+
     def updated(self, **changes) -> "GenerationConfig":
         """A copy with ``changes`` applied; None values are ignored."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})

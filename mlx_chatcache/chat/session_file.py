@@ -69,8 +69,8 @@ def session_metadata(record: SessionRecord) -> dict:
     return {
         "format": SESSION_FORMAT,
         "settings": dataclasses.asdict(record.config),
-        "max_kv_size": record.state.max_kv_size,
-        "keep": record.state.keep,
+        "max_kv_size": record.state.shape.max_kv_size,
+        "keep": record.state.shape.keep,
         "pending": list(record.pending),
         "text": record.text,
         "checkpoints": [c.to_json() for c in record.checkpoints],
@@ -117,7 +117,7 @@ def session_scope(fingerprint: ModelFingerprint | None, record: SessionRecord) -
 
 def _cache_config(record: SessionRecord) -> GenerationConfig:
     """The session's settings with the window its cache has."""
-    return dataclasses.replace(record.config, max_kv_size=record.state.max_kv_size, keep=record.state.keep)
+    return record.config.windowed(record.state.shape)
 
 
 # ------------------------------------------------------------------ load
@@ -168,7 +168,7 @@ def _checkout(path, model, info: CacheFileInfo, config: GenerationConfig) -> Pro
     tokens = info.tokens
     scope = prompt_scope(model, config)
     # -1: an id no cache holds, past the end, so that every one of ``tokens`` can be served
-    state, tier = checkout_prompt(store, scope, model, [*tokens, -1], config.max_kv_size, config.keep)
+    state, tier = checkout_prompt(store, scope, model, [*tokens, -1], config.shape)
     if state.tokens != list(tokens):  # only an empty session is not served (the file tier is strict)
         raise CacheFileError(f"{path}: the session's cache could not be read back; the file is damaged")
     return state

@@ -95,7 +95,7 @@ def _run(args: argparse.Namespace, prompt: str | None, config, target) -> int:
                                 "shorten it, or pass --max-kv-size N to keep only the latest N tokens")  # fmt: skip
     if warning:
         sys.stderr.write(f"mlxcc: warning: {warning}\n")
-    stored = PromptCache.new(model, config.max_kv_size, config.keep)
+    stored = PromptCache.new(model, config.shape)
     stored.messages, stored.text = messages, text
     start = time.perf_counter()
     bar = ProgressBar("caching")

@@ -127,7 +127,7 @@ def layer_shape(stored) -> CacheShape:
 
     q = next((c for c in stored.cache if isinstance(c, (QuantizedKVCache, QuantizedRotatingKVCache))), None)
     kv = {} if q is None else {"kv_bits": q.bits, "kv_group_size": q.group_size}
-    return CacheShape(stored.max_kv_size, stored.keep, **kv)
+    return dataclasses.replace(stored.shape, **kv)
 
 
 def build_prompt(args, tokenizer, messages: list[dict] | None, text: str | None, prompt: str):
@@ -178,7 +178,7 @@ def _run(args: argparse.Namespace, prompt: str, save: Claim | None) -> int:
         job = _start_untokenized(args, model, tokenizer, config, prompt, save)
     else:
         job = _start(args, model, tokenizer, config, info, prompt, save)
-    warning = check_prompt_fits(model, len(job.tokens), job.state.max_kv_size, "the prompt",
+    warning = check_prompt_fits(model, len(job.tokens), job.state.shape.max_kv_size, "the prompt",
                                 "shorten the prompt, or pass --max-kv-size N to keep only the latest N tokens")  # fmt: skip
     if warning:
         sys.stderr.write(f"mlxcc: warning: {warning}\n")
@@ -226,7 +226,7 @@ def _start(args, model, tokenizer, config, info, prompt, save: Claim | None) -> 
     tokens, messages, text = build_prompt(args, tokenizer, messages, text, prompt)
     store = _store(args, CacheFileTier(args.prompt_cache_file, save, header=info))
     scope = prompt_scope(model, config)
-    state, tier = checkout_prompt(store, scope, model, tokens, config.max_kv_size, config.keep)
+    state, tier = checkout_prompt(store, scope, model, tokens, config.shape)
     return _Job(tokens, state, config, store, scope, messages, text, info.settings if info else {}, tier)
 
 

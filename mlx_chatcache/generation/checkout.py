@@ -36,11 +36,10 @@ Contract
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import Callable, Sequence
 
 from ..cache import kv_quantization_mismatch, make_prompt_cache
-from ..config import GenerationConfig
+from ..config import CacheShape, GenerationConfig
 from ..models.fingerprint import ModelFingerprint
 from ..store.named_file import FileContents
 from ..store.store import PromptStore
@@ -75,12 +74,13 @@ def shared_tiers(cache_dir: str | os.PathLike | None) -> list[Tier]:
     return [DiskTier(os.path.expanduser(cache_dir), None)]
 
 
-def checkout_prompt(store: PromptStore, scope: Scope, model, prompt: Sequence[int], max_kv_size: int | None,
-                    keep: int) -> tuple[PromptCache, str | None]:  # fmt: skip
-    """``(state, tier)``: the longest stored prefix of ``prompt`` and the tier it came
-    from (None: a miss, ``state`` is empty). ``state.tokens`` may run past the prompt."""
-    state = PromptCache.new(model, max_kv_size, keep)
-    got = store.checkout(scope, prompt, make_prompt_cache(model, max_kv_size, keep))
+def checkout_prompt(store: PromptStore, scope: Scope, model, prompt: Sequence[int],
+                    shape: CacheShape) -> tuple[PromptCache, str | None]:  # fmt: skip
+    """``(state, tier)``: the longest stored prefix of ``prompt`` as a prompt cache of
+    ``shape`` and the tier it came from (None: a miss, ``state`` is empty).
+    ``state.tokens`` may run past the prompt."""
+    state = PromptCache.new(model, shape)
+    got = store.checkout(scope, prompt, make_prompt_cache(model, shape.max_kv_size, shape.keep))
     if got is None:
         return state, None
     state.cache[:] = got.cache
@@ -112,8 +112,7 @@ def file_settings(state: PromptCache, config: GenerationConfig, recorded: dict |
     """The settings a named file records for ``state``, made with ``config``: what
     it recorded before (``recorded``), this model's weight policy, the window
     and the KV quantization (:attr:`~mlx_chatcache.config.GenerationConfig.shape`)."""
-    shape = replace(config.shape, max_kv_size=state.max_kv_size, keep=state.keep)
-    return {**(recorded or {}), **state.settings, **shape.settings()}
+    return {**(recorded or {}), **state.settings, **config.windowed(state.shape).shape.settings()}
 
 
 __all__ = ["prompt_scope", "scope_of", "shared_tiers", "checkout_prompt", "put_prompt", "file_settings",

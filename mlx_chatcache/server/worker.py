@@ -189,8 +189,8 @@ class GenerationWorker:
         c = self.config
         got = self.store.checkout(self.scope, job.prompt, make_prompt_cache(self.model, c.max_kv_size, c.keep), job.key)
         if got is None:
-            return PromptCache.new(self.model, c.max_kv_size, c.keep), 0
-        state = PromptCache(got.cache, got.tokens, c.max_kv_size, c.keep)
+            return PromptCache.new(self.model, c.shape), 0
+        state = PromptCache(got.cache, got.tokens, c.shape)
         return state, reuse_prefix(state, job.prompt, self.model)
 
     def _checkpoint(self, job: Job, state: PromptCache):
