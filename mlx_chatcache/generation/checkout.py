@@ -74,13 +74,13 @@ def shared_tiers(cache_dir: str | os.PathLike | None) -> list[Tier]:
     return [DiskTier(os.path.expanduser(cache_dir), None)]
 
 
-def checkout_prompt(store: PromptStore, scope: Scope, model, prompt: Sequence[int],
-                    shape: CacheShape) -> tuple[PromptCache, str | None]:  # fmt: skip
+def checkout_prompt(store: PromptStore, scope: Scope, model, prompt: Sequence[int], shape: CacheShape,
+                    key: str | None = None) -> tuple[PromptCache, str | None]:  # fmt: skip
     """``(state, tier)``: the longest stored prefix of ``prompt`` as a prompt cache of
-    ``shape`` and the tier it came from (None: a miss, ``state`` is empty).
-    ``state.tokens`` may run past the prompt."""
+    ``shape`` and the tier it came from (None: a miss, ``state`` is empty), entries
+    pinned by ``key`` (a conversation id) preferred. ``state.tokens`` may run past the prompt."""
     state = PromptCache.new(model, shape)
-    got = store.checkout(scope, prompt, make_prompt_cache(model, shape.max_kv_size, shape.keep))
+    got = store.checkout(scope, prompt, make_prompt_cache(model, shape.max_kv_size, shape.keep), key)
     if got is None:
         return state, None
     state.cache[:] = got.cache
