@@ -91,19 +91,21 @@ def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
     session file, or a path claimed as the caller's own (``mine``: a session
     there is replaced; a file another process holds, or one that is not a
     cache, is refused) for the write."""
-    from ..generation.checkout import FileContents, file_settings, put_prompt
+    from ..generation.checkout import file_settings, put_prompt
     from ..store.named_file import CacheFileTier
     from ..store.store import PromptStore
 
     if path is not None and not isinstance(path, Claim):
         with claim(path, mine=True) as held:
             return save_session(held, record, fingerprint, shared)
-    settings = file_settings(record.state, _cache_config(record))  # weight policy (informational), window, KV
-    contents = FileContents(record.messages, None, settings,
-                            {SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)})  # fmt: skip
+    prompt = dataclasses.replace(  # the session's cache as its file holds it (sharing layers and tokens)
+        record.state, messages=record.messages, text=None,
+        settings=file_settings(record.state, _cache_config(record)),  # weight policy (informational), window, KV
+        metadata={SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)},
+    )
     store = PromptStore([CacheFileTier(None, path, what="session"), *(shared if fingerprint is not None else ())])
     problems: list[str] = []
-    put_prompt(store, session_scope(fingerprint, record), record.state, contents, warn=problems.append)
+    put_prompt(store, session_scope(fingerprint, record), prompt, warn=problems.append)
     return problems
 
 

@@ -190,13 +190,10 @@ class _Job:
     """What a run generates from and where its result goes."""
 
     tokens: list[int]  # the full prompt
-    state: PromptCache  # what it starts from (a stored prefix, or empty)
+    state: PromptCache  # what it starts from (a stored prefix, or empty), with the prompt's messages or text
     config: GenerationConfig
     store: PromptStore  # the named files' tier, then --cache-dir's
     scope: Scope  # the store scope of this model and cache shape
-    messages: list[dict] | None  # the chat (None: raw text)
-    text: str | None
-    recorded: dict  # the settings the file recorded, written back
     tier: str | None  # where the prefix came from (None: nowhere)
     shared: bool = True  # put the result into --cache-dir too (False: its tokens were only assumed)
 
@@ -227,7 +224,9 @@ def _start(args, model, tokenizer, config, info, prompt, save: Claim | None) -> 
     store = _store(args, CacheFileTier(args.prompt_cache_file, save, header=info))
     scope = prompt_scope(model, config)
     state, tier = checkout_prompt(store, scope, model, tokens, config.shape)
-    return _Job(tokens, state, config, store, scope, messages, text, info.settings if info else {}, tier)
+    state.messages, state.text = messages, text
+    state.settings = {**(info.settings if info else {}), **state.settings}  # what the file recorded, written back
+    return _Job(tokens, state, config, store, scope, tier)
 
 
 def _start_untokenized(args, model, tokenizer, config, prompt, save: Claim | None) -> _Job:
@@ -238,15 +237,15 @@ def _start_untokenized(args, model, tokenizer, config, prompt, save: Claim | Non
 
     stored = load_untokenized(args.prompt_cache_file, model, args.ignore_chat_template)
     config = config.shaped(adopt(args, layer_shape(stored)))
-    tokens, messages, text = build_prompt(args, tokenizer, stored.messages, stored.text, prompt)
+    tokens, stored.messages, stored.text = build_prompt(args, tokenizer, stored.messages, stored.text, prompt)
     sys.stderr.write(adopt_prompt_prefix(stored, tokens, model, args.prompt_cache_file) + "\n")
     store = _store(args, CacheFileTier(None, save))
     scope = prompt_scope(model, config)
-    return _Job(tokens, stored, config, store, scope, messages, text, stored.settings, "file", shared=False)
+    return _Job(tokens, stored, config, store, scope, "file", shared=False)
 
 
 def _generate(args, model, tokenizer, job: _Job) -> int:
-    from ..generation.checkout import FileContents, file_settings, put_prompt
+    from ..generation.checkout import file_settings, put_prompt
     from ..generation.text import stream_generate
 
     bar = ProgressBar("prompt")
@@ -267,12 +266,13 @@ def _generate(args, model, tokenizer, job: _Job) -> int:
     sys.stdout.write("\n")
     bar.close()
     text = "".join(reply)
-    if job.messages is not None:
-        job.messages.append({"role": "assistant", "content": text})
+    state = job.state
+    if state.messages is not None:
+        state.messages.append({"role": "assistant", "content": text})
     else:
-        job.text += text
-    contents = FileContents(job.messages, job.text, file_settings(job.state, job.config, job.recorded))
-    put_prompt(job.store, job.scope, job.state, contents, shared=job.shared,
+        state.text += text
+    state.settings = file_settings(state, job.config)
+    put_prompt(job.store, job.scope, state, shared=job.shared,
                warn=lambda line: sys.stderr.write(f"mlxcc: warning: {line}\n"))  # fmt: skip
     if args.verbose and last is not None:
         report(last, job.state, job.tier, runtime_lines(model))

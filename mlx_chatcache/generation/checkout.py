@@ -25,7 +25,7 @@ Contract
   :func:`~mlx_chatcache.generation.prompt.reuse_prefix` (which
   ``stream_generate`` calls) does that, and says how many tokens were reused.
 - :func:`put_prompt` stores a prompt cache in every tier, the named file with
-  ``contents``; a shared tier that fails is reported, in one line, to ``warn``
+  its messages or text, settings and metadata; a shared tier that fails is reported, in one line, to ``warn``
   (the named file is what the user asked for: its errors are raised). The
   shared tiers are skipped when ``shared=False`` (a cache whose tokens were
   only assumed, mlx-lm's files) and, with one line to ``warn``, when the
@@ -41,7 +41,6 @@ from typing import Callable, Sequence
 from ..cache import kv_quantization_mismatch, make_prompt_cache
 from ..config import CacheShape, GenerationConfig
 from ..models.fingerprint import ModelFingerprint
-from ..store.named_file import FileContents
 from ..store.store import PromptStore
 from ..store.tiers import DiskTier, Scope, Tier, make_scope
 from .prompt import PromptCache
@@ -88,8 +87,8 @@ def checkout_prompt(store: PromptStore, scope: Scope, model, prompt: Sequence[in
     return state, got.tier
 
 
-def put_prompt(store: PromptStore, scope: Scope, state: PromptCache, contents: FileContents,
-               warn: Callable[[str], None], shared: bool = True) -> None:  # fmt: skip
+def put_prompt(store: PromptStore, scope: Scope, state: PromptCache, warn: Callable[[str], None],
+               shared: bool = True) -> None:  # fmt: skip
     """Store ``state`` in every tier of ``store`` (see the module doc)."""
 
     def failed(tier: Tier, e: Exception) -> None:
@@ -105,15 +104,14 @@ def put_prompt(store: PromptStore, scope: Scope, state: PromptCache, contents: F
             shared = False
     if not shared:
         store = PromptStore([t for t in store.tiers if t.named])
-    store.put(scope, state.tokens, state.cache, contents=contents, on_error=failed)
+    store.put(scope, state.tokens, state.cache, prompt=state, on_error=failed)
 
 
-def file_settings(state: PromptCache, config: GenerationConfig, recorded: dict | None = None) -> dict:
-    """The settings a named file records for ``state``, made with ``config``: what
-    it recorded before (``recorded``), this model's weight policy, the window
+def file_settings(state: PromptCache, config: GenerationConfig) -> dict:
+    """The settings a named file records for ``state``, made with ``config``: its
+    settings (what its file recorded before, this model's weight policy), its window
     and the KV quantization (:attr:`~mlx_chatcache.config.GenerationConfig.shape`)."""
-    return {**(recorded or {}), **state.settings, **config.windowed(state.shape).shape.settings()}
+    return {**state.settings, **config.windowed(state.shape).shape.settings()}
 
 
-__all__ = ["prompt_scope", "scope_of", "shared_tiers", "checkout_prompt", "put_prompt", "file_settings",
-           "FileContents"]  # fmt: skip
+__all__ = ["prompt_scope", "scope_of", "shared_tiers", "checkout_prompt", "put_prompt", "file_settings"]

@@ -45,7 +45,8 @@ class PromptCache:
     ``shape`` records the cache's shape so it can be rebuilt.
     ``fingerprint`` names the model that made it; ``messages`` (a chat) or
     ``text`` (raw text, no chat template) say what the tokens are, when known;
-    ``settings`` are saved with the file. The caller keeps ``messages``/``text``
+    ``settings`` are saved with the file, ``metadata`` (free user strings) too when
+    the store puts it into a named file. The caller keeps ``messages``/``text``
     in step with ``tokens`` (:meth:`reset` leaves them alone).
     """
 
@@ -56,6 +57,7 @@ class PromptCache:
     messages: list[dict] | None = None  # chat mode
     text: str | None = None  # raw mode
     settings: dict = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def new(cls, model, shape: CacheShape | None = None) -> "PromptCache":
