@@ -50,7 +50,8 @@ class CacheShape:
         want = flags.get("max_kv_size")
         if want is not None and want != self.max_kv_size:
             return None
-        return replace(self, **{k: v for k, v in flags.items() if k in SHAPE_KEYS and k not in ("max_kv_size", "keep")})
+        kv = {k: v for k, v in flags.items() if k in SHAPE_KEYS and k not in ("max_kv_size", "keep")}
+        return replace(self, **{k: v for k, v in kv.items() if v is not None})
 
 
 # the settings that shape a cache, in the order files record them
