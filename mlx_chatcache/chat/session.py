@@ -405,8 +405,9 @@ class ChatSession(SessionRollback):
     # ------------------------------------------------------------ files
     def record(self) -> SessionRecord:
         """What a session file holds of this session (shares its lists and cache)."""
-        return SessionRecord(self.state, self.messages, self.config, self.pending, self.text,
-                             self.checkpoints, self.attempt, getattr(self.model, "source", None))  # fmt: skip
+        state = dataclasses.replace(self.state, messages=self.messages, text=None)  # the cache as a chat's
+        return SessionRecord(state, self.config, self.pending, self.text, self.checkpoints, self.attempt,
+                             getattr(self.model, "source", None))  # fmt: skip
 
     def save(self, path: str | os.PathLike | None) -> list[str]:
         """Write the session to ``path`` atomically (a previous file survives any failure),
@@ -430,7 +431,7 @@ class ChatSession(SessionRollback):
         is dropped (the default is used): ``load_notes`` has one line for each."""
         record = load_session(path, model, overrides)
         self = cls.__new__(cls)
-        self._setup(model, tokenizer, record.config, max_checkpoints, record.messages, shared)
+        self._setup(model, tokenizer, record.config, max_checkpoints, record.state.messages, shared)
         self.state, self.pending, self.text = record.state, record.pending, record.text
         self.checkpoints, self.attempt = record.checkpoints, record.attempt
         self.load_notes = record.notes

@@ -52,8 +52,7 @@ SESSION_FORMAT = 1
 class SessionRecord:
     """What a session file holds besides the model (see the module doc)."""
 
-    state: PromptCache
-    messages: list[dict]
+    state: PromptCache  # the cache, its tokens and the conversation they are (``state.messages``)
     config: GenerationConfig
     pending: list[int]  # the last reply token, fed first next turn
     text: str  # every prompt and reply so far, exactly as fed or generated
@@ -99,8 +98,7 @@ def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
         with claim(path, mine=True) as held:
             return save_session(held, record, fingerprint, shared)
     prompt = dataclasses.replace(  # the session's cache as its file holds it (sharing layers and tokens)
-        record.state, messages=record.messages, text=None,
-        settings=file_settings(record.state, _cache_config(record)),  # weight policy (informational), window, KV
+        record.state, settings=file_settings(record.state, _cache_config(record)),  # weight policy, window, KV
         metadata={SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)},
     )
     store = PromptStore([CacheFileTier(None, path, what="session"), *(shared if fingerprint is not None else ())])
@@ -155,7 +153,8 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
     pending, text = _parse_text(path, meta)
     checkpoints = _parse_checkpoints(path, meta)
     attempt = meta.get("attempt", 0)
-    return SessionRecord(state, info.messages, config, pending, text, checkpoints, attempt if _is_int(attempt) else 0,
+    state.messages, state.text = info.messages, None
+    return SessionRecord(state, config, pending, text, checkpoints, attempt if _is_int(attempt) else 0,
                          notes=notes)  # fmt: skip
 
 
