@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..files.cache_file import SESSION_KEY, Claim, claim
 from ..files.mlxcc_format import read_cache_info
-from ..config import DEFAULTS, RANGES, SHAPE_KEYS, GenerationConfig, SettingError, check_setting, check_window, mlxcc_home
+from ..config import (DEFAULTS, RANGES, SHAPE_KEYS, CacheShape, GenerationConfig, SettingError, check_setting,
+                      check_window, mlxcc_home)
 from ..errors import CacheFileError, ModelMismatchError, SessionError
 from ..models.fingerprint import ModelFingerprint
 
@@ -146,8 +147,7 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
     meta = _parse_session_json(path, raw)
     notes: list[str] = []
     config = _parse_config(path, meta.get("settings"), notes)
-    max_kv, keep = _parse_window(path, meta)
-    config = dataclasses.replace(config, max_kv_size=max_kv, keep=keep)
+    config = config.windowed(_parse_window(path, meta))
     state = _checkout(path, model, info, config)
     config = _with_overrides(path, config, overrides)
     pending, text = _parse_text(path, meta)
@@ -218,7 +218,8 @@ def _parse_config(path, raw, notes: list[str]) -> GenerationConfig:
     return dataclasses.replace(DEFAULTS, **values)
 
 
-def _parse_window(path, meta: dict) -> tuple[int | None, int]:
+def _parse_window(path, meta: dict) -> CacheShape:
+    """The window (``max_kv_size``, ``keep``) the session's cache was made with."""
     max_kv = meta.get("max_kv_size")
     keep = meta.get("keep", DEFAULTS.keep)
     if not (max_kv is None or _is_int(max_kv)) or not _is_int(keep):
@@ -228,7 +229,7 @@ def _parse_window(path, meta: dict) -> tuple[int | None, int]:
     except SettingError as e:
         raise CacheFileError(f"{path}: the session's window is unusable: {e.named.split('; ')[0]}; "
                              "the file is damaged") from None  # fmt: skip
-    return max_kv, keep
+    return CacheShape(max_kv, keep)
 
 
 def _with_overrides(path, config: GenerationConfig, overrides: dict | None) -> GenerationConfig:
