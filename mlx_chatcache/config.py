@@ -10,8 +10,53 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What shapes a prompt cache, so caches made otherwise are never mixed: a
+    rotating window of ``max_kv_size`` tokens (None: unbounded) pinning its first
+    ``keep``, and the KV quantization (``kv_bits``, None: float; ``kv_group_size``;
+    from ``quantized_kv_start`` tokens on). Every cache file mlxcc writes records
+    these keys (:data:`SHAPE_KEYS`) among its settings."""
+
+    max_kv_size: int | None = None
+    keep: int = 4  # tokens pinned by a rotating cache when nothing better is known
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
+
+    def settings(self) -> dict:
+        """The shape as a file records it: every key of :data:`SHAPE_KEYS`."""
+        return asdict(self)
+
+    @classmethod
+    def recorded(cls, settings: dict, path) -> "CacheShape":
+        """The shape a file's ``settings`` record (the file at ``path``); keys it does not
+        record are the defaults. CacheFormatError when a window is not integers."""
+        from .errors import CacheFormatError
+
+        shape = cls(**{k: settings[k] for k in SHAPE_KEYS if k in settings})
+        if shape.max_kv_size is not None and (type(shape.max_kv_size) is not int or type(shape.keep) is not int):
+            raise CacheFormatError(f"{path}: settings max_kv_size/keep are not integers; the file is damaged")
+        return shape
+
+    def adopted(self, flags: dict) -> "CacheShape | None":
+        """This recorded shape with the settings ``flags`` give (shape keys set by the
+        user; the window's ``keep`` is never a flag), or None when they ask for another
+        window (``max_kv_size``): the caller refuses in its own words."""
+        want = flags.get("max_kv_size")
+        if want is not None and want != self.max_kv_size:
+            return None
+        kv = {k: v for k, v in flags.items() if k in SHAPE_KEYS and k not in ("max_kv_size", "keep")}
+        return replace(self, **{k: v for k, v in kv.items() if v is not None})
+
+
+# the settings that shape a cache, in the order files record them
+SHAPE_KEYS: tuple[str, ...] = tuple(f.name for f in fields(CacheShape))
+_SHAPE = CacheShape()
 
 
 @dataclass(frozen=True)
@@ -28,12 +73,26 @@ class GenerationConfig:
     seed: int | None = None
     # prompt processing
     prefill_step_size: int = 2048  # as mlx_lm.generate (DEFAULT_PREFILL_STEP_SIZE)
-    # cache shape
-    max_kv_size: int | None = None
-    keep: int = 4  # tokens pinned by a rotating cache when nothing better is known
-    kv_bits: int | None = None
-    kv_group_size: int = 64
-    quantized_kv_start: int = 0
+    # cache shape (CacheShape's fields, its defaults)
+    max_kv_size: int | None = _SHAPE.max_kv_size
+    keep: int = _SHAPE.keep
+    kv_bits: int | None = _SHAPE.kv_bits
+    kv_group_size: int = _SHAPE.kv_group_size
+    quantized_kv_start: int = _SHAPE.quantized_kv_start
+
+    @property
+    def shape(self) -> CacheShape:
+        """The cache shape these settings make."""
+        return CacheShape(**{k: getattr(self, k) for k in SHAPE_KEYS})
+
+    def shaped(self, shape: CacheShape) -> "GenerationConfig":
+        """A copy whose cache-shape fields are ``shape``'s."""
+        return replace(self, **shape.settings())
+
+    def windowed(self, shape: CacheShape) -> "GenerationConfig":
+        """A copy with the window (``max_kv_size``, ``keep``) of ``shape``: these settings
+        applied to a cache made with that window."""
+        return replace(self, max_kv_size=shape.max_kv_size, keep=shape.keep)
 
     def updated(self, **changes) -> "GenerationConfig":
         """A copy with ``changes`` applied; None values are ignored."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mlx_chatcache.config import CacheShape
 from mlx_chatcache.generation.prompt import PromptCache
 from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.store.tiers import make_scope
@@ -22,7 +23,7 @@ def tokens_of(n, start=3):
 
 def filled_state(model, tokens, max_kv_size=None, keep=4):
     """A PromptCache holding ``tokens`` (fed from empty, no sampling)."""
-    state = PromptCache.new(model, max_kv_size, keep)
+    state = PromptCache.new(model, CacheShape(max_kv_size, keep))
     feed_all(model, state, tokens, 512)
     return state
 

@@ -11,7 +11,6 @@ point in-process, which is much faster, for the many further calls.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 

@@ -327,7 +327,7 @@ def test_session_file_keeps_its_window_for_mlxcc_generate(tiny_model_dirs, tmp_p
                  "--system-prompt", "Be brief.", "-m", "4"]) == 0
     model, _ = load(model_dir)
     stored = PromptCache.load(f, model)
-    assert stored.max_kv_size == 48 and stored.keep > 4
+    assert stored.shape.max_kv_size == 48 and stored.shape.keep > 4
     capsys.readouterr()
     assert main(["generate", "--model", model_dir, "-p", "more", "-m", "3", "--prompt-cache-file", str(f)]) == 0
 

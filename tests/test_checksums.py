@@ -18,7 +18,7 @@ from mlx_chatcache.cache import ArraysCache, KVCache, QuantizedKVCache, Rotating
 from mlx_chatcache.chat.session import ChatSession
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.config import DEFAULTS
-from mlx_chatcache.errors import CacheFileError, CacheFormatError
+from mlx_chatcache.errors import CacheFileError
 from mlx_chatcache.files.mlxcc_format import (
     FORMAT_VERSION,
     load_cache_file,

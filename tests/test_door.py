@@ -4,7 +4,6 @@ overwrite rules before any work, write() is the one writer. Units, no model."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import mlx.core as mx

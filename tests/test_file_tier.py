@@ -15,17 +15,23 @@ from mlx_chatcache.errors import CacheFormatError, ChatCacheError, ModelMismatch
 from mlx_chatcache.files.mlxcc_format import read_cache_info, save_prompt_cache
 from mlx_chatcache.generation.prompt import PromptCache, reuse_prefix
 from mlx_chatcache.models.loading import load
-from mlx_chatcache.store.named_file import CacheFileTier, FileContents
+from mlx_chatcache.store.named_file import CacheFileTier
 from mlx_chatcache.store.store import PromptStore
 from mlx_chatcache.store.tiers import DiskTier
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
 
+def _chat(messages):
+    """A prompt cache value saying only that its tokens are ``messages`` (what a named file records)."""
+    return PromptCache([], messages=messages)
+
+
 def write(model, path, tokens, settings=SETTINGS, **kw):
     store = PromptStore([CacheFileTier(None, path)])
-    contents = FileContents(MESSAGES, None, dict(settings), {"note": "kept"})
-    store.put(scope(model, settings), tokens, filled_state(model, tokens, **kw).cache, contents=contents)
+    state = filled_state(model, tokens, **kw)
+    state.messages, state.settings, state.metadata = MESSAGES, dict(settings), {"note": "kept"}
+    store.put(scope(model, settings), tokens, state.cache, prompt=state)
 
 
 @pytest.mark.parametrize("kind", ["llama", "hybrid"])
@@ -100,13 +106,13 @@ def test_put_writes_the_named_file_first_and_reports_shared_failures(llama_model
     base = tokens_of(16)
     store = PromptStore([CacheFileTier(None, f), FullDisk(tmp_path / "dir", 1 << 30)])
     failed = []
-    stored = store.put(scope(model), base, filled_state(model, base).cache, contents=FileContents(MESSAGES),
+    stored = store.put(scope(model), base, filled_state(model, base).cache, prompt=_chat(MESSAGES),
                        on_error=lambda tier, e: failed.append((tier.name, str(e))))
     assert stored == {"file": True, "disk": False}
     assert failed == [("disk", "no space left on device")]
     assert read_cache_info(f).tokens == base
     with pytest.raises(ChatCacheError):  # without on_error the shared tier's error is raised
-        store.put(scope(model), base, filled_state(model, base).cache, contents=FileContents(MESSAGES))
+        store.put(scope(model), base, filled_state(model, base).cache, prompt=_chat(MESSAGES))
 
 
 def test_an_empty_cache_is_written_to_the_named_file_only(llama_model, tmp_path):
@@ -115,7 +121,7 @@ def test_an_empty_cache_is_written_to_the_named_file_only(llama_model, tmp_path)
     write(model, f, tokens_of(10))
     disk = DiskTier(folder, 1 << 30)
     store = PromptStore([CacheFileTier(f, f), disk])
-    store.put(scope(model), [], make_prompt_cache(model), contents=FileContents([{"role": "system", "content": "x"}]))
+    store.put(scope(model), [], make_prompt_cache(model), prompt=_chat([{"role": "system", "content": "x"}]))
     info = read_cache_info(f)
     assert info.tokens == [] and info.messages == [{"role": "system", "content": "x"}]
     assert len(disk.index) == 0 and not list(folder.glob("*.safetensors"))

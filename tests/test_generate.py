@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from loop_helpers import forward
 from tiny_models import IM_END, SLIDING_WINDOW
@@ -34,7 +33,7 @@ from mlx_chatcache.cache import (
     trim_prompt_cache,
 )
 from mlx_chatcache.backend import blas
-from mlx_chatcache.config import DEFAULTS
+from mlx_chatcache.config import DEFAULTS, CacheShape
 from mlx_chatcache.errors import UsageError
 from mlx_chatcache.generation.loop import generate_step, prefill
 from mlx_chatcache.generation.prompt import PromptCache, reuse_prefix
@@ -214,7 +213,7 @@ def test_max_kv_size_runs_past_the_window(tiny_model):
     config = GREEDY.updated(max_kv_size=max_kv, keep=keep, prefill_step_size=5, max_tokens=10)
     ref_cache = lambda: pinned_window_cache(model, max_kv, keep)  # noqa: E731
     p1 = prompt_ids(tok, 15)  # the prompt alone overflows the window
-    state = PromptCache.new(model, max_kv, keep)
+    state = PromptCache.new(model, CacheShape(max_kv, keep))
     out1 = run(model, p1, state, config)
     assert out1 == reference_greedy(model, p1, 10, ref_cache)
     rotating = [c for c in state.cache if isinstance(c, RotatingKVCache) and c.max_size == max_kv]
@@ -232,12 +231,12 @@ def test_max_kv_size_runs_past_the_window(tiny_model):
     r3 = list(stream_generate(model, tok, p3, state=state, config=config))
     assert r3[-1].reused_tokens == 0
     assert [r.token for r in r3] == reference_greedy(model, p3, 10, ref_cache)
-    assert (state.max_kv_size, state.keep) == (max_kv, keep)
+    assert (state.shape.max_kv_size, state.shape.keep) == (max_kv, keep)
 
 
 def test_state_shape_conflict_is_a_usage_error(llama_model):
     model, tok = llama_model
-    state = PromptCache.new(model, 32, 4)
+    state = PromptCache.new(model, CacheShape(32, 4))
     with pytest.raises(UsageError):
         run(model, prompt_ids(tok, 4), state, GREEDY.updated(max_kv_size=64))
 

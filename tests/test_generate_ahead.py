@@ -26,7 +26,7 @@ from tiny_models import SLIDING_WINDOW
 
 from mlx_chatcache.cache import KVCache, cache_offset, can_trim_prompt_cache
 from mlx_chatcache.chat.turn import stream_reply
-from mlx_chatcache.config import DEFAULTS
+from mlx_chatcache.config import DEFAULTS, CacheShape
 from mlx_chatcache.generation.loop import final_call_size, generate_step, prefill
 from mlx_chatcache.generation.prompt import PromptCache
 from mlx_chatcache.chat.session import ChatSession
@@ -155,7 +155,7 @@ def test_stop_token_at_the_edge_of_a_rotating_window(tiny_model):
     k = next(k for k in range(2, len(ref) + 1) if ref[k - 1] not in ref[: k - 1])
     max_kv = len(prompt) + k - 1  # holding prompt + r1..r(k-1) fills the window
     config = GREEDY.updated(max_tokens=8, max_kv_size=max_kv, keep=2)
-    state = PromptCache.new(model, max_kv, 2)
+    state = PromptCache.new(model, CacheShape(max_kv, 2))
     out = steps(model, prompt, state, config, stop_tokens={ref[k - 1]})
     assert out == ref[:k]
     assert state.tokens == prompt + out[:-1] and consistent(state)

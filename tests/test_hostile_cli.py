@@ -16,7 +16,6 @@ run: bounded time, exact reproduction).
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import math
@@ -29,10 +28,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mlx_chatcache.cli.chat_input import parse_setting
 from mlx_chatcache.cli.main import main
-from mlx_chatcache.config import DEFAULTS
-from mlx_chatcache.errors import UsageError
 from mlx_chatcache.generation.sample import make_logits_processors, make_sampler
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=True,

@@ -26,8 +26,8 @@ from mlx_lm.generate import stream_generate as lm_stream_generate
 from mlx_lm.models import cache as lm
 
 from mlx_chatcache import load_prompt_cache, save_prompt_cache
-from mlx_chatcache.cache import KVCache, RotatingKVCache, cache_offset, make_prompt_cache
-from mlx_chatcache.config import DEFAULTS
+from mlx_chatcache.cache import KVCache, cache_offset, make_prompt_cache
+from mlx_chatcache.config import DEFAULTS, CacheShape
 from mlx_chatcache.errors import CacheFormatError, ChatCacheError, UnsupportedCacheError, UsageError
 from mlx_chatcache.files.mlxcc_format import load_cache_file
 from mlx_chatcache.generation.loop import generate_step
@@ -231,7 +231,7 @@ def test_explicit_keywords_win_over_config(llama_model):
     state = PromptCache.new(model)
     list(generate_step(prompt, model, state=state, config=GREEDY.updated(max_tokens=2), max_kv_size=None))
     assert all(type(c) is KVCache for c in state.cache)  # None: not given, the config's value stays
-    windowed = PromptCache.new(model, 16)
+    windowed = PromptCache.new(model, CacheShape(16))
     with pytest.raises(UsageError):  # a shape the given cache does not have
         list(generate_step(prompt, model, state=windowed, max_kv_size=8))
 

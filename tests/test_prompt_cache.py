@@ -6,7 +6,7 @@ import pytest
 
 import mlx_chatcache
 from mlx_chatcache import PromptCache, generate
-from mlx_chatcache.config import DEFAULTS
+from mlx_chatcache.config import DEFAULTS, CacheShape
 from mlx_chatcache.errors import CacheFormatError, ModelMismatchError
 from mlx_chatcache.files import mlxcc_format
 from mlx_chatcache.generation import prompt as prompt_module
@@ -16,7 +16,7 @@ GREEDY = DEFAULTS.updated(temp=0.0, max_tokens=6)
 
 
 def _filled(model, tokenizer, **shape) -> PromptCache:
-    prompt = PromptCache.new(model, **shape)
+    prompt = PromptCache.new(model, CacheShape(**shape))
     ids = tokenizer.encode("The weather was cold and windy, so we stayed inside.", add_special_tokens=False)
     feed_all(model, prompt, ids, prefill_step_size=4)
     prompt.messages = [{"role": "user", "content": "The weather was cold"}]
@@ -32,7 +32,7 @@ def test_save_load_round_trip(llama_model, tmp_path, shape):
     prompt.save(path)
     back = PromptCache.load(path, model)
     assert back.tokens == prompt.tokens and back.messages == prompt.messages and back.text is None
-    assert (back.max_kv_size, back.keep) == (prompt.max_kv_size, prompt.keep)
+    assert (back.shape.max_kv_size, back.shape.keep) == (prompt.shape.max_kv_size, prompt.shape.keep)
     assert back.settings["note"] == "kept" and back.fingerprint == model.fingerprint
     for a, b in zip(prompt.cache, back.cache):
         assert a.offset == b.offset

@@ -169,7 +169,7 @@ def test_rotating_window_pins_system_prompt_and_rolls_back_after_wrap(llama_mode
     model, tokenizer = llama_model
     s = new_session(model, tokenizer, max_kv_size=48)
     system_tokens = len(s.encode(s.render(s.messages[:1], add_generation_prompt=False)))
-    assert s.state.keep == system_tokens
+    assert s.state.shape.keep == system_tokens
     assert all(isinstance(c, RotatingKVCache) and c.keep == system_tokens for c in s.state.cache)
     for q in QUESTIONS * 2:
         last = s.ask(q)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from mlx_chatcache.cli.chat_input import SETTINGS, parse_setting
 from mlx_chatcache.cli.common import setting_type
 from mlx_chatcache.cli.main import main
-from mlx_chatcache.config import DEFAULTS, RANGES, SEED_LIMIT, SettingError, check_setting
+from mlx_chatcache.config import DEFAULTS, CacheShape, RANGES, SEED_LIMIT, SettingError, check_setting
 from mlx_chatcache.errors import UsageError
 from mlx_chatcache.files.checksum import seal_bytes
 from mlx_chatcache.files.mlxcc_format import read_cache_info
@@ -135,8 +135,8 @@ def test_library_refuses_a_window_that_does_not_hold_more_than_keep(llama_model)
     from mlx_chatcache.generation.prompt import PromptCache
 
     with pytest.raises(UsageError, match=r"max_kv_size \(4\) must be larger than keep \(4\)"):
-        PromptCache.new(llama_model[0], 4, 4)
-    assert PromptCache.new(llama_model[0], 5, 4).max_kv_size == 5
+        PromptCache.new(llama_model[0], CacheShape(4, 4))
+    assert PromptCache.new(llama_model[0], CacheShape(5, 4)).shape.max_kv_size == 5
 
 
 def test_library_generation_refuses_an_out_of_range_seed(llama_model):

@@ -20,7 +20,7 @@ from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.files.mlxcc_format import load_cache_file, read_cache_info, save_prompt_cache
 from mlx_chatcache.generation.prompt import PromptCache
 from mlx_chatcache.generation.templates import render_chat
-from mlx_chatcache.generation.checkout import FileContents, prompt_scope, put_prompt
+from mlx_chatcache.generation.checkout import prompt_scope, put_prompt
 from mlx_chatcache.models.loading import load
 from mlx_chatcache.store.named_file import CacheFileTier, recorded_shape
 from mlx_chatcache.store.store import PromptStore
@@ -95,13 +95,12 @@ def test_put_prompt_keeps_disagreeing_layers_out_of_shared_tiers(llama_model, tm
     quantize_prompt_cache(state.cache, 64, 8)
     disk, named = DiskTier(tmp_path / "D", 10**9), CacheFileTier(None, tmp_path / "f.safetensors")
     warnings = []
-    put_prompt(PromptStore([named, disk]), prompt_scope(model, DEFAULTS), state, FileContents([], None),
-               warnings.append)  # fmt: skip
+    state.messages, state.settings = [], {}  # what the named file records
+    put_prompt(PromptStore([named, disk]), prompt_scope(model, DEFAULTS), state, warnings.append)
     assert entries(tmp_path / "D") == [] and len(warnings) == 1 and "kv_bits=None" in warnings[0]
     assert (tmp_path / "f.safetensors").exists()  # the named file is what the user asked for
     # under its own settings it is shared
-    put_prompt(PromptStore([named, disk]), prompt_scope(model, DEFAULTS.updated(kv_bits=8)), state,
-               FileContents([], None), warnings.append)  # fmt: skip
+    put_prompt(PromptStore([named, disk]), prompt_scope(model, DEFAULTS.updated(kv_bits=8)), state, warnings.append)
     assert len(entries(tmp_path / "D")) == 1 and len(warnings) == 1
 
 

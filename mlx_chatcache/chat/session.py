@@ -200,7 +200,7 @@ class ChatSession(SessionRollback):
     def _new_state(self) -> PromptCache:
         size = self.config.max_kv_size
         if size is None:
-            return PromptCache.new(self.model)
+            return PromptCache.new(self.model, self.config.shape)
         keep = self.pinned_tokens()
         if keep + MIN_WINDOW > size:
             raise SessionError(
@@ -208,16 +208,12 @@ class ChatSession(SessionRollback):
                 f"must hold it plus at least {MIN_WINDOW} tokens: use --max-kv-size "
                 f">= {keep + MIN_WINDOW} (much larger in practice) or a shorter system prompt"
             )
-        return PromptCache.new(self.model, size, keep)
+        return PromptCache.new(self.model, dataclasses.replace(self.config.shape, keep=keep))
 
     def _call_config(self) -> GenerationConfig:
         seed = self.config.seed
-        return dataclasses.replace(
-            self.config,
-            max_kv_size=self.state.max_kv_size,
-            keep=self.state.keep,
-            seed=None if seed is None else (seed + self.attempt) % SEED_LIMIT,
-        )
+        return dataclasses.replace(self.config.windowed(self.state.shape),
+                                   seed=None if seed is None else (seed + self.attempt) % SEED_LIMIT)  # fmt: skip
 
     # ------------------------------------------------------------ turns
     def prompt_tokens(self, prompt_text: str) -> list[int]:
@@ -284,7 +280,7 @@ class ChatSession(SessionRollback):
         started = time.perf_counter()
         prompt_text = self.render(self.messages, add_generation_prompt=True)
         prompt_ids, k, n_text = self._split_prompt(prompt_text)
-        check_prompt_fits(self.model, len(prompt_ids), self.state.max_kv_size, "the conversation",
+        check_prompt_fits(self.model, len(prompt_ids), self.state.shape.max_kv_size, "the conversation",
                           "nothing was sent: send a shorter message, /undo or /clear to "
                           "shorten the conversation, or start a new chat with --max-kv-size N")  # fmt: skip
         common = common_prefix_len(self.state.tokens, prompt_ids)  # what the cache could give
@@ -311,8 +307,7 @@ class ChatSession(SessionRollback):
     def _checkout_shared(self, prompt_ids: list[int]) -> None:
         """An empty cache (a new session, after /clear, /system or a rollback that
         could not trim) starts from the shared tiers' longest prefix of the prompt."""
-        state, tier = checkout_prompt(self.shared, self.scope, self.model, prompt_ids,
-                                      self.state.max_kv_size, self.state.keep)  # fmt: skip
+        state, tier = checkout_prompt(self.shared, self.scope, self.model, prompt_ids, self.state.shape)
         if tier is not None:
             self.state = state
 
@@ -402,8 +397,8 @@ class ChatSession(SessionRollback):
             "nbytes": prompt_cache_nbytes(self.state.cache),
             "layers": kinds,
             "trimmable": can_trim_prompt_cache(self.state.cache),
-            "max_kv_size": self.state.max_kv_size,
-            "keep": self.state.keep if self.state.max_kv_size else None,
+            "max_kv_size": self.state.shape.max_kv_size,
+            "keep": self.state.shape.keep if self.state.shape.max_kv_size else None,
             "checkpoints": len(self.checkpoints),
             "checkpoint_copies": sum(1 for c in self.checkpoints if c.cache is not None),
         }
@@ -411,8 +406,9 @@ class ChatSession(SessionRollback):
     # ------------------------------------------------------------ files
     def record(self) -> SessionRecord:
         """What a session file holds of this session (shares its lists and cache)."""
-        return SessionRecord(self.state, self.messages, self.config, self.pending, self.text,
-                             self.checkpoints, self.attempt, getattr(self.model, "source", None))  # fmt: skip
+        state = dataclasses.replace(self.state, messages=self.messages, text=None)  # the cache as a chat's
+        return SessionRecord(state, self.config, self.pending, self.text, self.checkpoints, self.attempt,
+                             getattr(self.model, "source", None))  # fmt: skip
 
     def save(self, path: str | os.PathLike | None) -> list[str]:
         """Write the session to ``path`` atomically (a previous file survives any failure),
@@ -436,7 +432,7 @@ class ChatSession(SessionRollback):
         is dropped (the default is used): ``load_notes`` has one line for each."""
         record = load_session(path, model, overrides)
         self = cls.__new__(cls)
-        self._setup(model, tokenizer, record.config, max_checkpoints, record.messages, shared)
+        self._setup(model, tokenizer, record.config, max_checkpoints, record.state.messages, shared)
         self.state, self.pending, self.text = record.state, record.pending, record.text
         self.checkpoints, self.attempt = record.checkpoints, record.attempt
         self.load_notes = record.notes

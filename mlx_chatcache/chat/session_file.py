@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..files.cache_file import SESSION_KEY, Claim, claim
 from ..files.mlxcc_format import read_cache_info
-from ..config import DEFAULTS, RANGES, GenerationConfig, SettingError, check_setting, check_window, mlxcc_home
+from ..config import (DEFAULTS, RANGES, SHAPE_KEYS, CacheShape, GenerationConfig, SettingError, check_setting,
+                      check_window, mlxcc_home)
 from ..errors import CacheFileError, ModelMismatchError, SessionError, clipped
 from ..models.fingerprint import ModelFingerprint
 
@@ -52,8 +53,7 @@ SESSION_FORMAT = 1
 class SessionRecord:
     """What a session file holds besides the model (see the module doc)."""
 
-    state: PromptCache
-    messages: list[dict]
+    state: PromptCache  # the cache, its tokens and the conversation they are (``state.messages``)
     config: GenerationConfig
     pending: list[int]  # the last reply token, fed first next turn
     text: str  # every prompt and reply so far, exactly as fed or generated
@@ -69,8 +69,8 @@ def session_metadata(record: SessionRecord) -> dict:
     return {
         "format": SESSION_FORMAT,
         "settings": dataclasses.asdict(record.config),
-        "max_kv_size": record.state.max_kv_size,
-        "keep": record.state.keep,
+        "max_kv_size": record.state.shape.max_kv_size,
+        "keep": record.state.shape.keep,
         "pending": list(record.pending),
         "text": record.text,
         "checkpoints": [c.to_json() for c in record.checkpoints],
@@ -91,19 +91,20 @@ def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
     session file, or a path claimed as the caller's own (``mine``: a session
     there is replaced; a file another process holds, or one that is not a
     cache, is refused) for the write."""
-    from ..generation.checkout import FileContents, file_settings, put_prompt
+    from ..generation.checkout import file_settings, put_prompt
     from ..store.named_file import CacheFileTier
     from ..store.store import PromptStore
 
     if path is not None and not isinstance(path, Claim):
         with claim(path, mine=True) as held:
             return save_session(held, record, fingerprint, shared)
-    settings = file_settings(record.state, _cache_config(record))  # weight policy (informational), window, KV
-    contents = FileContents(record.messages, None, settings,
-                            {SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)})  # fmt: skip
+    prompt = dataclasses.replace(  # the session's cache as its file holds it (sharing layers and tokens)
+        record.state, settings=file_settings(record.state, _cache_config(record)),  # weight policy, window, KV
+        metadata={SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)},
+    )
     store = PromptStore([CacheFileTier(None, path, what="session"), *(shared if fingerprint is not None else ())])
     problems: list[str] = []
-    put_prompt(store, session_scope(fingerprint, record), record.state, contents, warn=problems.append)
+    put_prompt(store, session_scope(fingerprint, record), prompt, warn=problems.append)
     return problems
 
 
@@ -117,7 +118,7 @@ def session_scope(fingerprint: ModelFingerprint | None, record: SessionRecord) -
 
 def _cache_config(record: SessionRecord) -> GenerationConfig:
     """The session's settings with the window its cache has."""
-    return dataclasses.replace(record.config, max_kv_size=record.state.max_kv_size, keep=record.state.keep)
+    return record.config.windowed(record.state.shape)
 
 
 # ------------------------------------------------------------------ load
@@ -146,14 +147,14 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
     meta = _parse_session_json(path, raw)
     notes: list[str] = []
     config = _parse_config(path, meta.get("settings"), notes)
-    max_kv, keep = _parse_window(path, meta)
-    config = dataclasses.replace(config, max_kv_size=max_kv, keep=keep)
+    config = config.windowed(_parse_window(path, meta))
     state = _checkout(path, model, info, config)
     config = _with_overrides(path, config, overrides)
     pending, text = _parse_text(path, meta)
     checkpoints = _parse_checkpoints(path, meta)
     attempt = meta.get("attempt", 0)
-    return SessionRecord(state, info.messages, config, pending, text, checkpoints, attempt if _is_int(attempt) else 0,
+    state.messages, state.text = info.messages, None
+    return SessionRecord(state, config, pending, text, checkpoints, attempt if _is_int(attempt) else 0,
                          notes=notes)  # fmt: skip
 
 
@@ -168,7 +169,7 @@ def _checkout(path, model, info: CacheFileInfo, config: GenerationConfig) -> Pro
     tokens = info.tokens
     scope = prompt_scope(model, config)
     # -1: an id no cache holds, past the end, so that every one of ``tokens`` can be served
-    state, tier = checkout_prompt(store, scope, model, [*tokens, -1], config.max_kv_size, config.keep)
+    state, tier = checkout_prompt(store, scope, model, [*tokens, -1], config.shape)
     if state.tokens != list(tokens):  # only an empty session is not served (the file tier is strict)
         raise CacheFileError(f"{path}: the session's cache could not be read back; the file is damaged")
     return state
@@ -217,7 +218,8 @@ def _parse_config(path, raw, notes: list[str]) -> GenerationConfig:
     return dataclasses.replace(DEFAULTS, **values)
 
 
-def _parse_window(path, meta: dict) -> tuple[int | None, int]:
+def _parse_window(path, meta: dict) -> CacheShape:
+    """The window (``max_kv_size``, ``keep``) the session's cache was made with."""
     max_kv = meta.get("max_kv_size")
     keep = meta.get("keep", DEFAULTS.keep)
     if not (max_kv is None or _is_int(max_kv)) or not _is_int(keep):
@@ -227,19 +229,18 @@ def _parse_window(path, meta: dict) -> tuple[int | None, int]:
     except SettingError as e:
         raise CacheFileError(f"{path}: the session's window is unusable: {e.named.split('; ')[0]}; "
                              "the file is damaged") from None  # fmt: skip
-    return max_kv, keep
+    return CacheShape(max_kv, keep)
 
 
 def _with_overrides(path, config: GenerationConfig, overrides: dict | None) -> GenerationConfig:
-    overrides = dict(overrides or {})
-    want = overrides.pop("max_kv_size", None)
-    if want is not None and want != config.max_kv_size:
+    overrides = overrides or {}
+    shape = config.shape.adopted(overrides)
+    if shape is None:
         raise SessionError(
             f"{path} was made with max_kv_size={config.max_kv_size}; resume it with the same "
             "--max-kv-size (or none) or start a new session"
         )
-    overrides.pop("keep", None)
-    return config.updated(**overrides)
+    return config.shaped(shape).updated(**{k: v for k, v in overrides.items() if k not in SHAPE_KEYS})
 
 
 def _parse_text(path, meta: dict) -> tuple[list[int], str]:

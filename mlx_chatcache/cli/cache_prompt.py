@@ -88,7 +88,6 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, prompt: str | None, config, target) -> int:
     from ..generation.prompt import PromptCache
     from ..generation.templates import feed_all
-    from ..generation.checkout import cache_settings
 
     model, tokenizer = load_model(args)
     messages, text, tokens = build(args, tokenizer, prompt)
@@ -96,7 +95,7 @@ def _run(args: argparse.Namespace, prompt: str | None, config, target) -> int:
                                 "shorten it, or pass --max-kv-size N to keep only the latest N tokens")  # fmt: skip
     if warning:
         sys.stderr.write(f"mlxcc: warning: {warning}\n")
-    stored = PromptCache.new(model, config.max_kv_size, config.keep)
+    stored = PromptCache.new(model, config.shape)
     stored.messages, stored.text = messages, text
     start = time.perf_counter()
     bar = ProgressBar("caching")
@@ -113,7 +112,7 @@ def _run(args: argparse.Namespace, prompt: str | None, config, target) -> int:
 
         quantize_prompt_cache(stored.cache, config.kv_group_size, config.kv_bits, config.quantized_kv_start)
     elapsed = time.perf_counter() - start
-    stored.settings.update(cache_settings(config))  # recorded: generate adopts them, and refuses others
+    stored.settings.update(config.shape.settings())  # recorded: generate adopts them, and refuses others
     stored.save(target)
     size = os.path.getsize(args.prompt_cache_file)
     sys.stdout.write(

@@ -101,7 +101,7 @@ def run_diff(args: argparse.Namespace) -> int:
             i = d.diverge_at
             lines.append(f"diverge at:   token {i} (id {a.tokens[i]} vs {b.tokens[i]})")
         elif a.num_tokens != b.num_tokens:
-            lines.append(f"diverge at:   none: the shorter file is a prefix of the longer")
+            lines.append("diverge at:   none: the shorter file is a prefix of the longer")
     lines.append("layers:       " + ("same classes and settings" if not d.layer_differences
                                      else "; ".join(d.layer_differences)))  # fmt: skip
     lines.append("settings:     " + ("same" if not d.setting_differences else "; ".join(d.setting_differences)))

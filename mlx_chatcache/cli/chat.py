@@ -206,9 +206,10 @@ def _from_prebuilt(args, model, tokenizer, shared, info, config):
         _note(f"[new system prompt: the cache of {f} is not used; its messages will be read on the first turn]")
         return session
     _note(f"[started from {f}: {len(prompt.tokens)} tokens in the cache, 0 tokens recomputed]")
-    if prompt.max_kv_size is not None and prompt.keep < session.pinned_tokens():
-        _note(f"[the window of {f} pins its first {prompt.keep} tokens, not the whole system prompt: it leaves "
-              f"the window once the chat outgrows max_kv_size={prompt.max_kv_size}]")  # fmt: skip
+    window = prompt.shape
+    if window.max_kv_size is not None and window.keep < session.pinned_tokens():
+        _note(f"[the window of {f} pins its first {window.keep} tokens, not the whole system prompt: it leaves "
+              f"the window once the chat outgrows max_kv_size={window.max_kv_size}]")  # fmt: skip
     return session
 
 

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..config import DEFAULTS, RANGES, WEIGHTS, GenerationConfig, SettingError, check_setting, check_window
+from ..config import DEFAULTS, RANGES, WEIGHTS, SHAPE_KEYS, GenerationConfig, SettingError, check_setting, check_window
 from ..errors import UsageError
 
 D = DEFAULTS
@@ -164,7 +164,7 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
 # GenerationConfig fields that flags (sampling and cache flags above) can set
 CONFIG_FLAGS = (
     "max_tokens", "temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-    "max_kv_size", "kv_bits", "kv_group_size", "quantized_kv_start", "prefill_step_size",
+    *(k for k in SHAPE_KEYS if k != "keep"), "prefill_step_size",
 )  # fmt: skip
 
 

@@ -39,8 +39,8 @@ import sys
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
-from ..config import INTERRUPTIBLE_CALL_SECONDS, GenerationConfig
-from ..errors import CacheFormatError, UsageError
+from ..config import INTERRUPTIBLE_CALL_SECONDS, CacheShape, GenerationConfig
+from ..errors import UsageError
 from ..files.mlxcc_format import read_cache_info
 from ..files.registry import CacheFileInfo
 from ..files.cache_file import Claim, claim, hold
@@ -56,6 +56,7 @@ from .common import (
     check_cache_dir,
     check_window_flags,
     config_from_args,
+    config_overrides,
     load_model,
     read_json_arg,
     read_prompt,
@@ -67,9 +68,6 @@ if TYPE_CHECKING:
     from ..generation.prompt import PromptCache
     from ..store.store import PromptStore
     from ..store.tiers import Scope
-
-KV_KEYS = ("kv_bits", "kv_group_size", "quantized_kv_start")
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -103,36 +101,33 @@ def file_config(args, info: CacheFileInfo | None) -> GenerationConfig:
     config = config_from_args(args)
     if info is None or info.tokens is None:  # mlx-lm's files: shaped by their layers (untokenized)
         return config
-    f, s = args.prompt_cache_file, info.settings
-    made, keep = s.get("max_kv_size"), s.get("keep", config.keep)
-    if made is not None and (type(made) is not int or type(keep) is not int):
-        raise CacheFormatError(f"{f}: settings max_kv_size/keep are not integers; the file is damaged")
-    same_window(args, made)
     from ..store.named_file import recorded_shape
 
-    shape = recorded_shape(info)  # an older file's KV quantization is read off its layers
-    changes = {k: shape[k] for k in KV_KEYS if k in shape and getattr(args, k) is None}
-    return dataclasses.replace(config, max_kv_size=made, keep=keep if made is not None else config.keep, **changes)
+    # an older file's KV quantization is read off its layers
+    made = CacheShape.recorded(recorded_shape(info), args.prompt_cache_file)
+    return config.shaped(adopt(args, made))
 
 
-def same_window(args, made: int | None) -> None:
-    """UsageError when --max-kv-size asks for another window than the file was made with."""
-    if args.max_kv_size is not None and args.max_kv_size != made:
+def adopt(args, made: CacheShape) -> CacheShape:
+    """The shape a file was ``made`` with, with the KV settings flags give; UsageError
+    when --max-kv-size asks for another window."""
+    shape = made.adopted(config_overrides(args))
+    if shape is None:
         raise UsageError(
-            f"{args.prompt_cache_file} was made with max_kv_size={made}; drop --max-kv-size or use the same value"
+            f"{args.prompt_cache_file} was made with max_kv_size={made.max_kv_size}; "
+            "drop --max-kv-size or use the same value"
         )
+    return shape
 
 
-def layer_kv_config(args, config: GenerationConfig, cache) -> GenerationConfig:
-    """``config`` with the KV quantization of ``cache``'s quantized layers (an mlx-lm
-    file) unless flags give it; unchanged for a float cache."""
+def layer_shape(stored) -> CacheShape:
+    """The shape of an mlx-lm file's cache: its window and the KV quantization of its
+    quantized layers (the defaults for a float cache)."""
     from ..cache import QuantizedKVCache, QuantizedRotatingKVCache
 
-    q = next((c for c in cache if isinstance(c, (QuantizedKVCache, QuantizedRotatingKVCache))), None)
-    if q is None:
-        return config
-    found = {"kv_bits": q.bits, "kv_group_size": q.group_size}
-    return dataclasses.replace(config, **{k: v for k, v in found.items() if getattr(args, k) is None})
+    q = next((c for c in stored.cache if isinstance(c, (QuantizedKVCache, QuantizedRotatingKVCache))), None)
+    kv = {} if q is None else {"kv_bits": q.bits, "kv_group_size": q.group_size}
+    return dataclasses.replace(stored.shape, **kv)
 
 
 def build_prompt(args, tokenizer, messages: list[dict] | None, text: str | None, prompt: str):
@@ -183,7 +178,7 @@ def _run(args: argparse.Namespace, prompt: str, save: Claim | None) -> int:
         job = _start_untokenized(args, model, tokenizer, config, prompt, save)
     else:
         job = _start(args, model, tokenizer, config, info, prompt, save)
-    warning = check_prompt_fits(model, len(job.tokens), job.state.max_kv_size, "the prompt",
+    warning = check_prompt_fits(model, len(job.tokens), job.state.shape.max_kv_size, "the prompt",
                                 "shorten the prompt, or pass --max-kv-size N to keep only the latest N tokens")  # fmt: skip
     if warning:
         sys.stderr.write(f"mlxcc: warning: {warning}\n")
@@ -195,13 +190,10 @@ class _Job:
     """What a run generates from and where its result goes."""
 
     tokens: list[int]  # the full prompt
-    state: PromptCache  # what it starts from (a stored prefix, or empty)
+    state: PromptCache  # what it starts from (a stored prefix, or empty), with the prompt's messages or text
     config: GenerationConfig
     store: PromptStore  # the named files' tier, then --cache-dir's
     scope: Scope  # the store scope of this model and cache shape
-    messages: list[dict] | None  # the chat (None: raw text)
-    text: str | None
-    recorded: dict  # the settings the file recorded, written back
     tier: str | None  # where the prefix came from (None: nowhere)
     shared: bool = True  # put the result into --cache-dir too (False: its tokens were only assumed)
 
@@ -231,8 +223,10 @@ def _start(args, model, tokenizer, config, info, prompt, save: Claim | None) -> 
     tokens, messages, text = build_prompt(args, tokenizer, messages, text, prompt)
     store = _store(args, CacheFileTier(args.prompt_cache_file, save, header=info))
     scope = prompt_scope(model, config)
-    state, tier = checkout_prompt(store, scope, model, tokens, config.max_kv_size, config.keep)
-    return _Job(tokens, state, config, store, scope, messages, text, info.settings if info else {}, tier)
+    state, tier = checkout_prompt(store, scope, model, tokens, config.shape)
+    state.messages, state.text = messages, text
+    state.settings = {**(info.settings if info else {}), **state.settings}  # what the file recorded, written back
+    return _Job(tokens, state, config, store, scope, tier)
 
 
 def _start_untokenized(args, model, tokenizer, config, prompt, save: Claim | None) -> _Job:
@@ -242,17 +236,16 @@ def _start_untokenized(args, model, tokenizer, config, prompt, save: Claim | Non
     from ..store.named_file import CacheFileTier
 
     stored = load_untokenized(args.prompt_cache_file, model, args.ignore_chat_template)
-    same_window(args, stored.max_kv_size)
-    config = layer_kv_config(args, config, stored.cache)
-    tokens, messages, text = build_prompt(args, tokenizer, stored.messages, stored.text, prompt)
+    config = config.shaped(adopt(args, layer_shape(stored)))
+    tokens, stored.messages, stored.text = build_prompt(args, tokenizer, stored.messages, stored.text, prompt)
     sys.stderr.write(adopt_prompt_prefix(stored, tokens, model, args.prompt_cache_file) + "\n")
     store = _store(args, CacheFileTier(None, save))
-    scope = prompt_scope(model, dataclasses.replace(config, max_kv_size=stored.max_kv_size, keep=stored.keep))
-    return _Job(tokens, stored, config, store, scope, messages, text, stored.settings, "file", shared=False)
+    scope = prompt_scope(model, config)
+    return _Job(tokens, stored, config, store, scope, "file", shared=False)
 
 
 def _generate(args, model, tokenizer, job: _Job) -> int:
-    from ..generation.checkout import FileContents, file_settings, put_prompt
+    from ..generation.checkout import file_settings, put_prompt
     from ..generation.text import stream_generate
 
     bar = ProgressBar("prompt")
@@ -273,12 +266,13 @@ def _generate(args, model, tokenizer, job: _Job) -> int:
     sys.stdout.write("\n")
     bar.close()
     text = "".join(reply)
-    if job.messages is not None:
-        job.messages.append({"role": "assistant", "content": text})
+    state = job.state
+    if state.messages is not None:
+        state.messages.append({"role": "assistant", "content": text})
     else:
-        job.text += text
-    contents = FileContents(job.messages, job.text, file_settings(job.state, job.config, job.recorded))
-    put_prompt(job.store, job.scope, job.state, contents, shared=job.shared,
+        state.text += text
+    state.settings = file_settings(state, job.config)
+    put_prompt(job.store, job.scope, state, shared=job.shared,
                warn=lambda line: sys.stderr.write(f"mlxcc: warning: {line}\n"))  # fmt: skip
     if args.verbose and last is not None:
         report(last, job.state, job.tier, runtime_lines(model))

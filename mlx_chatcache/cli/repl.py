@@ -393,7 +393,7 @@ class ChatREPL:
             f"sampling:      temp={c.temp} top_p={c.top_p} top_k={c.top_k} min_p={c.min_p} "
             f"seed={c.seed} repetition_penalty={c.repetition_penalty}",
             f"max_tokens:    {c.max_tokens}",
-            f"cache:         max_kv_size={s.state.max_kv_size} kv_bits={c.kv_bits}",
+            f"cache:         max_kv_size={s.state.shape.max_kv_size} kv_bits={c.kv_bits}",
         ]
         self.say("\n".join(lines))
 

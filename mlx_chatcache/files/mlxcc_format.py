@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from .. import __version__
 from ..errors import (
-    CacheFileError, CacheFormatError, ChatCacheError, ModelMismatchError, UnsupportedCacheError, clipped, one_line,
+    CacheFormatError, ChatCacheError, ModelMismatchError, UnsupportedCacheError, clipped, one_line,
 )  # fmt: skip
 from ..models.fingerprint import ModelFingerprint
 from . import registry

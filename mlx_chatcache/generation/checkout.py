@@ -4,7 +4,7 @@ sessions use to find and keep caches.
 
 Contract
 --------
-- :func:`cache_settings` is what shapes a cache (the window, KV
+- ``config.shape`` (:class:`~mlx_chatcache.config.CacheShape`) is what shapes a cache (the window, KV
   quantization); every named file mlxcc writes records them
   (:func:`file_settings`), so the strict file tier can refuse a run with other
   ones. :func:`prompt_scope` is the store :class:`~mlx_chatcache.store.tiers.Scope`
@@ -25,7 +25,7 @@ Contract
   :func:`~mlx_chatcache.generation.prompt.reuse_prefix` (which
   ``stream_generate`` calls) does that, and says how many tokens were reused.
 - :func:`put_prompt` stores a prompt cache in every tier, the named file with
-  ``contents``; a shared tier that fails is reported, in one line, to ``warn``
+  its messages or text, settings and metadata; a shared tier that fails is reported, in one line, to ``warn``
   (the named file is what the user asked for: its errors are raised). The
   shared tiers are skipped when ``shared=False`` (a cache whose tokens were
   only assumed, mlx-lm's files) and, with one line to ``warn``, when the
@@ -39,18 +39,11 @@ import os
 from typing import Callable, Sequence
 
 from ..cache import kv_quantization_mismatch, make_prompt_cache
-from ..config import GenerationConfig
+from ..config import CacheShape, GenerationConfig
 from ..models.fingerprint import ModelFingerprint
-from ..store.named_file import FileContents
 from ..store.store import PromptStore
 from ..store.tiers import DiskTier, Scope, Tier, make_scope
 from .prompt import PromptCache
-
-
-def cache_settings(config: GenerationConfig) -> dict:
-    """What shapes a cache, so entries made otherwise are never reused."""
-    return {"max_kv_size": config.max_kv_size, "keep": config.keep, "kv_bits": config.kv_bits,
-            "kv_group_size": config.kv_group_size, "quantized_kv_start": config.quantized_kv_start}  # fmt: skip
 
 
 def prompt_scope(model, config: GenerationConfig) -> Scope:
@@ -64,7 +57,7 @@ def scope_of(fingerprint: ModelFingerprint | None, config: GenerationConfig, pol
     ``config``. Without a fingerprint (a model not loaded by
     :func:`mlx_chatcache.load`) the namespace is empty: only a named file can
     hold such caches, never a shared tier."""
-    settings = cache_settings(config)
+    settings = config.shape.settings()
     if policy is not None:
         settings["weights"] = policy
     if fingerprint is None:
@@ -80,12 +73,13 @@ def shared_tiers(cache_dir: str | os.PathLike | None) -> list[Tier]:
     return [DiskTier(os.path.expanduser(cache_dir), None)]
 
 
-def checkout_prompt(store: PromptStore, scope: Scope, model, prompt: Sequence[int], max_kv_size: int | None,
-                    keep: int) -> tuple[PromptCache, str | None]:  # fmt: skip
-    """``(state, tier)``: the longest stored prefix of ``prompt`` and the tier it came
-    from (None: a miss, ``state`` is empty). ``state.tokens`` may run past the prompt."""
-    state = PromptCache.new(model, max_kv_size, keep)
-    got = store.checkout(scope, prompt, make_prompt_cache(model, max_kv_size, keep))
+def checkout_prompt(store: PromptStore, scope: Scope, model, prompt: Sequence[int], shape: CacheShape,
+                    key: str | None = None) -> tuple[PromptCache, str | None]:  # fmt: skip
+    """``(state, tier)``: the longest stored prefix of ``prompt`` as a prompt cache of
+    ``shape`` and the tier it came from (None: a miss, ``state`` is empty), entries
+    pinned by ``key`` (a conversation id) preferred. ``state.tokens`` may run past the prompt."""
+    state = PromptCache.new(model, shape)
+    got = store.checkout(scope, prompt, make_prompt_cache(model, shape.max_kv_size, shape.keep), key)
     if got is None:
         return state, None
     state.cache[:] = got.cache
@@ -93,8 +87,8 @@ def checkout_prompt(store: PromptStore, scope: Scope, model, prompt: Sequence[in
     return state, got.tier
 
 
-def put_prompt(store: PromptStore, scope: Scope, state: PromptCache, contents: FileContents,
-               warn: Callable[[str], None], shared: bool = True) -> None:  # fmt: skip
+def put_prompt(store: PromptStore, scope: Scope, state: PromptCache, warn: Callable[[str], None],
+               shared: bool = True) -> None:  # fmt: skip
     """Store ``state`` in every tier of ``store`` (see the module doc)."""
 
     def failed(tier: Tier, e: Exception) -> None:
@@ -110,16 +104,14 @@ def put_prompt(store: PromptStore, scope: Scope, state: PromptCache, contents: F
             shared = False
     if not shared:
         store = PromptStore([t for t in store.tiers if t.named])
-    store.put(scope, state.tokens, state.cache, contents=contents, on_error=failed)
+    store.put(scope, state.tokens, state.cache, prompt=state, on_error=failed)
 
 
-def file_settings(state: PromptCache, config: GenerationConfig, recorded: dict | None = None) -> dict:
-    """The settings a named file records for ``state``, made with ``config``: what
-    it recorded before (``recorded``), this model's weight policy, the window
-    and the KV quantization (:func:`cache_settings`)."""
-    return {**(recorded or {}), **state.settings, **cache_settings(config), "max_kv_size": state.max_kv_size,
-            "keep": state.keep}  # fmt: skip
+def file_settings(state: PromptCache, config: GenerationConfig) -> dict:
+    """The settings a named file records for ``state``, made with ``config``: its
+    settings (what its file recorded before, this model's weight policy), its window
+    and the KV quantization (:attr:`~mlx_chatcache.config.GenerationConfig.shape`)."""
+    return {**state.settings, **config.windowed(state.shape).shape.settings()}
 
 
-__all__ = ["cache_settings", "prompt_scope", "scope_of", "shared_tiers", "checkout_prompt", "put_prompt", "file_settings",
-           "FileContents"]  # fmt: skip
+__all__ = ["prompt_scope", "scope_of", "shared_tiers", "checkout_prompt", "put_prompt", "file_settings"]

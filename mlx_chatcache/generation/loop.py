@@ -84,8 +84,8 @@ cache of the same shape (``tokens == []``) before the exception propagates
 
 Cache shape and settings
 ------------------------
-A state keeps the shape it was made with: ``max_kv_size`` and ``keep`` (a
-rotating window). ``GenerationConfig.max_kv_size``/``keep`` are used only to
+A state keeps the window it was made with (``state.shape``: ``max_kv_size``
+and ``keep``). ``GenerationConfig.max_kv_size``/``keep`` are used only to
 make a new state. A non-None ``config.max_kv_size`` that differs from the
 shape of a given state raises :class:`UsageError`. KV quantization
 (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``) follows the config of

@@ -2,9 +2,10 @@
 
 Contract: a :class:`PromptCache` pairs ``cache`` (one cache per layer)
 with ``tokens``, the ids that cache has been fed, in order, so
-``len(tokens)`` equals the cache offset; ``max_kv_size``/``keep`` record the
-cache's shape (a rotating window pinning its first ``keep`` tokens) so an
-empty cache of the same shape can be rebuilt. The functions here keep that
+``len(tokens)`` equals the cache offset; ``shape`` (a
+:class:`~mlx_chatcache.config.CacheShape`: a rotating window pinning its first
+``keep`` tokens, the KV quantization it was made with) lets an empty cache of
+the same shape be rebuilt. The functions here keep that
 pairing when a state is reused for a new prompt: :func:`reuse_prefix` reduces
 a state to the longest part of a prompt it already holds, :func:`trim_state`
 trims it back to a given length when every layer can be trimmed. Feeding and
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..cache import BaseCache, cache_offset, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-from ..config import DEFAULTS, GenerationConfig, SettingError, check_setting, check_window
+from ..config import CacheShape, GenerationConfig, SettingError, check_setting, check_window
 from ..errors import CacheFormatError, UsageError
 from ..files import cache_file
 from ..files.mlxcc_format import check_cache_fits_model, load_cache_file
@@ -42,27 +43,30 @@ class PromptCache:
     """A prompt cache, the exact tokens it has been fed (``len == offset``) and what they are.
 
     ``cache`` and ``tokens`` are updated in place by the functions below.
-    ``max_kv_size``/``keep`` record the cache's shape so it can be rebuilt.
+    ``shape`` records the cache's shape so it can be rebuilt.
     ``fingerprint`` names the model that made it; ``messages`` (a chat) or
     ``text`` (raw text, no chat template) say what the tokens are, when known;
-    ``settings`` are saved with the file. The caller keeps ``messages``/``text``
+    ``settings`` are saved with the file, ``metadata`` (free user strings) too when
+    the store puts it into a named file. The caller keeps ``messages``/``text``
     in step with ``tokens`` (:meth:`reset` leaves them alone).
     """
 
     cache: list[BaseCache]
     tokens: list[int] = field(default_factory=list)
-    max_kv_size: int | None = None
-    keep: int = DEFAULTS.keep
+    shape: CacheShape = CacheShape()
     fingerprint: ModelFingerprint | None = None
     messages: list[dict] | None = None  # chat mode
     text: str | None = None  # raw mode
     settings: dict = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def new(cls, model, max_kv_size: int | None = None, keep: int | None = None) -> "PromptCache":
-        """An empty prompt cache for ``model`` (rotating when ``max_kv_size`` is set: a
-        window of more than the ``keep`` tokens it pins, else UsageError)."""
-        keep = DEFAULTS.keep if keep is None else keep
+    def new(cls, model, shape: CacheShape | None = None) -> "PromptCache":
+        """An empty prompt cache for ``model`` of ``shape`` (None: the defaults; rotating
+        when ``max_kv_size`` is set: a window of more than the ``keep`` tokens it pins,
+        else UsageError)."""
+        shape = shape or CacheShape()
+        max_kv_size, keep = shape.max_kv_size, shape.keep
         if max_kv_size is not None:
             try:
                 check_setting("keep", keep)
@@ -70,7 +74,7 @@ class PromptCache:
             except SettingError as e:
                 raise UsageError(e.named) from None
         cache = make_prompt_cache(model, max_kv_size, keep)
-        return cls(cache, [], max_kv_size, keep, getattr(model, "fingerprint", None), settings=_policy(model))
+        return cls(cache, [], shape, getattr(model, "fingerprint", None), settings=_policy(model))
 
     @property
     def mode(self) -> str:
@@ -78,7 +82,7 @@ class PromptCache:
 
     def reset(self, model) -> None:
         """Drop the cache and its tokens: a fresh empty cache of the same shape."""
-        self.cache[:] = make_prompt_cache(model, self.max_kv_size, self.keep)
+        self.cache[:] = make_prompt_cache(model, self.shape.max_kv_size, self.shape.keep)
         del self.tokens[:]
 
     # ------------------------------------------------------------ files
@@ -88,7 +92,7 @@ class PromptCache:
         :class:`~mlx_chatcache.files.cache_file.Claim` the caller holds, or a path claimed
         for the write (``force``: even over a file that is not a cache, or a chat session)."""
         settings = dict(self.settings)
-        settings.update(max_kv_size=self.max_kv_size, keep=self.keep)
+        settings.update(max_kv_size=self.shape.max_kv_size, keep=self.shape.keep)
         cache_file.write(
             path, self.cache, tokens=self.tokens, model=self.fingerprint,
             messages=self.messages, text=self.text, settings=settings, metadata=metadata, force=force,
@@ -104,20 +108,17 @@ class PromptCache:
                 "rebuild it with 'mlxcc cache-prompt'"
             )
         settings = info.settings
-        max_kv_size, keep = settings.get("max_kv_size"), settings.get("keep", DEFAULTS.keep)
-        if max_kv_size is not None and (type(max_kv_size) is not int or type(keep) is not int):
-            raise CacheFormatError(f"{path}: settings max_kv_size/keep are not integers; the file is damaged")
-        prompt = cls.fitted(model, cache, info.tokens, max_kv_size, keep, path)
+        prompt = cls.fitted(model, cache, info.tokens, CacheShape.recorded(settings, path), path)
         prompt.messages, prompt.text = info.messages, info.text
         prompt.settings = {**settings, **prompt.settings}  # the weight policy: this model's from now on
         return prompt
 
     @classmethod
-    def fitted(cls, model, cache, tokens, max_kv_size: int | None, keep: int, path) -> "PromptCache":
-        """A cache loaded from ``path`` and its ``tokens`` as a prompt cache of the given
-        shape; ModelMismatchError when its layers are not the kinds ``model`` makes."""
-        check_cache_fits_model(cache, make_prompt_cache(model, max_kv_size, keep), path)
-        return cls(cache, list(tokens), max_kv_size, keep, getattr(model, "fingerprint", None), settings=_policy(model))
+    def fitted(cls, model, cache, tokens, shape: CacheShape, path) -> "PromptCache":
+        """A cache loaded from ``path`` and its ``tokens`` as a prompt cache of ``shape``;
+        ModelMismatchError when its layers are not the kinds ``model`` makes."""
+        check_cache_fits_model(cache, make_prompt_cache(model, shape.max_kv_size, shape.keep), path)
+        return cls(cache, list(tokens), shape, getattr(model, "fingerprint", None), settings=_policy(model))
 
 
 def _policy(model) -> dict:
@@ -132,11 +133,11 @@ def _policy(model) -> dict:
 def ensure_state(model, state: PromptCache | None, config: GenerationConfig) -> PromptCache:
     """``state``, or a new one shaped by ``config``; rejects a conflicting shape."""
     if state is None:
-        return PromptCache.new(model, config.max_kv_size, config.keep)
-    wanted = (config.max_kv_size, config.keep)
-    if config.max_kv_size is not None and wanted != (state.max_kv_size, state.keep):
+        return PromptCache.new(model, config.shape)
+    made = state.shape
+    if config.max_kv_size is not None and (config.max_kv_size, config.keep) != (made.max_kv_size, made.keep):
         raise UsageError(
-            f"the prompt cache was made with max_kv_size={state.max_kv_size}, keep={state.keep} "
+            f"the prompt cache was made with max_kv_size={made.max_kv_size}, keep={made.keep} "
             f"but max_kv_size={config.max_kv_size}, keep={config.keep} was asked; "
             "use the same values or start a new cache"
         )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cache import can_trim_prompt_cache, cache_offset, make_prompt_cache, trim_prompt_cache
+from ..config import CacheShape
 from ..errors import CacheFileError, UsageError
 from ..files.mlxcc_format import load_cache_file
 from .model_call import call_model
@@ -38,7 +39,7 @@ def load_untokenized(path, model, raw: bool) -> PromptCache:
     rotating = next((c for c in cache if type(c).__name__ == "RotatingKVCache"), None)
     if max_kv is None and rotating is not None:
         max_kv, keep = rotating.max_size, rotating.keep
-    prompt = PromptCache.fitted(model, cache, [], max_kv, keep if type(keep) is int else 4, path)
+    prompt = PromptCache.fitted(model, cache, [], CacheShape(max_kv, keep if type(keep) is int else CacheShape.keep), path)
     prompt.messages, prompt.text = (None, "") if raw else ([], None)
     prompt.settings = dict(info.settings)
     return prompt

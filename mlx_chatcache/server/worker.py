@@ -42,12 +42,11 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..cache import make_prompt_cache
 from ..config import GenerationConfig
 from ..errors import ChatCacheError
 from ..generation.loop import PrefillStopped, consistent_on_error, make_kv_quantizer, prefill
 from ..generation.prompt import PromptCache, reuse_prefix
-from ..generation.checkout import prompt_scope
+from ..generation.checkout import checkout_prompt, prompt_scope
 from ..generation.text import stream_generate
 from ..store.store import PromptStore
 from ..store.tiers import Scope, compact_copy
@@ -186,12 +185,9 @@ class GenerationWorker:
             log.warning("could not store a prompt cache: %s", e)
 
     def _checkout(self, job: Job) -> tuple[PromptCache, int]:
-        c = self.config
-        got = self.store.checkout(self.scope, job.prompt, make_prompt_cache(self.model, c.max_kv_size, c.keep), job.key)
-        if got is None:
-            return PromptCache.new(self.model, c.max_kv_size, c.keep), 0
-        state = PromptCache(got.cache, got.tokens, c.max_kv_size, c.keep)
-        return state, reuse_prefix(state, job.prompt, self.model)
+        """The longest stored prefix of the prompt, trimmed to it, and its length."""
+        state, tier = checkout_prompt(self.store, self.scope, self.model, job.prompt, self.config.shape, job.key)
+        return state, 0 if tier is None else reuse_prefix(state, job.prompt, self.model)
 
     def _checkpoint(self, job: Job, state: PromptCache):
         """Feed the prompt up to the end of its last message and copy the cache

@@ -25,8 +25,9 @@ read). It differs from the anonymous tiers (memory, disk, Redis) in three ways:
   cache (a chat that was cleared). ``write_path`` is the
   :class:`~mlx_chatcache.files.cache_file.Claim` the caller holds, or a path
   claimed for each write;
-- **carries the file's contents**: :meth:`add` takes a :class:`FileContents`
-  (the chat messages or raw text the tokens are, the settings and user
+- **carries the file's contents**: :meth:`add` takes the
+  :class:`~mlx_chatcache.generation.prompt.PromptCache` being stored (the chat
+  messages or raw text its tokens are, the settings the file records and user
   metadata, e.g. a chat session's record), which
   :meth:`~.store.PromptStore.put` passes to named tiers only.
 
@@ -39,10 +40,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..cache import BaseCache, can_trim_prompt_cache
+from ..config import SHAPE_KEYS
 from ..errors import CacheFileError, CacheFormatError, UsageError
 from ..files import cache_file
 from ..files.mlxcc_format import check_cache_fits_model, load_cache_file, read_cache_info
@@ -51,17 +53,8 @@ from ..files.tokens import common_prefix_len
 from .index import Entry
 from .tiers import Scope, Tier
 
-SHAPE_KEYS = ("max_kv_size", "keep", "kv_bits", "kv_group_size", "quantized_kv_start")
-
-
-@dataclass(frozen=True)
-class FileContents:
-    """What a named cache file carries besides the layers and their token ids."""
-
-    messages: list[dict] | None = None  # the chat the tokens are
-    text: str | None = None  # or the raw text (no chat template)
-    settings: dict = field(default_factory=dict)  # written as the file's settings (max_kv_size, keep, weights, ...)
-    metadata: dict[str, str] = field(default_factory=dict)  # user metadata (a chat session's record)
+if TYPE_CHECKING:
+    from ..generation.prompt import PromptCache
 
 
 class CacheFileTier(Tier):
@@ -151,12 +144,15 @@ class CacheFileTier(Tier):
         self.counters["hit_tokens"] += len(entry.tokens)
 
     # ------------------------------------------------------------------ writing
-    def add(self, scope, tokens, cache, key, contents: FileContents | None = None):
+    def add(self, scope, tokens, cache, key, prompt: PromptCache | None = None):
+        """Write ``cache`` (holding ``tokens``) with what ``prompt`` says its tokens are,
+        its settings and metadata (None: nothing but the layers and token ids)."""
         if self.write_path is None:
             return False
-        c = contents or FileContents()
+        messages, text = (None, None) if prompt is None else (prompt.messages, prompt.text)
+        settings, metadata = ({}, {}) if prompt is None else (prompt.settings, prompt.metadata)
         cache_file.write(self._target, cache, tokens=list(tokens), model=scope.fingerprint,
-                         messages=c.messages, text=c.text, settings=c.settings, metadata=c.metadata)  # fmt: skip
+                         messages=messages, text=text, settings=settings, metadata=metadata)  # fmt: skip
         self.counters["added"] += 1
         return True
 
@@ -213,4 +209,4 @@ def _identity(path: Path) -> tuple:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-__all__ = ["CacheFileTier", "FileContents", "recorded_shape"]
+__all__ = ["CacheFileTier", "recorded_shape"]

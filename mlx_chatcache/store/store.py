@@ -28,8 +28,9 @@ Contract
   ``mlxcc generate --prompt-cache-file``, a chat session file) are strict:
   their ``find``/``fetch`` raise instead of missing. ``put`` writes them at
   once (never deferred), also for an empty cache, and passes them
-  ``contents`` (a :class:`~.named_file.FileContents`: the messages or text the
-  tokens are, settings, user metadata); an error there is raised. With
+  ``prompt`` (the :class:`~mlx_chatcache.generation.prompt.PromptCache` being
+  stored: the messages or text its tokens are, settings, user metadata); an
+  error there is raised. With
   ``on_error``, a failing anonymous tier (a full shared disk) is reported to
   it, ``on_error(tier, error)``, and the other tiers are still written.
 - What a hit returns holds the same tokens the prompt would otherwise have
@@ -45,13 +46,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache
 from ..errors import ChatCacheError
-from .named_file import FileContents
 from .index import Entry
 from .tiers import DiskTier, MemoryTier, Scope, Tier, compact_copy
+
+if TYPE_CHECKING:
+    from ..generation.prompt import PromptCache
 
 
 @dataclass
@@ -104,16 +107,16 @@ class PromptStore:
         return best
 
     def put(self, scope: Scope, tokens: Sequence[int], cache: list[BaseCache], key: str | None = None,
-            defer: bool = False, contents: FileContents | None = None,
+            defer: bool = False, prompt: PromptCache | None = None,
             on_error: Callable[[Tier, Exception], None] | None = None) -> dict:  # fmt: skip
         """Store ``cache`` (holding ``tokens``) in every tier; ``{tier: stored?}``
         (None: a deferred write, still pending). See the module doc for named
-        tiers, ``contents`` and ``on_error``."""
+        tiers, ``prompt`` and ``on_error``."""
         tokens = tuple(tokens)
         stored = {}
         for tier in self.tiers:
             if tier.named:
-                stored[tier.name] = tier.add(scope, tokens, cache, key, contents)
+                stored[tier.name] = tier.add(scope, tokens, cache, key, prompt)
         if not tokens:
             return stored
         anonymous = [t for t in self.tiers if not t.named]
