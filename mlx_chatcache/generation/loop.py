@@ -390,7 +390,7 @@ def generate_step(
         config.temp, config.top_p, config.top_k, config.min_p, config.min_tokens_to_keep
     )
     if logits_processors is None:
-        logits_processors = make_logits_processors(config.repetition_penalty, config.repetition_context_size)
+        logits_processors = make_logits_processors(config)
     quantizer = make_kv_quantizer(config)
     if config.seed is not None:
         mx.random.seed(config.seed)
