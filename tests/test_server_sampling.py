@@ -239,3 +239,16 @@ def test_the_service_maps_the_sampling_fields(llama_model):
     c = service.job_config(req, 10)
     assert (c.top_k, c.min_p, c.repetition_penalty, c.repetition_context_size) == (5, 0.1, 1.1, 30)
     assert (c.presence_penalty, c.frequency_penalty, c.logit_bias) == (0.5, -0.5, ((3, -100.0),))
+
+
+def test_a_chat_session_keeps_the_new_settings_across_save_and_load(llama_model, tmp_path):
+    from mlx_chatcache.chat.session import ChatSession
+
+    model, tok = llama_model
+    config = cfg(max_tokens=3, presence_penalty=0.5, frequency_penalty=-1.0, logit_bias=((3, -100.0), (9, 2.5)))
+    s = ChatSession(model, tok, config=config)
+    s.ask("Good morning!")
+    s.save(tmp_path / "s.safetensors")
+    loaded = ChatSession.load(tmp_path / "s.safetensors", model, tok)
+    assert (loaded.config.presence_penalty, loaded.config.frequency_penalty, loaded.config.logit_bias) == (
+        0.5, -1.0, ((3, -100.0), (9, 2.5)))  # fmt: skip
