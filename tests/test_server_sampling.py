@@ -29,7 +29,7 @@ from mlx_chatcache.generation.text import generate, stream_generate
 from mlx_chatcache.server.protocol import RequestError
 from mlx_chatcache.server.responses import Reply
 from mlx_chatcache.server.service import Service
-from mlx_chatcache.server.worker import GenerationWorker, Job, Piece
+from mlx_chatcache.server.worker import GenerationWorker, Job
 from mlx_chatcache.store.store import PromptStore
 from mlx_chatcache.store.tiers import MemoryTier
 
@@ -69,10 +69,10 @@ def test_logit_bias_forces_a_token_and_removes_the_argmax(llama_model):
     target = next(t for t in range(greedy[0] + 5, 10**6) if t not in tok.eos_token_ids)
     steps = list(stream_generate(model, tok, prompt, config=cfg(max_tokens=4, logit_bias=((target, 100.0),))))
     assert [r.token for r in steps] == [target] * 4
-    banned = [r.token for r in stream_generate(model, tok, prompt,
-                                               config=cfg(max_tokens=1, logit_bias=((greedy[0], -100.0),)))]  # fmt: skip
-    assert banned[0] != greedy[0]
-    assert generate(model, tok, prompt, config=cfg(max_tokens=4, logit_bias=((target, 100.0),))) == "".join(r.text for r in steps)
+    banned = cfg(max_tokens=1, logit_bias=((greedy[0], -100.0),))
+    assert next(iter(stream_generate(model, tok, prompt, config=banned))).token != greedy[0]
+    forced = generate(model, tok, prompt, config=cfg(max_tokens=4, logit_bias=((target, 100.0),)))
+    assert forced == "".join(r.text for r in steps)
 
 
 def test_logit_bias_past_the_vocabulary_is_one_line_before_generating(llama_model):
@@ -118,7 +118,8 @@ def test_logprobs_are_the_models_log_softmax_in_both_shapes(llama_model, kind):
         assert [c["logprob"] for c in content] == [t.logprob for t in entries]
         assert [c["token"] for c in content] == [t.token for t in entries]
         assert all(c["bytes"] == list(c["token"].encode()) for c in content)
-        assert [[x["logprob"] for x in c["top_logprobs"]] for c in content] == [[lp for *_, lp in t.top] for t in entries]
+        tops = [[x["logprob"] for x in c["top_logprobs"]] for c in content]
+        assert tops == [[lp for *_, lp in t.top] for t in entries]
         assert choice["message"]["content"] == text
         chunks = [reply.piece_chunk(p) for p in pieces(events)]
         streamed = [c for ch in chunks for c in (ch["choices"][0]["logprobs"] or {}).get("content", [])]
@@ -209,7 +210,7 @@ BAD = [("presence_penalty", 3), ("presence_penalty", "abc"), ("frequency_penalty
 
 @pytest.mark.parametrize("name,value", BAD)
 def test_every_invalid_value_is_refused_by_the_range_table(name, value):
-    with pytest.raises(SettingError, match=f"^must be .*, got "):
+    with pytest.raises(SettingError, match="^must be .*, got "):
         check_setting(name, value)
 
 

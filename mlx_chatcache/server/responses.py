@@ -106,8 +106,8 @@ class Reply:
         if not self.logprobs:
             return None
         if self.kind == "chat":
-            return {"content": [{**_token(t.token, t.logprob),
-                                 "top_logprobs": [_token(text, lp) for text, _, lp in t.top]} for t in entries]}  # fmt: skip
+            return {"content": [{**_token(t.token, t.logprob), "top_logprobs": [_token(x, lp) for x, _, lp in t.top]}
+                                for t in entries]}  # fmt: skip
         return {"tokens": [t.token for t in entries], "token_logprobs": [t.logprob for t in entries],
                 "top_logprobs": [_by_text(t.top) for t in entries],
                 "text_offset": [t.offset for t in entries]}  # fmt: skip
