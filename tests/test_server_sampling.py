@@ -221,7 +221,7 @@ def test_valid_values_pass_the_table():
 
 
 @pytest.mark.parametrize("name,value", [b for b in BAD if b[0] not in ("n", "top_logprobs")]
-                         + [("logit_bias", {"99999": 1}), ("top_k", -1), ("repetition_penalty", 0)])  # fmt: skip
+                         + [("logit_bias", {"99999": 1}), ("top_k", -1), ("repetition_penalty", -1)])  # fmt: skip
 def test_the_service_refuses_bad_sampling_fields_naming_them(llama_model, name, value):
     model, tok = llama_model
     service = Service(model, tok, "tiny", PromptStore([]), DEFAULTS, max_queue=1, context_length=512)
@@ -240,6 +240,8 @@ def test_the_service_maps_the_sampling_fields(llama_model):
     c = service.job_config(req, 10)
     assert (c.top_k, c.min_p, c.repetition_penalty, c.repetition_context_size) == (5, 0.1, 1.1, 30)
     assert (c.presence_penalty, c.frequency_penalty, c.logit_bias) == (0.5, -0.5, ((3, -100.0),))
+    req.repetition_penalty = 0  # mlx-lm's "off"
+    assert service.job_config(req, 10).repetition_penalty is None
 
 
 def test_a_chat_session_keeps_the_new_settings_across_save_and_load(llama_model, tmp_path):

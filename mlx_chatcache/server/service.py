@@ -108,13 +108,14 @@ class Service:
         return self.config.updated(**changes)
 
     def _sampling_changes(self, req: Request) -> dict:
-        """The request's sampling fields that are set, as GenerationConfig changes; a
-        value out of its range, or a logit_bias id the model does not have, is a 400 naming it."""
+        """The request's sampling fields that are set, as GenerationConfig changes (a
+        repetition_penalty of 0 is off, as in mlx-lm); a value out of its range, or a
+        logit_bias id the model does not have, is a 400 naming it."""
         changes = {}
         for name in ("top_k", "min_p", "repetition_penalty", "repetition_context_size", "presence_penalty",
                      "frequency_penalty", "logit_bias"):  # fmt: skip
             value = getattr(req, name, None)
-            if value is None:
+            if value is None or (name == "repetition_penalty" and value == 0):  # 0: off, as in mlx-lm
                 continue
             try:
                 changes[name] = check_setting(name, value)
