@@ -244,7 +244,7 @@ class GenerationWorker:
             self.stats["prompt_tokens_computed"] += max(len(state.tokens) - before, 0)
         base = compact_copy(state.cache)
         copies = [compact_copy(base) for _ in range(job.n - 2)] + [base]
-        return [state] + [PromptCache(c, list(state.tokens), state.max_kv_size, state.keep) for c in copies]
+        return [state] + [PromptCache(c, list(state.tokens), state.shape) for c in copies]
 
     def _put(self, tokens, cache, key) -> None:
         """Store a cache; a failing tier (a full disk) is logged, the client has its reply."""
