@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON, or
 server-sent events with ``"stream": true``, ending with ``data: [DONE]``),
-``GET /v1/models``, ``GET /health`` (queue, worker and store statistics).
+``GET /v1/models``, ``GET /health`` (queue, worker and store statistics),
+``GET /v1/store`` (the store's tiers, pins and hit history: :mod:`.store_report`).
 
 Contract: handlers never run MLX work; they parse and check the request
 (:mod:`.protocol`), tokenize it on the tokenizer thread, hand a job to the
@@ -35,6 +36,7 @@ from ..errors import UsageError
 from .protocol import Request, RequestError, error_body, parse_chat, parse_completion
 from .responses import Reply, sse
 from .service import Service
+from .store_report import store_report
 from .worker import Job, QueueFull
 
 log = logging.getLogger("mlxcc.serve")
@@ -105,6 +107,7 @@ def create_app(service: Service) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/v1/store", lambda request: JSONResponse(store_report(service.worker)), methods=["GET"]),
     ]
     handlers = {RequestError: _request_error, HTTPException: _http_error, Exception: _internal_error}
     return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)

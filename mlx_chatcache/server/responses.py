@@ -5,8 +5,10 @@
 ``prompt_tokens_details.cached_tokens``: the prompt tokens taken from the
 prompt-cache store instead of being computed. The full response and the
 usage chunk also carry ``mlxcc_timing`` (seconds queued behind other requests,
-from leaving the queue to the first token, in all): an extra field, which
-OpenAI clients keep as an unknown attribute.
+from leaving the queue to the first token, in all) and ``mlxcc_cache``
+(``{"tokens": cached_tokens, "tier": "memory" | "disk" | "redis" | null}``: the
+tier those tokens came from, null when none did): extra fields, which OpenAI
+clients keep as unknown attributes; ``usage`` stays OpenAI's.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class Reply:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done["finish_reason"]}
             obj = self._base("text_completion")
-        return {**obj, "choices": [choice], "usage": usage(done), "mlxcc_timing": done.get("timing")}
+        return {**obj, "choices": [choice], "usage": usage(done), **extras(done)}
 
     def chunk(self, text: str | None = None, finish: str | None = None, role: bool = False,
               with_usage_field: bool = False) -> dict:  # fmt: skip
@@ -57,13 +59,19 @@ class Reply:
     def usage_chunk(self, done: dict) -> dict:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._base(obj), "choices": [], "usage": usage(done), "mlxcc_timing": done.get("timing")}
+        return {**self._base(obj), "choices": [], "usage": usage(done), **extras(done)}
 
 
 def usage(done: dict) -> dict:
     p, c = done["prompt_tokens"], done["completion_tokens"]
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": done["cached_tokens"]}}  # fmt: skip
+
+
+def extras(done: dict) -> dict:
+    """Our fields beside ``usage``: ``mlxcc_timing`` and ``mlxcc_cache`` (module doc)."""
+    return {"mlxcc_timing": done.get("timing"),
+            "mlxcc_cache": {"tokens": done["cached_tokens"], "tier": done.get("cached_tier")}}  # fmt: skip
 
 
 def sse(obj) -> str:

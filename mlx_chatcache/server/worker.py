@@ -8,12 +8,14 @@ the :class:`~mlx_chatcache.store.PromptStore`. ``submit(job)`` enqueues a
 wait); jobs run one at a time, in order (requests are queued, not batched).
 A job reports through ``job.emit(event)``, called on the worker thread, with:
 
-- ``("start", {"cached_tokens": n, "queued_s": s})`` once its prompt is
-  ready to generate from (``n``: prompt tokens taken from the store, exact);
+- ``("start", {"cached_tokens": n, "cached_tier": t, "queued_s": s})`` once its
+  prompt is ready to generate from (``n``: prompt tokens taken from the store,
+  exact; ``t``: the tier they came from, "memory", "disk" or "redis", None when
+  ``n`` is 0; a cache still waiting for its file write counts as "memory");
 - ``("text", str)`` for each piece of reply text (stop strings held back
   until they can no longer match, and cut off when they do);
 - ``("done", {"finish_reason", "prompt_tokens", "completion_tokens",
-  "cached_tokens", "timing"})`` at the end (``timing``: seconds queued, from
+  "cached_tokens", "cached_tier", "timing"})`` at the end (``timing``: seconds queued, from
   leaving the queue to the first token, and in all), or ``("error", message)``.
 
 ``job.cancel()`` (a client that went away) stops the job before it starts,
@@ -28,7 +30,8 @@ prefix; the reply is generated with :func:`~mlx_chatcache.generate.stream_genera
 afterwards the cache (prompt + reply) goes into the store, after the client
 has its last event: into memory at once, into files (disk, remote) while no
 other request waits, at most ``MAX_PENDING`` writes behind, all of them
-before the worker stops.
+before the worker stops. ``served`` and ``history`` (:mod:`.history`) count
+every job's prompt tokens and the cached ones, by tier, as it starts.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from ..generation.checkout import checkout_prompt, prompt_scope
 from ..generation.text import stream_generate
 from ..store.store import PromptStore
 from ..store.tiers import Scope, compact_copy
+from .history import ServedTokens, StatsHistory
 
 log = logging.getLogger("mlxcc.serve")
 MAX_PENDING = 4  # cache files whose writing may wait for an idle moment
@@ -88,6 +92,7 @@ class GenerationWorker:
         self.scope: Scope = prompt_scope(model, config)  # model, cache settings, weight policy
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._thread = threading.Thread(target=self._loop, name="mlxcc-generation", daemon=True)
+        self.served, self.history = ServedTokens(), StatsHistory()  # every job's prompt tokens and cached ones
         self.stats = {"jobs": 0, "cancelled": 0, "errors": 0, "busy": False, "peak_memory": 0,
                       "active_memory": 0, "queue_wait_s_total": 0.0, "queue_wait_s_max": 0.0}  # fmt: skip
 
@@ -155,11 +160,12 @@ class GenerationWorker:
         self.stats["queue_wait_s_total"] += waited
         self.stats["queue_wait_s_max"] = max(self.stats["queue_wait_s_max"], waited)
         t0 = time.perf_counter()
-        state, cached = self._checkout(job)
+        state, cached, tier = self._checkout(job)
+        self._account(job, cached, tier)
         checkpoint, timing = None, {}
         try:
             checkpoint = self._checkpoint(job, state)
-            job.emit(("start", {"cached_tokens": cached, "queued_s": waited}))
+            job.emit(("start", {"cached_tokens": cached, "cached_tier": tier, "queued_s": waited}))
             finish, n = self._generate(job, state, timing)
         except _Cancelled:
             finish, n = "cancelled", 0
@@ -170,7 +176,8 @@ class GenerationWorker:
             self.stats["cancelled"] += 1
         else:
             job.emit(("done", {"finish_reason": finish, "prompt_tokens": len(job.prompt),
-                               "completion_tokens": n, "cached_tokens": cached, "timing": timing}))  # fmt: skip
+                               "completion_tokens": n, "cached_tokens": cached, "cached_tier": tier,
+                               "timing": timing}))  # fmt: skip
         if checkpoint is not None:
             self._put(job.prompt[: job.boundary], checkpoint, job.key)
         if state.tokens:
@@ -184,10 +191,17 @@ class GenerationWorker:
             self.stats["store_errors"] = self.stats.get("store_errors", 0) + 1
             log.warning("could not store a prompt cache: %s", e)
 
-    def _checkout(self, job: Job) -> tuple[PromptCache, int]:
-        """The longest stored prefix of the prompt, trimmed to it, and its length."""
+    def _checkout(self, job: Job) -> tuple[PromptCache, int, str | None]:
+        """The longest stored prefix of the prompt, trimmed to it, its length and
+        the tier it came from (None: no token did)."""
         state, tier = checkout_prompt(self.store, self.scope, self.model, job.prompt, self.config.shape, job.key)
-        return state, 0 if tier is None else reuse_prefix(state, job.prompt, self.model)
+        cached = 0 if tier is None else reuse_prefix(state, job.prompt, self.model)
+        return state, cached, ("memory" if tier == "pending" else tier) if cached else None
+
+    def _account(self, job: Job, cached: int, tier: str | None) -> None:
+        """Count the job's prompt tokens and the cached ones; sample the totals (GET /v1/store)."""
+        self.served.count(len(job.prompt), cached, tier)
+        self.history.sample(self.served.totals())
 
     def _checkpoint(self, job: Job, state: PromptCache):
         """Feed the prompt up to the end of its last message and copy the cache
