@@ -188,6 +188,29 @@ def test_a_cache_still_waiting_for_its_file_is_served_from_memory(llama_model, t
     assert len(worker.history.samples()) == 1  # within one period
 
 
+def test_redis_served_tokens_are_reported_as_redis(llama_model):
+    fakeredis = pytest.importorskip("fakeredis")
+    from mlx_chatcache.server.store_report import store_report
+    from mlx_chatcache.store.redis_tier import RedisTier
+
+    model, tokenizer = llama_model
+    prompt = list(range(5, 45))
+    tier = RedisTier("redis://fake", 1 << 30, client=fakeredis.FakeRedis(server=fakeredis.FakeServer()), block=16)
+    worker = GenerationWorker(model, tokenizer, PromptStore([tier]), DEFAULTS, 4)
+    try:
+        assert _run(worker, prompt)["cached_tier"] is None
+        worker.store.flush()
+        assert tier.flush(10)
+        again = _run(worker, prompt)
+        assert again["cached_tier"] == "redis" and again["cached_tokens"] >= 32  # whole 16-token blocks at least
+        report = store_report(worker)
+        (row,) = report["tiers"]
+        assert row["name"] == "redis" and row["served_tokens"] == again["cached_tokens"] == report["cached_tokens"]
+        assert row["pinned_entries"] is None and report["pins"] == []  # Redis's pins are the replicas' together
+    finally:
+        tier.close()
+
+
 def test_pins_per_key_follow_adds_and_evictions():
     index = EntryIndex(1000)
     a1 = Entry("ns", (1, 2, 3), 100, True, "a")
