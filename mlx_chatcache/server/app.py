@@ -2,8 +2,7 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON, or
 server-sent events with ``"stream": true``, ending with ``data: [DONE]``),
-``GET /v1/models``, ``GET /health`` (queue, worker and store statistics),
-``GET /v1/store`` (the store's tiers, pins and hit history: :mod:`.store_report`).
+``GET /v1/models``, ``GET /health`` (queue, worker and store statistics).
 
 Contract: handlers never run MLX work; they parse and check the request
 (:mod:`.protocol`), tokenize it on the tokenizer thread, hand a job to the
@@ -13,6 +12,9 @@ traceback. A client that disconnects cancels its job (checked every
 ``POLL_S`` seconds while waiting, and on every write). ``X-Session-Id`` is
 the same as the ``prompt_cache_key`` body field: it pins the conversation's
 cache entries in the store.
+
+``GET /v1/store`` is the store's read-only report (:mod:`.store_report`): tiers
+against their budgets, pins as key digests, tokens served and their history.
 """
 
 from __future__ import annotations
@@ -106,8 +108,8 @@ def create_app(service: Service) -> Starlette:
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
         Route("/v1/store", lambda request: JSONResponse(store_report(service.worker)), methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
     ]
     handlers = {RequestError: _request_error, HTTPException: _http_error, Exception: _internal_error}
     return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
