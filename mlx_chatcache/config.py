@@ -281,6 +281,9 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8080
+    history_period_s: float = 10.0  # GET /v1/store: one sample of the served-token totals per period at most
+    history_size: int = 360  # samples kept (an hour at 10 s)
+    store_report_pins: int = 100  # GET /v1/store lists the keys pinning the most bytes, this many at most
     memory_cache_bytes: int = 2_000_000_000  # memory tier budget (0: no memory tier)
     disk_cache_bytes: int = 16_000_000_000  # disk tier budget (0: no disk tier)
     cache_dir_name: str = "server-cache"  # under mlxcc_home() unless --cache-dir is given

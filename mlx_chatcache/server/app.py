@@ -12,6 +12,9 @@ traceback. A client that disconnects cancels its job (checked every
 ``POLL_S`` seconds while waiting, and on every write). ``X-Session-Id`` is
 the same as the ``prompt_cache_key`` body field: it pins the conversation's
 cache entries in the store.
+
+``GET /v1/store`` is the store's read-only report (:mod:`.store_report`): tiers
+against their budgets, pins as key digests, tokens served and their history.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ..errors import UsageError
 from .protocol import Request, RequestError, error_body, parse_chat, parse_completion
 from .responses import Reply, sse
 from .service import Service
+from .store_report import store_report
 from .worker import Job, QueueFull
 
 log = logging.getLogger("mlxcc.serve")
@@ -104,6 +108,7 @@ def create_app(service: Service) -> Starlette:
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/store", lambda request: JSONResponse(store_report(service.worker)), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
     handlers = {RequestError: _request_error, HTTPException: _http_error, Exception: _internal_error}

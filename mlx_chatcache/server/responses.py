@@ -6,8 +6,10 @@
 prompt-cache store instead of being computed; the prompt is counted once
 whatever the number of choices. The full response and the usage chunk also
 carry ``mlxcc_timing`` (seconds queued behind other requests, from leaving the
-queue to the first token, in all): an extra field, which OpenAI clients keep as
-an unknown attribute.
+queue to the first token, in all) and ``mlxcc_cache`` (``{"tokens": cached_tokens,
+"tier": "memory" | "disk" | "redis" | null}``: the tier those tokens came from,
+null when none did): extra fields, which OpenAI clients keep as unknown
+attributes; ``usage`` stays OpenAI's.
 
 Choices come from the worker's events (:mod:`.worker`): the ``piece`` events'
 text and :class:`~.worker.TokenLogprob` entries, the ``done`` event's per-choice
@@ -55,7 +57,7 @@ class Reply:
             logprobs.setdefault(p.index, []).extend(p.logprobs)
         choices = [self._choice(end, "".join(texts[end["index"]]), logprobs[end["index"]]) for end in ends]
         obj = self._base("chat.completion" if self.kind == "chat" else "text_completion")
-        return {**obj, "choices": choices, "usage": usage(done), "mlxcc_timing": done.get("timing")}
+        return {**obj, "choices": choices, "usage": usage(done), **extras(done)}
 
     def _choice(self, end: dict, text: str, logprobs: list[TokenLogprob]) -> dict:
         shown = self._logprobs(logprobs)
@@ -99,7 +101,7 @@ class Reply:
     def usage_chunk(self, done: dict) -> dict:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._base(obj), "choices": [], "usage": usage(done), "mlxcc_timing": done.get("timing")}
+        return {**self._base(obj), "choices": [], "usage": usage(done), **extras(done)}
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         """The endpoint's logprobs object for ``entries`` (None without ``logprobs``)."""
@@ -129,6 +131,12 @@ def usage(done: dict) -> dict:
     p, c = done["prompt_tokens"], done["completion_tokens"]
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": done["cached_tokens"]}}  # fmt: skip
+
+
+def extras(done: dict) -> dict:
+    """Our fields beside ``usage``: ``mlxcc_timing`` and ``mlxcc_cache`` (module doc)."""
+    return {"mlxcc_timing": done.get("timing"),
+            "mlxcc_cache": {"tokens": done["cached_tokens"], "tier": done.get("cached_tier")}}  # fmt: skip
 
 
 def sse(obj) -> str:

@@ -8,15 +8,17 @@ the :class:`~mlx_chatcache.store.PromptStore`. ``submit(job)`` enqueues a
 wait); jobs run one at a time, in order (requests are queued, not batched).
 A job reports through ``job.emit(event)``, called on the worker thread, with:
 
-- ``("start", {"cached_tokens": n, "queued_s": s})`` once its prompt is
-  ready to generate from (``n``: prompt tokens taken from the store, exact);
+- ``("start", {"cached_tokens": n, "cached_tier": t, "queued_s": s})`` once its
+  prompt is ready to generate from (``n``: prompt tokens taken from the store,
+  exact; ``t``: the tier they came from, "memory", "disk" or "redis", None when
+  ``n`` is 0; a cache still waiting for its file write counts as "memory");
 - ``("piece", Piece)`` for each piece of a choice's reply text (stop strings held
   back until they can no longer match, and cut off when they do), with the
   :class:`TokenLogprob` of the tokens sampled since the last piece when
   ``job.logprobs`` (the stop token itself has none);
 - ``("text", str)``: choice 0's text again, for consumers of one choice;
 - ``("done", {"finish_reason", "prompt_tokens", "completion_tokens",
-  "cached_tokens", "timing", "choices"})`` at the end (``finish_reason``: choice
+  "cached_tokens", "cached_tier", "timing", "choices"})`` at the end (``finish_reason``: choice
   0's; ``completion_tokens``: all choices'; ``choices``: per choice ``index``,
   ``finish_reason``, ``completion_tokens``, and with ``job.postprocess`` its
   ``content`` and ``tool_calls``; ``timing``: seconds queued, from leaving the
@@ -40,7 +42,8 @@ prefix; the reply is generated with :func:`~mlx_chatcache.generate.stream_genera
 afterwards the cache (prompt + reply) goes into the store, after the client
 has its last event: into memory at once, into files (disk, remote) while no
 other request waits, at most ``MAX_PENDING`` writes behind, all of them
-before the worker stops.
+before the worker stops. ``served`` and ``history`` (:mod:`.history`) count
+every job's prompt tokens and the cached ones, by tier, as it starts.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from ..generation.sample import LogitsProcessor, make_logits_processors
 from ..generation.text import stream_generate
 from ..store.store import PromptStore
 from ..store.tiers import Scope, compact_copy
+from .history import ServedTokens, StatsHistory
 
 log = logging.getLogger("mlxcc.serve")
 MAX_PENDING = 4  # cache files whose writing may wait for an idle moment
@@ -132,6 +136,7 @@ class GenerationWorker:
         self.scope: Scope = prompt_scope(model, config)  # model, cache settings, weight policy
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._thread = threading.Thread(target=self._loop, name="mlxcc-generation", daemon=True)
+        self.served, self.history = ServedTokens(), StatsHistory()  # every job's prompt tokens and cached ones
         self.stats = {"jobs": 0, "cancelled": 0, "errors": 0, "busy": False, "peak_memory": 0,
                       "active_memory": 0, "queue_wait_s_total": 0.0, "queue_wait_s_max": 0.0,
                       "prompt_tokens_computed": 0}  # fmt: skip
@@ -200,11 +205,12 @@ class GenerationWorker:
         self.stats["queue_wait_s_total"] += waited
         self.stats["queue_wait_s_max"] = max(self.stats["queue_wait_s_max"], waited)
         t0 = time.perf_counter()
-        state, cached = self._checkout(job)
+        state, cached, tier = self._checkout(job)
+        self._account(job, cached, tier)
         checkpoint, timing, states, choices = None, {}, [state], []
         try:
             checkpoint = self._checkpoint(job, state)
-            job.emit(("start", {"cached_tokens": cached, "queued_s": waited}))
+            job.emit(("start", {"cached_tokens": cached, "cached_tier": tier, "queued_s": waited}))
             states = self._choice_states(job, state)
             for i, st in enumerate(states):
                 choices.append(self._generate(job, st, timing, i))
@@ -221,7 +227,8 @@ class GenerationWorker:
             self.stats["cancelled"] += 1
         else:
             job.emit(("done", {"finish_reason": finish, "prompt_tokens": len(job.prompt), "completion_tokens": n,
-                               "cached_tokens": cached, "timing": timing, "choices": choices}))  # fmt: skip
+                               "cached_tokens": cached, "cached_tier": tier, "timing": timing,
+                               "choices": choices}))  # fmt: skip
         if checkpoint is not None:
             self._put(job.prompt[: job.boundary], checkpoint, job.key)
         for st in states[: max(len(choices), 1)]:  # the copies of choices never started hold nothing new
@@ -254,10 +261,17 @@ class GenerationWorker:
             self.stats["store_errors"] = self.stats.get("store_errors", 0) + 1
             log.warning("could not store a prompt cache: %s", e)
 
-    def _checkout(self, job: Job) -> tuple[PromptCache, int]:
-        """The longest stored prefix of the prompt, trimmed to it, and its length."""
+    def _checkout(self, job: Job) -> tuple[PromptCache, int, str | None]:
+        """The longest stored prefix of the prompt, trimmed to it, its length and
+        the tier it came from (None: no token did)."""
         state, tier = checkout_prompt(self.store, self.scope, self.model, job.prompt, self.config.shape, job.key)
-        return state, 0 if tier is None else reuse_prefix(state, job.prompt, self.model)
+        cached = 0 if tier is None else reuse_prefix(state, job.prompt, self.model)
+        return state, cached, ("memory" if tier == "pending" else tier) if cached else None
+
+    def _account(self, job: Job, cached: int, tier: str | None) -> None:
+        """Count the job's prompt tokens and the cached ones; sample the totals (GET /v1/store)."""
+        self.served.count(len(job.prompt), cached, tier)
+        self.history.sample(self.served.totals())
 
     def _checkpoint(self, job: Job, state: PromptCache):
         """Feed the prompt up to the end of its last message and copy the cache

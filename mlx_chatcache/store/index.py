@@ -25,7 +25,8 @@ file path, ...).
 
 :meth:`EntryIndex.longest` returns the entry serving the longest prefix of a
 query (see :mod:`.trie`); with a ``key``, that conversation's own entries win
-ties. Nothing here touches MLX or the file system.
+ties. :meth:`EntryIndex.pins` says what each key pins (:class:`Pin`). Nothing
+here touches MLX or the file system.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ class Entry:
         return n if self.trimmable or n == len(self.tokens) else 0
 
 
+@dataclass(frozen=True)
+class Pin:
+    """The entries pinned to one key: how many, the longest one's tokens, their bytes."""
+
+    entries: int
+    tokens: int
+    nbytes: int
+
+
 class EntryIndex:
     def __init__(self, budget: int):
         self.budget = int(budget)
@@ -85,6 +95,20 @@ class EntryIndex:
             if n and (found is None or n >= found[1]):
                 found = (e, n)
         return found
+
+    def pinned_count(self) -> int:
+        """How many entries are pinned to a key."""
+        return sum(len(ids) for ids in list(self._by_key.values()))
+
+    def pins(self) -> dict[str, Pin]:
+        """What each key pins. May be called from a thread other than the one
+        changing the index: a snapshot, which may miss an entry changing meanwhile."""
+        out = {}
+        for key, ids in list(self._by_key.items()):
+            entries = [e for e in map(self._lru.get, list(ids)) if e is not None]
+            if entries:
+                out[key] = Pin(len(entries), max(len(e.tokens) for e in entries), sum(e.nbytes for e in entries))
+        return out
 
     def get(self, namespace: str, tokens: Sequence[int]) -> Entry | None:
         trie = self._tries.get(namespace)

@@ -33,11 +33,13 @@ Contract
   error there is raised. With
   ``on_error``, a failing anonymous tier (a full shared disk) is reported to
   it, ``on_error(tier, error)``, and the other tiers are still written.
+- :meth:`PromptStore.stats` (counters per tier) and :meth:`PromptStore.pins`
+  (what each key pins, per tier) may be read from another thread.
 - What a hit returns holds the same tokens the prompt would otherwise have
   been fed with: generation results do not depend on whether there was a hit
   (up to the floating-point differences of feeding a prompt in other chunks).
 
-All calls must come from one thread (the server's generation worker, or the
+All other calls must come from one thread (the server's generation worker, or the
 one of ``mlxcc generate``/``mlxcc chat``, which build a store of the named
 file and, with ``--cache-dir``, the disk tier a server uses).
 """
@@ -50,7 +52,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache
 from ..errors import ChatCacheError
-from .index import Entry
+from .index import Entry, Pin
 from .tiers import DiskTier, MemoryTier, Scope, Tier, compact_copy
 
 if TYPE_CHECKING:
@@ -152,6 +154,17 @@ class PromptStore:
     def stats(self) -> dict:
         return {"lookups": self.lookups, "misses": self.misses, "pending_writes": len(self.pending),
                 **{t.name: t.stats() for t in self.tiers}}  # fmt: skip
+
+    def pins(self) -> dict[str, dict[str, Pin]]:
+        """Per pinning key, what each tier holds for it (tiers that index their
+        entries here: not the Redis tier, whose entries other replicas share).
+        Safe to call from another thread (see :meth:`~.index.EntryIndex.pins`)."""
+        out: dict[str, dict[str, Pin]] = {}
+        for tier in self.tiers:
+            if not tier.named:
+                for key, pin in tier.index.pins().items():
+                    out.setdefault(key, {})[tier.name] = pin
+        return out
 
     def close(self) -> None:
         for tier in self.tiers:

@@ -85,7 +85,8 @@ class Tier:
         raise NotImplementedError
 
     def stats(self) -> dict:
-        return {"entries": len(self.index), "bytes": self.index.nbytes, "budget": self.index.budget, **self.counters}
+        return {"entries": len(self.index), "bytes": self.index.nbytes, "budget": self.index.budget,
+                "pinned_entries": self.index.pinned_count(), **self.counters}  # fmt: skip
 
     def close(self) -> None:
         """Finish background work (the Redis tier's queued writes) and let go of connections."""
