@@ -182,6 +182,8 @@ class ServerConfig:
     cache_dir_name: str = "server-cache"  # under mlxcc_home() unless --cache-dir is given
     max_queue: int = 64  # requests waiting for the generation worker; more get HTTP 503
     max_stop_sequences: int = 4  # as OpenAI's API
+    max_n: int = 8  # choices one request may ask for ("n")
+    retry_after_s: int = 1  # the Retry-After of a 503 (the queue is full)
     # the Redis tier (--cache-redis; shared by replicas), see mlx_chatcache/store/redis_tier.py
     redis_cache_bytes: int = 8 << 30  # byte budget of all entries under the key prefix
     redis_ttl_seconds: int = 24 * 3600  # an entry unused this long expires
