@@ -313,7 +313,7 @@ def _history(call: dict, **assistant) -> list[dict]:
     (_chat_with(top_k=-1), "top_k"),
     (_chat_with(top_k=1.5), "top_k"),
     (_chat_with(min_p=1.5), "min_p"),
-    (_chat_with(repetition_penalty=0), "repetition_penalty"),
+    (_chat_with(repetition_penalty=-1), "repetition_penalty"),
     (_chat_with(repetition_context_size=0), "repetition_context_size"),
     (_chat_with(tools="add"), "tools"),
     (_chat_with(tools=[{"type": "function"}]), "tools[0].function"),
@@ -354,10 +354,12 @@ def test_a_valid_field_not_honoured_yet_is_refused_by_name(server, field, value)
 
 
 def test_fields_honoured_as_given(server):
-    """``response_format`` text and tools with ``tool_choice`` "none" change nothing."""
+    """``response_format`` text, tools with ``tool_choice`` "none" and ``repetition_penalty``
+    0 (none, as in mlx-lm) change nothing."""
     plain = json.loads(_raw(server, "/v1/chat/completions", _chat_with(model=server.model_id, max_tokens=4,
                                                                         temperature=0))[1])  # fmt: skip
-    for extra in ({"response_format": {"type": "text"}}, {"tools": [ADD], "tool_choice": "none"}):
+    for extra in ({"response_format": {"type": "text"}}, {"tools": [ADD], "tool_choice": "none"},
+                  {"repetition_penalty": 0}):  # fmt: skip
         code, text = _raw(server, "/v1/chat/completions", _chat_with(model=server.model_id, max_tokens=4,
                                                                      temperature=0, **extra))  # fmt: skip
         assert code == 200 and json.loads(text)["choices"] == plain["choices"], text

@@ -126,6 +126,12 @@ def _top_p(body: dict) -> float | None:
     return 0.0 if body.get("top_p") == 0 and type(body["top_p"]) is not bool else _setting(body, "top_p", "top_p")
 
 
+def _repetition_penalty(body: dict) -> float | None:
+    """``repetition_penalty``; 0 means none, as in mlx-lm's server."""
+    v = body.get("repetition_penalty")
+    return None if v == 0 and type(v) is not bool else _setting(body, "repetition_penalty", "repetition_penalty")
+
+
 def _opt_bool(body: dict, name: str) -> bool:
     v = body.get(name)
     if v is None:
@@ -305,7 +311,7 @@ def _common(body: Any, kind: str) -> Request:
         kind=kind, model=model, max_tokens=max_tokens,
         temperature=_temperature(body), top_p=_top_p(body), seed=_setting(body, "seed", "seed"),
         top_k=_setting(body, "top_k", "top_k"), min_p=_setting(body, "min_p", "min_p"),
-        repetition_penalty=_setting(body, "repetition_penalty", "repetition_penalty"),
+        repetition_penalty=_repetition_penalty(body),
         repetition_context_size=_setting(body, "repetition_context_size", "repetition_context_size"),
         presence_penalty=_number(body, "presence_penalty"), frequency_penalty=_number(body, "frequency_penalty"),
         logit_bias=_logit_bias(body), logprobs=logprobs, top_logprobs=top_logprobs, n=_n(body),
