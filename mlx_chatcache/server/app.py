@@ -33,8 +33,8 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import UsageError
 from ..config import SERVER_DEFAULTS
+from ..errors import UsageError
 from .protocol import Request, RequestError, error_body, parse_chat, parse_completion
 from .responses import Reply, sse
 from .service import Service
