@@ -7,6 +7,7 @@ conversations, and OpenAI-shaped 4xx errors for malformed requests."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -403,10 +404,8 @@ def test_a_tool_call_history_reaches_the_chat_template(server, llama_model):
 
 
 # ------------------------------------------------------------------ names, disconnects, a full queue
-def _send(server, path: str, body: dict) -> "socket.socket":
+def _send(server, path: str, body: dict) -> socket.socket:
     """A raw HTTP request left open: the caller reads or closes its socket."""
-    import socket
-
     raw = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
     s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
