@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-blas-off test-slow demo bench clean
+.PHONY: install test test-blas-off test-slow mlxlm-tests demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(STAMP)
 # cannot change its verdict, and it is the longest part of a pass
 test-blas-off: $(STAMP)
 	MLXCC_BLAS=off $(PY) -m pytest -q -m 'not slow and not zoo'
+
+# mlx-lm's own tests folder, from the PyPI sdist of the installed version (tests/test_mlxlm_server_suite.py)
+mlxlm-tests: $(STAMP)
+	$(PY) tests/fetch_mlxlm_tests.py
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
