@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from server_process import ServerProcess
 from webdriver import ENTER, Browser
 
-from mlx_chatcache.server.ui import CSP, FILES, ui_mode
+from mlx_chatcache.server.ui import CSP, FILES, announcement, ui_mode
 
 STATIC = Path(__file__).resolve().parent.parent / "mlx_chatcache" / "server" / "static"
 ARTIFACTS = Path(os.environ.get("MLXCC_TEST_ARTIFACTS") or Path(__file__).resolve().parent.parent / "test-artifacts")
@@ -51,6 +51,11 @@ def test_shipped_scripts_build_no_html_and_fetch_nothing_remote():
 ])  # fmt: skip
 def test_ui_mode(host, ui, no_ui, mode):
     assert ui_mode(host, ui, no_ui) == mode
+    line = announcement(mode, host, 8080)
+    assert ("no login" in line) == (mode == "exposed")
+    assert line.startswith("chat page off") == (mode == "off")
+    if mode == "off" and not no_ui:
+        assert "--ui" in line  # says how to turn it on
 
 
 def test_routes_per_mode():
@@ -349,3 +354,11 @@ def test_store_page(browser, server):
     assert int(browser.execute("return document.getElementById('plot').dataset.points || '0'")) > 0
     assert float(browser.execute("return document.getElementById('plot').dataset.max")) > 0  # the hit is plotted
     save_screenshot(browser, "webui-store.png")
+
+
+def test_no_ui_server_serves_the_api_only(tiny_model_dirs):
+    with ServerProcess(tiny_model_dirs["llama"], None, "--no-ui", "--disk-cache-bytes", "0") as s:
+        with pytest.raises(urllib.error.HTTPError) as page:
+            urllib.request.urlopen(s.root + "/", timeout=10)
+        assert page.value.code == 404 and "--no-ui" in json.loads(page.value.read())["error"]["message"]
+        assert server_reply(s, [{"role": "user", "content": "Hi"}], 2) is not None  # the API is there
