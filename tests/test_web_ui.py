@@ -6,6 +6,7 @@ modes and routes and a scan of the shipped scripts."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -249,7 +250,8 @@ def fake_stream(payload: str, cut: int = 7) -> list[str]:
     events += [{"choices": [{"index": 0, "delta": {"content": payload[i:i + 5]}, "finish_reason": None}]}
                for i in range(0, len(payload), 5)]  # fmt: skip
     events += [{"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12,
-                                         "prompt_tokens_details": {"cached_tokens": 4}}}]  # fmt: skip
+                                         "prompt_tokens_details": {"cached_tokens": 4}},
+                "mlxcc_cache": {"tokens": 4, "tier": "disk"}}]  # fmt: skip
     text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
     return [text[i:i + cut] for i in range(0, len(text), cut)]
 
@@ -277,6 +279,8 @@ def test_hostile_replies_and_messages_are_text(browser, server):
         browser.execute(FAKE_FETCH, fake_stream(PAYLOAD))
         reply = type_message(browser, "Show me some HTML.")
         assert reply["content"] == PAYLOAD and reply["stats"]["cached_tokens"] == 4
+        assert "cached 4 (disk)" in browser.execute(
+            "return document.querySelector('.message.assistant .stats').textContent")  # the tier the server names
         time.sleep(0.3)  # an error handler would have fired by now (the control's did)
         visible = ["<script>window.__x=1</script>", '<img src=x onerror="window.__x=2">', "[a](javascript:window.__x=3)",
                    '<svg onload="window.__x=4">', '<b onmouseover="window.__x=6">bold</b>',
@@ -333,6 +337,59 @@ def test_markdown_renderer_makes_only_safe_nodes(browser, server, texts):
         if "](" not in text:  # outside link targets every "<" stays visible text
             assert result["text"].count("<") == text.count("<"), (text, result)
     assert browser.execute("return window.__x === undefined")
+
+
+def test_an_error_is_one_line_and_the_message_stays(browser, server):
+    open_page(browser, server.root + "/")
+    browser.click("#new")
+    set_field(browser, "#max_tokens", "1000000")  # past the context: the server answers 400
+    browser.send_keys("#input", "This will not fit." + ENTER)
+    browser.wait_for("return document.querySelector('#messages .error')", what="an error line")
+    browser.wait_for("return !document.getElementById('send').disabled", what="Send enabled again")
+    line = browser.execute("return document.querySelector('#messages .error').textContent")
+    assert line.startswith("error 400: ") and "\n" not in line and "max_tokens" in line
+    assert browser.execute("return document.getElementById('input').value") == "This will not fit."
+    assert current(browser)["messages"] == []  # nothing half-sent is kept
+
+
+def test_store_page_reads_the_rich_store_shape(browser, server):
+    own = current(browser)["id"]
+    hostile = '<img src=x onerror="window.__x=1">'
+    store = {"tiers": [{"name": "memory", "bytes": 500, "budget": 1000, "entries": 3, "pinned_entries": 1,
+                        "blocks": None, "hits": 4, "evicted": 0, "refused": 0, "served_tokens": 90},
+                       {"name": "redis", "bytes": 2000, "budget": 1000, "entries": 2, "pinned_entries": 0,
+                        "blocks": 17, "hits": 1, "evicted": 2, "refused": 0, "served_tokens": 10}],
+             "lookups": 10, "misses": 5, "pending_writes": 0,
+             "pins": [{"key_sha256": hashlib.sha256(own.encode()).hexdigest()[:12], "entries": 1, "tokens": 80,
+                       "bytes": 500, "tiers": ["memory"]},
+                      {"key_sha256": "0123456789ab", "entries": 1, "tokens": 8, "bytes": 50, "tiers": [hostile]}],
+             "history": [{"t": 0, "prompt_tokens": 0, "cached_tokens": 0, "by_tier": {"memory": 0, "redis": 0}},
+                         {"t": 10, "prompt_tokens": 100, "cached_tokens": 50, "by_tier": {"memory": 40, "redis": 10}},
+                         {"t": 20, "prompt_tokens": 300, "cached_tokens": 250,
+                          "by_tier": {"memory": 200, "redis": 50}}]}  # fmt: skip
+    fake = """(() => { const store = %s, real = window.fetch;
+      window.fetch = (url, options) => String(url).endsWith('/v1/store') ? Promise.resolve(new Response(store))
+        : String(url).endsWith('/v1/ui') ? Promise.resolve(new Response('{"mode": "exposed", "exposed": true, "host": "0.0.0.0"}'))
+        : real(url, options); })();""" % json.dumps(json.dumps(store))  # fmt: skip
+    script = browser.cdp("Page.addScriptToEvaluateOnNewDocument", {"source": fake})["identifier"]
+    try:
+        browser.get(server.root + "/store")
+        browser.wait_for("return Number(document.body.dataset.polls || 0) >= 1", timeout=10, what="a poll")
+        browser.wait_for("return !document.getElementById('exposed').hidden", what="the exposure banner")
+        assert "no login" in browser.text("#exposed")
+        rows = browser.execute("return [...document.querySelectorAll('#tiers tbody tr')].map("
+                               "r => [...r.children].map(c => c.textContent))")  # fmt: skip
+        assert [r[0] for r in rows] == ["memory", "redis"] and rows[1][4] == "17" and rows[0][4] == "-"
+        assert rows[1][1] == "2.0 KB / 1.0 KB"  # over budget is shown as it is
+        pins = browser.execute("return [...document.querySelectorAll('#pins tbody tr')].map("
+                               "r => [...r.children].map(c => c.textContent))")  # fmt: skip
+        assert pins[0][0].endswith("(this browser)") and not pins[1][0].endswith("(this browser)")
+        assert own not in browser.execute("return document.body.textContent")  # the key itself is never shown
+        assert pins[1][4] == hostile and browser.execute("return window.__x === undefined")
+        assert not browser.execute("return document.querySelector('main img, main script')")
+        assert browser.execute("return document.getElementById('plot').dataset.max") == "0.8"  # 200-40 of 200
+    finally:
+        browser.cdp("Page.removeScriptToEvaluateOnNewDocument", {"identifier": script})
 
 
 def test_store_page(browser, server):

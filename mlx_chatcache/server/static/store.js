@@ -69,7 +69,23 @@ function renderTiers(store) {
     `pending writes ${num(store.pending)} · updated ${new Date().toLocaleTimeString()}`;
 }
 
-function renderPins(pins) {
+/** sha256 prefixes (12 hex) of this browser's conversation keys; empty where crypto.subtle is missing
+ * (it needs a secure context: loopback is one, a plain-HTTP LAN address is not). */
+async function ownKeys() {
+  const own = new Set();
+  if (!crypto.subtle) return own;
+  let ids = [];
+  try {
+    ids = JSON.parse(localStorage.getItem("mlxcc.conversations") || "[]").map((c) => String(c.id));
+  } catch { /* nothing stored */ }
+  for (const id of ids) {
+    const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", new TextEncoder().encode(id)));
+    own.add(Array.from(digest.slice(0, 6), (b) => b.toString(16).padStart(2, "0")).join(""));
+  }
+  return own;
+}
+
+function renderPins(pins, own) {
   const body = $("pins").querySelector("tbody");
   body.replaceChildren();
   if (!pins) {
@@ -79,7 +95,8 @@ function renderPins(pins) {
   $("pins-summary").textContent = `${pins.length} pinned key(s), shown hashed`;
   for (const p of pins) {
     const row = document.createElement("tr");
-    cell(row, String(p.key_sha256 ?? "-"));
+    const key = String(p.key_sha256 ?? "-");
+    cell(row, own.has(key) ? `${key} (this browser)` : key);
     cell(row, num(p.entries));
     cell(row, num(p.tokens));
     cell(row, bytes(p.bytes));
@@ -161,7 +178,7 @@ async function refresh() {
     samples.push({ t: Date.now() / 1000, tiers: Object.fromEntries(store.tiers.map((t) => [t.name, t.hits || 0])) });
     if (samples.length > 720) samples.shift();
     renderTiers(store);
-    renderPins(store.pins);
+    renderPins(store.pins, store.pins ? await ownKeys() : new Set());
     plot(series(store));
     document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
   } catch (e) {
