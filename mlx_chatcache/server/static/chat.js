@@ -47,8 +47,12 @@ function load() {
 const state = { conversations: [], current: null, model: null, controller: null, pending: null };
 
 function save() {
-  localStorage.setItem(STORE_KEY, JSON.stringify(state.conversations));
-  if (state.current) localStorage.setItem(CURRENT_KEY, state.current.id);
+  try {
+    localStorage.setItem(STORE_KEY, JSON.stringify(state.conversations));
+    if (state.current) localStorage.setItem(CURRENT_KEY, state.current.id);
+  } catch {
+    showError("the browser's storage for this page is full: delete old conversations to keep new ones");
+  }
 }
 
 function newConversation() {
@@ -267,12 +271,13 @@ async function main() {
   $("composer").addEventListener("submit", (event) => {
     event.preventDefault();
     const text = $("input").value;
-    if (!text.trim() || state.controller || !state.model) return;
+    if (!text.trim() || state.controller) return;
+    if (!state.model) return showError("the server did not answer GET /v1/models: reload the page when it runs");
     $("input").value = "";
     send(text);
   });
   $("input").addEventListener("keydown", (event) => {
-    if (event.key === "Enter" && !event.shiftKey) {
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
       event.preventDefault();
       $("composer").requestSubmit();
     }
