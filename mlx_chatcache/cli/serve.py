@@ -45,8 +45,8 @@ def add_parser(sub) -> None:
         "serve",
         help="an OpenAI-compatible HTTP server whose prompt caches survive requests and restarts",
         description="Serve the model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
-        "/v1/models, /health) and a chat page at / (this machine only unless --ui). Prompt caches are kept in memory and in --cache-dir, so a conversation's "
-        "next turn, and the same conversation after a restart, only computes its new tokens. Requests "
+        "/v1/models, /health) and a chat page at / (this machine only unless --ui). Prompt caches are kept "
+        "in memory and in --cache-dir, so a conversation's next turn, and the same conversation after a restart, only computes its new tokens. Requests "
         "are queued and generated one at a time. Sampling flags set the defaults of requests that do not "
         "give them.",
     )
