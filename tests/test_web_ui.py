@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from server_process import ServerProcess
 from webdriver import ENTER, Browser
@@ -303,7 +303,7 @@ def test_hostile_replies_and_messages_are_text(browser, server):
 
 
 FRAGMENTS = ["<", ">", "<script>", "</script>", "<img src=x onerror=window.__x=1>", "<svg/onload=window.__x=2>",
-             "*", "**", "`", "```", "\n", "\r\n", "# ", "- ", "1. ", "> ", "[", "]", "(", ")", "](", "javascript:",
+             "*", "**", "`", "```", "\n```", "\n\n", "\n", "\r\n", "# ", "- ", "1. ", "> ", "[", "]", "(", ")", "](", "javascript:",
              "http://a/", "mailto:a@b", "data:text/html,", "vbscript:", '"', "'", " ", "on", "=", "&lt;", "&", "\\"]  # fmt: skip
 RENDER_BATCH = """
 const [inputs, done] = arguments;
@@ -316,13 +316,24 @@ import('/static/markdown.js').then(m => done(inputs.map(s => {
                attrs: [...new Set(all.flatMap(e => [...e.attributes].map(a => a.name)))],
                hrefs: all.filter(e => e.hasAttribute('href')).map(e => e.getAttribute('href')), text: root.textContent};
   root.remove();
+  // streaming: every prefix rendered as finished blocks + the rest is the prefix rendered whole
+  const shape = (frag) => { const d = document.createElement('div'); d.appendChild(frag); return d.outerHTML; };
+  out.split_mismatch = [];
+  for (let n = 0; n <= s.length; n += 3) {
+    const p = s.slice(0, n), cut = m.finishedLength(p);
+    const parts = document.createDocumentFragment();
+    parts.append(m.renderMarkdown(p.slice(0, cut)), m.renderMarkdown(p.slice(cut)));
+    if (shape(parts) !== shape(m.renderMarkdown(p))) out.split_mismatch.push(p);
+  }
   return out;
 }))).catch(e => done({error: String(e)}));
 """
 
 
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
-          phases=[Phase.generate])  # a failure names its string; shrinking batches in a browser is slow
+          phases=[Phase.explicit, Phase.generate])  # a failure names its string; shrinking in a browser is slow
+@example(["```\ncode\n\nstill code\n```\nafter", "> q\n\n- a\n- b\n\n1. x\n\n# h", "```py\n\n\n````\n\n**b**\n\n",
+          "~~~\n```\n\n<b>x</b>\n", " ```\n\n```\n\n*i*", "para\n```\n\n"] * 17)
 @given(st.lists(st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=3), max_size=25).map("".join),
                 min_size=100, max_size=100))  # fmt: skip
 def test_markdown_renderer_makes_only_safe_nodes(browser, server, texts):
@@ -334,6 +345,7 @@ def test_markdown_renderer_makes_only_safe_nodes(browser, server, texts):
         assert set(result["tags"]) <= ALLOWED_TAGS, (text, result)
         assert set(result["attrs"]) <= {"class", "href", "rel", "target"}, (text, result)
         assert all(re.match(r"(https?|mailto):", h) for h in result["hrefs"]), (text, result)
+        assert result["split_mismatch"] == [], (text, result)
         if "](" not in text:  # outside link targets every "<" stays visible text
             assert result["text"].count("<") == text.count("<"), (text, result)
     assert browser.execute("return window.__x === undefined")

@@ -1,6 +1,6 @@
 // The chat page: conversations kept in localStorage, each pinned on the server by its own
 // prompt_cache_key; replies streamed over server-sent events and rendered with markdown.js.
-import { renderMarkdown } from "./markdown.js";
+import { finishedLength, renderMarkdown } from "./markdown.js";
 
 const STORE_KEY = "mlxcc.conversations";
 const CURRENT_KEY = "mlxcc.current";
@@ -214,9 +214,19 @@ async function send(text) {
   renderMessages();
   const node = $("messages").lastElementChild.querySelector(".body");
   let frame = 0;
+  let done = 0; // reply.content[:done] is rendered for good
+  let tail = []; // the nodes of the rest, replaced on every paint
   const paint = () => {
     frame = 0;
-    node.replaceChildren(renderMarkdown(reply.content));
+    for (const n of tail) n.remove();
+    const cut = finishedLength(reply.content);
+    if (cut > done) {
+      node.appendChild(renderMarkdown(reply.content.slice(done, cut)));
+      done = cut;
+    }
+    const rest = renderMarkdown(reply.content.slice(done));
+    tail = [...rest.childNodes];
+    node.appendChild(rest);
   };
   const controller = new AbortController();
   busy(controller);

@@ -91,6 +91,11 @@ function inline(parent, src, depth) {
   flush();
 }
 
+function closesFence(row, fence) {
+  const t = row.trim();
+  return t.startsWith(fence) && /^`+$/.test(t);
+}
+
 function lines(parent, rows, depth) {
   rows.forEach((row, k) => {
     if (k) parent.appendChild(el("br"));
@@ -117,7 +122,7 @@ function blocks(parent, rows, depth) {
       const fence = m[1];
       const body = [];
       i += 1;
-      while (i < rows.length && !(rows[i].trim().startsWith(fence) && /^`+$/.test(rows[i].trim()))) body.push(rows[i++]);
+      while (i < rows.length && !closesFence(rows[i], fence)) body.push(rows[i++]);
       i += 1; // the closing fence (an unclosed fence runs to the end)
       const pre = el("pre");
       if (m[2].trim()) {
@@ -170,4 +175,26 @@ export function renderMarkdown(source) {
   const fragment = document.createDocumentFragment();
   blocks(fragment, String(source).replace(/\r\n?/g, "\n").split("\n"), 0);
   return fragment;
+}
+
+/** The length of the longest prefix of ``source`` that ends with a blank line outside any code
+ * fence (0 if none): the blocks before it render the same alone as within any longer text, so a
+ * streamed reply renders them once and re-renders only the rest. */
+export function finishedLength(source) {
+  const rows = String(source).split("\n");
+  let fence = null;
+  let offset = 0;
+  let cut = 0;
+  for (let k = 0; k < rows.length - 1; k += 1) { // the last row may still grow
+    const row = rows[k];
+    offset += row.length + 1;
+    if (fence) {
+      if (closesFence(row, fence)) fence = null;
+    } else {
+      const m = FENCE.exec(row);
+      if (m) fence = m[1];
+      else if (!row.trim()) cut = offset;
+    }
+  }
+  return cut;
 }
