@@ -72,6 +72,7 @@ def _settled_report(server) -> tuple[dict, str, dict]:
     deadline = time.monotonic() + 20
     while True:
         before = server.health()
+        assert before["ui"] == "on"  # a loopback server shows the page
         report, raw = _get(server, "/v1/store")
         after = server.health()
         idle = not after["busy"] and after["store"]["pending_writes"] == 0

@@ -45,8 +45,8 @@ def add_parser(sub) -> None:
         "serve",
         help="an OpenAI-compatible HTTP server whose prompt caches survive requests and restarts",
         description="Serve the model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
-        "/v1/models, /health). Prompt caches are kept in memory and in --cache-dir, so a conversation's "
-        "next turn, and the same conversation after a restart, only computes its new tokens. Requests "
+        "/v1/models, /health) and a chat page at / (this machine only unless --ui). Prompt caches are kept "
+        "in memory and in --cache-dir, so a conversation's next turn, and the same conversation after a restart, only computes its new tokens. Requests "
         "are queued and generated one at a time. Sampling flags set the defaults of requests that do not "
         "give them.",
     )
@@ -73,6 +73,10 @@ def add_parser(sub) -> None:
                    "The model's path and folder name, 'default_model' and an omitted 'model' always work")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level (default info)")
+    page = p.add_mutually_exclusive_group()
+    page.add_argument("--ui", action="store_true", help="serve the chat page at / even when --host is not "
+                      "loopback (anyone who reaches the server can use it: there is no login)")
+    page.add_argument("--no-ui", action="store_true", help="no chat page at / (the API is unchanged)")
     add_sampling_args(p)
     add_cache_args(p)
     p.set_defaults(run=run)
@@ -86,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from ..models.loading import resolve_model_ref
     from ..server.app import listen_socket, serve
     from ..server.service import Service
+    from ..server.ui import ui_mode
     from ..store.store import build_store
 
     config = check_window_flags(config_from_args(args))  # before the model loads
@@ -103,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             service = Service(model, tokenizer, ref, store, config, args.max_queue, args.context_length,
                               served_names=tuple(args.served_model_name))  # fmt: skip
-            serve(service, sock, args.log_level)
+            serve(service, sock, args.log_level, ui_mode(args.host, args.ui, args.no_ui))
         finally:
             store.close()
     finally:

@@ -4,6 +4,7 @@ requests and restarts.
 Layers: :mod:`.protocol` (request bodies, errors), :mod:`.responses`
 (OpenAI-shaped objects, SSE), :mod:`.worker` (the one generation thread and
 its queue), :mod:`.service` (tokenizing, limits), :mod:`.app` (Starlette
-routes, and ``serve``, which runs uvicorn on the app). May import ``chat`` and
-everything below it.
+routes, and ``serve``, which runs uvicorn on the app), :mod:`.ui` (the browser
+page's mode and routes; the page itself is the static files in ``static/``).
+May import ``chat`` and everything below it.
 """

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON, or
 server-sent events with ``"stream": true``, ending with ``data: [DONE]``),
-``GET /v1/models``, ``GET /health`` (queue, worker and store statistics).
+``GET /v1/models``, ``GET /health`` (queue, worker and store statistics);
+the browser page's routes come from :mod:`.ui`.
 
 Contract: handlers never run MLX work; they parse and check the request
 (:mod:`.protocol`), tokenize it on the tokenizer thread, hand a job to the
@@ -42,6 +43,7 @@ from .protocol import Request, RequestError, error_body, parse_chat, parse_compl
 from .responses import Reply, sse
 from .service import Service
 from .store_report import store_report
+from .ui import announcement, ui_routes
 from .worker import Job, QueueFull
 
 log = logging.getLogger("mlxcc.serve")
@@ -72,17 +74,19 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(service: Service, sock: socket.socket, log_level: str = "info") -> None:
-    """Run the app for ``service`` on ``sock`` (from :func:`listen_socket`) until interrupted (blocking)."""
+def serve(service: Service, sock: socket.socket, log_level: str = "info", ui: str = "on") -> None:
+    """Run the app for ``service`` on ``sock`` (from :func:`listen_socket`) until interrupted (blocking);
+    ``ui`` is the page's mode (:func:`.ui.ui_mode`)."""
     import uvicorn
 
-    config = uvicorn.Config(create_app(service), log_level=log_level, timeout_graceful_shutdown=10)
     host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(create_app(service, ui, host), log_level=log_level, timeout_graceful_shutdown=10)
     logging.getLogger("uvicorn.error").info("mlxcc serve listening on http://%s:%s (Ctrl-C stops it)", host, port)
+    logging.getLogger("uvicorn.error").info(announcement(ui, host, port))
     uvicorn.Server(config).run(sockets=[sock])
 
 
-def create_app(service: Service) -> Starlette:
+def create_app(service: Service, ui: str = "on", host: str = "127.0.0.1") -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         service.start()
@@ -105,7 +109,7 @@ def create_app(service: Service) -> Starlette:
     async def health(request: HTTPRequest):
         w = service.worker
         # plain counters the worker updates; reading them is safe from this thread
-        return JSONResponse({"status": "ok", "model": service.model_id, "queued": w.waiting(), **w.stats,
+        return JSONResponse({"status": "ok", "model": service.model_id, "ui": ui, "queued": w.waiting(), **w.stats,
                              "store": w.store.stats()})  # fmt: skip
 
     routes = [
@@ -114,6 +118,7 @@ def create_app(service: Service) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/store", lambda request: JSONResponse(store_report(service.worker)), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        *ui_routes(ui, host),  # the browser page (.ui)
     ]
     handlers = {RequestError: _request_error, HTTPException: _http_error, Exception: _internal_error}
     return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)

@@ -1,0 +1,191 @@
+// The store page: read-only statistics of the prompt-cache store, polled every few seconds.
+// Reads GET /v1/store when the server has it, else the store part of GET /health; never any
+// cached tokens or text.
+import { header } from "./chat.js";
+
+const $ = (id) => document.getElementById(id);
+const COLORS = { memory: "#2a7ae2", disk: "#d9822b", redis: "#c0392b" };
+const every = Math.min(60, Math.max(1, Number(new URLSearchParams(location.search).get("every")) || 5));
+const samples = []; // {t, tiers: {name: hits}} taken by this page when the server keeps no history
+
+function bytes(n) {
+  if (typeof n !== "number") return "-";
+  const units = ["B", "KB", "MB", "GB", "TB"];
+  let i = 0;
+  while (n >= 1000 && i < units.length - 1) { n /= 1000; i += 1; }
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+const num = (v) => (typeof v === "number" ? String(v) : "-");
+
+/** The store statistics in one shape: {tiers: [{name, bytes, budget, entries, ...}], lookups, misses, pins, history}. */
+export function normalize(data, fromHealth) {
+  const src = fromHealth ? data.store || {} : data;
+  let tiers = Array.isArray(src.tiers) ? src.tiers : null;
+  if (!tiers) {
+    tiers = Object.entries(src).filter(([, v]) => v && typeof v === "object" && !Array.isArray(v))
+      .map(([name, v]) => ({ name, ...v }));
+  }
+  return { tiers, lookups: src.lookups, misses: src.misses, pending: src.pending_writes,
+    pins: Array.isArray(src.pins) ? src.pins : null, history: Array.isArray(src.history) ? src.history : null };
+}
+
+function cell(row, value) {
+  const td = document.createElement("td");
+  if (value instanceof Node) td.appendChild(value);
+  else td.textContent = value;
+  row.appendChild(td);
+}
+
+function bar(used, budget) {
+  const box = document.createElement("div");
+  box.className = "bar";
+  const fill = document.createElement("div");
+  const share = budget > 0 && typeof used === "number" ? Math.min(1, used / budget) : 0;
+  fill.style.width = `${(share * 100).toFixed(1)}%`;
+  const label = document.createElement("span");
+  label.textContent = `${bytes(used)} / ${bytes(budget)}`;
+  box.append(fill, label);
+  return box;
+}
+
+function renderTiers(store) {
+  const body = $("tiers").querySelector("tbody");
+  body.replaceChildren();
+  for (const t of store.tiers) {
+    const row = document.createElement("tr");
+    row.dataset.tier = String(t.name);
+    cell(row, String(t.name));
+    cell(row, bar(t.bytes, t.budget));
+    cell(row, num(t.entries));
+    cell(row, num(t.pinned_entries));
+    cell(row, num(t.blocks));
+    cell(row, num(t.hits));
+    cell(row, num(t.evicted));
+    body.appendChild(row);
+  }
+  const rate = store.lookups > 0 ? ` (${Math.round((100 * (store.lookups - store.misses)) / store.lookups)}% found)` : "";
+  $("summary").textContent = `lookups ${num(store.lookups)} · misses ${num(store.misses)}${rate} · ` +
+    `pending writes ${num(store.pending)} · updated ${new Date().toLocaleTimeString()}`;
+}
+
+/** sha256 prefixes (12 hex) of this browser's conversation keys; empty where crypto.subtle is missing
+ * (it needs a secure context: loopback is one, a plain-HTTP LAN address is not). */
+async function ownKeys() {
+  const own = new Set();
+  if (!crypto.subtle) return own;
+  let ids = [];
+  try {
+    ids = JSON.parse(localStorage.getItem("mlxcc.conversations") || "[]").map((c) => String(c.id));
+  } catch { /* nothing stored */ }
+  for (const id of ids) {
+    const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", new TextEncoder().encode(id)));
+    own.add(Array.from(digest.slice(0, 6), (b) => b.toString(16).padStart(2, "0")).join(""));
+  }
+  return own;
+}
+
+function renderPins(pins, own) {
+  const body = $("pins").querySelector("tbody");
+  body.replaceChildren();
+  if (!pins) {
+    $("pins-summary").textContent = "this server does not list pins";
+    return;
+  }
+  $("pins-summary").textContent = `${pins.length} pinned key(s), shown hashed`;
+  for (const p of pins) {
+    const row = document.createElement("tr");
+    const key = String(p.key_sha256 ?? "-");
+    cell(row, own.has(key) ? `${key} (this browser)` : key);
+    cell(row, num(p.entries));
+    cell(row, num(p.tokens));
+    cell(row, bytes(p.bytes));
+    cell(row, Array.isArray(p.tiers) ? p.tiers.join(", ") : "-");
+    body.appendChild(row);
+  }
+}
+
+/** Per tier, a list of [t, value] points: the share of prompt tokens served from the tier per
+ * interval (server history), or the hits per interval (samples taken by this page). */
+export function series(store) {
+  const out = {};
+  if (store.history && store.history.length > 1) {
+    const h = store.history;
+    for (let i = 1; i < h.length; i += 1) {
+      const prompt = h[i].prompt_tokens - h[i - 1].prompt_tokens;
+      for (const [name, v] of Object.entries(h[i].by_tier || {})) {
+        const before = (h[i - 1].by_tier || {})[name] || 0;
+        (out[name] ||= []).push([h[i].t, prompt > 0 ? (v - before) / prompt : 0]);
+      }
+    }
+    return { unit: "share of prompt tokens served from each tier", data: out, share: true };
+  }
+  for (let i = 1; i < samples.length; i += 1) {
+    for (const [name, v] of Object.entries(samples[i].tiers)) {
+      const before = samples[i - 1].tiers[name] ?? v;
+      (out[name] ||= []).push([samples[i].t, v - before]);
+    }
+  }
+  return { unit: `hits per ${every} s`, data: out, share: false };
+}
+
+function plot({ unit, data, share }) {
+  const canvas = $("plot");
+  const g = canvas.getContext("2d");
+  const W = canvas.width, H = canvas.height, pad = 30;
+  g.clearRect(0, 0, W, H);
+  g.strokeStyle = "#888";
+  g.beginPath();
+  g.moveTo(pad, 5);
+  g.lineTo(pad, H - pad);
+  g.lineTo(W - 5, H - pad);
+  g.stroke();
+  const points = Object.values(data).flat();
+  $("plot-caption").textContent = points.length ? unit : `${unit}: waiting for a second sample`;
+  if (!points.length) return;
+  const t0 = Math.min(...points.map((p) => p[0])), t1 = Math.max(...points.map((p) => p[0]));
+  const top = share ? 1 : Math.max(1, ...points.map((p) => p[1]));
+  const x = (t) => pad + ((W - pad - 10) * (t - t0)) / Math.max(1e-9, t1 - t0);
+  const y = (v) => H - pad - ((H - pad - 10) * v) / top;
+  g.fillStyle = "#555";
+  g.font = "11px sans-serif";
+  g.fillText(share ? "100%" : String(Math.round(top)), 2, 14);
+  g.fillText("0", 14, H - pad);
+  let legend = pad + 5;
+  for (const [name, pts] of Object.entries(data)) {
+    g.strokeStyle = g.fillStyle = COLORS[name] || "#333";
+    g.lineWidth = 2;
+    g.beginPath();
+    pts.forEach(([t, v], i) => (i ? g.lineTo(x(t), y(v)) : g.moveTo(x(t), y(v))));
+    if (pts.length === 1) g.arc(x(pts[0][0]), y(pts[0][1]), 3, 0, 2 * Math.PI);
+    g.stroke();
+    g.fillText(name, legend, H - 10);
+    legend += 60;
+  }
+  canvas.dataset.points = String(points.length);
+  canvas.dataset.max = String(Math.max(...points.map((p) => p[1])));
+}
+
+async function fetchStore() {
+  const rich = await fetch("/v1/store");
+  if (rich.ok) return normalize(await rich.json(), false);
+  return normalize(await (await fetch("/health")).json(), true);
+}
+
+async function refresh() {
+  try {
+    const store = await fetchStore();
+    samples.push({ t: Date.now() / 1000, tiers: Object.fromEntries(store.tiers.map((t) => [t.name, t.hits || 0])) });
+    if (samples.length > 720) samples.shift();
+    renderTiers(store);
+    renderPins(store.pins, store.pins ? await ownKeys() : new Set());
+    plot(series(store));
+    document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
+  } catch (e) {
+    $("summary").textContent = "the server did not answer: " + e.message;
+  }
+}
+
+header();
+refresh();
+setInterval(refresh, every * 1000);
