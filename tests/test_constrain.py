@@ -135,3 +135,35 @@ def test_a_token_the_grammar_cannot_take_raises(llama_model):
     bad = tokenizer.encode("Hello", add_special_tokens=False)
     with pytest.raises(ChatCacheError, match="not allowed by the grammar"):
         c(mx.array([5, *bad]), mx.zeros((1, 400)))
+
+
+# -- mlxcc generate --json-schema ---------------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+          "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+
+
+def test_cli_json_schema_file(tiny_model_dirs, tmp_path, capsys):
+    from mlx_chatcache.cli.main import main
+
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    for seed in (1, 2):
+        code = main(["generate", "--model", str(tiny_model_dirs["llama"]), "-p", "Who?", "--temp", "1",
+                     "--seed", str(seed), "-m", "200", "--json-schema", str(schema)])  # fmt: skip
+        out, _ = capsys.readouterr()
+        assert code == 0
+        jsonschema.validate(json.loads(out), PERSON)
+
+
+def test_cli_refuses_a_bad_schema_in_one_line_before_loading(tmp_path):
+    from cli_helpers import mlxcc, one_error_line
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "strin"}')
+    p = mlxcc("generate", "--model", tmp_path / "no-model", "-p", "x", "--json-schema", bad)
+    line = one_error_line(p)
+    assert p.returncode != 0 and "--json-schema" in line and "strin" in line
+    p = mlxcc("generate", "--model", tmp_path / "no-model", "-p", "x", "--json-schema", tmp_path / "missing.json")
+    assert p.returncode != 0 and "--json-schema" in one_error_line(p)
