@@ -24,7 +24,10 @@ class GenerationConfig:
     min_p: float = 0.0
     min_tokens_to_keep: int = 1
     repetition_penalty: float | None = None
-    repetition_context_size: int = 20
+    repetition_context_size: int = 20  # the recent context tokens every penalty looks at (as mlx-lm's 20)
+    presence_penalty: float = 0.0  # subtracted once from each token among them
+    frequency_penalty: float = 0.0  # subtracted once per occurrence among them
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, added to its logit), ids ascending
     seed: int | None = None
     # prompt processing
     prefill_step_size: int = 2048  # as mlx_lm.generate (DEFAULT_PREFILL_STEP_SIZE)
@@ -55,9 +58,12 @@ class Range:
     optional: bool = False
     choices: tuple[int, ...] = ()
     open_low: bool = False
+    token_map: bool = False  # the value maps token ids (integers >= 0) to numbers in the range
 
     def describe(self) -> str:
         """The range in words: "an integer >= 1", "between 0 and 1 (0 excluded)", "one of 32, 64"."""
+        if self.token_map:
+            return f"a map of token ids (integers >= 0) to numbers {replace(self, token_map=False).describe()}"
         if self.choices:
             return "one of " + ", ".join(map(str, self.choices))
         kind = "an integer " if self.integer else ""
@@ -95,6 +101,9 @@ RANGES: dict[str, Range] = {
     "min_tokens_to_keep": Range(1, TOKEN_COUNT_MAX, integer=True),
     "repetition_penalty": Range(0.0, open_low=True, optional=True),  # 0 would divide by zero
     "repetition_context_size": Range(1, TOKEN_COUNT_MAX, integer=True),
+    "presence_penalty": Range(-2.0, 2.0),  # OpenAI's range
+    "frequency_penalty": Range(-2.0, 2.0),
+    "logit_bias": Range(-100.0, 100.0, optional=True, token_map=True),
     "seed": Range(0, SEED_LIMIT - 1, integer=True, optional=True),
     "prefill_step_size": Range(1, TOKEN_COUNT_MAX, integer=True),
     "max_kv_size": Range(1, TOKEN_COUNT_MAX, integer=True, optional=True),
@@ -102,6 +111,15 @@ RANGES: dict[str, Range] = {
     "kv_bits": Range(integer=True, optional=True, choices=(2, 3, 4, 5, 6, 8)),
     "kv_group_size": Range(integer=True, choices=(32, 64, 128)),
     "quantized_kv_start": Range(0, TOKEN_COUNT_MAX, integer=True),
+}
+
+
+MAX_CHOICES = 8  # the most choices (``n``) one server request may ask for (ServerConfig.max_n)
+
+# the values of request fields that are not GenerationConfig fields, checked by check_setting too
+REQUEST_RANGES: dict[str, Range] = {
+    "n": Range(1, MAX_CHOICES, integer=True),
+    "top_logprobs": Range(0, 20, integer=True),  # OpenAI's range
 }
 
 
@@ -117,13 +135,20 @@ class SettingError(ValueError):
 
 
 def check_setting(name: str, value):
-    """``value`` for GenerationConfig field ``name`` (an int given for a float field
-    becomes a float: finite ones only), or :class:`SettingError`. None is a value
-    of the optional fields only."""
-    r = RANGES[name]
+    """``value`` for GenerationConfig field (or request field, :data:`REQUEST_RANGES`)
+    ``name`` (an int given for a float field becomes a float: finite ones only), or
+    :class:`SettingError`. None is a value of the optional fields only. A token map
+    (a dict, or (id, number) pairs; ids may be decimal strings, as JSON keys are)
+    becomes a tuple of (int id, float) pairs in ascending id order."""
+    r = RANGES[name] if name in RANGES else REQUEST_RANGES[name]
     if value is None and r.optional:
         return None
-    if r.integer:
+    if r.token_map:
+        pairs = _token_pairs(value, replace(r, token_map=False))
+        if pairs is not None:
+            return pairs
+        ok = False
+    elif r.integer:
         ok = type(value) is int and r.holds(value)
     else:
         ok = type(value) in (int, float) and math.isfinite(value) and r.holds(value)
@@ -131,6 +156,26 @@ def check_setting(name: str, value):
         shown = repr(value) if isinstance(value, str) else str(value)
         raise SettingError(name, f"must be {r.describe()}, got {shown if len(shown) <= 40 else shown[:37] + '...'}")
     return value if r.integer else float(value)
+
+
+def _token_pairs(value, r: Range) -> tuple[tuple[int, float], ...] | None:
+    """``value`` as sorted (id, number) pairs with every number in ``r``; None when it is not one."""
+    items = value.items() if isinstance(value, dict) else value
+    if not isinstance(value, (dict, list, tuple)):
+        return None
+    out = {}
+    for item in items:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2):
+            return None
+        k, v = item
+        if type(k) is str and k.isascii() and k.isdecimal() and len(k) <= 10:
+            k = int(k)
+        if not (type(k) is int and 0 <= k <= TOKEN_COUNT_MAX and k not in out):
+            return None
+        if not (type(v) in (int, float) and math.isfinite(v) and r.holds(v)):
+            return None
+        out[k] = float(v)
+    return tuple(sorted(out.items()))
 
 
 def check_config(config: GenerationConfig) -> GenerationConfig:
@@ -182,6 +227,8 @@ class ServerConfig:
     cache_dir_name: str = "server-cache"  # under mlxcc_home() unless --cache-dir is given
     max_queue: int = 64  # requests waiting for the generation worker; more get HTTP 503
     max_stop_sequences: int = 4  # as OpenAI's API
+    max_n: int = MAX_CHOICES  # choices one request may ask for (each a generation on its own cache copy)
+    retry_after_s: int = 1  # the Retry-After of a 503 (queue full)
     # the Redis tier (--cache-redis; shared by replicas), see mlx_chatcache/store/redis_tier.py
     redis_cache_bytes: int = 8 << 30  # byte budget of all entries under the key prefix
     redis_ttl_seconds: int = 24 * 3600  # an entry unused this long expires

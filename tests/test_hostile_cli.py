@@ -127,7 +127,8 @@ SET_VALUES = VALUES.filter(lambda v: v.strip() and not set(v) & set("\r\n\x0b\x0
 def saved_settings_in_range(s: dict) -> None:
     """What a session file may hold: settings the sampler and the library take."""
     make_sampler(s["temp"], s["top_p"], s["top_k"], s["min_p"], s["min_tokens_to_keep"])
-    make_logits_processors(s["repetition_penalty"], s["repetition_context_size"])
+    make_logits_processors(dataclasses.replace(DEFAULTS, repetition_penalty=s["repetition_penalty"],
+                                               repetition_context_size=s["repetition_context_size"]))
     assert s["seed"] is None or (type(s["seed"]) is int and 0 <= s["seed"] < 2**64), s
     assert type(s["max_tokens"]) is int and s["max_tokens"] >= 1, s
     assert all(not isinstance(v, float) or math.isfinite(v) for v in s.values()), s

@@ -9,14 +9,22 @@
   4.5 standard deviations at worst).
 - The repetition penalty divides positive and multiplies negative logits of
   tokens in the context window only; other logits are unchanged (exact).
+- The presence and frequency penalties and ``logit_bias`` equal a hand-written
+  numpy reference on random logits and contexts (Hypothesis); every processor
+  setting outside :data:`~mlx_chatcache.config.RANGES` is UsageError.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from mlx_chatcache.config import DEFAULTS, check_setting
 from mlx_chatcache.errors import UsageError
 from mlx_chatcache.generation.sample import (
     make_logits_processors,
@@ -28,6 +36,11 @@ from mlx_chatcache.generation.sample import (
 
 V = 40
 DRAWS = 2000
+
+
+def cfg(**changes):
+    """DEFAULTS with ``changes`` (None values kept, unlike ``updated``)."""
+    return dataclasses.replace(DEFAULTS, **changes)
 
 
 def random_logprobs(seed: int, rows: int = 1, scale: float = 2.0) -> mx.array:
@@ -138,12 +151,12 @@ def test_bad_settings_raise_usage_error(settings):
 # ------------------------------------------------------------ repetition penalty
 def test_no_processors_by_default():
     assert make_logits_processors() == []
-    assert make_logits_processors(repetition_penalty=1.0) == []
+    assert make_logits_processors(cfg(repetition_penalty=1.0)) == []
 
 
 def test_repetition_penalty_lowers_repeated_tokens():
     logits = mx.array([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])  # (1, 6)
-    (process,) = make_logits_processors(repetition_penalty=2.0, repetition_context_size=3)
+    (process,) = make_logits_processors(cfg(repetition_penalty=2.0, repetition_context_size=3))
     context = mx.array([3, 0, 1, 4, 1])  # window of 3: {1, 4}
     out = np.array(process(context, logits))[0]
     assert out.tolist() == [2.0, -2.0, 0.5, 3.0, -4.0, 1.0]
@@ -156,12 +169,80 @@ def test_repetition_penalty_lowers_repeated_tokens():
 
 def test_repetition_penalty_with_empty_context():
     logits = mx.array([[1.0, 2.0]])
-    (process,) = make_logits_processors(repetition_penalty=1.5)
+    (process,) = make_logits_processors(cfg(repetition_penalty=1.5))
     assert np.array(process(mx.array([], dtype=mx.uint32), logits)).tolist() == [[1.0, 2.0]]
 
 
 def test_bad_penalty_raises_usage_error():
     with pytest.raises(UsageError):
-        make_logits_processors(repetition_penalty=-1.0)
+        make_logits_processors(cfg(repetition_penalty=-1.0))
     with pytest.raises(UsageError):
-        make_logits_processors(repetition_penalty=1.2, repetition_context_size=0)
+        make_logits_processors(cfg(repetition_penalty=1.2, repetition_context_size=0))
+
+
+# ------------------------------------------------------------ presence / frequency / logit_bias
+def reference_penalties(logits: np.ndarray, context: list[int], size: int, presence: float, frequency: float):
+    """OpenAI's definition over the last ``size`` context tokens, written out token by token."""
+    out = logits.astype(np.float64).copy()
+    window = context[-size:]
+    for t in set(window):
+        out[:, t] -= presence  # once if present
+        out[:, t] -= frequency * window.count(t)  # once per occurrence
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    logits=st.lists(st.floats(-30, 30, width=32), min_size=V, max_size=V),
+    context=st.lists(st.integers(0, V - 1), max_size=50),
+    size=st.integers(1, 60),
+    presence=st.floats(-2, 2),
+    frequency=st.floats(-2, 2),
+)
+def test_presence_and_frequency_penalties_equal_the_reference(logits, context, size, presence, frequency):
+    x = np.array([logits], dtype=np.float32)
+    config = cfg(presence_penalty=presence, frequency_penalty=frequency, repetition_context_size=size)
+    out = mx.array(x)
+    for process in make_logits_processors(config):
+        out = process(mx.array(context, dtype=mx.uint32), out)
+    expected = reference_penalties(x, context, size, presence, frequency)
+    np.testing.assert_allclose(np.array(out), expected, rtol=1e-5, atol=1e-4)
+    assert len(make_logits_processors(config)) == (presence != 0) + (frequency != 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(bias=st.dictionaries(st.integers(0, V - 1), st.floats(-100, 100), max_size=8),
+       logits=st.lists(st.floats(-30, 30, width=32), min_size=V, max_size=V))  # fmt: skip
+def test_logit_bias_adds_to_the_named_tokens_only(bias, logits):
+    x = np.array([logits], dtype=np.float32)
+    out = mx.array(x)
+    for process in make_logits_processors(cfg(logit_bias=check_setting("logit_bias", bias))):
+        out = process(mx.array([1, 2], dtype=mx.uint32), out)
+    expected = x.astype(np.float64).copy()
+    for t, b in bias.items():
+        expected[0, t] += b
+    np.testing.assert_allclose(np.array(out), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_logit_bias_of_100_forces_a_token_and_minus_100_removes_the_argmax():
+    lp = random_logprobs(3)
+    best = int(mx.argmax(lp).item())
+    target = (best + 7) % V
+    (up,) = make_logits_processors(cfg(logit_bias=((target, 100.0),)))
+    assert int(mx.argmax(up(mx.array([0]), lp)).item()) == target
+    (down,) = make_logits_processors(cfg(logit_bias=((best, -100.0),)))
+    assert int(mx.argmax(down(mx.array([0]), lp)).item()) != best
+
+
+def test_logit_bias_past_the_vocabulary_is_usage_error():
+    (process,) = make_logits_processors(cfg(logit_bias=((V, 1.0),)))
+    with pytest.raises(UsageError, match=f"token id {V}"):
+        process(mx.array([0]), random_logprobs(0))
+
+
+@pytest.mark.parametrize("bad", [{"presence_penalty": 2.5}, {"frequency_penalty": -3.0},
+                                 {"presence_penalty": float("nan")}, {"logit_bias": ((0, 101.0),)},
+                                 {"logit_bias": ((-1, 1.0),)}, {"logit_bias": "x"}])  # fmt: skip
+def test_bad_processor_settings_raise_usage_error(bad):
+    with pytest.raises(UsageError, match=next(iter(bad))):
+        make_logits_processors(cfg(**bad))

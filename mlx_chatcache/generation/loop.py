@@ -105,7 +105,7 @@ import mlx.core as mx
 
 from ..cache import BaseCache, quantize_prompt_cache
 from ..config import GenerationConfig, SettingError, check_config
-from ..errors import UsageError
+from ..errors import TokenIdError, UsageError
 from .arguments import call_config, call_state, refuse_unsupported
 from .model_call import call_model
 from .pacing import CallPacer
@@ -376,6 +376,11 @@ def generate_step(
     except SettingError as e:
         raise UsageError(e.named) from None
     check_token_ids(model, prompt)  # before the state is trimmed to the prompt
+    if config.logit_bias:
+        try:
+            check_token_ids(model, [t for t, _ in config.logit_bias])
+        except TokenIdError as e:
+            raise UsageError(f"logit_bias: {e}") from None
     state, borrowed = call_state(prompt_cache, state)
     if not borrowed:
         state = ensure_state(model, state, config)
@@ -390,7 +395,7 @@ def generate_step(
         config.temp, config.top_p, config.top_k, config.min_p, config.min_tokens_to_keep
     )
     if logits_processors is None:
-        logits_processors = make_logits_processors(config.repetition_penalty, config.repetition_context_size)
+        logits_processors = make_logits_processors(config)
     quantizer = make_kv_quantizer(config)
     if config.seed is not None:
         mx.random.seed(config.seed)

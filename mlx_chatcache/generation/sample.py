@@ -24,11 +24,12 @@ Contract
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from ..config import DEFAULTS
+from ..config import DEFAULTS, GenerationConfig, SettingError, check_setting
 from ..errors import UsageError
 
 Sampler = Callable[[mx.array], mx.array]
@@ -128,29 +129,59 @@ def min_p_mask(logprobs: mx.array, min_p: float, min_keep: int = 1) -> mx.array:
 
 
 # ------------------------------------------------------------------ processors
-def make_logits_processors(
-    repetition_penalty: float | None = None,
-    repetition_context_size: int | None = None,
-) -> list[LogitsProcessor]:
-    """Processors for these settings; empty when there is nothing to do.
+PROCESSOR_SETTINGS = ("logit_bias", "repetition_penalty", "repetition_context_size", "presence_penalty",
+                      "frequency_penalty")  # fmt: skip
 
-    ``repetition_penalty`` (> 0; 1 or None disables) makes every token among
-    the last ``repetition_context_size`` context tokens less likely: positive
-    logits are divided by it, negative ones multiplied.
+
+def make_logits_processors(config: GenerationConfig | None = None) -> list[LogitsProcessor]:
+    """The processors ``config`` (:data:`DEFAULTS` when None) asks for, in mlx-lm's
+    order; empty when there is nothing to do. A setting outside its range is
+    :class:`UsageError`. Each penalty looks at the last ``repetition_context_size``
+    tokens of the context (the prompt included, as mlx-lm's):
+
+    - ``logit_bias``: each (id, bias) pair adds ``bias`` to that token's logit;
+    - ``repetition_penalty`` (> 0; 1 or None disables): the logit of every token
+      among them is divided by it when positive, multiplied when negative;
+    - ``presence_penalty``: subtracted once from the logit of every token among them;
+    - ``frequency_penalty``: subtracted from a token's logit once per occurrence among them.
     """
-    penalty = DEFAULTS.repetition_penalty if repetition_penalty is None else repetition_penalty
-    size = DEFAULTS.repetition_context_size if repetition_context_size is None else repetition_context_size
-    if not (isinstance(size, int) and size >= 1):
-        raise UsageError(f"repetition context size must be an integer >= 1, got {size!r}")
-    if penalty is None or penalty == 1:
-        return []
-    if not (isinstance(penalty, (int, float)) and penalty > 0 and math.isfinite(penalty)):
-        raise UsageError(f"repetition penalty must be a finite number > 0, got {penalty!r}")
-    return [repetition_penalty_processor(float(penalty), size)]
+    c = config or DEFAULTS
+    for name in PROCESSOR_SETTINGS:
+        try:
+            check_setting(name, getattr(c, name))
+        except SettingError as e:
+            raise UsageError(e.named) from None
+    size = c.repetition_context_size
+    out: list[LogitsProcessor] = []
+    if c.logit_bias:
+        out.append(logit_bias_processor(c.logit_bias))
+    if c.repetition_penalty is not None and c.repetition_penalty != 1:
+        out.append(repetition_penalty_processor(float(c.repetition_penalty), size))
+    if c.presence_penalty:
+        out.append(presence_penalty_processor(float(c.presence_penalty), size))
+    if c.frequency_penalty:
+        out.append(frequency_penalty_processor(float(c.frequency_penalty), size))
+    return out
+
+
+def logit_bias_processor(bias: Sequence[tuple[int, float]]) -> LogitsProcessor:
+    """Adds each ``(token id, bias)``'s bias to that token's logit; an id past the
+    logits' width is :class:`UsageError`."""
+    ids_list = [int(i) for i, _ in bias]
+    ids, values = mx.array(ids_list), mx.array([float(b) for _, b in bias])
+    top = max(ids_list, default=-1)
+
+    def process(tokens: mx.array | Sequence[int], logits: mx.array) -> mx.array:
+        if top >= logits.shape[-1]:
+            raise UsageError(f"logit_bias names token id {top}, but this model's ids go from 0 to "
+                             f"{logits.shape[-1] - 1}; use ids of this model's tokenizer")  # fmt: skip
+        return logits.at[:, ids].add(values.astype(logits.dtype))
+
+    return process
 
 
 def repetition_penalty_processor(penalty: float, context_size: int) -> LogitsProcessor:
-    """The processor described in :func:`make_logits_processors`."""
+    """The repetition penalty described in :func:`make_logits_processors`."""
 
     def process(tokens: mx.array | Sequence[int], logits: mx.array) -> mx.array:
         recent = sorted(set(_as_list(tokens)[-context_size:]))
@@ -160,6 +191,28 @@ def repetition_penalty_processor(penalty: float, context_size: int) -> LogitsPro
         seen = logits[:, ids]  # (B, R)
         factor = mx.where(seen > 0, 1.0 / penalty, penalty).astype(logits.dtype)  # (B, R)
         return logits.at[:, ids].multiply(factor)  # (B, V), a new array
+
+    return process
+
+
+def presence_penalty_processor(penalty: float, context_size: int) -> LogitsProcessor:
+    """The presence penalty described in :func:`make_logits_processors`."""
+    return _additive_penalty(penalty, context_size, per_occurrence=False)
+
+
+def frequency_penalty_processor(penalty: float, context_size: int) -> LogitsProcessor:
+    """The frequency penalty described in :func:`make_logits_processors`."""
+    return _additive_penalty(penalty, context_size, per_occurrence=True)
+
+
+def _additive_penalty(penalty: float, context_size: int, per_occurrence: bool) -> LogitsProcessor:
+    def process(tokens: mx.array | Sequence[int], logits: mx.array) -> mx.array:
+        counts = Counter(_as_list(tokens)[-context_size:])
+        if not counts:
+            return logits
+        ids = sorted(counts)
+        amount = [penalty * counts[i] if per_occurrence else penalty for i in ids]
+        return logits.at[:, mx.array(ids)].subtract(mx.array(amount).astype(logits.dtype))
 
     return process
 
@@ -177,5 +230,8 @@ __all__ = [
     "top_p_mask",
     "min_p_mask",
     "make_logits_processors",
+    "logit_bias_processor",
     "repetition_penalty_processor",
+    "presence_penalty_processor",
+    "frequency_penalty_processor",
 ]

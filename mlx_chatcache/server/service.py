@@ -23,7 +23,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..config import GenerationConfig
+from ..config import GenerationConfig, SettingError, check_setting
 from ..errors import ChatCacheError, TokenIdError, one_line
 from ..generation.text import encode_prompt
 from ..generation.templates import has_chat_template, render_chat
@@ -100,11 +100,31 @@ class Service:
                                f"model's context of {self.context_length} tokens; lower max_tokens to {room} "
                                "or shorten the prompt", "max_tokens", "context_length_exceeded")  # fmt: skip
         changes = {"max_tokens": max_tokens, "temp": req.temperature, "seed": req.seed}
+        changes.update(self._sampling_changes(req))
         if req.top_p == 0.0:  # only the most likely token is left
             changes["top_k"] = 1
         elif req.top_p is not None:
             changes["top_p"] = req.top_p
         return self.config.updated(**changes)
+
+    def _sampling_changes(self, req: Request) -> dict:
+        """The request's sampling fields that are set, as GenerationConfig changes; a
+        value out of its range, or a logit_bias id the model does not have, is a 400 naming it."""
+        changes = {}
+        for name in ("top_k", "min_p", "repetition_penalty", "repetition_context_size", "presence_penalty",
+                     "frequency_penalty", "logit_bias"):  # fmt: skip
+            value = getattr(req, name, None)
+            if value is None:
+                continue
+            try:
+                changes[name] = check_setting(name, value)
+                if name == "logit_bias":
+                    check_token_ids(self.model, [t for t, _ in changes[name]])
+            except SettingError as e:
+                raise RequestError(400, e.named, name, "invalid_value") from None
+            except TokenIdError as e:
+                raise RequestError(400, f"logit_bias: {e}", name, "invalid_value") from None
+        return changes
 
 
 def _described(e: BaseException) -> str:

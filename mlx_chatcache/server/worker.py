@@ -10,11 +10,23 @@ A job reports through ``job.emit(event)``, called on the worker thread, with:
 
 - ``("start", {"cached_tokens": n, "queued_s": s})`` once its prompt is
   ready to generate from (``n``: prompt tokens taken from the store, exact);
-- ``("text", str)`` for each piece of reply text (stop strings held back
-  until they can no longer match, and cut off when they do);
+- ``("piece", Piece)`` for each piece of a choice's reply text (stop strings held
+  back until they can no longer match, and cut off when they do), with the
+  :class:`TokenLogprob` of the tokens sampled since the last piece when
+  ``job.logprobs`` (the stop token itself has none);
+- ``("text", str)``: choice 0's text again, for consumers of one choice;
 - ``("done", {"finish_reason", "prompt_tokens", "completion_tokens",
-  "cached_tokens", "timing"})`` at the end (``timing``: seconds queued, from
-  leaving the queue to the first token, and in all), or ``("error", message)``.
+  "cached_tokens", "timing", "choices"})`` at the end (``finish_reason``: choice
+  0's; ``completion_tokens``: all choices'; ``choices``: per choice ``index``,
+  ``finish_reason``, ``completion_tokens``, and with ``job.postprocess`` its
+  ``content`` and ``tool_calls``; ``timing``: seconds queued, from leaving the
+  queue to the first token, and in all), or ``("error", message)``.
+
+With ``job.n`` > 1 the prompt is fed once (all but its last token) and each
+choice ``i`` generates on its own copy of that cache, with seed ``seed + i``
+when the config has a seed: choice ``i`` is what a one-choice job with that
+seed gives (up to float rounding of the prompt's last token).
+``stats["prompt_tokens_computed"]`` counts the prompt tokens the model was fed.
 
 ``job.cancel()`` (a client that went away) stops the job before it starts,
 during its prompt (between prefill chunks) or between tokens. Whatever a job
@@ -43,11 +55,12 @@ from typing import Callable
 import mlx.core as mx
 
 from ..cache import make_prompt_cache
-from ..config import GenerationConfig
+from ..config import SEED_LIMIT, GenerationConfig
 from ..errors import ChatCacheError
 from ..generation.loop import PrefillStopped, consistent_on_error, make_kv_quantizer, prefill
 from ..generation.prompt import PromptCache, reuse_prefix
 from ..generation.checkout import prompt_scope
+from ..generation.sample import LogitsProcessor, make_logits_processors
 from ..generation.text import stream_generate
 from ..store.store import PromptStore
 from ..store.tiers import Scope, compact_copy
@@ -65,13 +78,44 @@ class _Cancelled(Exception):
 
 
 @dataclass
+class TokenLogprob:
+    """A sampled token's log-probability in the distribution it was drawn from (the
+    log-softmax after the logits processors), and the ``top`` most likely tokens there."""
+
+    token: str  # the token's text, decoded alone
+    id: int
+    logprob: float
+    top: list[tuple[str, int, float]]  # (text, id, logprob), most likely first
+    offset: int  # characters of the choice's earlier tokens' texts
+
+
+@dataclass
+class Piece:
+    """A piece of choice ``index``'s reply: its text and the logprobs of the tokens behind it."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
 class Job:
+    """One request for the worker. ``processors`` (when given) makes fresh extra logits
+    processors for each choice, applied after the config's (a grammar's constraint);
+    ``postprocess`` maps a choice's whole text to ``(content, tool_calls)`` (a tool-call
+    parser; non-empty tool calls make the choice's finish reason "tool_calls")."""
+
     prompt: list[int]
     config: GenerationConfig
     emit: Callable[[tuple], None]
     stop: list[str] = field(default_factory=list)
     boundary: int | None = None  # prompt tokens up to the end of the last message (chat)
     key: str | None = None
+    n: int = 1  # choices, each sampled on its own copy of the prompt's cache
+    logprobs: bool = False  # emit each sampled token's TokenLogprob
+    top_logprobs: int = 0  # with logprobs: how many of the most likely tokens each carries
+    processors: Callable[[], list[LogitsProcessor]] | None = None
+    postprocess: Callable[[str], tuple[str | None, list]] | None = None
     submitted: float = field(default_factory=time.perf_counter)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -90,7 +134,8 @@ class GenerationWorker:
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._thread = threading.Thread(target=self._loop, name="mlxcc-generation", daemon=True)
         self.stats = {"jobs": 0, "cancelled": 0, "errors": 0, "busy": False, "peak_memory": 0,
-                      "active_memory": 0, "queue_wait_s_total": 0.0, "queue_wait_s_max": 0.0}  # fmt: skip
+                      "active_memory": 0, "queue_wait_s_total": 0.0, "queue_wait_s_max": 0.0,
+                      "prompt_tokens_computed": 0}  # fmt: skip
 
     def start(self) -> None:
         self._thread.start()
@@ -157,25 +202,50 @@ class GenerationWorker:
         self.stats["queue_wait_s_max"] = max(self.stats["queue_wait_s_max"], waited)
         t0 = time.perf_counter()
         state, cached = self._checkout(job)
-        checkpoint, timing = None, {}
+        checkpoint, timing, states, choices = None, {}, [state], []
         try:
             checkpoint = self._checkpoint(job, state)
             job.emit(("start", {"cached_tokens": cached, "queued_s": waited}))
-            finish, n = self._generate(job, state, timing)
+            states = self._choice_states(job, state)
+            for i, st in enumerate(states):
+                choices.append(self._generate(job, st, timing, i))
+                if choices[-1]["finish_reason"] == "cancelled":
+                    break
+            finish = "cancelled" if choices[-1]["finish_reason"] == "cancelled" else choices[0]["finish_reason"]
         except _Cancelled:
-            finish, n = "cancelled", 0
+            finish = "cancelled"
+        n = sum(c["completion_tokens"] for c in choices)
         timing = {"queued_s": round(waited, 4), "first_token_s": round(timing.get("first", t0) - t0, 4),
                   "total_s": round(time.perf_counter() - t0, 4)}  # fmt: skip
         self.stats["last_job"] = {**timing, "cached_tokens": cached, "prompt_tokens": len(job.prompt)}
         if finish == "cancelled":
             self.stats["cancelled"] += 1
         else:
-            job.emit(("done", {"finish_reason": finish, "prompt_tokens": len(job.prompt),
-                               "completion_tokens": n, "cached_tokens": cached, "timing": timing}))  # fmt: skip
+            job.emit(("done", {"finish_reason": finish, "prompt_tokens": len(job.prompt), "completion_tokens": n,
+                               "cached_tokens": cached, "timing": timing, "choices": choices}))  # fmt: skip
         if checkpoint is not None:
             self._put(job.prompt[: job.boundary], checkpoint, job.key)
-        if state.tokens:
-            self._put(state.tokens, state.cache, job.key)
+        for st in states[: max(len(choices), 1)]:  # the copies of choices never started hold nothing new
+            if st.tokens:
+                self._put(st.tokens, st.cache, job.key)
+
+    def _choice_states(self, job: Job, state: PromptCache) -> list[PromptCache]:
+        """The state each choice generates on: ``state`` itself for one choice; for more,
+        ``state`` fed all of the prompt but its last token, then copies of it."""
+        if job.n == 1:
+            return [state]
+        before = len(state.tokens)  # a prefix of the prompt (checkout, checkpoint)
+        try:
+            with consistent_on_error(state, self.model):
+                prefill(self.model, state, job.prompt[before:], job.config.prefill_step_size, leave=1,
+                        kv_quantizer=make_kv_quantizer(job.config), should_stop=lambda: job.cancelled)  # fmt: skip
+        except PrefillStopped:  # the chunks fed so far are in the state
+            raise _Cancelled from None
+        finally:
+            self.stats["prompt_tokens_computed"] += max(len(state.tokens) - before, 0)
+        base = compact_copy(state.cache)
+        copies = [compact_copy(base) for _ in range(job.n - 2)] + [base]
+        return [state] + [PromptCache(c, list(state.tokens), state.max_kv_size, state.keep) for c in copies]
 
     def _put(self, tokens, cache, key) -> None:
         """Store a cache; a failing tier (a full disk) is logged, the client has its reply."""
@@ -208,6 +278,8 @@ class GenerationWorker:
                         kv_quantizer=make_kv_quantizer(job.config), should_stop=lambda: job.cancelled)  # fmt: skip
         except PrefillStopped:  # the chunks fed so far are in the state
             raise _Cancelled from None
+        finally:
+            self.stats["prompt_tokens_computed"] += max(len(state.tokens) - (b - len(todo)), 0)
         return compact_copy(state.cache)
 
     def _progress(self, job: Job):
@@ -217,31 +289,66 @@ class GenerationWorker:
 
         return check
 
-    def _generate(self, job: Job, state: PromptCache, timing: dict) -> tuple[str, int]:
+    def _generate(self, job: Job, state: PromptCache, timing: dict, index: int) -> dict:
+        """Generate choice ``index`` on ``state``, emitting its pieces; its entry of ``done["choices"]``."""
+        config = job.config
+        if index and config.seed is not None:
+            config = config.updated(seed=(config.seed + index) % SEED_LIMIT)
+        processors = make_logits_processors(config) + (job.processors() if job.processors else [])
         stops = StopMatcher(job.stop)
-        steps = stream_generate(self.model, self.tokenizer, job.prompt, state=state, config=job.config,
-                                progress=self._progress(job))  # fmt: skip
-        n, finish = 0, "length"
+        steps = stream_generate(self.model, self.tokenizer, job.prompt, state=state, config=config,
+                                logits_processors=processors, progress=self._progress(job))  # fmt: skip
+        n, finish, text, offset, pending = 0, "length", [], 0, []
+
+        def send(piece: str) -> None:
+            if piece or pending:
+                job.emit(("piece", Piece(index, piece, list(pending))))
+                pending.clear()
+            if piece:
+                text.append(piece)
+                if index == 0:
+                    job.emit(("text", piece))
+
         try:
             for r in steps:
+                if n == 0:
+                    self.stats["prompt_tokens_computed"] += r.prompt_tokens - r.reused_tokens
                 n = r.generation_tokens
                 timing.setdefault("first", time.perf_counter())
-                text, hit = stops.feed(r.text)
-                if text:
-                    job.emit(("text", text))
+                if job.logprobs and r.finish_reason != "stop":  # the stop token is no part of the reply
+                    pending.append(self._logprob(r.token, r.logprobs, job.top_logprobs, offset))
+                    offset += len(pending[-1].token)
+                piece, hit = stops.feed(r.text)
+                send(piece)
                 if hit:
-                    return "stop", n
+                    finish = "stop"
+                    break
                 if job.cancelled:
-                    return "cancelled", n
+                    finish = "cancelled"
+                    break
                 if r.finish_reason:
                     finish = r.finish_reason
                     break
         finally:
             steps.close()
-        rest = stops.flush()
-        if rest:
-            job.emit(("text", rest))
-        return finish, n
+        if finish != "cancelled":
+            send(stops.flush())
+        choice = {"index": index, "finish_reason": finish, "completion_tokens": n}
+        if job.postprocess is not None and finish != "cancelled":
+            choice["content"], choice["tool_calls"] = job.postprocess("".join(text))
+            if choice["tool_calls"]:
+                choice["finish_reason"] = "tool_calls"
+        return choice
+
+    def _logprob(self, token: int, logprobs: mx.array, top: int, offset: int) -> TokenLogprob:
+        """``token``'s :class:`TokenLogprob` in ``logprobs`` ``(V,)``, with the ``top`` most likely tokens."""
+        best = []
+        if top > 0:
+            k = min(top, logprobs.shape[-1])
+            ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
+            pairs = sorted(zip(logprobs[ids].tolist(), ids.tolist()), key=lambda p: (-p[0], p[1]))
+            best = [(self.tokenizer.decode([i]), i, lp) for lp, i in pairs]
+        return TokenLogprob(self.tokenizer.decode([token]), token, logprobs[token].item(), best, offset)
 
 
 class StopMatcher:
