@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-blas-off test-slow demo bench clean
+.PHONY: install test test-blas-off test-slow mlxlm-tests demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ test: $(STAMP)
 # the same suite with MLX's bundled BLAS (the OpenBLAS swap turned off); CI runs both
 test-blas-off: $(STAMP)
 	MLXCC_BLAS=off $(PY) -m pytest -q
+
+# mlx-lm's own tests folder, from the PyPI sdist of the installed version (tests/test_mlxlm_server_suite.py)
+mlxlm-tests: $(STAMP)
+	$(PY) tests/fetch_mlxlm_tests.py
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

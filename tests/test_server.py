@@ -234,7 +234,8 @@ def _raw(server, path, body: bytes | None, method="POST"):
 @pytest.mark.parametrize("body,status,param", [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
-    (b'{"messages": [{"role": "user", "content": "hi"}]}', 400, "model"),
+    (b'{"model": 5, "messages": [{"role": "user", "content": "hi"}]}', 400, "model"),
+    (b'{"model": "", "messages": [{"role": "user", "content": "hi"}]}', 400, "model"),
     (b'{"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
     (b'{"model": "llama", "messages": "hi"}', 400, "messages"),
     (b'{"model": "llama", "messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content"),
@@ -277,3 +278,198 @@ def test_prompt_over_the_context_is_a_400(server):
         client(server).chat.completions.create(model="nope", messages=FIRST)
     code, text = _raw(server, "/v1/nothing-here", None, method="GET")
     assert code == 404 and json.loads(text)["error"]["message"]
+
+
+# ------------------------------------------------------------------ every field of the dialect
+CHAT_HI = {"model": "llama", "messages": [{"role": "user", "content": "hi"}]}
+CALL = {"type": "function", "id": "c1", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
+
+def _chat_with(**fields) -> bytes:
+    return json.dumps({**CHAT_HI, **fields}).encode()
+
+
+def _history(call: dict, **assistant) -> list[dict]:
+    return [{"role": "user", "content": "what is 2+3?"},
+            {"role": "assistant", "content": None, "tool_calls": [call], **assistant},
+            {"role": "tool", "content": "5", "tool_call_id": "c1"}]  # fmt: skip
+
+
+@pytest.mark.parametrize("body,param", [
+    (_chat_with(presence_penalty=3), "presence_penalty"),
+    (_chat_with(presence_penalty="abc"), "presence_penalty"),
+    (_chat_with(frequency_penalty=-2.5), "frequency_penalty"),
+    (_chat_with(logit_bias={"x": 1}), "logit_bias"),
+    (_chat_with(logit_bias={"5": 101}), "logit_bias"),
+    (_chat_with(logit_bias=[5]), "logit_bias"),
+    (_chat_with(logit_bias={"999999": 1}), "logit_bias"),  # past the vocabulary
+    (_chat_with(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (_chat_with(top_logprobs=2), "top_logprobs"),  # without logprobs
+    (_chat_with(logprobs=3), "logprobs"),
+    (json.dumps({"model": "llama", "prompt": "hi", "logprobs": 6}).encode(), "logprobs"),
+    (_chat_with(n=0), "n"),
+    (_chat_with(n=9), "n"),
+    (_chat_with(top_k=-1), "top_k"),
+    (_chat_with(top_k=1.5), "top_k"),
+    (_chat_with(min_p=1.5), "min_p"),
+    (_chat_with(repetition_penalty=0), "repetition_penalty"),
+    (_chat_with(repetition_context_size=0), "repetition_context_size"),
+    (_chat_with(tools="add"), "tools"),
+    (_chat_with(tools=[{"type": "function"}]), "tools[0].function"),
+    (_chat_with(tools=[{"type": "function", "function": {"name": ""}}]), "tools[0].function.name"),
+    (_chat_with(tools=[ADD], tool_choice="sometimes"), "tool_choice"),
+    (_chat_with(tool_choice="required"), "tool_choice"),
+    (_chat_with(tools=[ADD], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice.function.name"),
+    (_chat_with(response_format={"type": "xml"}), "response_format.type"),
+    (_chat_with(response_format={"type": "json_schema"}), "response_format.json_schema"),
+    (_chat_with(response_format="json"), "response_format"),
+    (_chat_with(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
+    (_chat_with(messages=[{"role": "user", "content": None}]), "messages[0].content"),
+    (_chat_with(messages=_history({**CALL, "function": {"name": "add", "arguments": "{"}})),
+     "messages[1].tool_calls[0].function.arguments"),
+    (_chat_with(messages=_history({**CALL, "function": {"name": "add", "arguments": "[1]"}})),
+     "messages[1].tool_calls[0].function.arguments"),
+    (_chat_with(messages=_history({**CALL, "type": "code"})), "messages[1].tool_calls[0].type"),
+    (_chat_with(messages=_history(CALL)[:2] + [{"role": "tool", "content": "5", "tool_call_id": 7}]),
+     "messages[2].tool_call_id"),
+])  # fmt: skip
+def test_every_field_is_checked_and_a_bad_value_named(server, body, param):
+    path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
+    code, text = _raw(server, path, body.replace(b'"llama"', json.dumps(server.model_id).encode()))
+    err = json.loads(text)["error"]
+    assert code == 400 and err["param"] == param and err["code"] != "unsupported_parameter", text
+    assert "\n" not in err["message"]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"5": 10}), ("logprobs", True), ("n", 2),
+    ("tools", [ADD]), ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+])  # fmt: skip
+def test_a_valid_field_not_honoured_yet_is_refused_by_name(server, field, value):
+    code, text = _raw(server, "/v1/chat/completions", _chat_with(model=server.model_id, **{field: value}))
+    err = json.loads(text)["error"]
+    assert code == 400 and err["param"] == field and err["code"] == "unsupported_parameter", text
+
+
+def test_fields_honoured_as_given(server):
+    """``response_format`` text and tools with ``tool_choice`` "none" change nothing."""
+    plain = json.loads(_raw(server, "/v1/chat/completions", _chat_with(model=server.model_id, max_tokens=4,
+                                                                        temperature=0))[1])  # fmt: skip
+    for extra in ({"response_format": {"type": "text"}}, {"tools": [ADD], "tool_choice": "none"}):
+        code, text = _raw(server, "/v1/chat/completions", _chat_with(model=server.model_id, max_tokens=4,
+                                                                     temperature=0, **extra))  # fmt: skip
+        assert code == 200 and json.loads(text)["choices"] == plain["choices"], text
+
+
+def test_top_k_min_p_and_repetition_penalty_reach_the_sampler(server, llama_model):
+    """top_k 1 and min_p 1 leave only the most likely token (a hot, seeded request turns
+    greedy); a repetition penalty changes the greedy reply as the library's does."""
+    messages = [{"role": "user", "content": "Count to a thousand."}]
+    greedy = local_reply(llama_model, messages, 24)[1]
+    hot = {"model": server.model_id, "messages": messages, "temperature": 2.0, "seed": 7, "max_tokens": 24}
+    assert client(server).chat.completions.create(**hot).choices[0].message.content != greedy  # the test can fail
+    for keep_one in ({"top_k": 1}, {"min_p": 1.0}):
+        reply = client(server).chat.completions.create(extra_body=keep_one, **hot)
+        assert reply.choices[0].message.content == greedy, keep_one
+    model, tokenizer = llama_model
+    penalty = {"repetition_penalty": 1.5, "repetition_context_size": 8}
+    want = "".join(r.text for r in stream_generate(model, tokenizer, render_chat(tokenizer, messages),
+                                                   config=_config(24).updated(**penalty)))  # fmt: skip
+    assert want != greedy
+    got = chat(server, messages, max_tokens=24, extra_body=penalty).choices[0].message.content
+    assert got == want
+
+
+def test_a_tool_call_history_reaches_the_chat_template(server, llama_model):
+    """An assistant message of tool calls (content null, arguments as text or as an
+    object) and a tool result render as mlx-lm's server renders them."""
+    from mlx_chatcache.server.protocol import parse_chat
+
+    _, tokenizer = llama_model
+    for call in (CALL, {**CALL, "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}):
+        messages = _history(call)
+        parsed = parse_chat({"messages": messages}).messages
+        assert parsed[1] == {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "id": "c1", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}
+        assert parsed[2] == {"role": "tool", "content": "5", "tool_call_id": "c1"}
+        reply = chat(server, messages, max_tokens=2)
+        assert reply.usage.prompt_tokens == len(render_chat(tokenizer, parsed))
+    assert parse_chat({"messages": [{"role": "developer", "content": "x"}]}).messages == [
+        {"role": "system", "content": "x"}]
+
+
+# ------------------------------------------------------------------ names, disconnects, a full queue
+def _send(server, path: str, body: dict) -> "socket.socket":
+    """A raw HTTP request left open: the caller reads or closes its socket."""
+    import socket
+
+    raw = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)  # fmt: skip
+    return s
+
+
+def _wait_idle(server, cancelled_before: int, seconds: float) -> dict:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        h = server.health()
+        if h["cancelled"] > cancelled_before and not h["busy"] and h["queued"] == 0:
+            break
+        time.sleep(0.1)
+    return h
+
+
+LONG = {"messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 9000}
+
+
+@pytest.fixture(scope="module")
+def named_server(tiny_model_dirs, tmp_path_factory):
+    with ServerProcess(tiny_model_dirs["llama"], None, "--disk-cache-bytes", "0", "--max-queue", "1",
+                       "--context-length", "10000", "--served-model-name", "gpt-4o-mini",
+                       "--served-model-name", "local") as s:  # fmt: skip
+        yield s
+
+
+def test_default_model_an_omitted_model_and_served_names_mean_the_model(named_server):
+    s = named_server
+    assert [m.id for m in client(s).models.list().data] == [s.model_id, "gpt-4o-mini", "local"]
+    for name in (s.model_id, "default_model", "gpt-4o-mini", "local", None):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **({"model": name} if name else {})}
+        code, text = _raw(s, "/v1/chat/completions", json.dumps(body).encode())
+        assert code == 200 and json.loads(text)["model"] == s.model_id, (name, text)
+    code, text = _raw(s, "/v1/completions", json.dumps({"model": "gpt-4", "prompt": "hi"}).encode())
+    assert code == 404 and json.loads(text)["error"]["param"] == "model"
+
+
+def test_a_non_streamed_request_is_cancelled_when_its_client_goes(named_server):
+    before = named_server.health()["cancelled"]
+    sock = _send(named_server, "/v1/chat/completions", LONG)  # ~20 s of generation
+    time.sleep(1.0)
+    assert named_server.health()["busy"]
+    sock.close()
+    h = _wait_idle(named_server, before, 5)
+    assert h["cancelled"] > before and not h["busy"], h
+
+
+def test_a_full_queue_is_a_503_with_retry_after(named_server):
+    before = named_server.health()["cancelled"]
+    busy = [_send(named_server, "/v1/chat/completions", LONG)]  # generating
+    time.sleep(0.5)
+    busy.append(_send(named_server, "/v1/completions", {"prompt": "hi", "max_tokens": 9000}))  # queued
+    time.sleep(0.5)
+    try:
+        req = urllib.request.Request(named_server.base_url + "/completions", method="POST",
+                                     data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 503 and int(e.value.headers["Retry-After"]) >= 1
+        assert json.loads(e.value.read())["error"]["code"] == "server_busy"
+    finally:
+        for sock in busy:
+            sock.close()
+    h = _wait_idle(named_server, before + 1, 10)
+    assert h["cancelled"] >= before + 2 and not h["busy"], h

@@ -237,3 +237,29 @@ def test_rotating_and_quantized_caches_round_trip_through_both_tiers(tiny_model_
         assert len(got_arrays) == len(want)
         for g, w in zip(got_arrays, want):  # a file stores the buffers' room: compare the live part
             np.testing.assert_array_equal(g[..., : w.shape[-2], :] if g.ndim == 4 else g, w)
+
+
+def test_temp_files_of_a_killed_writer_are_removed_when_the_disk_tier_opens(llama_model, tmp_path):
+    """Entry names are content hashes, never written again: the scan is what removes a
+    dead writer's temp file; a live writer's (ours, another process') is kept."""
+    import os
+    import subprocess
+    import sys
+
+    from mlx_chatcache.files.atomic import _HOST, TEMP_SUFFIX
+
+    model, _ = llama_model
+    DiskTier(tmp_path, 1 << 30).add(scope(model), tokens_of(20), make_prompt_cache(model), key=None)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = [f".0a1b2c.safetensors.{_HOST}-{dead.pid}.abcdefgh{TEMP_SUFFIX}",
+            f".ffee99.safetensors.{_HOST}-{dead.pid}.x_1y2z3w{TEMP_SUFFIX}"]  # fmt: skip
+    kept = [f".0a1b2c.safetensors.{_HOST}-{os.getpid()}.abcdefgh{TEMP_SUFFIX}",
+            f".0a1b2c.safetensors.{_HOST}-{os.getppid()}.abcdefgh{TEMP_SUFFIX}",
+            f"0a1b2c.safetensors.{_HOST}-{dead.pid}.abcdefgh{TEMP_SUFFIX}"]  # fmt: skip
+    for name in gone + kept:
+        (tmp_path / name).write_bytes(b"x" * 100)
+    restarted = DiskTier(tmp_path, 1 << 30)
+    left = {p.name for p in tmp_path.iterdir()}
+    assert not left & set(gone) and set(kept) <= left
+    assert restarted.stats()["temp_removed"] == 2 and len(restarted.index) == 1

@@ -68,6 +68,9 @@ def add_parser(sub) -> None:
                    help="tokens a request may use, prompt plus reply (default: the model's own)")
     p.add_argument("--max-queue", type=positive_int, default=S.max_queue,
                    help=f"requests that may wait for the generator; more get HTTP 503 (default {S.max_queue})")
+    p.add_argument("--served-model-name", metavar="NAME", action="append", default=[],
+                   help="another name clients may give as 'model' (repeatable; also listed by /v1/models). "
+                   "The model's path and folder name, 'default_model' and an omitted 'model' always work")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level (default info)")
     add_sampling_args(p)
@@ -86,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     from ..store.store import build_store
 
     config = check_window_flags(config_from_args(args))  # before the model loads
+    if any(not name.strip() for name in args.served_model_name):
+        raise UsageError("--served-model-name needs a non-empty NAME")
     cache_dir = args.cache_dir or default_cache_dir()
     if args.disk_cache_bytes > 0:
         check_cache_dir(str(cache_dir))  # a folder it cannot use is one line, before the model loads
@@ -96,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
         store = build_store(args.cache_bytes, args.disk_cache_bytes, cache_dir,
                             redis_url=args.cache_redis)  # fmt: skip
         try:
-            service = Service(model, tokenizer, ref, store, config, args.max_queue, args.context_length)  # fmt: skip
+            service = Service(model, tokenizer, ref, store, config, args.max_queue, args.context_length,
+                              served_names=tuple(args.served_model_name))  # fmt: skip
             serve(service, sock, args.log_level)
         finally:
             store.close()

@@ -4,8 +4,9 @@
 it over the target: a reader sees the old file or the new one, never a mix,
 and a failed write (full disk, kill -9) leaves the old file intact. A writer
 killed with -9 leaves its temp file (``.NAME.HOST-PID.XXXXXXXX.tmp.safetensors``);
-the next write to the same path removes such leftovers when their writer is
-gone (same host, dead pid) or they have not been touched for an hour.
+the next write to the same path, and :func:`remove_stale_temp_files_in` on its
+folder, remove such leftovers when their writer is gone (same host, dead pid)
+or they have not been touched for an hour.
 Every failure of a write, creating the temp file included (a read-only
 folder, ``/proc``), is one :class:`CacheFileError` line saying what failed
 and what to do; :func:`check_writable` probes the same before any work.
@@ -128,20 +129,31 @@ STALE_AFTER = 3600.0  # seconds without a write: no live writer leaves its temp 
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:6]  # pids only mean something on their host
 # the part between ".NAME." and the suffix: [HOST-PID.] then mkstemp's 8 random characters
 _MIDDLE = re.compile(r"^(?:([0-9a-f]{6})-(\d{1,10})\.)?[a-z0-9_]{8}$")
+_NAME_AND_MIDDLE = re.compile(r"^.+?\.(?:([0-9a-f]{6})-(\d{1,10})\.)?[a-z0-9_]{8}$")  # NAME, then the middle
 
 
 def remove_stale_temp_files(path: str | os.PathLike) -> list[Path]:
     """Remove the temp files killed writers of ``path`` left behind; returns them.
 
     Only names of our pattern (``.NAME.*.tmp.safetensors`` next to ``path``) are
-    considered, and of those only the ones whose writer is known to be gone: a
-    tag naming this host and a pid that no longer exists, or no change for
-    ``STALE_AFTER`` seconds (untagged files from older versions, other hosts).
+    considered, and of those only the ones whose writer is gone (:func:`_writer_gone`).
     A live writer's temp file is never touched.
     """
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
-    prefix = f".{path.name}."
+    return _remove_stale(folder, f".{path.name}.", _MIDDLE)
+
+
+def remove_stale_temp_files_in(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temp files killed writers left in ``folder``, whatever file they
+    were writing (a store's entries are named once, so no later write of the same
+    name would find them); returns them. The same rule as :func:`remove_stale_temp_files`."""
+    return _remove_stale(Path(folder), ".", _NAME_AND_MIDDLE)
+
+
+def _remove_stale(folder: Path, prefix: str, pattern: re.Pattern) -> list[Path]:
+    """Remove ``folder``'s files ``PREFIX REST .tmp.safetensors`` whose REST matches
+    ``pattern`` (its groups 1 and 2: the writer's host tag and pid) and whose writer is gone."""
     removed = []
     try:
         entries = list(os.scandir(folder))
@@ -152,8 +164,8 @@ def remove_stale_temp_files(path: str | os.PathLike) -> list[Path]:
         name = entry.name
         if not (name.startswith(prefix) and name.endswith(TEMP_SUFFIX)):
             continue
-        tag = _MIDDLE.match(name[len(prefix) : -len(TEMP_SUFFIX)])
-        if tag is None:  # not our temp file for this path (e.g. one for "NAME.other")
+        tag = pattern.match(name[len(prefix) : -len(TEMP_SUFFIX)])
+        if tag is None:  # not our temp file (for this path: e.g. one for "NAME.other")
             continue
         try:
             if not entry.is_file(follow_symlinks=False):
@@ -161,14 +173,20 @@ def remove_stale_temp_files(path: str | os.PathLike) -> list[Path]:
             idle = now - entry.stat(follow_symlinks=False).st_mtime
         except OSError:
             continue
-        dead = tag.group(1) == _HOST and not _pid_alive(int(tag.group(2)))
-        if dead or idle > STALE_AFTER:
+        if _writer_gone(tag.group(1), tag.group(2), idle):
             try:
                 os.unlink(entry.path)
                 removed.append(Path(entry.path))
             except OSError:
                 pass
     return removed
+
+
+def _writer_gone(host: str | None, pid: str | None, idle: float) -> bool:
+    """Whether a temp file's writer is known to be gone: its tag names this host and a
+    pid that no longer exists, or the file has not changed for ``STALE_AFTER`` seconds
+    (untagged files from older versions, other hosts)."""
+    return (host == _HOST and not _pid_alive(int(pid))) or idle > STALE_AFTER
 
 
 def _pid_alive(pid: int) -> bool:

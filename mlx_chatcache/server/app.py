@@ -8,8 +8,10 @@ Contract: handlers never run MLX work; they parse and check the request
 (:mod:`.protocol`), tokenize it on the tokenizer thread, hand a job to the
 generation worker and relay its events. Every error is an OpenAI-shaped JSON
 body with a 4xx status for bad requests (5xx for our own faults), never a
-traceback. A client that disconnects cancels its job (checked every
-``POLL_S`` seconds while waiting, and on every write). ``X-Session-Id`` is
+traceback. A client that disconnects cancels its job, streamed or not (checked
+every ``POLL_S`` seconds, however fast the job's events come, and on every write).
+A 503 (the queue is full) carries ``Retry-After``. ``GET /v1/models`` lists the
+model and its ``--served-model-name`` names. ``X-Session-Id`` is
 the same as the ``prompt_cache_key`` body field: it pins the conversation's
 cache entries in the store.
 """
@@ -32,6 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import UsageError
+from ..config import SERVER_DEFAULTS
 from .protocol import Request, RequestError, error_body, parse_chat, parse_completion
 from .responses import Reply, sse
 from .service import Service
@@ -92,7 +95,8 @@ def create_app(service: Service) -> Starlette:
 
     async def models(request: HTTPRequest):
         return JSONResponse({"object": "list", "data": [
-            {"id": service.model_id, "object": "model", "created": 0, "owned_by": "mlxcc"}]})  # fmt: skip
+            {"id": name, "object": "model", "created": 0, "owned_by": "mlxcc"}
+            for name in (service.model_id, *service.served_names)]})  # fmt: skip
 
     async def health(request: HTTPRequest):
         w = service.worker
@@ -111,10 +115,11 @@ def create_app(service: Service) -> Starlette:
 
 
 # ------------------------------------------------------------------ errors
-def _error(status: int, message: str, param=None, code=None) -> JSONResponse:
+def _error(status: int, message: str, param=None, code=None, headers: dict | None = None) -> JSONResponse:
     """The error response; text that cannot be UTF-8 (a lone surrogate the client sent
     and the message quotes) is shown escaped."""
-    return JSONResponse(error_body(_utf8(message), status, param and _utf8(param), code), status_code=status)
+    return JSONResponse(error_body(_utf8(message), status, param and _utf8(param), code), status_code=status,
+                        headers=headers)  # fmt: skip
 
 
 def _utf8(text: str) -> str:
@@ -122,7 +127,7 @@ def _utf8(text: str) -> str:
 
 
 async def _request_error(request, exc: RequestError):
-    return _error(exc.status, exc.message, exc.param, exc.code)
+    return _error(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
 
 async def _http_error(request, exc: HTTPException):
@@ -144,6 +149,7 @@ async def _complete(service: Service, request: HTTPRequest, parse):
         return Response(status_code=499)  # nobody reads it
     req: Request = parse(decode_body(raw))
     service.check_model(req.model)
+    service.check_supported(req)
     session = request.headers.get("x-session-id")
     if req.cache_key is None and session:
         req.cache_key = session
@@ -160,8 +166,8 @@ async def _complete(service: Service, request: HTTPRequest, parse):
     try:
         service.worker.submit(job)
     except QueueFull:
-        raise RequestError(503, "the server is busy (its request queue is full); retry later",
-                           None, "server_busy") from None  # fmt: skip
+        raise RequestError(503, "the server is busy (its request queue is full); retry later", None, "server_busy",
+                           {"Retry-After": str(SERVER_DEFAULTS.retry_after_s)}) from None  # fmt: skip
     reply = Reply(req.kind, service.model_id)
     if req.stream:
         return StreamingResponse(_stream(job, events, request, reply, req.include_usage),
@@ -197,15 +203,21 @@ def decode_body(raw: bytes):
 
 
 async def _events(events: asyncio.Queue, request: HTTPRequest) -> AsyncIterator[tuple]:
-    """The job's events; ClientGone when the client disconnects while waiting."""
+    """The job's events; ClientGone once the client has disconnected (checked every
+    ``POLL_S`` seconds, also while events keep coming)."""
+    checked = asyncio.get_running_loop().time()
     while True:
         try:
             event = await asyncio.wait_for(events.get(), POLL_S)
         except asyncio.TimeoutError:
+            event = None
+        now = asyncio.get_running_loop().time()
+        if event is None or now - checked >= POLL_S:
+            checked = now
             if await request.is_disconnected():
                 raise ClientGone from None
-            continue
-        yield event
+        if event is not None:
+            yield event
 
 
 async def _stream(job: Job, events, request, reply: Reply, include_usage: bool) -> AsyncIterator[str]:

@@ -5,10 +5,17 @@ Contract
 :func:`parse_chat` and :func:`parse_completion` turn a decoded JSON body into
 a :class:`Request` or raise :class:`RequestError` (HTTP status, one-line
 message, the offending ``param``, an OpenAI-style ``code``). Unknown fields are
-ignored (clients send many); the generation settings (``max_tokens``, ``temperature``,
-``top_p``, ``seed``) must be in the ranges of :data:`~mlx_chatcache.config.RANGES`
-(a 400 names the field and its range); fields we cannot honour (``n`` > 1, ``logprobs``,
-``tools``) are refused rather than silently dropped; text that is not valid
+ignored (clients send many); every field of the dialect is checked here: the
+generation settings (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+``repetition_penalty``, ``repetition_context_size``, ``seed``) must be in the ranges of
+:data:`~mlx_chatcache.config.RANGES`, the others in OpenAI's (:data:`LIMITS`; a 400 names
+the field and its range); ``tools``, ``tool_choice`` and ``response_format`` are checked
+for shape. Whether a checked field can be honoured is the service's decision
+(:meth:`~.service.Service.check_supported`): one it cannot is refused, never dropped.
+Messages have the roles ``system``, ``developer`` (read as ``system``), ``user``,
+``assistant`` and ``tool``; an assistant message may carry ``tool_calls`` and a null
+``content``; they reach the chat template as mlx-lm's server passes them (content
+text, a call's ``arguments`` decoded to an object). ``model`` may be omitted. Text that is not valid
 Unicode (a lone surrogate from a ``\\ud800`` escape) is refused, naming its field. :func:`error_body` is
 the JSON every error response carries: ``{"error": {"message", "type",
 "param", "code"}}``. Nothing here touches the model.
@@ -16,18 +23,30 @@ the JSON every error response carries: ``{"error": {"message", "type",
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import RANGES, SERVER_DEFAULTS, SettingError, check_setting
 
 MAX_TEMPERATURE = 2.0  # OpenAI's API takes temperatures up to 2
+LIMITS = {  # OpenAI's ranges of the fields GenerationConfig has no range for
+    "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0), "logit_bias": (-100.0, 100.0),
+    "top_logprobs": (0, 20), "completion_logprobs": (0, 5),
+}  # fmt: skip
+MAX_LOGIT_BIAS = 300  # entries
+ROLES = ("system", "developer", "user", "assistant", "tool")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 class RequestError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    """An error response: status, one-line message, ``param``, ``code`` and extra HTTP headers."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
@@ -38,13 +57,26 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
 @dataclass
 class Request:
     kind: str  # "chat" | "completion"
-    model: str
+    model: str | None  # None: the served model
     messages: list[dict] | None = None  # chat
     prompt: str | list[int] | None = None  # completion
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    repetition_context_size: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
+    logprobs: bool = False
+    top_logprobs: int | None = None  # alternatives per token (completions: its integer "logprobs")
+    n: int = 1
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    response_format: dict | None = None  # {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema"}
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -139,20 +171,126 @@ def _stop(body: dict) -> list[str]:
     return [_text(s, f"stop[{i}]" if isinstance(v, list) else "stop") for i, s in enumerate(stops) if s]
 
 
+def _number(body: dict, name: str, integer: bool = False, limits: str | None = None) -> int | float | None:
+    """Field ``name``: a number (an integer when ``integer``) within ``LIMITS[limits or name]``."""
+    v = body.get(name)
+    if v is None:
+        return None
+    low, high = LIMITS[limits or name]
+    if type(v) is not int and (integer or type(v) is not float):
+        raise _bad(name, f"must be {'an integer' if integer else 'a number'}, got {_json_type(v)}")
+    if not (low <= v <= high):  # NaN too
+        raise _bad(name, f"must be between {low:g} and {high:g}, got {v}", "invalid_value")
+    return v if integer else float(v)
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    v = body.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _bad("logit_bias", f"must be an object mapping token ids to biases, got {_json_type(v)}")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", f"takes at most {MAX_LOGIT_BIAS} tokens, got {len(v)}", "invalid_value")
+    bias = {}
+    for key, value in v.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise _bad("logit_bias", f"keys must be token ids (decimal integers), got {key[:40]!r}", "invalid_value")
+        bias[int(key)] = _number({"logit_bias": value}, "logit_bias")
+    return bias
+
+
+def _logprobs(body: dict, kind: str) -> tuple[bool, int | None]:
+    """(logprobs wanted, alternatives per token): chat's ``logprobs`` (a boolean) and
+    ``top_logprobs``, or a completion's integer ``logprobs``."""
+    if kind == "completion":
+        top = None if body.get("logprobs") is False else _number(body, "logprobs", integer=True,
+                                                                 limits="completion_logprobs")  # fmt: skip
+        return top is not None, top
+    want, top = _opt_bool(body, "logprobs"), _number(body, "top_logprobs", integer=True)
+    if top is not None and not want:
+        raise _bad("top_logprobs", "needs 'logprobs': true", "invalid_value")
+    return want, top
+
+
+def _n(body: dict) -> int:
+    n = _opt_int(body, "n", 1)
+    if n is not None and n > SERVER_DEFAULTS.max_n:
+        raise _bad("n", f"must be between 1 and {SERVER_DEFAULTS.max_n}, got {n}", "invalid_value")
+    return n or 1
+
+
+def _object(v: Any, param: str) -> dict:
+    if not isinstance(v, dict):
+        raise _bad(param, f"must be an object, got {_json_type(v)}")
+    return v
+
+
+def _name(v: Any, param: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise _bad(param, f"must be a non-empty string, got {_json_type(v)}")
+    return _text(v, param)
+
+
+def _tools(body: dict) -> list[dict] | None:
+    v = body.get("tools")
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise _bad("tools", f"must be an array of tools, got {_json_type(v)}")
+    for i, tool in enumerate(v):
+        param = f"tools[{i}]"
+        if _object(tool, param).get("type") != "function":
+            raise _bad(f"{param}.type", "must be 'function'", "invalid_value")
+        function = _object(tool.get("function"), f"{param}.function")
+        _name(function.get("name"), f"{param}.function.name")
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise _bad(f"{param}.function.description", "must be a string")
+        if function.get("parameters") is not None:
+            _object(function["parameters"], f"{param}.function.parameters")
+    return v or None
+
+
+def _tool_choice(body: dict, tools: list[dict] | None) -> str | dict | None:
+    v = body.get("tool_choice")
+    if v is None or v in ("none", "auto", "required"):
+        if v == "required" and not tools:
+            raise _bad("tool_choice", "'required' needs 'tools'", "invalid_value")
+        return v
+    if isinstance(v, str):
+        raise _bad("tool_choice", f"must be 'none', 'auto', 'required' or a function, got {v[:40]!r}", "invalid_value")
+    if _object(v, "tool_choice").get("type") != "function":
+        raise _bad("tool_choice.type", "must be 'function'", "invalid_value")
+    name = _name(_object(v.get("function"), "tool_choice.function").get("name"), "tool_choice.function.name")
+    if name not in {t["function"]["name"] for t in tools or []}:
+        raise _bad("tool_choice.function.name", f"names no tool in 'tools': {name[:60]!r}", "invalid_value")
+    return v
+
+
+def _response_format(body: dict) -> dict | None:
+    v = body.get("response_format")
+    if v is None:
+        return None
+    kind = _object(v, "response_format").get("type")
+    if kind not in RESPONSE_FORMATS:
+        raise _bad("response_format.type", f"must be one of {', '.join(RESPONSE_FORMATS)}", "invalid_value")
+    if kind == "json_schema":
+        spec = _object(v.get("json_schema"), "response_format.json_schema")
+        _name(spec.get("name", "schema"), "response_format.json_schema.name")
+        _object(spec.get("schema", {}), "response_format.json_schema.schema")
+        if spec.get("strict") is not None and type(spec["strict"]) is not bool:
+            raise _bad("response_format.json_schema.strict", "must be true or false")
+    return v
+
+
 def _common(body: Any, kind: str) -> Request:
     if not isinstance(body, dict):
         raise RequestError(400, f"the request body must be a JSON object, got {_json_type(body)}", None, "invalid_json")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("model", "is required and must be a string (see GET /v1/models)")
-    _text(model, "model")
-    n = _opt_int(body, "n", 1)
-    if n not in (None, 1):
-        raise _bad("n", f"must be 1: this server returns one choice per request, got {n}", "invalid_value")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise _bad("logprobs", "is not supported by this server; drop it", "unsupported_parameter")
-    if body.get("tools"):
-        raise _bad("tools", "are not supported by this server; drop them", "unsupported_parameter")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise _bad("model", "must be a non-empty string, or left out for the served model (see GET /v1/models)")
+    if model is not None:
+        _text(model, "model")
     max_tokens = _setting(body, "max_completion_tokens", "max_tokens")
     if max_tokens is None:
         max_tokens = _setting(body, "max_tokens", "max_tokens")
@@ -161,9 +299,17 @@ def _common(body: Any, kind: str) -> Request:
     if options is not None and not isinstance(options, dict):
         raise _bad("stream_options", f"must be an object, got {_json_type(options)}")
     include_usage = _opt_bool(options or {}, "include_usage")
+    logprobs, top_logprobs = _logprobs(body, kind)
+    tools = _tools(body)
     return Request(
         kind=kind, model=model, max_tokens=max_tokens,
         temperature=_temperature(body), top_p=_top_p(body), seed=_setting(body, "seed", "seed"),
+        top_k=_setting(body, "top_k", "top_k"), min_p=_setting(body, "min_p", "min_p"),
+        repetition_penalty=_setting(body, "repetition_penalty", "repetition_penalty"),
+        repetition_context_size=_setting(body, "repetition_context_size", "repetition_context_size"),
+        presence_penalty=_number(body, "presence_penalty"), frequency_penalty=_number(body, "frequency_penalty"),
+        logit_bias=_logit_bias(body), logprobs=logprobs, top_logprobs=top_logprobs, n=_n(body),
+        tools=tools, tool_choice=_tool_choice(body, tools), response_format=_response_format(body),
         stop=_stop(body), stream=stream, include_usage=include_usage,
         cache_key=_opt_str(body, "prompt_cache_key"),
     )  # fmt: skip
@@ -180,14 +326,23 @@ def parse_chat(body: Any) -> Request:
 
 
 def _message(m: Any, i: int) -> dict:
+    """Message ``i`` as the chat template gets it: role (``developer`` read as
+    ``system``), content text, and an assistant's ``tool_calls`` (arguments decoded)
+    or a tool result's ``tool_call_id`` and ``name`` when given."""
     param = f"messages[{i}]"
     if not isinstance(m, dict):
         raise _bad(param, f"must be an object with 'role' and 'content', got {_json_type(m)}")
     role = m.get("role")
     if not isinstance(role, str) or not role:
         raise _bad(f"{param}.role", "is required and must be a string")
-    _text(role, f"{param}.role")
+    if role not in ROLES:
+        raise _bad(f"{param}.role", f"must be one of {', '.join(ROLES)}, got {_text(role, f'{param}.role')[:40]!r}",
+                   "invalid_value")  # fmt: skip
+    role = "system" if role == "developer" else role
     content = m.get("content")
+    tool_calls = m.get("tool_calls") if role == "assistant" else None
+    if content is None and role == "assistant":
+        content = ""  # a message of tool calls only, or an empty one
     if isinstance(content, list):  # content parts: only text ones
         texts = []
         for j, part in enumerate(content):
@@ -198,8 +353,40 @@ def _message(m: Any, i: int) -> dict:
         content = "".join(texts)
     if not isinstance(content, str):
         raise _bad(f"{param}.content", f"must be a string or an array of text parts, got {_json_type(content)}")
-    _text(content, f"{param}.content")
-    return {"role": "system" if role == "developer" else role, "content": content}
+    out = {"role": role, "content": _text(content, f"{param}.content")}
+    if tool_calls is not None:
+        if not isinstance(tool_calls, list):
+            raise _bad(f"{param}.tool_calls", f"must be an array of tool calls, got {_json_type(tool_calls)}")
+        out["tool_calls"] = [_tool_call(c, f"{param}.tool_calls[{j}]") for j, c in enumerate(tool_calls)]
+    if role == "tool":
+        for name in ("tool_call_id", "name"):
+            if m.get(name) is not None:
+                out[name] = _name(m[name], f"{param}.{name}")
+    return out
+
+
+def _tool_call(c: Any, param: str) -> dict:
+    """A tool call of the history: ``{id, type, function: {name, arguments}}``, its
+    arguments (a JSON text or an object) decoded to an object."""
+    if _object(c, param).get("type", "function") != "function":
+        raise _bad(f"{param}.type", "must be 'function'", "invalid_value")
+    function = _object(c.get("function"), f"{param}.function")
+    name = _name(function.get("name"), f"{param}.function.name")
+    arguments = function.get("arguments")
+    if arguments is None or arguments == "":
+        arguments = {}
+    elif isinstance(arguments, str):
+        try:
+            arguments = json.loads(_text(arguments, f"{param}.function.arguments"))
+        except (ValueError, RecursionError):
+            raise _bad(f"{param}.function.arguments", "must be a JSON object (as text or as an object)",
+                       "invalid_value") from None  # fmt: skip
+    if not isinstance(arguments, dict):
+        raise _bad(f"{param}.function.arguments", f"must be a JSON object, got {_json_type(arguments)}", "invalid_value")
+    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if c.get("id") is not None:
+        call["id"] = _name(c["id"], f"{param}.id")
+    return call
 
 
 def parse_completion(body: Any) -> Request:

@@ -6,14 +6,22 @@ A :class:`Service` holds the loaded model's names, its context length, the
 base :class:`GenerationConfig` and the :class:`GenerationWorker`.
 
 - :meth:`Service.check_model` refuses a ``model`` the server does not serve (404);
+  its names are the model's reference, its folder's name and ``served_names``
+  (``--served-model-name``); ``default_model`` (mlx-lm's name) and an omitted
+  ``model`` mean the served model;
+- :meth:`Service.check_supported` refuses, naming it, a checked field this
+  server cannot honour yet (:data:`NOT_YET`), and a ``logit_bias`` token id the
+  model does not have;
 - :meth:`Service.prepare` renders and tokenizes a request (chat template for
   chats) and returns the prompt's token ids and, for chats, the *boundary*:
   how many of them end the last message (before the generation prompt);
+  ``tools`` reach the chat template unless ``tool_choice`` is ``"none"``;
   it runs on one tokenizer thread, off the event loop and off the worker;
   a token id the model does not have (a completion's ids) is a 400 here,
   before the request is queued;
-- :meth:`Service.job_config` is the request's generation settings over the
-  server's defaults; a prompt that leaves no room in the context, or a
+- :meth:`Service.job_config` is the request's generation settings (temperature,
+  top_p, top_k, min_p, repetition penalty and its context, seed, max_tokens) over
+  the server's defaults; a prompt that leaves no room in the context, or a
   ``max_tokens`` past it, is a 400 ``context_length_exceeded``.
 """
 
@@ -27,19 +35,31 @@ from ..config import GenerationConfig, SettingError, check_setting
 from ..errors import ChatCacheError, TokenIdError, one_line
 from ..generation.text import encode_prompt
 from ..generation.templates import has_chat_template, render_chat
-from ..generation.token_ids import check_token_ids
+from ..generation.token_ids import check_token_ids, vocab_size
 from ..models.context import model_context_length
 from ..store.store import PromptStore
 from .protocol import Request, RequestError
 from .worker import GenerationWorker
 
+DEFAULT_MODEL = "default_model"  # mlx-lm's name for the served model
+NOT_YET = {  # request fields that are checked but not honoured yet: refused by name
+    "presence_penalty": lambda r: r.presence_penalty is not None,
+    "frequency_penalty": lambda r: r.frequency_penalty is not None,
+    "logit_bias": lambda r: bool(r.logit_bias),
+    "logprobs": lambda r: r.logprobs,
+    "n": lambda r: r.n != 1,
+    "tools": lambda r: bool(r.tools) and r.tool_choice != "none",
+    "response_format": lambda r: r.response_format is not None and r.response_format["type"] != "text",
+}
+
 
 class Service:
     def __init__(self, model, tokenizer, model_ref: str, store: PromptStore, config: GenerationConfig,
-                 max_queue: int, context_length: int | None = None):  # fmt: skip
+                 max_queue: int, context_length: int | None = None, served_names: tuple[str, ...] = ()):  # fmt: skip
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.model_id = Path(model_ref).name.removesuffix(".gguf") or model_ref
-        self.names = {model_ref, self.model_id, str(Path(model_ref).name)}
+        self.served_names = tuple(dict.fromkeys(n for n in served_names if n != self.model_id))
+        self.names = {model_ref, self.model_id, str(Path(model_ref).name), DEFAULT_MODEL, *self.served_names}
         self.context_length = context_length or model_context_length(model)
         self.worker = GenerationWorker(model, tokenizer, store, config, max_queue)
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="mlxcc-tokenize")
@@ -51,10 +71,21 @@ class Service:
         self.worker.stop()
         self._tokenize.shutdown(wait=False, cancel_futures=True)
 
-    def check_model(self, name: str) -> None:
-        if name not in self.names:
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.names:
             raise RequestError(404, f"the model '{name}' does not exist here; this server serves "
                                f"'{self.model_id}' (see GET /v1/models)", "model", "model_not_found")  # fmt: skip
+
+    def check_supported(self, req: Request) -> None:
+        vocab = vocab_size(self.model)
+        for token in req.logit_bias or ():
+            if vocab is not None and token >= vocab:
+                raise RequestError(400, f"'logit_bias' names token {token}, but the model's vocabulary has ids "
+                                   f"0 to {vocab - 1}", "logit_bias", "invalid_value")  # fmt: skip
+        for name, asked in NOT_YET.items():
+            if asked(req):
+                raise RequestError(400, f"'{name}' is not supported by this server yet; drop it",
+                                   name, "unsupported_parameter")  # fmt: skip
 
     async def prepare(self, req: Request) -> tuple[list[int], int | None]:
         loop = asyncio.get_running_loop()
@@ -66,8 +97,9 @@ class Service:
                 return self._checked(encode_prompt(self.tokenizer, req.prompt), "prompt"), None
             if not has_chat_template(self.tokenizer):
                 raise RequestError(400, "this model has no chat template; use /v1/completions", "messages")
-            prompt = render_chat(self.tokenizer, req.messages)
-            head = render_chat(self.tokenizer, req.messages, add_generation_prompt=False)
+            kwargs = {"tools": req.tools} if req.tools and req.tool_choice != "none" else None
+            prompt = render_chat(self.tokenizer, req.messages, template_kwargs=kwargs)
+            head = render_chat(self.tokenizer, req.messages, add_generation_prompt=False, template_kwargs=kwargs)
         except RequestError:
             raise
         except (ChatCacheError, ValueError, TypeError, KeyError) as e:

@@ -40,6 +40,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache, prompt_cache_nbytes
+from ..files.atomic import remove_stale_temp_files_in
 from ..files.mlxcc_format import check_cache_fits_model, load_cache_file, save_prompt_cache
 from ..errors import ChatCacheError
 from ..models.fingerprint import ModelFingerprint
@@ -165,7 +166,9 @@ class DiskTier(Tier):
     The store deletes only its own entries (:func:`~.disk_folder.read_entry`):
     other files in the folder (a session saved there, model weights, damaged
     or unreadable files) are skipped and counted in ``stats()["foreign"]``,
-    never deleted. An entry that fails on fetch is dropped and counted corrupt;
+    never deleted; the temp files of writers that died mid-write (a ``kill -9``) are
+    removed when the tier opens the folder (``stats()["temp_removed"]``; a live
+    writer's are kept). An entry that fails on fetch is dropped and counted corrupt;
     its file is deleted only while its header still makes it a store entry.
 
     ``budget`` None is a command's view of a server's folder (``--cache-dir``):
@@ -182,6 +185,7 @@ class DiskTier(Tier):
         super().__init__(sys.maxsize if budget is None else budget)
         self.counters["foreign"] = 0
         self.folder = claim_folder(folder)
+        self.counters["temp_removed"] = len(remove_stale_temp_files_in(self.folder))
         self._scan(evict=budget is not None)
 
     def _scan(self, evict: bool) -> None:

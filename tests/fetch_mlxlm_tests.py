@@ -1,0 +1,53 @@
+"""Fetch the ``tests`` folder of the installed mlx-lm's source distribution from PyPI.
+
+``python tests/fetch_mlxlm_tests.py [DIR]`` runs ``pip download --no-deps --no-binary
+:all: mlx-lm==<installed version>`` and unpacks only ``mlx_lm-<version>/tests/`` into
+DIR (default: :func:`default_dir`; ``MLXCC_MLXLM_SDIST_DIR`` overrides it). Nothing is
+installed and nothing of mlx-lm lands in the repository. Prints the folder it filled.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+
+def installed_version() -> str:
+    return importlib.metadata.version("mlx-lm")
+
+
+def default_dir() -> Path:
+    """``$MLXCC_MLXLM_SDIST_DIR``, else ``.pytest_cache/mlx-lm-sdist`` in the checkout."""
+    where = os.environ.get("MLXCC_MLXLM_SDIST_DIR")
+    return Path(where) if where else Path(__file__).resolve().parent.parent / ".pytest_cache" / "mlx-lm-sdist"
+
+
+def sdist_tests_dir(root: Path, version: str) -> Path:
+    """Where the tests of mlx-lm ``version`` are (or will be) under ``root``."""
+    return root / f"mlx_lm-{version}" / "tests"
+
+
+def fetch(root: Path) -> Path:
+    version = installed_version()
+    target = sdist_tests_dir(root, version)
+    if (target / "test_server.py").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        f"mlx-lm=={version}", "-d", tmp], check=True)  # fmt: skip
+        (archive,) = Path(tmp).glob("mlx_lm-*.tar.gz")
+        prefix = f"mlx_lm-{version}/tests/"
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix) and (m.isfile() or m.isdir())]
+            tar.extractall(root, members=members, filter="data")
+    return target
+
+
+if __name__ == "__main__":
+    print(fetch(Path(sys.argv[1]) if len(sys.argv) > 1 else default_dir()))
