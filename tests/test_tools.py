@@ -19,7 +19,7 @@ from mlx_chatcache.server.tools import (
     FORCED_FAMILIES,
     ToolCallStream,
     ToolError,
-    check_tools,
+    forced_choice,
     forced_call_grammar,
     split_tool_calls,
     tool_family,
@@ -127,27 +127,10 @@ def test_a_tokenizer_without_a_format_refuses_tools(llama_model):
     assert e.value.param == "tools"
 
 
-@pytest.mark.parametrize("tools, choice, param", [
-    ("add", None, "tools"),
-    ([{"type": "function"}], None, "tools[0]"),
-    ([{"type": "function", "function": {"name": ""}}], None, "tools[0].function.name"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], None,
-     "tools[0].function.parameters"),
-    ([ADD], "sometimes", "tool_choice"),
-    ([ADD], {"type": "function", "function": {"name": "mul"}}, "tool_choice"),
-    ([ADD], {"type": "function"}, "tool_choice"),
-    ([], "required", "tool_choice"),
-])  # fmt: skip
-def test_bad_tools_name_the_field(tools, choice, param):
-    with pytest.raises(ToolError) as e:
-        check_tools(tools, choice)
-    assert e.value.param == param and "\n" not in str(e.value)
-
-
-def test_check_tools_normalises_the_choice():
-    assert check_tools(None, None) == ([], "auto")
-    assert check_tools([ADD], {"type": "function", "function": {"name": "add"}}) == ([ADD], "add")
-    assert check_tools([ADD], "none")[1] == "none"
+def test_forced_choice():
+    assert forced_choice(None) is None and forced_choice("auto") is None and forced_choice("none") is None
+    assert forced_choice("required") == "required"
+    assert forced_choice({"type": "function", "function": {"name": "add"}}) == "add"
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

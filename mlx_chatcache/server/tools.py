@@ -6,9 +6,8 @@ from the tokenizer config or the chat template), and its parser reads a call's t
 
 Contract
 --------
-- :func:`check_tools` validates ``tools`` and ``tool_choice`` (OpenAI's shapes) and
-  returns ``(tools, choice)``; ``choice`` is "none", "auto", "required" or a function
-  name. A bad value is :class:`ToolError` naming the field.
+- :func:`forced_choice` says what a ``tool_choice`` (its shape checked by
+  :mod:`~mlx_chatcache.server.protocol`) forces: "required", a function's name, or nothing.
 - :func:`forced_call_grammar` is the grammar (for :class:`~mlx_chatcache.generation.constrain.Constraint`)
   that makes the reply exactly one call in the model's format, of the named function
   (or any of ``tools`` for "required"), its arguments valid under the function's
@@ -45,41 +44,12 @@ class ToolError(ChatCacheError):
 
 
 # ------------------------------------------------------------------ request fields
-def check_tools(tools, tool_choice) -> tuple[list[dict], str]:
-    """``(tools, choice)`` from the request's fields (None: absent); see the module docstring."""
-    if tools is None:
-        tools = []
-    if not isinstance(tools, list):
-        raise ToolError("tools must be an array of {type: 'function', function: {...}}", "tools")
-    names = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-            raise ToolError(f"{where} must be {{type: 'function', function: {{name, parameters}}}}", where)
-        fn = tool["function"]
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ToolError(f"{where}.function.name must be a non-empty string", f"{where}.function.name")
-        params = fn.get("parameters")
-        if params is not None and not (isinstance(params, dict) and params.get("type", "object") == "object"):
-            raise ToolError(f"{where}.function.parameters must be a JSON schema of an object",
-                            f"{where}.function.parameters")  # fmt: skip
-        names.append(fn["name"])
-    choice = "auto" if tool_choice is None else tool_choice
-    if isinstance(choice, dict):
-        fn = choice.get("function") if choice.get("type") == "function" else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ToolError("tool_choice must be 'none', 'auto', 'required' or "
-                            "{type: 'function', function: {name}}", "tool_choice")  # fmt: skip
-        choice = fn["name"]
-        if choice not in names:
-            raise ToolError(f"tool_choice names the function {choice!r}, which is not in tools "
-                            f"({', '.join(names) or 'none given'})", "tool_choice")  # fmt: skip
-    elif choice not in ("none", "auto", "required"):
-        raise ToolError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
-                        "tool_choice")  # fmt: skip
-    if choice == "required" and not tools:
-        raise ToolError("tool_choice 'required' needs tools", "tool_choice")
-    return tools, choice
+def forced_choice(tool_choice) -> str | None:
+    """What a ``tool_choice`` (checked by the protocol) forces: "required", a function's
+    name, or None ("none", "auto", absent: nothing is forced)."""
+    if isinstance(tool_choice, dict):
+        return tool_choice["function"]["name"]
+    return tool_choice if tool_choice == "required" else None
 
 
 def tool_family(tokenizer) -> str | None:
@@ -280,7 +250,7 @@ def split_tool_calls(tokenizer, tools: list[dict], text: str) -> tuple[str | Non
 __all__ = [
     "FORCED_FAMILIES",
     "ToolError",
-    "check_tools",
+    "forced_choice",
     "tool_family",
     "forced_call_grammar",
     "ToolCallStream",
