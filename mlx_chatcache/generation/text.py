@@ -106,7 +106,7 @@ def constrained(tokenizer, json_schema: dict, config: GenerationConfig,
     from .constrain import Constraint, json_schema_grammar
 
     if processors is None:
-        processors = make_logits_processors(config.repetition_penalty, config.repetition_context_size)
+        processors = make_logits_processors(config)
     return [*processors, Constraint(tokenizer, json_schema_grammar(json_schema))]
 
 
