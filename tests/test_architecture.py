@@ -317,10 +317,10 @@ NEVER_A_FILE = {
     "max_tokens", "temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_kv_size", "kv_bits",
     "kv_group_size", "quantized_kv_start", "prefill_step_size", "ignore_chat_template", "chat_template_config",
     "extra_eos_token", "force", "verbose", "json", "to", "n", "drop", "host", "port", "cache_bytes",
-    "disk_cache_bytes", "cache_redis", "context_length", "max_queue", "log_level",
+    "disk_cache_bytes", "cache_redis", "context_length", "max_queue", "log_level", "served_model_name",
 }
 NOT_DOORS = {
-    "generate --prompt-file": "read", "cache-prompt --prompt-file": "read",
+    "generate --prompt-file": "read", "cache-prompt --prompt-file": "read", "generate --json-schema": "read",
     "generate --prompt-cache-file": "read (locked while generate runs: files.cache_file.hold)",
     "chat --prompt-cache-file": "read only (the chat saves to its own session)",
     "generate --cache-dir": "the store's own marked folder", "chat --cache-dir": "the store's own marked folder",
