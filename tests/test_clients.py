@@ -179,7 +179,8 @@ def test_llm_schema_and_tools(server, tmp_path, monkeypatch):
     assert isinstance(chain.text(), str)
 
 
-def test_litellm_forced_tool_call(server):
+def test_litellm_forced_tool_call(server, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download when it is imported
     litellm = pytest.importorskip("litellm")
     r = litellm.completion(model=f"openai/{server.model_id}", api_base=server.base_url, api_key="-",
                            messages=[QUESTION], tools=[ADD], tool_choice=_forced(), temperature=1.0)  # fmt: skip
