@@ -167,3 +167,13 @@ def test_cli_refuses_a_bad_schema_in_one_line_before_loading(tmp_path):
     assert p.returncode != 0 and "--json-schema" in line and "strin" in line
     p = mlxcc("generate", "--model", tmp_path / "no-model", "-p", "x", "--json-schema", tmp_path / "missing.json")
     assert p.returncode != 0 and "--json-schema" in one_error_line(p)
+
+
+@pytest.mark.real_model
+def test_the_demo_model_answers_in_the_schema(demo_gguf):
+    from mlx_chatcache.models.loading import load
+
+    model, tokenizer = load(demo_gguf)
+    prompt = "<|im_start|>user\nInvent a person.<|im_end|>\n<|im_start|>assistant\n"
+    text = generate(model, tokenizer, prompt, max_tokens=80, json_schema=PERSON)
+    jsonschema.validate(json.loads(text), PERSON)
