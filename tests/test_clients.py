@@ -122,12 +122,12 @@ def test_refusals_name_the_field(server, client):
 
 
 def test_a_format_without_a_grammar_refuses_forced_calls(tmp_path):
-    folder = build_tiny_model("llama", tmp_path / "glm", tool_format="glm47")
+    folder = build_tiny_model("llama", tmp_path / "minimax", tool_format="minimax_m2")
     with ServerProcess(folder, None) as s:
         c = openai.OpenAI(base_url=s.base_url, api_key="-", max_retries=0)
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model=s.model_id, messages=[QUESTION], tools=[ADD], tool_choice="required")
-        assert e.value.body["param"] == "tool_choice" and "glm47" in e.value.body["message"]
+        assert e.value.body["param"] == "tool_choice" and "minimax_m2" in e.value.body["message"]
         r = c.chat.completions.create(model=s.model_id, messages=[QUESTION], tools=[ADD], max_tokens=10)
         assert r.choices[0].finish_reason in ("stop", "length")
 

@@ -110,12 +110,13 @@ def test_required_gives_exactly_one_valid_call(tool_models, tools, family, seed,
 
 
 def test_formats_without_a_grammar_refuse_forced_calls_by_name(tool_models):
-    model, tokenizer = tool_models["glm47"]
+    model, tokenizer = tool_models["minimax_m2"]
     with pytest.raises(ToolError) as e:
         forced_call_grammar(tokenizer, [ADD], "required")
-    assert e.value.param == "tool_choice" and "glm47" in str(e.value) and "auto" in str(e.value)
+    assert e.value.param == "tool_choice" and "minimax_m2" in str(e.value) and "auto" in str(e.value)
     # auto still parses what the model writes in its own format
-    text = "Sure.<tool_call>add<arg_key>a</arg_key><arg_value>2</arg_value><arg_key>b</arg_key><arg_value>3</arg_value></tool_call>"
+    text = ('Sure.<minimax:tool_call><invoke name="add"><parameter name="a">2</parameter>'
+            '<parameter name="b">3</parameter></invoke></minimax:tool_call>')  # fmt: skip
     content, calls = split_tool_calls(tokenizer, [ADD], text)
     assert content == "Sure." and json.loads(calls[0]["function"]["arguments"]) == {"a": 2, "b": 3}
 
@@ -142,7 +143,9 @@ def test_streamed_splitting_equals_whole(tool_models, cuts, family, before, afte
             "mistral": '[TOOL_CALLS][{"name": "add", "arguments": {"a": 2, "b": 3}}]',
             "qwen3_coder": "<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n"
                            "</parameter>\n</function>\n</tool_call>",
-            "pythonic": "<|tool_call_start|>[add(a=2, b=3)]<|tool_call_end|>"}[family]  # fmt: skip
+            "pythonic": "<|tool_call_start|>[add(a=2, b=3)]<|tool_call_end|>",
+            "glm47": "<tool_call>add<arg_key>a</arg_key><arg_value>2</arg_value><arg_key>b</arg_key>"
+                     "<arg_value>3</arg_value></tool_call>"}[family]  # fmt: skip
     text = before + call + ("" if family == "mistral" else after)
     stream, content, calls = ToolCallStream(tokenizer, [ADD]), "", []
     points = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})

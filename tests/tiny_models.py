@@ -23,7 +23,7 @@ Contract
   ``<|im_end|>``, pad is ``<|endoftext|>``, no bos.
 
 ``build_tiny_model(kind, folder, seed, tool_format=FORMAT)`` (``TOOL_FORMATS``:
-json_tools, mistral, qwen3_coder, pythonic, glm47) writes a model whose chat template
+json_tools, mistral, qwen3_coder, pythonic, glm47, minimax_m2) writes a model whose chat template
 renders ``tools``, assistant ``tool_calls`` in that mlx-lm tool-call format and
 ``tool`` results; ``tokenizer_config.json`` names the format (``tool_parser_type``)
 and the template holds the marker mlx-lm infers it from. The format's markers are
@@ -129,6 +129,10 @@ _TOOL_CALLS = {
     "glm47": "{%- for tc in message.tool_calls %}" + _ARGS + "{{- '<tool_call>' + tc.function.name }}"
     "{%- for k, v in args.items() %}{{- '<arg_key>' + k + '</arg_key><arg_value>' + (v if v is string else"
     " (v | tojson)) + '</arg_value>' }}{%- endfor %}{{- '</tool_call>' }}{%- endfor %}",
+    "minimax_m2": "{{- '<minimax:tool_call>' }}{%- for tc in message.tool_calls %}" + _ARGS
+    + "{{- '<invoke name=\"' + tc.function.name + '\">' }}{%- for k, v in args.items() %}{{- '<parameter name=\"'"
+    " + k + '\">' + (v if v is string else (v | tojson)) + '</parameter>' }}{%- endfor %}{{- '</invoke>' }}"
+    "{%- endfor %}{{- '</minimax:tool_call>' }}",
 }
 # each format's markers, added as special tokens
 TOOL_FORMATS = {
@@ -137,6 +141,7 @@ TOOL_FORMATS = {
     "qwen3_coder": ("<tool_call>", "</tool_call>"),
     "pythonic": ("<|tool_call_start|>", "<|tool_call_end|>"),
     "glm47": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+    "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
 }
 
 

@@ -31,7 +31,7 @@ from ..errors import ChatCacheError
 
 log = logging.getLogger("mlxcc.server")
 
-FORCED_FAMILIES = ("json_tools", "mistral", "qwen3_coder", "pythonic")
+FORCED_FAMILIES = ("json_tools", "mistral", "qwen3_coder", "pythonic", "glm47")
 COMPACT = {"whitespace_flexible": False}
 
 
@@ -71,7 +71,7 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: str) -> str:
     start, end = _marker(tokenizer, tokenizer.tool_call_start), _marker(tokenizer, tokenizer.tool_call_end)
     lines = [f"start: {start} call {end}".rstrip(), "call: " + " | ".join(f"c{i}" for i in range(len(fns)))]
     for i, fn in enumerate(fns):
-        lines += _FAMILY_RULES[family](f"c{i}", fn["name"], _parameters(fn))
+        lines += _FAMILY_RULES[family](f"c{i}", fn["name"], _parameters(fn), lambda t: _marker(tokenizer, t))
     from ..generation.constrain import lark_grammar
 
     return lark_grammar("\n".join(lines))
@@ -105,11 +105,11 @@ def _call_object(name: str, params: dict) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}  # fmt: skip
 
 
-def _json_tools_rules(rule: str, name: str, params: dict) -> list[str]:
+def _json_tools_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
     return [_json_rule(rule, _call_object(name, params))]
 
 
-def _mistral_rules(rule: str, name: str, params: dict) -> list[str]:
+def _mistral_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
     return [f'{rule}: "[" {rule}o "]"', _json_rule(f"{rule}o", _call_object(name, params))]
 
 
@@ -129,7 +129,7 @@ def _raw_string(schema: dict) -> str | None:
     return "/[^<\\n]{%d,%s}/" % (max(int(schema.get("minLength", 0)), 0), "" if n is None else int(n))
 
 
-def _qwen3_coder_rules(rule: str, name: str, params: dict) -> list[str]:
+def _qwen3_coder_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
     parts, lines = [json.dumps(f"\n<function={name}>\n")], []
     for j, (key, schema) in enumerate(_required(params)):
         value = _raw_string(schema)
@@ -141,7 +141,7 @@ def _qwen3_coder_rules(rule: str, name: str, params: dict) -> list[str]:
     return [f"{rule}: " + " ".join(parts), *lines]
 
 
-def _pythonic_rules(rule: str, name: str, params: dict) -> list[str]:
+def _pythonic_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
     parts, lines = [json.dumps(f"[{name}(")], []
     for j, (key, schema) in enumerate(_required(params)):
         value = f"{rule}v{j}"
@@ -155,11 +155,37 @@ def _pythonic_rules(rule: str, name: str, params: dict) -> list[str]:
     return [f"{rule}: " + " ".join(parts), *lines]
 
 
+def _trimmed_string(schema: dict) -> str:
+    """A Lark regex of an unquoted string that neither starts nor ends with whitespace (parsers strip it)."""
+    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+    if high is not None and int(high) < 2:
+        return "/[^<\\s\\x1c-\\x1f\\x85]{%d,%d}/" % (min(low, int(high)), int(high))
+    middle = "{%d,%s}" % (max(low - 2, 0), "" if high is None else int(high) - 2)
+    edge = "[^<\\s\\x1c-\\x1f\\x85]"  # Python's str.strip also takes these
+    return "/(%s|%s[^<]%s%s)%s/" % (edge, edge, middle, edge, "" if low else "?")
+
+
+def _glm47_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
+    parts, lines = [json.dumps(name)], []
+    for j, (key, schema) in enumerate(_required(params)):
+        value = f"{rule}v{j}"
+        if schema.get("type") == "string" and "enum" not in schema:
+            lines.append(f"{value}: {_trimmed_string(schema)}")
+        elif schema.get("type") == "string":
+            lines.append(f"{value}: " + " | ".join(json.dumps(v) for v in schema["enum"]))
+        else:
+            lines.append(_json_rule(value, schema))
+        parts += [marker("<arg_key>"), json.dumps(key), marker("</arg_key>"), marker("<arg_value>"), value,
+                  marker("</arg_value>")]  # fmt: skip
+    return [f"{rule}: " + " ".join(parts), *lines]
+
+
 _FAMILY_RULES = {
     "json_tools": _json_tools_rules,
     "mistral": _mistral_rules,
     "qwen3_coder": _qwen3_coder_rules,
     "pythonic": _pythonic_rules,
+    "glm47": _glm47_rules,
 }
 
 
