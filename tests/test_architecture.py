@@ -321,7 +321,7 @@ NEVER_A_FILE = {
     "ui", "no_ui",
 }
 NOT_DOORS = {
-    "generate --prompt-file": "read", "cache-prompt --prompt-file": "read",
+    "generate --prompt-file": "read", "cache-prompt --prompt-file": "read", "generate --json-schema": "read",
     "generate --prompt-cache-file": "read (locked while generate runs: files.cache_file.hold)",
     "chat --prompt-cache-file": "read only (the chat saves to its own session)",
     "generate --cache-dir": "the store's own marked folder", "chat --cache-dir": "the store's own marked folder",

@@ -121,3 +121,15 @@ def test_redis_replicas_smoke(tmp_path):
     cached = int(rows[0].split("|")[2])
     assert cached > 64  # the second replica took the history from Redis
     assert "<!-- BEGIN redis_replicas -->" in results.read_text()
+
+
+def test_grammar_cost_smoke(tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_models import _tokenizer_json
+
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text(_tokenizer_json())
+    out = run("grammar_cost.py", "--tokens", "10", "--repeats", "1", "--steps", "10", "--tokenizer", str(tok))
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert {"free", "no-op processor", "schema"} <= set(rows), out
+    assert any(k.startswith("V=384, 3 fields") for k in rows), out

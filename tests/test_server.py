@@ -345,13 +345,26 @@ def test_every_field_is_checked_and_a_bad_value_named(server, body, param):
 
 @pytest.mark.parametrize("field,value", [
     ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"5": 10}), ("logprobs", True), ("n", 2),
-    ("tools", [ADD]), ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
 ])  # fmt: skip
 def test_a_valid_field_not_honoured_yet_is_refused_by_name(server, field, value):
     code, text = _raw(server, "/v1/chat/completions", _chat_with(model=server.model_id, **{field: value}))
     err = json.loads(text)["error"]
     assert code == 400 and err["param"] == field and err["code"] == "unsupported_parameter", text
+
+
+def test_tools_for_a_model_without_a_tool_format_are_refused_by_name(server):
+    code, text = _raw(server, "/v1/chat/completions", _chat_with(model=server.model_id, tools=[ADD]))
+    err = json.loads(text)["error"]
+    assert code == 400 and err["param"] == "tools" and "tool-call format" in err["message"], text
+
+
+def test_response_format_constrains_the_reply(server):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    code, text = _raw(server, "/v1/chat/completions", _chat_with(model=server.model_id, response_format=fmt))
+    choice = json.loads(text)["choices"][0]
+    assert code == 200 and choice["finish_reason"] == "stop" and isinstance(json.loads(choice["message"]["content"])["ok"], bool)
 
 
 def test_fields_honoured_as_given(server):

@@ -22,6 +22,14 @@ Contract
   ``add_generation_prompt`` appends ``<|im_start|>assistant\\n``); eos is
   ``<|im_end|>``, pad is ``<|endoftext|>``, no bos.
 
+``build_tiny_model(kind, folder, seed, tool_format=FORMAT)`` (``TOOL_FORMATS``:
+json_tools, mistral, qwen3_coder, pythonic, glm47, minimax_m2) writes a model whose chat template
+renders ``tools``, assistant ``tool_calls`` in that mlx-lm tool-call format and
+``tool`` results; ``tokenizer_config.json`` names the format (``tool_parser_type``)
+and the template holds the marker mlx-lm infers it from. The format's markers are
+special tokens appended after the trained vocabulary (``vocab_size`` grows by
+their number); without ``tool_format`` the files are exactly as before.
+
 Load the folder through the real path: ``mlx_chatcache.models.loading.load(str(folder))``.
 Building takes ~30 ms. It instantiates the mlx-lm model once to learn parameter
 names and shapes, which draws from the global ``mx.random`` stream (the weights
@@ -88,6 +96,60 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+_TOOL_HEAD = (
+    "{%- if tools %}{{- '<|im_start|>system\\nTools:' }}"
+    "{%- for t in tools %}{{- '\\n' + (t | tojson) }}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+)
+_TOOL_TAIL = (
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+_ARGS = "{%- set args = tc.function.arguments %}"
+_ARGS_JSON = "{{- args if args is string else (args | tojson) }}"
+_TOOL_CALLS = {
+    "json_tools": "{%- for tc in message.tool_calls %}{%- set tool_call = tc.function %}" + _ARGS
+    + "{{- '<tool_call>{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}" + _ARGS_JSON
+    + "{{- '}</tool_call>' }}{%- endfor %}",
+    "mistral": "{{- '[TOOL_CALLS][' }}{%- for tc in message.tool_calls %}" + _ARGS
+    + "{{- '{\"name\": \"' + tc.function.name + '\", \"arguments\": ' }}" + _ARGS_JSON
+    + "{{- '}' + (', ' if not loop.last else '') }}{%- endfor %}{{- ']' }}",
+    "qwen3_coder": "{%- for tc in message.tool_calls %}" + _ARGS
+    + "{{- '<tool_call>\\n<function=' + tc.function.name + '>\\n' }}"
+    "{%- for k, v in args.items() %}{{- '<parameter=' + k + '>\\n' + (v if v is string else (v | tojson))"
+    " + '\\n</parameter>\\n' }}{%- endfor %}{{- '</function>\\n</tool_call>' }}{%- endfor %}",
+    "pythonic": "{{- '<|tool_call_start|>[' }}{%- for tc in message.tool_calls %}" + _ARGS
+    + "{{- tc.function.name + '(' }}{%- for k, v in args.items() %}{{- k + '=' + (v | tojson)"
+    " + (', ' if not loop.last else '') }}{%- endfor %}{{- ')' + (', ' if not loop.last else '') }}{%- endfor %}"
+    "{{- ']<|tool_call_end|>' }}",
+    "glm47": "{%- for tc in message.tool_calls %}" + _ARGS + "{{- '<tool_call>' + tc.function.name }}"
+    "{%- for k, v in args.items() %}{{- '<arg_key>' + k + '</arg_key><arg_value>' + (v if v is string else"
+    " (v | tojson)) + '</arg_value>' }}{%- endfor %}{{- '</tool_call>' }}{%- endfor %}",
+    "minimax_m2": "{{- '<minimax:tool_call>' }}{%- for tc in message.tool_calls %}" + _ARGS
+    + "{{- '<invoke name=\"' + tc.function.name + '\">' }}{%- for k, v in args.items() %}{{- '<parameter name=\"'"
+    " + k + '\">' + (v if v is string else (v | tojson)) + '</parameter>' }}{%- endfor %}{{- '</invoke>' }}"
+    "{%- endfor %}{{- '</minimax:tool_call>' }}",
+}
+# each format's markers, added as special tokens
+TOOL_FORMATS = {
+    "json_tools": ("<tool_call>", "</tool_call>"),
+    "mistral": ("[TOOL_CALLS]",),
+    "qwen3_coder": ("<tool_call>", "</tool_call>"),
+    "pythonic": ("<|tool_call_start|>", "<|tool_call_end|>"),
+    "glm47": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+    "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
+}
+
+
+def tool_chat_template(tool_format: str) -> str:
+    """The ChatML template of a tiny model with tool calls in ``tool_format``."""
+    return _TOOL_HEAD + _TOOL_CALLS[tool_format] + _TOOL_TAIL
+
+
 _CORPUS = """\
 Good morning! How are you today? I am well, thank you for asking.
 Can you help me write a short note to my neighbour about the garden fence?
@@ -109,17 +171,27 @@ Keep your answers short, clear and kind. Ask a question if something is unclear.
 """
 
 
-def build_tiny_model(kind: str, folder: Path, seed: int = 0) -> Path:
+def build_tiny_model(kind: str, folder: Path, seed: int = 0, tool_format: str | None = None) -> Path:
     """Write a complete tiny model of ``kind`` into ``folder`` and return it."""
     if kind not in KINDS + EXTRA_KINDS:
         raise ValueError(f"unknown tiny model kind {kind!r}; choose from {KINDS + EXTRA_KINDS}")
+    if tool_format is not None and tool_format not in TOOL_FORMATS:
+        raise ValueError(f"unknown tool format {tool_format!r}; choose from {tuple(TOOL_FORMATS)}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = model_config(kind)
+    tokenizer_config = _tokenizer_config()
+    tokenizer_text = _tokenizer_json()
+    if tool_format is not None:
+        markers = TOOL_FORMATS[tool_format]
+        config["vocab_size"] = VOCAB_SIZE + len(markers)
+        tokenizer_text = _tokenizer_json_with(markers)
+        tokenizer_config.update(chat_template=tool_chat_template(tool_format), tool_parser_type=tool_format,
+                                additional_special_tokens=[IM_START, *markers])  # fmt: skip
     _write_json(folder / "config.json", config)
     _write_weights(folder / "model.safetensors", config, seed)
-    (folder / "tokenizer.json").write_text(_tokenizer_json(), encoding="utf-8")
-    _write_json(folder / "tokenizer_config.json", _tokenizer_config())
+    (folder / "tokenizer.json").write_text(tokenizer_text, encoding="utf-8")
+    _write_json(folder / "tokenizer_config.json", tokenizer_config)
     return folder
 
 
@@ -311,6 +383,15 @@ def _tokenizer_json() -> str:
             f"tiny tokenizer has {tokenizer.get_vocab_size()} tokens, expected "
             f"{VOCAB_SIZE}; lengthen the built-in corpus"
         )
+    return tokenizer.to_str(pretty=True)
+
+
+def _tokenizer_json_with(markers: tuple[str, ...]) -> str:
+    """The trained tokenizer with ``markers`` appended as special tokens (ids VOCAB_SIZE, ...)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_str(_tokenizer_json())
+    tokenizer.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in markers])
     return tokenizer.to_str(pretty=True)
 
 

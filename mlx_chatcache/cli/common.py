@@ -204,6 +204,25 @@ def read_json_arg(value: str | None, flag: str) -> dict | None:
     return obj
 
 
+def add_json_schema_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json-schema", metavar="FILE", help="constrain the reply to JSON valid under this JSON schema "
+                   "(a .json file, or the schema inline); {} is any JSON")  # fmt: skip
+
+
+def read_json_schema(value: str | None) -> dict | None:
+    """The schema ``--json-schema`` gives (None without the flag), checked usable before the model loads."""
+    schema = read_json_arg(value, "--json-schema")
+    if schema is None:
+        return None
+    from ..generation.constrain import GrammarError, json_schema_grammar
+
+    try:
+        json_schema_grammar(schema)
+    except GrammarError as e:
+        raise UsageError(f"--json-schema {value}: {e}") from None
+    return schema
+
+
 def human_bytes(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000 or unit == "GB":

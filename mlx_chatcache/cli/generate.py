@@ -50,6 +50,7 @@ from .common import (
     add_cache_dir_arg,
     add_force_arg,
     add_model_arg,
+    add_json_schema_arg,
     add_sampling_args,
     add_verbose_arg,
     add_weights_arg,
@@ -59,6 +60,7 @@ from .common import (
     config_overrides,
     load_model,
     read_json_arg,
+    read_json_schema,
     read_prompt,
     runtime_lines,
 )
@@ -82,6 +84,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-file", "-f", help="read the prompt from this file")
     p.add_argument("--system-prompt", help="system message (replaces a cached chat's system message)")
     add_sampling_args(p)
+    add_json_schema_arg(p)
     add_cache_args(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="use the prompt as raw text")
     p.add_argument("--chat-template-config", help="JSON object (or file) of extra chat template arguments")
@@ -173,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, prompt: str, save: Claim | None) -> int:
     info = read_cache_info(args.prompt_cache_file) if args.prompt_cache_file else None
     config = check_window_flags(file_config(args, info))  # before the model loads
+    args.json_schema = read_json_schema(args.json_schema)
     model, tokenizer = load_model(args)
     if info is not None and info.tokens is None:
         job = _start_untokenized(args, model, tokenizer, config, prompt, save)
@@ -254,7 +258,7 @@ def _generate(args, model, tokenizer, job: _Job) -> int:
         for last in stream_generate(
             model, tokenizer, job.tokens, state=job.state, config=job.config,
             extra_eos_tokens=args.extra_eos_token, progress=bar.update,
-            max_call_seconds=INTERRUPTIBLE_CALL_SECONDS,
+            max_call_seconds=INTERRUPTIBLE_CALL_SECONDS, json_schema=args.json_schema,
         ):  # fmt: skip
             bar.close()  # before the reply is printed
             reply.append(last.text)

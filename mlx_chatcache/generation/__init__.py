@@ -1,7 +1,8 @@
 """Generation: running a model on a prompt cache. ``prompt`` (``PromptCache``: a cache and the exact
 token ids it holds, prefix reuse and trimming), ``loop`` (prefill and ``generate_step``), ``text``
 (``stream_generate``/``generate``: text in, text out), ``model_call`` (the one door every model call
-goes through), ``sample`` (samplers and logits processors), ``pacing`` (calls short enough for Ctrl-C),
+goes through), ``sample`` (samplers and logits processors), ``constrain`` (grammar-constrained
+decoding: a JSON schema or Lark grammar as a logits processor), ``pacing`` (calls short enough for Ctrl-C),
 ``token_ids`` (the ids a model can take), ``arguments`` (mlx-lm's keywords), ``templates`` (chat
 messages or raw text to token ids), ``checkout`` (checkout from and put into the store; the scope of a
 model and cache shape), ``untokenized`` (cache files that list no token ids). May import ``store``,

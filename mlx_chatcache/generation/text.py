@@ -22,7 +22,7 @@ from ..errors import UsageError
 from .arguments import call_config, call_state, refuse_unsupported
 from .loop import Progress, generate_step
 from .prompt import PromptCache, ensure_state, reuse_prefix
-from .sample import LogitsProcessor, Sampler
+from .sample import LogitsProcessor, Sampler, make_logits_processors
 from .token_ids import check_token_ids
 
 @dataclass
@@ -99,6 +99,17 @@ def stop_token_ids(tokenizer, extra_eos_tokens: Iterable[str | int] = ()) -> set
     return stops
 
 
+def constrained(tokenizer, json_schema: dict, config: GenerationConfig,
+                processors: Sequence[LogitsProcessor] | None) -> list[LogitsProcessor]:
+    """``processors`` (None: those ``config`` describes) then a fresh
+    :class:`~mlx_chatcache.generation.constrain.Constraint` to ``json_schema``."""
+    from .constrain import Constraint, json_schema_grammar
+
+    if processors is None:
+        processors = make_logits_processors(config)
+    return [*processors, Constraint(tokenizer, json_schema_grammar(json_schema))]
+
+
 def stream_generate(
     model,
     tokenizer,
@@ -121,6 +132,7 @@ def stream_generate(
     extra_eos_tokens: Iterable[str | int] = (),
     progress: Progress | None = None,
     max_call_seconds: float | None = None,
+    json_schema: dict | None = None,
 ) -> Iterator[GenerationResponse]:
     """Yield a :class:`GenerationResponse` per sampled token; the last has a ``finish_reason``.
 
@@ -131,7 +143,10 @@ def stream_generate(
     see :func:`~mlx_chatcache.generation.loop.prefill`. mlx-lm's keywords
     (``max_tokens``, ``prompt_cache``, ...) mean what they mean for
     :func:`~mlx_chatcache.generation.loop.generate_step`; ``draft_model`` and
-    ``input_embeddings`` are refused.
+    ``input_embeddings`` are refused. ``json_schema``: the reply is JSON valid under
+    this schema whenever it ends by an EOS token (``finish_reason`` "stop"; see
+    :mod:`mlx_chatcache.generation.constrain`); a schema llguidance refuses raises
+    :class:`~mlx_chatcache.generation.constrain.GrammarError` before anything is computed.
     """
     start = time.perf_counter()
     refuse_unsupported(draft_model, input_embeddings)
@@ -143,6 +158,8 @@ def stream_generate(
     prompt_ids = encode_prompt(tokenizer, prompt)
     check_token_ids(model, prompt_ids)  # before the state is trimmed to the prompt
     stops = stop_token_ids(tokenizer, extra_eos_tokens)
+    if json_schema is not None:
+        logits_processors = constrained(tokenizer, json_schema, config, logits_processors)
     state, borrowed = call_state(prompt_cache, state)
     reused = 0
     if not borrowed:
@@ -199,6 +216,7 @@ def generate(
     state: PromptCache | None = None,
     config: GenerationConfig | None = None,
     extra_eos_tokens: Iterable[str | int] = (),
+    json_schema: dict | None = None,
 ) -> str:
     """The whole generated text (see :func:`stream_generate`, which takes the same
     keywords); ``verbose`` prints it and stats."""
@@ -208,7 +226,7 @@ def generate(
         max_kv_size=max_kv_size, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size, kv_bits=kv_bits,
         kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
         prompt_progress_callback=prompt_progress_callback, input_embeddings=input_embeddings, state=state,
-        config=config, extra_eos_tokens=extra_eos_tokens,
+        config=config, extra_eos_tokens=extra_eos_tokens, json_schema=json_schema,
     ):  # fmt: skip
         text += last.text
         if verbose:

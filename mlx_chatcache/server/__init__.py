@@ -3,7 +3,8 @@ requests and restarts.
 
 Layers: :mod:`.protocol` (request bodies, errors), :mod:`.responses`
 (OpenAI-shaped objects, SSE), :mod:`.worker` (the one generation thread and
-its queue), :mod:`.service` (tokenizing, limits), :mod:`.app` (Starlette
+its queue), :mod:`.tools` (tool calls: forced-call grammars, parsing replies),
+:mod:`.service` (tokenizing, limits, a request's constraints), :mod:`.app` (Starlette
 routes, and ``serve``, which runs uvicorn on the app), :mod:`.ui` (the browser
 page's mode and routes; the page itself is the static files in ``static/``).
 May import ``chat`` and everything below it.

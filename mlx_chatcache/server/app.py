@@ -44,6 +44,7 @@ from .responses import Reply, sse
 from .service import Service
 from .store_report import store_report
 from .ui import announcement, ui_routes
+from .tools import ToolCallStream
 from .worker import Job, QueueFull
 
 log = logging.getLogger("mlxcc.serve")
@@ -172,7 +173,8 @@ async def _complete(service: Service, request: HTTPRequest, parse):
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody listens
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-    job = Job(prompt, config, emit, req.stop, boundary, req.cache_key)
+    processors, postprocess = service.job_hooks(req)
+    job = Job(prompt, config, emit, req.stop, boundary, req.cache_key, processors=processors, postprocess=postprocess)
     try:
         service.worker.submit(job)
     except QueueFull:
@@ -180,7 +182,8 @@ async def _complete(service: Service, request: HTTPRequest, parse):
                            {"Retry-After": str(SERVER_DEFAULTS.retry_after_s)}) from None  # fmt: skip
     reply = Reply(req.kind, service.model_id)
     if req.stream:
-        return StreamingResponse(_stream(job, events, request, reply, req.include_usage),
+        calls = ToolCallStream(service.tokenizer, req.tools) if service.uses_tools(req) else None
+        return StreamingResponse(_stream(job, events, request, reply, req.include_usage, calls),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
     try:
         text, done = [], None
@@ -230,14 +233,21 @@ async def _events(events: asyncio.Queue, request: HTTPRequest) -> AsyncIterator[
             yield event
 
 
-async def _stream(job: Job, events, request, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(job: Job, events, request, reply: Reply, include_usage: bool,
+                  calls: ToolCallStream | None = None) -> AsyncIterator[str]:  # fmt: skip
+    """The SSE stream; with ``calls`` the text is split into content and ``delta.tool_calls``."""
     try:
         if reply.kind == "chat":
             yield sse(reply.chunk(role=True, with_usage_field=include_usage))
         async for kind, value in _events(events, request):
+            text, found = None, []
             if kind == "text":
-                yield sse(reply.chunk(value, with_usage_field=include_usage))
-            elif kind == "error":
+                text, found = calls.feed(value) if calls else (value, [])
+            elif kind == "done" and calls:
+                text, found = calls.finish()  # what it held back
+            if text or found:
+                yield sse(reply.chunk(text or None, with_usage_field=include_usage, tool_calls=found or None))
+            if kind == "error":
                 yield sse(error_body(value, 500))
                 break
             elif kind == "done":

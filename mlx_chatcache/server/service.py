@@ -19,6 +19,11 @@ base :class:`GenerationConfig` and the :class:`GenerationWorker`.
   it runs on one tokenizer thread, off the event loop and off the worker;
   a token id the model does not have (a completion's ids) is a 400 here,
   before the request is queued;
+- :meth:`Service.job_hooks` is what a request's ``tools``/``tool_choice`` and
+  ``response_format`` add to its job: fresh grammar constraints per choice
+  (:mod:`~mlx_chatcache.generation.constrain`: a JSON schema, or one forced call in the
+  model's tool format, :mod:`.tools`) and the tool-call parser of its reply; what
+  cannot be honoured is a 400 naming the field;
 - :meth:`Service.job_config` is the request's generation settings (temperature,
   top_p, top_k, min_p, repetition penalty and its context, seed, max_tokens) over
   the server's defaults; a prompt that leaves no room in the context, or a
@@ -39,6 +44,7 @@ from ..generation.token_ids import check_token_ids, vocab_size
 from ..models.context import model_context_length
 from ..store.store import PromptStore
 from .protocol import Request, RequestError
+from .tools import ToolError, forced_call_grammar, forced_choice, split_tool_calls, tool_family
 from .worker import GenerationWorker
 
 DEFAULT_MODEL = "default_model"  # mlx-lm's name for the served model
@@ -48,8 +54,6 @@ NOT_YET = {  # request fields that are checked but not honoured yet: refused by 
     "logit_bias": lambda r: bool(r.logit_bias),
     "logprobs": lambda r: r.logprobs,
     "n": lambda r: r.n != 1,
-    "tools": lambda r: bool(r.tools) and r.tool_choice != "none",
-    "response_format": lambda r: r.response_format is not None and r.response_format["type"] != "text",
 }
 
 
@@ -65,7 +69,49 @@ class Service:
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="mlxcc-tokenize")
 
     def start(self) -> None:
+        from ..generation.constrain import grammar_tokenizer
+
+        try:  # built once per model (seconds for a large vocabulary), not during a request
+            grammar_tokenizer(self.tokenizer)
+        except ChatCacheError:  # no tokenizer.json: constrained requests are refused then
+            pass
         self.worker.start()
+
+    def uses_tools(self, req: Request) -> bool:
+        """Whether the reply is parsed for tool calls (tools given, tool_choice not "none")."""
+        return bool(req.tools) and req.tool_choice != "none"
+
+    def job_hooks(self, req: Request):
+        """``(processors, postprocess)`` for the request's :class:`~.worker.Job` (see the module docstring)."""
+        from ..generation.constrain import Constraint, GrammarError, json_schema_grammar
+
+        grammar, choice, fmt = None, None, req.response_format or {"type": "text"}
+        try:
+            if self.uses_tools(req) and tool_family(self.tokenizer) is None:
+                raise ToolError("this model's tokenizer declares no tool-call format; drop tools", "tools")
+            choice = forced_choice(req.tool_choice) if self.uses_tools(req) else None
+            if choice is not None:
+                if fmt["type"] != "text":
+                    raise ToolError("response_format cannot be combined with a forced tool call "
+                                    "(tool_choice 'required' or a function)", "response_format")  # fmt: skip
+                grammar = forced_call_grammar(self.tokenizer, req.tools, choice)
+            elif fmt["type"] != "text":
+                spec = fmt.get("json_schema") or {}
+                try:
+                    grammar = json_schema_grammar(spec.get("schema", {}) if fmt["type"] == "json_schema" else None)
+                except GrammarError as e:
+                    raise ToolError(str(e), "response_format.json_schema.schema") from None
+            if grammar is not None:
+                Constraint(self.tokenizer, grammar)  # refused grammars and tokenizers fail here, not in the worker
+        except ToolError as e:
+            raise RequestError(400, str(e), e.param, "invalid_value") from None
+        except ChatCacheError as e:
+            raise RequestError(400, f"constrained decoding is not available for this model: {e}",
+                               "response_format" if choice is None else "tool_choice", "invalid_value") from None  # fmt: skip
+        processors = None if grammar is None else (lambda: [Constraint(self.tokenizer, grammar)])
+        tools = req.tools
+        postprocess = (lambda text: split_tool_calls(self.tokenizer, tools, text)) if self.uses_tools(req) else None
+        return processors, postprocess
 
     def stop(self) -> None:
         self.worker.stop()

@@ -1,0 +1,285 @@
+"""Tool calls: the request's ``tools``/``tool_choice``, forced calls, and calls parsed from a reply.
+
+The tool-call format is the model's own: mlx-lm's tokenizer wrapper names it
+(``tokenizer.tool_parser``, ``tool_call_start``, ``tool_call_end``, chosen by mlx-lm
+from the tokenizer config or the chat template), and its parser reads a call's text.
+
+Contract
+--------
+- :func:`forced_choice` says what a ``tool_choice`` (its shape checked by
+  :mod:`~mlx_chatcache.server.protocol`) forces: "required", a function's name, or nothing.
+- :func:`forced_call_grammar` is the grammar (for :class:`~mlx_chatcache.generation.constrain.Constraint`)
+  that makes the reply exactly one call in the model's format, of the named function
+  (or any of ``tools`` for "required"), its arguments valid under the function's
+  ``parameters`` (with no properties beyond those listed, as OpenAI's strict mode).
+  Formats with a grammar: :data:`FORCED_FAMILIES`; any other is a :class:`ToolError`
+  naming ``tool_choice``.
+- :class:`ToolCallStream` splits streamed text into content and calls on the format's
+  start/end markers, holding back a partial marker; :func:`split_tool_calls` does it
+  for a whole reply. A call mlx-lm's parser cannot read stays in the content, as
+  written (it is logged), never dropped. Calls come out in OpenAI's shape
+  ``{id, type: "function", function: {name, arguments: JSON text}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+from ..errors import ChatCacheError
+
+log = logging.getLogger("mlxcc.server")
+
+FORCED_FAMILIES = ("json_tools", "mistral", "qwen3_coder", "pythonic", "glm47")
+COMPACT = {"whitespace_flexible": False}
+
+
+class ToolError(ChatCacheError):
+    """A request's tools cannot be honoured; ``param`` names the field (for a 400)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+# ------------------------------------------------------------------ request fields
+def forced_choice(tool_choice) -> str | None:
+    """What a ``tool_choice`` (checked by the protocol) forces: "required", a function's
+    name, or None ("none", "auto", absent: nothing is forced)."""
+    if isinstance(tool_choice, dict):
+        return tool_choice["function"]["name"]
+    return tool_choice if tool_choice == "required" else None
+
+
+def tool_family(tokenizer) -> str | None:
+    """The name of mlx-lm's tool-call format for ``tokenizer`` (None: it declares none)."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    return None if parser is None else parser.__module__.rsplit(".", 1)[-1]
+
+
+# ------------------------------------------------------------------ forced calls
+def forced_call_grammar(tokenizer, tools: list[dict], choice: str) -> str:
+    """The Lark grammar of one call (``choice``: "required" or a function name); see the module docstring."""
+    family = tool_family(tokenizer)
+    if family is None:
+        raise ToolError("this model's tokenizer declares no tool-call format; drop tools", "tools")
+    if family not in FORCED_FAMILIES:
+        raise ToolError(f"forced tool calls are not available for this model's tool format {family}; "
+                        "use tool_choice 'auto'", "tool_choice")  # fmt: skip
+    fns = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
+    start, end = _marker(tokenizer, tokenizer.tool_call_start), _marker(tokenizer, tokenizer.tool_call_end)
+    lines = [f"start: {start} call {end}".rstrip(), "call: " + " | ".join(f"c{i}" for i in range(len(fns)))]
+    for i, fn in enumerate(fns):
+        lines += _FAMILY_RULES[family](f"c{i}", fn["name"], _parameters(fn), lambda t: _marker(tokenizer, t))
+    from ..generation.constrain import lark_grammar
+
+    return lark_grammar("\n".join(lines))
+
+
+def _marker(tokenizer, text: str) -> str:
+    """``text`` in Lark: the token itself when it is one special token, else the string."""
+    if not text:
+        return ""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    special = set(getattr(tokenizer, "all_special_tokens", ())) | set(getattr(tokenizer, "added_tokens_encoder", {}))
+    if len(ids) == 1 and text in special:
+        return f"<[{ids[0]}]>"
+    return json.dumps(text)
+
+
+def _parameters(fn: dict) -> dict:
+    params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
+    params.setdefault("type", "object")
+    params.setdefault("properties", {})
+    params.setdefault("additionalProperties", False)
+    return params
+
+
+def _json_rule(rule: str, schema: dict) -> str:
+    return f"{rule}: %json " + json.dumps({**schema, "x-guidance": COMPACT})
+
+
+def _call_object(name: str, params: dict) -> dict:
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False}  # fmt: skip
+
+
+def _json_tools_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
+    return [_json_rule(rule, _call_object(name, params))]
+
+
+def _mistral_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
+    return [f'{rule}: "[" {rule}o "]"', _json_rule(f"{rule}o", _call_object(name, params))]
+
+
+def _required(params: dict) -> list[tuple[str, dict]]:
+    """The required parameters in schema order (the forced call gives exactly those)."""
+    required = set(params.get("required", ()))
+    return [(k, v if isinstance(v, dict) else {}) for k, v in params["properties"].items() if k in required]
+
+
+def _raw_string(schema: dict) -> str | None:
+    """A Lark expression for an unquoted string value (None when ``schema`` is not a plain string)."""
+    if schema.get("type") != "string":
+        return None
+    if "enum" in schema:
+        return " | ".join(json.dumps(v) for v in schema["enum"] if isinstance(v, str)) or None
+    n = schema.get("maxLength")
+    return "/[^<\\n]{%d,%s}/" % (max(int(schema.get("minLength", 0)), 0), "" if n is None else int(n))
+
+
+def _qwen3_coder_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
+    parts, lines = [json.dumps(f"\n<function={name}>\n")], []
+    for j, (key, schema) in enumerate(_required(params)):
+        value = _raw_string(schema)
+        if value is None:
+            value = f"{rule}v{j}"
+            lines.append(_json_rule(value, schema))
+        parts += [json.dumps(f"<parameter={key}>\n"), f"({value})", json.dumps("\n</parameter>\n")]
+    parts.append(json.dumps("</function>\n"))
+    return [f"{rule}: " + " ".join(parts), *lines]
+
+
+def _pythonic_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
+    parts, lines = [json.dumps(f"[{name}(")], []
+    for j, (key, schema) in enumerate(_required(params)):
+        value = f"{rule}v{j}"
+        if schema.get("type") == "string" and "enum" not in schema:  # a Python string without escapes
+            n = schema.get("maxLength")
+            lines.append(f"{value}: /\"[^\"\\\\\\n]{{{int(schema.get('minLength', 0))},{'' if n is None else int(n)}}}\"/")
+        else:
+            lines.append(_json_rule(value, schema))
+        parts += [json.dumps((", " if j else "") + f"{key}="), value]
+    parts.append(json.dumps(")]"))
+    return [f"{rule}: " + " ".join(parts), *lines]
+
+
+def _trimmed_string(schema: dict) -> str:
+    """A Lark regex of an unquoted string that neither starts nor ends with whitespace (parsers strip it)."""
+    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+    if high is not None and int(high) < 2:
+        return "/[^<\\s\\x1c-\\x1f\\x85]{%d,%d}/" % (min(low, int(high)), int(high))
+    middle = "{%d,%s}" % (max(low - 2, 0), "" if high is None else int(high) - 2)
+    edge = "[^<\\s\\x1c-\\x1f\\x85]"  # Python's str.strip also takes these
+    return "/(%s|%s[^<]%s%s)%s/" % (edge, edge, middle, edge, "" if low else "?")
+
+
+def _glm47_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
+    parts, lines = [json.dumps(name)], []
+    for j, (key, schema) in enumerate(_required(params)):
+        value = f"{rule}v{j}"
+        if schema.get("type") == "string" and "enum" not in schema:
+            lines.append(f"{value}: {_trimmed_string(schema)}")
+        elif schema.get("type") == "string":
+            lines.append(f"{value}: " + " | ".join(json.dumps(v) for v in schema["enum"]))
+        else:
+            lines.append(_json_rule(value, schema))
+        parts += [marker("<arg_key>"), json.dumps(key), marker("</arg_key>"), marker("<arg_value>"), value,
+                  marker("</arg_value>")]  # fmt: skip
+    return [f"{rule}: " + " ".join(parts), *lines]
+
+
+_FAMILY_RULES = {
+    "json_tools": _json_tools_rules,
+    "mistral": _mistral_rules,
+    "qwen3_coder": _qwen3_coder_rules,
+    "pythonic": _pythonic_rules,
+    "glm47": _glm47_rules,
+}
+
+
+# ------------------------------------------------------------------ parsing replies
+class ToolCallStream:
+    """Streamed text in, ``(content, calls)`` out (see the module docstring); each call
+    carries its ``index`` in the reply."""
+
+    def __init__(self, tokenizer, tools: list[dict]):
+        self.tokenizer, self.tools = tokenizer, tools
+        self.start, self.end = tokenizer.tool_call_start, tokenizer.tool_call_end
+        self.buf, self.inside, self.count = "", False, 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """The content and the calls that ``text`` completes."""
+        self.buf += text
+        content, calls = [], []
+        while True:
+            if not self.inside:
+                i = self.buf.find(self.start)
+                if i < 0:
+                    cut = len(self.buf) - _partial_suffix(self.buf, self.start)
+                    content.append(self.buf[:cut])
+                    self.buf = self.buf[cut:]
+                    break
+                content.append(self.buf[:i])
+                self.buf, self.inside = self.buf[i + len(self.start) :], True
+            else:
+                j = self.buf.find(self.end) if self.end else -1
+                if j < 0:  # an end-less format's call runs to the end of the reply
+                    break
+                self._call(self.buf[:j], content, calls)
+                self.buf, self.inside = self.buf[j + len(self.end) :], False
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """What is held back, at the end of the reply (an unclosed call is content)."""
+        content, calls = [], []
+        if self.inside and not self.end:
+            self._call(self.buf, content, calls)
+        else:
+            content.append((self.start if self.inside else "") + self.buf)
+        self.buf, self.inside = "", False
+        return "".join(content), calls
+
+    def _call(self, body: str, content: list[str], calls: list[dict]) -> None:
+        try:
+            parsed = self.tokenizer.tool_parser(body, self.tools)
+            found = parsed if isinstance(parsed, list) else [parsed]
+            shaped = [openai_call(c) for c in found]
+        except Exception as e:  # mlx-lm's parsers raise what they meet (ValueError, SyntaxError, ...)
+            log.warning("a tool call could not be parsed (%s: %s); it stays in the content", type(e).__name__, e)
+            content.append(self.start + body + self.end)
+            return
+        for c in shaped:
+            calls.append({"index": self.count, **c})
+            self.count += 1
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that starts ``marker`` (shorter than it)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+def openai_call(parsed: dict) -> dict:
+    """mlx-lm's ``{name, arguments}`` (maybe ``id``) as OpenAI's tool call."""
+    name, arguments = parsed["name"], parsed.get("arguments", {})
+    if not isinstance(name, str):
+        raise ValueError(f"the call's name is not a string: {name!r}")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    call_id = parsed.get("id") if isinstance(parsed.get("id"), str) else "call_" + uuid.uuid4().hex[:24]
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def split_tool_calls(tokenizer, tools: list[dict], text: str) -> tuple[str | None, list[dict]]:
+    """A whole reply as ``(content, calls)``; content None when the reply is only calls."""
+    stream = ToolCallStream(tokenizer, tools)
+    content, calls = stream.feed(text)
+    rest, more = stream.finish()
+    content, calls = content + rest, calls + more
+    return (None if calls and not content.strip() else content), [{k: v for k, v in c.items() if k != "index"} for c in calls]
+
+
+__all__ = [
+    "FORCED_FAMILIES",
+    "ToolError",
+    "forced_choice",
+    "tool_family",
+    "forced_call_grammar",
+    "ToolCallStream",
+    "openai_call",
+    "split_tool_calls",
+]
