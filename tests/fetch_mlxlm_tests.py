@@ -32,6 +32,24 @@ def sdist_tests_dir(root: Path, version: str) -> Path:
     return root / f"mlx_lm-{version}" / "tests"
 
 
+def mlx_lm_test_file(name: str) -> Path:
+    """mlx-lm's ``tests/NAME``: from ``$MLXCC_MLXLM_TESTS`` (a checkout or its tests folder),
+    else from the fetched source distribution; skips (fails under CI) when neither has it."""
+    import pytest
+
+    where = os.environ.get("MLXCC_MLXLM_TESTS")
+    places = [Path(where), Path(where) / "tests"] if where else []
+    places.append(sdist_tests_dir(default_dir(), installed_version()))
+    for folder in places:
+        if (folder / name).is_file():
+            return folder / name
+    why = (f"mlx-lm {installed_version()}'s tests/{name} is not in {', '.join(map(str, places))}; "
+           "fetch it with `make mlxlm-tests` (python tests/fetch_mlxlm_tests.py)")  # fmt: skip
+    if os.environ.get("CI"):
+        pytest.fail(why)
+    pytest.skip(why)
+
+
 def fetch(root: Path) -> Path:
     version = installed_version()
     target = sdist_tests_dir(root, version)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import os
 import sys
 import unittest
 from pathlib import Path
@@ -30,7 +29,7 @@ import pytest
 
 pytest.importorskip("requests")  # mlx-lm's test file uses it
 
-from fetch_mlxlm_tests import default_dir, installed_version, sdist_tests_dir  # noqa: E402
+from fetch_mlxlm_tests import installed_version, mlx_lm_test_file  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 HOLDS_INTERNALS = ("response_generator", "prompt_cache", "model_provider")  # mlx-lm's own server objects
@@ -39,17 +38,7 @@ SERVED_AS = ("chat_model",)
 
 
 def mlx_lm_server_test_file() -> Path:
-    where = os.environ.get("MLXCC_MLXLM_TESTS")
-    places = [Path(where), Path(where) / "tests"] if where else []
-    places.append(sdist_tests_dir(default_dir(), installed_version()))
-    for folder in places:
-        if (folder / "test_server.py").is_file():
-            return folder / "test_server.py"
-    why = (f"mlx-lm {installed_version()}'s tests/test_server.py is not in {', '.join(map(str, places))}; "
-           "fetch it with `make mlxlm-tests` (python tests/fetch_mlxlm_tests.py)")  # fmt: skip
-    if os.environ.get("CI"):
-        pytest.fail(why)
-    pytest.skip(why)
+    return mlx_lm_test_file("test_server.py")
 
 
 def http_cases(module) -> dict[type, list[str]]:

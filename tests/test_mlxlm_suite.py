@@ -1,7 +1,7 @@
 """mlx-lm's own ``tests/test_prompt_cache.py``, run on our functions and classes.
 
-Skipped unless ``MLXCC_MLXLM_TESTS`` names the ``tests`` folder of an mlx-lm checkout
-(``git clone https://github.com/ml-explore/mlx-lm``; the folder itself or the checkout).
+The file comes from ``MLXCC_MLXLM_TESTS`` (an mlx-lm checkout or its ``tests`` folder) or
+from the installed version's source distribution fetched by ``make mlxlm-tests`` (CI does).
 That file is imported as a module; its globals naming mlx-lm's single-sequence cache
 classes, prompt-cache functions and ``generate_step`` are rebound to ours (``REBOUND``);
 mlx-lm's batch classes and mask helpers stay theirs (``KEPT``); its Hugging Face model
@@ -17,15 +17,17 @@ The result of a run is recorded in docs/mlx-lm-compat.md.
 from __future__ import annotations
 
 import importlib.util
-import os
+import sys
 import unittest
 from pathlib import Path
 
-import pytest
 
 import mlx_chatcache
 from mlx_chatcache import cache as ours
 from mlx_chatcache.generation.loop import generate_step
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fetch_mlxlm_tests import mlx_lm_test_file  # noqa: E402
 
 REBOUND = {
     **{name: getattr(ours, name) for name in (
@@ -50,15 +52,8 @@ KNOWN_DIFFERENCES = {
 MIN_CASES = 20
 
 
-def mlx_lm_test_file() -> Path:
-    where = os.environ.get("MLXCC_MLXLM_TESTS")
-    if not where:
-        pytest.skip("set MLXCC_MLXLM_TESTS to an mlx-lm checkout's tests folder to run mlx-lm's "
-                    "test_prompt_cache.py on mlx_chatcache's classes")  # fmt: skip
-    for path in (Path(where) / "test_prompt_cache.py", Path(where) / "tests" / "test_prompt_cache.py"):
-        if path.is_file():
-            return path
-    pytest.fail(f"MLXCC_MLXLM_TESTS={where} holds no test_prompt_cache.py; point it at mlx-lm's tests folder")
+def mlx_lm_prompt_cache_test_file() -> Path:
+    return mlx_lm_test_file("test_prompt_cache.py")
 
 
 def mlx_lm_module(path: Path, model_dir: Path):
@@ -84,7 +79,7 @@ def raised(trace: str) -> str:
 
 
 def test_mlx_lms_prompt_cache_tests_pass_on_our_classes(tiny_model_dirs):
-    module = mlx_lm_module(mlx_lm_test_file(), tiny_model_dirs["llama"])
+    module = mlx_lm_module(mlx_lm_prompt_cache_test_file(), tiny_model_dirs["llama"])
     suite = unittest.defaultTestLoader.loadTestsFromModule(module)
     result = unittest.TestResult()
     suite.run(result)
