@@ -344,7 +344,6 @@ def test_every_field_is_checked_and_a_bad_value_named(server, body, param):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"5": 10}), ("logprobs", True), ("n", 2),
     ("tools", [ADD]), ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
 ])  # fmt: skip
@@ -352,6 +351,18 @@ def test_a_valid_field_not_honoured_yet_is_refused_by_name(server, field, value)
     code, text = _raw(server, "/v1/chat/completions", _chat_with(model=server.model_id, **{field: value}))
     err = json.loads(text)["error"]
     assert code == 400 and err["param"] == field and err["code"] == "unsupported_parameter", text
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"5": 10}), ("logprobs", True), ("n", 2),
+])  # fmt: skip
+def test_the_sampling_fields_are_honoured_not_refused(server, field, value):
+    """Each is a 200 whose reply shows it where it shows (tests/test_server_sampling.py checks the values)."""
+    code, text = _raw(server, "/v1/chat/completions", _chat_with(model=server.model_id, max_tokens=3, **{field: value}))
+    assert code == 200, text
+    choices = json.loads(text)["choices"]
+    assert len(choices) == (value if field == "n" else 1)
+    assert (choices[0]["logprobs"] is not None) == (field == "logprobs")
 
 
 def test_fields_honoured_as_given(server):

@@ -167,27 +167,28 @@ async def _complete(service: Service, request: HTTPRequest, parse):
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody listens
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-    job = Job(prompt, config, emit, req.stop, boundary, req.cache_key)
+    job = Job(prompt, config, emit, req.stop, boundary, req.cache_key, n=req.n, logprobs=req.logprobs,
+              top_logprobs=req.top_logprobs or 0)  # fmt: skip
     try:
         service.worker.submit(job)
     except QueueFull:
         raise RequestError(503, "the server is busy (its request queue is full); retry later", None, "server_busy",
                            {"Retry-After": str(SERVER_DEFAULTS.retry_after_s)}) from None  # fmt: skip
-    reply = Reply(req.kind, service.model_id)
+    reply = Reply(req.kind, service.model_id, logprobs=req.logprobs)
     if req.stream:
-        return StreamingResponse(_stream(job, events, request, reply, req.include_usage),
+        return StreamingResponse(_stream(job, events, request, reply, req.include_usage, req.n),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
     try:
-        text, done = [], None
+        pieces, done = [], None
         async for kind, value in _events(events, request):
-            if kind == "text":
-                text.append(value)
+            if kind == "piece":
+                pieces.append(value)
             elif kind == "done":
                 done = value
                 break
             elif kind == "error":
                 return _error(500, value)
-        return JSONResponse(reply.full("".join(text), done))
+        return JSONResponse(reply.full(pieces, done))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it
     finally:
@@ -225,18 +226,22 @@ async def _events(events: asyncio.Queue, request: HTTPRequest) -> AsyncIterator[
             yield event
 
 
-async def _stream(job: Job, events, request, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(job: Job, events, request, reply: Reply, include_usage: bool, n: int) -> AsyncIterator[str]:
+    """The chunks of ``n`` choices: a chat's role chunk per choice, one chunk per piece,
+    each choice's finish, then the usage chunk (with ``include_usage``) and ``[DONE]``."""
     try:
         if reply.kind == "chat":
-            yield sse(reply.chunk(role=True, with_usage_field=include_usage))
+            for index in range(n):
+                yield sse(reply.chunk(role=True, with_usage_field=include_usage, index=index))
         async for kind, value in _events(events, request):
-            if kind == "text":
-                yield sse(reply.chunk(value, with_usage_field=include_usage))
+            if kind == "piece":
+                yield sse(reply.piece_chunk(value, with_usage_field=include_usage))
             elif kind == "error":
                 yield sse(error_body(value, 500))
                 break
             elif kind == "done":
-                yield sse(reply.chunk(None, value["finish_reason"], with_usage_field=include_usage))
+                for chunk in reply.finish_chunks(value, with_usage_field=include_usage):
+                    yield sse(chunk)
                 if include_usage:
                     yield sse(reply.usage_chunk(value))
                 break

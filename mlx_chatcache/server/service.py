@@ -10,8 +10,7 @@ base :class:`GenerationConfig` and the :class:`GenerationWorker`.
   (``--served-model-name``); ``default_model`` (mlx-lm's name) and an omitted
   ``model`` mean the served model;
 - :meth:`Service.check_supported` refuses, naming it, a checked field this
-  server cannot honour yet (:data:`NOT_YET`), and a ``logit_bias`` token id the
-  model does not have;
+  server cannot honour yet (:data:`NOT_YET`);
 - :meth:`Service.prepare` renders and tokenizes a request (chat template for
   chats) and returns the prompt's token ids and, for chats, the *boundary*:
   how many of them end the last message (before the generation prompt);
@@ -20,8 +19,9 @@ base :class:`GenerationConfig` and the :class:`GenerationWorker`.
   a token id the model does not have (a completion's ids) is a 400 here,
   before the request is queued;
 - :meth:`Service.job_config` is the request's generation settings (temperature,
-  top_p, top_k, min_p, repetition penalty and its context, seed, max_tokens) over
-  the server's defaults; a prompt that leaves no room in the context, or a
+  top_p, top_k, min_p, the repetition, presence and frequency penalties and their
+  context, logit_bias, seed, max_tokens) over the server's defaults; a ``logit_bias``
+  token id the model does not have is a 400 naming it; a prompt that leaves no room in the context, or a
   ``max_tokens`` past it, is a 400 ``context_length_exceeded``.
 """
 
@@ -35,7 +35,7 @@ from ..config import GenerationConfig, SettingError, check_setting
 from ..errors import ChatCacheError, TokenIdError, one_line
 from ..generation.text import encode_prompt
 from ..generation.templates import has_chat_template, render_chat
-from ..generation.token_ids import check_token_ids, vocab_size
+from ..generation.token_ids import check_token_ids
 from ..models.context import model_context_length
 from ..store.store import PromptStore
 from .protocol import Request, RequestError
@@ -43,11 +43,6 @@ from .worker import GenerationWorker
 
 DEFAULT_MODEL = "default_model"  # mlx-lm's name for the served model
 NOT_YET = {  # request fields that are checked but not honoured yet: refused by name
-    "presence_penalty": lambda r: r.presence_penalty is not None,
-    "frequency_penalty": lambda r: r.frequency_penalty is not None,
-    "logit_bias": lambda r: bool(r.logit_bias),
-    "logprobs": lambda r: r.logprobs,
-    "n": lambda r: r.n != 1,
     "tools": lambda r: bool(r.tools) and r.tool_choice != "none",
     "response_format": lambda r: r.response_format is not None and r.response_format["type"] != "text",
 }
@@ -77,11 +72,6 @@ class Service:
                                f"'{self.model_id}' (see GET /v1/models)", "model", "model_not_found")  # fmt: skip
 
     def check_supported(self, req: Request) -> None:
-        vocab = vocab_size(self.model)
-        for token in req.logit_bias or ():
-            if vocab is not None and token >= vocab:
-                raise RequestError(400, f"'logit_bias' names token {token}, but the model's vocabulary has ids "
-                                   f"0 to {vocab - 1}", "logit_bias", "invalid_value")  # fmt: skip
         for name, asked in NOT_YET.items():
             if asked(req):
                 raise RequestError(400, f"'{name}' is not supported by this server yet; drop it",
