@@ -243,7 +243,7 @@ def _raw(server, path, body: bytes | None, method="POST"):
     (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"}', 400, "max_tokens"),
     (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', 400, "max_tokens"),
     (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "temperature": true}', 400, "temperature"),
-    (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n"),
+    (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "n": "2"}', 400, "n"),
     (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "stop": [1]}', 400, "stop"),
     (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', 400, "stream"),
     (b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 600}', 400, "max_tokens"),
