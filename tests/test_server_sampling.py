@@ -361,8 +361,8 @@ def test_logit_bias_over_http_forces_a_token_and_bans_the_greedy_one(server, lla
     assert forced.tokens == [tok.decode([target])] * 4 and all(x > -1e-3 for x in forced.token_logprobs)
     banned = server.client.completions.create(logit_bias={str(first): -100}, **kw).choices[0].logprobs
     assert banned.tokens[0] != tok.decode([first])
-    chat = server.client.chat.completions.create(model=server.model_id, messages=MESSAGES, temperature=0,
-                                                 max_tokens=3, logprobs=True, logit_bias={str(target): 100})  # fmt: skip
+    chat = server.client.chat.completions.create(model=server.model_id, messages=MESSAGES, temperature=0, max_tokens=3,
+                                                 logprobs=True, logit_bias={str(target): 100})  # fmt: skip
     assert [c.token for c in chat.choices[0].logprobs.content] == [tok.decode([target])] * 3
 
 
