@@ -179,7 +179,13 @@ MAX_CHOICES = 8  # the most choices (``n``) one server request may ask for (Serv
 REQUEST_RANGES: dict[str, Range] = {
     "n": Range(1, MAX_CHOICES, integer=True),
     "top_logprobs": Range(0, 20, integer=True),  # OpenAI's range
+    "completion_logprobs": Range(0, 5, integer=True),  # a completion's integer ``logprobs`` (OpenAI's range)
 }
+
+
+def range_of(name: str) -> Range:
+    """The :class:`Range` of GenerationConfig field or request field ``name``."""
+    return RANGES[name] if name in RANGES else REQUEST_RANGES[name]
 
 
 class SettingError(ValueError):
@@ -199,7 +205,7 @@ def check_setting(name: str, value):
     :class:`SettingError`. None is a value of the optional fields only. A token map
     (a dict, or (id, number) pairs; ids may be decimal strings, as JSON keys are)
     becomes a tuple of (int id, float) pairs in ascending id order."""
-    r = RANGES[name] if name in RANGES else REQUEST_RANGES[name]
+    r = range_of(name)
     if value is None and r.optional:
         return None
     if r.token_map:

@@ -1,4 +1,4 @@
-"""Sampling fields of the server, below HTTP: the library and the worker's :class:`Job`.
+"""Sampling fields of the server: the library, the worker's :class:`Job`, and over HTTP.
 
 - ``logit_bias`` +100 on one id makes greedy decoding emit only that id; -100
   on the greedy first token changes it (library ``generate``/``stream_generate``).
@@ -12,6 +12,10 @@
   ``postprocess`` hook makes the content and tool calls.
 - Every out-of-range value of a new field is refused by the range table, and
   by the service as a 400 naming the field.
+- Over HTTP with the ``openai`` client, both endpoints, streamed and not: logprobs
+  equal the model's log-softmax within 1e-4 (greedy), ``n`` = 3 gives three choices
+  with the prompt fed and counted once, ``logit_bias`` +100 forces a token and -100
+  bans the greedy one, presence and frequency penalties give the library's output.
 """
 
 from __future__ import annotations
@@ -155,8 +159,6 @@ def test_n_choices_share_one_prefill_and_choice_i_is_seed_plus_i(llama_model):
     assert body["usage"]["prompt_tokens"] == len(prompt)
     assert [c["message"]["content"] for c in body["choices"]] == [
         "".join(p.text for p in pieces(events) if p.index == i) for i in range(3)]  # fmt: skip
-    text0 = "".join(v for k, v in events if k == "text")
-    assert text0 == body["choices"][0]["message"]["content"]
 
 
 def test_n_choices_after_a_cached_prefix_feed_only_the_rest(llama_model):
@@ -255,3 +257,125 @@ def test_a_chat_session_keeps_the_new_settings_across_save_and_load(llama_model,
     loaded = ChatSession.load(tmp_path / "s.safetensors", model, tok)
     assert (loaded.config.presence_penalty, loaded.config.frequency_penalty, loaded.config.logit_bias) == (
         0.5, -1.0, ((3, -100.0), (9, 2.5)))  # fmt: skip
+
+
+# ------------------------------------------------------------------ over HTTP
+@pytest.fixture(scope="module")
+def server(tiny_model_dirs, tmp_path_factory):
+    openai = pytest.importorskip("openai")
+    from server_process import ServerProcess
+
+    with ServerProcess(tiny_model_dirs["llama"], tmp_path_factory.mktemp("cache"), "--max-tokens", "64",
+                       "--context-length", "512") as s:  # fmt: skip
+        s.client = openai.OpenAI(base_url=s.base_url, api_key="unused", timeout=60, max_retries=0)
+        yield s
+
+
+MESSAGES = [{"role": "user", "content": "Name three rivers of Europe."}]
+
+
+def greedy_reference(model, context, steps):
+    """The greedy continuation of ``context``: per step (token id, log_softmax of the logits), no cache."""
+    out, context = [], list(context)
+    for _ in range(steps):
+        ref = reference_logprobs(model, context)
+        out.append((int(mx.argmax(ref).item()), ref))
+        context.append(out[-1][0])
+    return out
+
+
+def check_entries(tok, reference, entries):
+    """``entries`` (token text, logprob, top logprobs) are the greedy reference's, within 1e-4."""
+    assert 0 < len(entries) <= len(reference)
+    for (text, logprob, top), (token, ref) in zip(entries, reference):
+        assert text == tok.decode([token]) and abs(logprob - ref[token].item()) < 1e-4
+        best = sorted(ref.tolist(), reverse=True)[:3]
+        assert len(top) >= 1 and all(min(abs(lp - b) for b in best) < 1e-4 for lp in top)
+        assert abs(max(top) - best[0]) < 1e-4
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_over_http_are_the_models_log_softmax(server, llama_model, stream):
+    from mlx_chatcache.generation.templates import render_chat
+
+    model, tok = llama_model
+    reference = greedy_reference(model, render_chat(tok, MESSAGES), 6)
+    kw = dict(model=server.model_id, messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
+    if stream:
+        chunks = list(server.client.chat.completions.create(stream=True, **kw))
+        content = [c for ch in chunks for c in ((ch.choices[0].logprobs.content or []) if ch.choices[0].logprobs
+                                                else [])]  # fmt: skip
+    else:
+        content = server.client.chat.completions.create(**kw).choices[0].logprobs.content
+    check_entries(tok, reference, [(c.token, c.logprob, [t.logprob for t in c.top_logprobs]) for c in content])
+    assert all(len(c.top_logprobs) == 3 and c.bytes == list(c.token.encode()) for c in content)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_over_http_are_the_models_log_softmax(server, llama_model, stream):
+    model, tok = llama_model
+    prompt = prompt_of(tok)
+    reference = greedy_reference(model, prompt, 6)
+    kw = dict(model=server.model_id, prompt=prompt, temperature=0, max_tokens=6, logprobs=3)
+    if stream:
+        parts = [ch.choices[0].logprobs for ch in server.client.completions.create(stream=True, **kw)
+                 if ch.choices and ch.choices[0].logprobs]  # fmt: skip
+        tokens = [t for p in parts for t in p.tokens]
+        lps = [x for p in parts for x in p.token_logprobs]
+        tops = [x for p in parts for x in p.top_logprobs]
+    else:
+        lp = server.client.completions.create(**kw).choices[0].logprobs
+        tokens, lps, tops = lp.tokens, lp.token_logprobs, lp.top_logprobs
+    check_entries(tok, reference, [(t, x, list(top.values())) for t, x, top in zip(tokens, lps, tops, strict=True)])
+
+
+def test_n_choices_over_http_count_the_prompt_once(server, llama_model):
+    from mlx_chatcache.generation.templates import render_chat
+
+    _, tok = llama_model
+    messages = [{"role": "user", "content": "Give me three different first lines of a poem."}]
+    kw = dict(model=server.model_id, messages=messages, temperature=1.5, seed=11, max_tokens=5, n=3, logprobs=True)
+    before = server.health()["prompt_tokens_computed"]
+    r = server.client.chat.completions.create(**kw)
+    computed = server.health()["prompt_tokens_computed"] - before
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.prompt_tokens == len(render_chat(tok, messages))
+    assert computed == r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens + 2  # fed once
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) + (c.finish_reason == "stop") for c in r.choices)
+    assert len({c.message.content for c in r.choices}) > 1  # each choice samples on its own
+    chunks = [ch for ch in server.client.chat.completions.create(stream=True, **kw)]
+    roles = [ch.choices[0].index for ch in chunks if ch.choices[0].delta.role == "assistant"]
+    finishes = [ch.choices[0].index for ch in chunks if ch.choices[0].finish_reason]
+    assert sorted(roles) == sorted(finishes) == [0, 1, 2]
+    texts = ["".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices[0].index == i) for i in range(3)]
+    assert texts == [c.message.content for c in r.choices]  # the same seeds: the same choices
+
+
+def test_logit_bias_over_http_forces_a_token_and_bans_the_greedy_one(server, llama_model):
+    model, tok = llama_model
+    prompt = prompt_of(tok)
+    first = greedy_reference(model, prompt, 1)[0][0]
+    target = next(t for t in range(first + 5, 10**6) if t not in tok.eos_token_ids)
+    kw = dict(model=server.model_id, prompt=prompt, temperature=0, max_tokens=4, logprobs=0)
+    forced = server.client.completions.create(logit_bias={str(target): 100}, **kw).choices[0].logprobs
+    assert forced.tokens == [tok.decode([target])] * 4 and all(x > -1e-3 for x in forced.token_logprobs)
+    banned = server.client.completions.create(logit_bias={str(first): -100}, **kw).choices[0].logprobs
+    assert banned.tokens[0] != tok.decode([first])
+    chat = server.client.chat.completions.create(model=server.model_id, messages=MESSAGES, temperature=0, max_tokens=3,
+                                                 logprobs=True, logit_bias={str(target): 100})  # fmt: skip
+    assert [c.token for c in chat.choices[0].logprobs.content] == [tok.decode([target])] * 3
+
+
+def test_presence_and_frequency_penalties_over_http_are_the_librarys(server, llama_model):
+    model, tok = llama_model
+    prompt = prompt_of(tok)
+    texts = {}
+    for name in ("plain", "presence_penalty", "frequency_penalty"):
+        penalty = {} if name == "plain" else {name: 2.0}
+        got = server.client.completions.create(model=server.model_id, prompt=prompt, temperature=0, max_tokens=24,
+                                               **penalty).choices[0].text  # fmt: skip
+        assert got == generate(model, tok, prompt, config=cfg(max_tokens=24, **penalty))
+        texts[name] = got
+    assert texts["presence_penalty"] != texts["plain"] or texts["frequency_penalty"] != texts["plain"]
+    negative = {"presence_penalty": -2, "frequency_penalty": -1.5}
+    assert server.client.completions.create(model=server.model_id, prompt=prompt, max_tokens=3, **negative).choices

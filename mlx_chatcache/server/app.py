@@ -28,7 +28,7 @@ import errno
 import json
 import logging
 import socket
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -160,7 +160,6 @@ async def _complete(service: Service, request: HTTPRequest, parse):
         return Response(status_code=499)  # nobody reads it
     req: Request = parse(decode_body(raw))
     service.check_model(req.model)
-    service.check_supported(req)
     session = request.headers.get("x-session-id")
     if req.cache_key is None and session:
         req.cache_key = session
@@ -174,28 +173,29 @@ async def _complete(service: Service, request: HTTPRequest, parse):
             loop.call_soon_threadsafe(events.put_nowait, event)
 
     processors, postprocess = service.job_hooks(req)
-    job = Job(prompt, config, emit, req.stop, boundary, req.cache_key, processors=processors, postprocess=postprocess)
+    job = Job(prompt, config, emit, req.stop, boundary, req.cache_key, n=req.n, logprobs=req.logprobs,
+              top_logprobs=req.top_logprobs or 0, processors=processors, postprocess=postprocess)  # fmt: skip
     try:
         service.worker.submit(job)
     except QueueFull:
         raise RequestError(503, "the server is busy (its request queue is full); retry later", None, "server_busy",
                            {"Retry-After": str(SERVER_DEFAULTS.retry_after_s)}) from None  # fmt: skip
-    reply = Reply(req.kind, service.model_id)
+    reply = Reply(req.kind, service.model_id, logprobs=req.logprobs)
     if req.stream:
-        calls = ToolCallStream(service.tokenizer, req.tools) if service.uses_tools(req) else None
-        return StreamingResponse(_stream(job, events, request, reply, req.include_usage, calls),
+        calls = (lambda: ToolCallStream(service.tokenizer, req.tools)) if service.uses_tools(req) else None
+        return StreamingResponse(_stream(job, events, request, reply, req.include_usage, req.n, calls),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
     try:
-        text, done = [], None
+        pieces, done = [], None
         async for kind, value in _events(events, request):
-            if kind == "text":
-                text.append(value)
+            if kind == "piece":
+                pieces.append(value)
             elif kind == "done":
                 done = value
                 break
             elif kind == "error":
                 return _error(500, value)
-        return JSONResponse(reply.full("".join(text), done))
+        return JSONResponse(reply.full(pieces, done))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it
     finally:
@@ -233,25 +233,36 @@ async def _events(events: asyncio.Queue, request: HTTPRequest) -> AsyncIterator[
             yield event
 
 
-async def _stream(job: Job, events, request, reply: Reply, include_usage: bool,
-                  calls: ToolCallStream | None = None) -> AsyncIterator[str]:  # fmt: skip
-    """The SSE stream; with ``calls`` the text is split into content and ``delta.tool_calls``."""
+async def _stream(job: Job, events, request, reply: Reply, include_usage: bool, n: int,
+                  calls: Callable[[], ToolCallStream] | None = None) -> AsyncIterator[str]:  # fmt: skip
+    """The chunks of ``n`` choices: a chat's role chunk per choice, one chunk per piece,
+    each choice's finish, then the usage chunk (with ``include_usage``) and ``[DONE]``.
+    With ``calls`` (a new splitter per choice) each choice's text is split into content
+    and ``delta.tool_calls`` (its pieces then carry no logprobs)."""
+    splitters = {}
     try:
         if reply.kind == "chat":
-            yield sse(reply.chunk(role=True, with_usage_field=include_usage))
+            for index in range(n):
+                yield sse(reply.chunk(role=True, with_usage_field=include_usage, index=index))
         async for kind, value in _events(events, request):
-            text, found = None, []
-            if kind == "text":
-                text, found = calls.feed(value) if calls else (value, [])
-            elif kind == "done" and calls:
-                text, found = calls.finish()  # what it held back
-            if text or found:
-                yield sse(reply.chunk(text or None, with_usage_field=include_usage, tool_calls=found or None))
-            if kind == "error":
+            if kind == "piece" and calls is None:
+                yield sse(reply.piece_chunk(value, with_usage_field=include_usage))
+            elif kind == "piece":
+                text, found = splitters.setdefault(value.index, calls()).feed(value.text)
+                if text or found:
+                    yield sse(reply.chunk(text or None, with_usage_field=include_usage, index=value.index,
+                                          tool_calls=found or None))  # fmt: skip
+            elif kind == "error":
                 yield sse(error_body(value, 500))
                 break
             elif kind == "done":
-                yield sse(reply.chunk(None, value["finish_reason"], with_usage_field=include_usage))
+                for index, splitter in sorted(splitters.items()):  # what each held back
+                    text, found = splitter.finish()
+                    if text or found:
+                        yield sse(reply.chunk(text or None, with_usage_field=include_usage, index=index,
+                                              tool_calls=found or None))  # fmt: skip
+                for chunk in reply.finish_chunks(value, with_usage_field=include_usage):
+                    yield sse(chunk)
                 if include_usage:
                     yield sse(reply.usage_chunk(value))
                 break

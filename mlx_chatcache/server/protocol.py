@@ -7,11 +7,13 @@ a :class:`Request` or raise :class:`RequestError` (HTTP status, one-line
 message, the offending ``param``, an OpenAI-style ``code``). Unknown fields are
 ignored (clients send many); every field of the dialect is checked here: the
 generation settings (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``,
-``repetition_penalty``, ``repetition_context_size``, ``seed``) must be in the ranges of
-:data:`~mlx_chatcache.config.RANGES`, the others in OpenAI's (:data:`LIMITS`; a 400 names
-the field and its range); ``tools``, ``tool_choice`` and ``response_format`` are checked
-for shape. Whether a checked field can be honoured is the service's decision
-(:meth:`~.service.Service.check_supported`): one it cannot is refused, never dropped.
+``repetition_penalty``, ``repetition_context_size``, ``presence_penalty``,
+``frequency_penalty``, ``logit_bias``, ``seed``) must be in the ranges of
+:data:`~mlx_chatcache.config.RANGES`, and ``n``, ``top_logprobs`` and a completion's
+integer ``logprobs`` in those of :data:`~mlx_chatcache.config.REQUEST_RANGES` (a 400
+names the field and its range); ``tools``, ``tool_choice`` and ``response_format`` are checked
+for shape; what a model cannot honour (tools without a tool-call format, a forced
+call in a format without a grammar) is refused by the service, never dropped.
 Messages have the roles ``system``, ``developer`` (read as ``system``), ``user``,
 ``assistant`` and ``tool``; an assistant message may carry ``tool_calls`` and a null
 ``content``; they reach the chat template as mlx-lm's server passes them (content
@@ -27,13 +29,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import RANGES, SERVER_DEFAULTS, SettingError, check_setting
+from ..config import SERVER_DEFAULTS, SettingError, check_setting, range_of
 
 MAX_TEMPERATURE = 2.0  # OpenAI's API takes temperatures up to 2
-LIMITS = {  # OpenAI's ranges of the fields GenerationConfig has no range for
-    "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0), "logit_bias": (-100.0, 100.0),
-    "top_logprobs": (0, 20), "completion_logprobs": (0, 5),
-}  # fmt: skip
 MAX_LOGIT_BIAS = 300  # entries
 ROLES = ("system", "developer", "user", "assistant", "tool")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
@@ -70,7 +68,7 @@ class Request:
     repetition_context_size: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias added to its logit), ids ascending
     logprobs: bool = False
     top_logprobs: int | None = None  # alternatives per token (completions: its integer "logprobs")
     n: int = 1
@@ -88,28 +86,18 @@ def _bad(param: str, what: str, code: str = "invalid_type") -> RequestError:
     return RequestError(400, f"'{param}' {what}", param, code)
 
 
-def _opt_int(body: dict, name: str, low: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if type(v) is not int:
-        raise _bad(name, f"must be an integer, got {_json_type(v)}")
-    if low is not None and v < low:
-        raise _bad(name, f"must be >= {low}, got {v}", "invalid_value")
-    return v
-
-
-def _setting(body: dict, field: str, name: str) -> int | float | None:
-    """Request field ``field``, which sets GenerationConfig field ``name``: of its type
-    and in its range (:data:`~mlx_chatcache.config.RANGES`), else a 400 naming both."""
+def _setting(body: dict, field: str, name: str | None = None) -> int | float | None:
+    """Request field ``field``, whose range is that of setting ``name`` (default: the
+    field's own; :func:`~mlx_chatcache.config.range_of`): of its type and in its range,
+    else a 400 naming the field."""
     v = body.get(field)
     if v is None:
         return None
-    integer = RANGES[name].integer
+    integer = range_of(name or field).integer
     if type(v) is not int and (integer or type(v) is not float):
         raise _bad(field, f"must be {'an integer' if integer else 'a number'}, got {_json_type(v)}")
     try:
-        return check_setting(name, v)
+        return check_setting(name or field, v)
     except SettingError as e:
         raise _bad(field, str(e), "invalid_value") from None
 
@@ -177,20 +165,9 @@ def _stop(body: dict) -> list[str]:
     return [_text(s, f"stop[{i}]" if isinstance(v, list) else "stop") for i, s in enumerate(stops) if s]
 
 
-def _number(body: dict, name: str, integer: bool = False, limits: str | None = None) -> int | float | None:
-    """Field ``name``: a number (an integer when ``integer``) within ``LIMITS[limits or name]``."""
-    v = body.get(name)
-    if v is None:
-        return None
-    low, high = LIMITS[limits or name]
-    if type(v) is not int and (integer or type(v) is not float):
-        raise _bad(name, f"must be {'an integer' if integer else 'a number'}, got {_json_type(v)}")
-    if not (low <= v <= high):  # NaN too
-        raise _bad(name, f"must be between {low:g} and {high:g}, got {v}", "invalid_value")
-    return v if integer else float(v)
-
-
-def _logit_bias(body: dict) -> dict[int, float] | None:
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...] | None:
+    """``logit_bias``: an object of at most ``MAX_LOGIT_BIAS`` token ids (decimal keys)
+    to biases in the setting's range, as (id, bias) pairs."""
     v = body.get("logit_bias")
     if v is None:
         return None
@@ -198,32 +175,22 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
         raise _bad("logit_bias", f"must be an object mapping token ids to biases, got {_json_type(v)}")
     if len(v) > MAX_LOGIT_BIAS:
         raise _bad("logit_bias", f"takes at most {MAX_LOGIT_BIAS} tokens, got {len(v)}", "invalid_value")
-    bias = {}
-    for key, value in v.items():
-        if not (key.isascii() and key.isdigit() and len(key) <= 10):
-            raise _bad("logit_bias", f"keys must be token ids (decimal integers), got {key[:40]!r}", "invalid_value")
-        bias[int(key)] = _number({"logit_bias": value}, "logit_bias")
-    return bias
+    try:
+        return check_setting("logit_bias", v) or None
+    except SettingError as e:
+        raise _bad("logit_bias", str(e), "invalid_value") from None
 
 
 def _logprobs(body: dict, kind: str) -> tuple[bool, int | None]:
     """(logprobs wanted, alternatives per token): chat's ``logprobs`` (a boolean) and
     ``top_logprobs``, or a completion's integer ``logprobs``."""
     if kind == "completion":
-        top = None if body.get("logprobs") is False else _number(body, "logprobs", integer=True,
-                                                                 limits="completion_logprobs")  # fmt: skip
+        top = None if body.get("logprobs") is False else _setting(body, "logprobs", "completion_logprobs")
         return top is not None, top
-    want, top = _opt_bool(body, "logprobs"), _number(body, "top_logprobs", integer=True)
+    want, top = _opt_bool(body, "logprobs"), _setting(body, "top_logprobs")
     if top is not None and not want:
         raise _bad("top_logprobs", "needs 'logprobs': true", "invalid_value")
     return want, top
-
-
-def _n(body: dict) -> int:
-    n = _opt_int(body, "n", 1)
-    if n is not None and n > SERVER_DEFAULTS.max_n:
-        raise _bad("n", f"must be between 1 and {SERVER_DEFAULTS.max_n}, got {n}", "invalid_value")
-    return n or 1
 
 
 def _object(v: Any, param: str) -> dict:
@@ -313,8 +280,8 @@ def _common(body: Any, kind: str) -> Request:
         top_k=_setting(body, "top_k", "top_k"), min_p=_setting(body, "min_p", "min_p"),
         repetition_penalty=_repetition_penalty(body),
         repetition_context_size=_setting(body, "repetition_context_size", "repetition_context_size"),
-        presence_penalty=_number(body, "presence_penalty"), frequency_penalty=_number(body, "frequency_penalty"),
-        logit_bias=_logit_bias(body), logprobs=logprobs, top_logprobs=top_logprobs, n=_n(body),
+        presence_penalty=_setting(body, "presence_penalty"), frequency_penalty=_setting(body, "frequency_penalty"),
+        logit_bias=_logit_bias(body), logprobs=logprobs, top_logprobs=top_logprobs, n=_setting(body, "n") or 1,
         tools=tools, tool_choice=_tool_choice(body, tools), response_format=_response_format(body),
         stop=_stop(body), stream=stream, include_usage=include_usage,
         cache_key=_opt_str(body, "prompt_cache_key"),

@@ -45,10 +45,8 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}  # fmt: skip
 
-    def full(self, pieces: str | Sequence[Piece], done: dict) -> dict:
-        """The non-streamed response from every piece of every choice (a str: choice 0's whole text)."""
-        if isinstance(pieces, str):
-            pieces = [Piece(0, pieces)]
+    def full(self, pieces: Sequence[Piece], done: dict) -> dict:
+        """The non-streamed response from every piece of every choice."""
         ends = done.get("choices") or [{"index": 0, "finish_reason": done["finish_reason"]}]
         texts: dict[int, list[str]] = {end["index"]: [] for end in ends}
         logprobs: dict[int, list[TokenLogprob]] = {end["index"]: [] for end in ends}

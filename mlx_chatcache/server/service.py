@@ -9,9 +9,6 @@ base :class:`GenerationConfig` and the :class:`GenerationWorker`.
   its names are the model's reference, its folder's name and ``served_names``
   (``--served-model-name``); ``default_model`` (mlx-lm's name) and an omitted
   ``model`` mean the served model;
-- :meth:`Service.check_supported` refuses, naming it, a checked field this
-  server cannot honour yet (:data:`NOT_YET`), and a ``logit_bias`` token id the
-  model does not have;
 - :meth:`Service.prepare` renders and tokenizes a request (chat template for
   chats) and returns the prompt's token ids and, for chats, the *boundary*:
   how many of them end the last message (before the generation prompt);
@@ -25,8 +22,9 @@ base :class:`GenerationConfig` and the :class:`GenerationWorker`.
   model's tool format, :mod:`.tools`) and the tool-call parser of its reply; what
   cannot be honoured is a 400 naming the field;
 - :meth:`Service.job_config` is the request's generation settings (temperature,
-  top_p, top_k, min_p, repetition penalty and its context, seed, max_tokens) over
-  the server's defaults; a prompt that leaves no room in the context, or a
+  top_p, top_k, min_p, the repetition, presence and frequency penalties and their
+  context, logit_bias, seed, max_tokens) over the server's defaults; a ``logit_bias``
+  token id the model does not have is a 400 naming it; a prompt that leaves no room in the context, or a
   ``max_tokens`` past it, is a 400 ``context_length_exceeded``.
 """
 
@@ -40,7 +38,7 @@ from ..config import GenerationConfig, SettingError, check_setting
 from ..errors import ChatCacheError, TokenIdError, one_line
 from ..generation.text import encode_prompt
 from ..generation.templates import has_chat_template, render_chat
-from ..generation.token_ids import check_token_ids, vocab_size
+from ..generation.token_ids import check_token_ids
 from ..models.context import model_context_length
 from ..store.store import PromptStore
 from .protocol import Request, RequestError
@@ -48,13 +46,6 @@ from .tools import ToolError, forced_call_grammar, forced_choice, split_tool_cal
 from .worker import GenerationWorker
 
 DEFAULT_MODEL = "default_model"  # mlx-lm's name for the served model
-NOT_YET = {  # request fields that are checked but not honoured yet: refused by name
-    "presence_penalty": lambda r: r.presence_penalty is not None,
-    "frequency_penalty": lambda r: r.frequency_penalty is not None,
-    "logit_bias": lambda r: bool(r.logit_bias),
-    "logprobs": lambda r: r.logprobs,
-    "n": lambda r: r.n != 1,
-}
 
 
 class Service:
@@ -121,17 +112,6 @@ class Service:
         if name is not None and name not in self.names:
             raise RequestError(404, f"the model '{name}' does not exist here; this server serves "
                                f"'{self.model_id}' (see GET /v1/models)", "model", "model_not_found")  # fmt: skip
-
-    def check_supported(self, req: Request) -> None:
-        vocab = vocab_size(self.model)
-        for token in req.logit_bias or ():
-            if vocab is not None and token >= vocab:
-                raise RequestError(400, f"'logit_bias' names token {token}, but the model's vocabulary has ids "
-                                   f"0 to {vocab - 1}", "logit_bias", "invalid_value")  # fmt: skip
-        for name, asked in NOT_YET.items():
-            if asked(req):
-                raise RequestError(400, f"'{name}' is not supported by this server yet; drop it",
-                                   name, "unsupported_parameter")  # fmt: skip
 
     async def prepare(self, req: Request) -> tuple[list[int], int | None]:
         loop = asyncio.get_running_loop()

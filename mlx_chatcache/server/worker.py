@@ -16,7 +16,6 @@ A job reports through ``job.emit(event)``, called on the worker thread, with:
   back until they can no longer match, and cut off when they do), with the
   :class:`TokenLogprob` of the tokens sampled since the last piece when
   ``job.logprobs`` (the stop token itself has none);
-- ``("text", str)``: choice 0's text again, for consumers of one choice;
 - ``("done", {"finish_reason", "prompt_tokens", "completion_tokens",
   "cached_tokens", "cached_tier", "timing", "choices"})`` at the end (``finish_reason``: choice
   0's; ``completion_tokens``: all choices'; ``choices``: per choice ``index``,
@@ -316,8 +315,6 @@ class GenerationWorker:
                 pending.clear()
             if piece:
                 text.append(piece)
-                if index == 0:
-                    job.emit(("text", piece))
 
         try:
             for r in steps:
