@@ -206,3 +206,36 @@ def test_cache_diff_of_two_models_compares_no_token_ids(tiny_model_dirs, tmp_pat
     same = mlxcc("cache", "diff", a, c)
     n = json.loads(mlxcc("cache", "diff", a, c, "--json").stdout)["common_prefix"]
     assert n > 1 and f"common prefix: {n} tokens" in same.stdout, same.stdout
+
+
+def on_a_full_disk(tmp_path, *commands: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    """Run ``commands`` (shell) with ``$D`` a 256 KB tmpfs that is nearly full (a new
+    mount namespace: ``unshare -rm``); skipped when this system refuses it, except in CI."""
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {tmp_path}"],
+                           capture_output=True, text=True)  # fmt: skip
+    if probe.returncode != 0:
+        if os.environ.get("CI") == "true":  # CI runs as root on a machine where this works
+            pytest.fail(f"cannot mount a small tmpfs: {probe.stderr.strip()}")
+        pytest.skip(f"cannot mount a small tmpfs here: {probe.stderr.strip()}")
+    d = tmp_path / "full"
+    d.mkdir(exist_ok=True)
+    setup = f'D={d}; mount -t tmpfs -o size=256k tmpfs "$D" && dd if=/dev/zero of="$D/filler" bs=1k count=224 2>/dev/null'
+    script = " && ".join([setup, *commands])
+    p = subprocess.run(["unshare", "-rm", "sh", "-c", script], input=stdin, capture_output=True, timeout=TIMEOUT)
+    p.stdout, p.stderr = p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace")
+    return p
+
+
+def test_a_full_disk_says_the_disk_is_full(tiny_model_dirs, tmp_path):
+    model = tiny_model_dirs["llama"]
+    py = f"{sys.executable} -m mlx_chatcache"
+    p = on_a_full_disk(tmp_path, f'{py} generate --model {model} -p Hello -m 2 --save-prompt-cache "$D/x.safetensors"')
+    line = one_error_line(p)
+    assert p.returncode == 1 and "x.safetensors: the disk is full (" in line, p.stderr
+    assert "bytes free in " in line and "free some space or save elsewhere" in line and "[write]" not in line
+    env = f"MLXCC_HOME={tmp_path / 'home'}"
+    p = on_a_full_disk(tmp_path, f'{env} {py} chat --model {model} -m 2 -v --session-file "$D/s.safetensors"',
+                       stdin=b"Hello\nGood morning!\n")  # fmt: skip
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert errors and all("the disk is full (" in ln for ln in errors), p.stderr
+    assert p.stderr.count("[stats]") == 2 and "Traceback" not in p.stderr, p.stderr  # the chat went on
