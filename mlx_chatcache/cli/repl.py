@@ -39,37 +39,55 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from .chat_input import FENCE, message_text, parse_command, parse_save_arg, parse_setting, read_input
-from .common import human_bytes, require_utf8
+from .common import human_bytes, plural, require_utf8
 from .progress import ProgressBar
 from ..config import mlxcc_home
 from ..errors import ChatCacheError, UsageError
 from ..files.cache_file import Claim, claim
 from ..chat.session import ChatSession, RollbackResult, TurnResult
 
-HELP = f"""\
-Commands (anything else is sent to the model):
-  /help, /?              show this help
-  /bye, /exit            end the chat (also Ctrl-D)
-  /clear                 forget the conversation (the system prompt stays)
-  /undo                  remove the last exchange (your message and the reply)
-  /retry                 generate the last reply again (with --seed: seed + number
-                         of retries, so each retry differs yet is reproducible)
-  /system [TEXT]         show or set the system prompt (empty quotes \"\" removes it)
-  /set NAME VALUE        change a setting: temp, top_p, top_k, min_p, max_tokens,
-                         seed (or 'none'), repetition_penalty (or 'none')
-  /history               the conversation so far
-  /show info|cache|stats|template
-                         the model and settings, the cache, the last turn's
-                         statistics, the chat template
-  /save FILE [--force]   save the session to FILE (--force: even over a file
-                         that is not a prompt cache, or another chat session)
-  /load FILE             continue the session saved in FILE: the chat is saved
-                         there from now on (the session it leaves stays as last
-                         saved)
-  {FENCE}                   start or end a multi-line message
-  //text                 send a message that starts with '/'
-Ctrl-C stops a reply; the conversation keeps what was written so far. Before
-the reply starts (a long message being read) it cancels the message."""
+# /help: (what is typed, what it does); a description's later lines continue under it
+HELP_TABLE = (
+    ("/help, /?", "show this help"),
+    ("/bye, /exit", "end the chat (also Ctrl-D)"),
+    ("/clear", "forget the conversation (the system prompt stays)"),
+    ("/undo", "remove the last exchange (your message and the reply)"),
+    ("/retry", "generate the last reply again (with --seed: seed + number\n"
+               "of retries, so each retry differs yet is reproducible)"),
+    ("/system [TEXT]", 'show or set the system prompt (empty quotes "" removes it)'),
+    ("/set NAME VALUE", "change a setting: temp, top_p, top_k, min_p, max_tokens,\n"
+                        "seed (or 'none'), repetition_penalty (or 'none')"),
+    ("/history", "the conversation so far"),
+    ("/show info|cache|stats|template", "the model and settings, the cache, the last turn's\n"
+                                        "statistics, the chat template"),
+    ("/save FILE [--force]", "save the session to FILE (--force: even over a file\n"
+                             "that is not a prompt cache, or another chat session)"),
+    ("/load FILE", "continue the session saved in FILE: the chat is saved\n"
+                   "there from now on (the session it leaves stays as last\nsaved)"),
+    (FENCE, "start or end a multi-line message (a paste is one message too)"),
+    ("//text", "send a message that starts with '/'"),
+)  # fmt: skip
+HELP_WIDTH = 23  # the column where descriptions start, after two spaces of indent
+
+
+def _help_text() -> str:
+    """HELP built from :data:`HELP_TABLE`: every description starts in the same column
+    (a name too long for it gets a line of its own)."""
+    pad = " " * (2 + HELP_WIDTH)
+    lines = ["Commands (anything else is sent to the model):"]
+    for name, text in HELP_TABLE:
+        first, *rest = text.split("\n")
+        if len(name) < HELP_WIDTH:
+            lines.append(f"  {name:<{HELP_WIDTH}}{first}")
+        else:
+            lines += [f"  {name}", pad + first]
+        lines += [pad + line for line in rest]
+    lines += ["Ctrl-C stops a reply; the conversation keeps what was written so far. Before",
+              "the reply starts (a long message being read) it cancels the message."]  # fmt: skip
+    return "\n".join(lines)
+
+
+HELP = _help_text()
 
 
 # ------------------------------------------------------------------ Ctrl-C
@@ -175,6 +193,7 @@ class ChatREPL:
         try:
             return self._loop()
         finally:
+            self.reader.close()
             if self.held is not None:
                 self.held.release()
 
@@ -214,8 +233,21 @@ class ChatREPL:
         return True
 
     def _keep_unsaved(self) -> bool:
-        """At the end of the chat: retry a failed autosave; True (the chat goes on)
-        the first time it still fails on a terminal, so the user can /save elsewhere."""
+        """At the end of the chat (end of input, /bye): True (the chat goes on) the first
+        time on a terminal when the conversation is not saved, so the user can /save it.
+        A chat without a session file says so (piped: one line, and it ends); a failed
+        autosave is retried first."""
+        if self.autosave is None:
+            if self.session.num_turns == 0:
+                return False
+            if not self.interactive:
+                self.note("[not saved: start with --session NAME to keep a chat]")
+                return False
+            if self._warned_unsaved:
+                return False
+            self._warned_unsaved = True
+            self.note("[this chat is not saved: /save FILE keeps it; Ctrl-D again to quit without saving]")
+            return True
         if not self.unsaved:
             return False
         self.save()
@@ -456,12 +488,8 @@ SHOW: dict[str, Callable[[ChatREPL], None]] = {
 }
 
 
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
 def history_file() -> Path:
     return mlxcc_home() / "chat_history"
 
 
-__all__ = ["ChatREPL", "StopFlag", "HELP", "COMMANDS", "history_file", "plural"]
+__all__ = ["ChatREPL", "StopFlag", "HELP", "COMMANDS", "history_file"]
