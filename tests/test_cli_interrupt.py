@@ -117,7 +117,8 @@ def test_generate_interrupted_mid_reply_ends_the_line_and_keeps_the_file(tiny_mo
         child.expect(PROGRESS)
         time.sleep(2.0)  # the reply is streaming (for minutes if not stopped)
         child.sendintr()
-        child.expect(r"(?m)^mlxcc: interrupted: the reply was cut short; nothing saved to .*c\.safetensors \(it is unchanged\)")
+        child.expect(r"(?m)^mlxcc: interrupted: the reply was cut short; nothing saved to "
+                     r".*c\.safetensors \(it is unchanged\)")
         printed = child.before
         child.expect(pexpect.EOF)
     finally:

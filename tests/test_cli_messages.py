@@ -219,7 +219,8 @@ def on_a_full_disk(tmp_path, *commands: str, stdin: bytes | None = None) -> subp
         pytest.skip(f"cannot mount a small tmpfs here: {probe.stderr.strip()}")
     d = tmp_path / "full"
     d.mkdir(exist_ok=True)
-    setup = f'D={d}; mount -t tmpfs -o size=256k tmpfs "$D" && dd if=/dev/zero of="$D/filler" bs=1k count=224 2>/dev/null'
+    setup = (f'D={d}; mount -t tmpfs -o size=256k tmpfs "$D" && '
+             'dd if=/dev/zero of="$D/filler" bs=1k count=224 2>/dev/null')
     script = " && ".join([setup, *commands])
     p = subprocess.run(["unshare", "-rm", "sh", "-c", script], input=stdin, capture_output=True, timeout=TIMEOUT)
     p.stdout, p.stderr = p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace")

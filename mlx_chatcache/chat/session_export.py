@@ -9,7 +9,8 @@ line, then one ``## ROLE`` section per message, in order, with the content
 verbatim; content that could end its section early (a line that reads as a
 Markdown header, a code fence or an HTML block left open) is put in a backtick
 fence longer than any backtick run it holds, so every top-level header of the
-document is one of ours (a header inside a quote or a list stays in it). Both read only what they are given (a file's header, no arrays).
+document is one of ours (a header inside a quote or a list stays in it). Both
+read only what they are given (a file's header, no arrays).
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ A reader has ``read(prompt) -> str | None`` (None at end of input) and
 persistent history and bracketed paste; Ctrl-C at the prompt gives an empty
 line) or :class:`StreamReader` (lines of a text stream, so a chat can be
 scripted). :func:`read_input` reads one :class:`UserInput`: a line, a pasted
-block, or a block fenced by three double quotes (the last two always a message). :func:`parse_command` tells a ``/command`` from a message
-(``//text`` is the message ``/text``, see :func:`message_text`);
+block, or a block fenced by three double quotes (the last two always a
+message). :func:`parse_command` tells a ``/command`` from a message (``//text``
+is the message ``/text``, see :func:`message_text`);
 :func:`parse_setting` turns ``/set NAME VALUE`` into a setting name and a
 checked value, or a one-line :class:`~mlx_chatcache.errors.UsageError`. Nothing
 here touches a session.

@@ -17,7 +17,7 @@ from ..chat.session_catalog import format_conversation, list_sessions, read_sess
 from ..chat.session_export import FORMATS, to_json, to_markdown
 from ..chat.session_file import sessions_dir
 from ..errors import UsageError
-from ..files.atomic import write_file_atomic
+from ..files.atomic import write_text_atomic
 from .common import human_bytes, plural
 
 COLUMNS = ("NAME", "MODEL", "TURNS", "TOKENS", "SIZE", "LAST USED")
@@ -116,7 +116,7 @@ def run_export(args: argparse.Namespace) -> int:
     out = Path(args.output).expanduser()
     if out.exists() and not args.force:
         raise UsageError(f"{out} exists; pass --force to replace it, or choose another file")
-    write_file_atomic(out, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    write_text_atomic(out, text)
     sys.stderr.write(f"wrote {out} ({len(info.messages)} messages, {args.format})\n")
     return 0
 

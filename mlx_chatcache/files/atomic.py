@@ -131,6 +131,12 @@ def _free_bytes(folder: Path) -> int | None:
         return None
 
 
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Atomically replace ``path`` by ``text`` (UTF-8): a text file that is not a cache
+    (an export), written as :func:`write_file_atomic` writes; its errors likewise."""
+    write_file_atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
 def check_writable(path: str | os.PathLike) -> None:
     """Refuse (CacheFileError) a ``path`` that :func:`write_file_atomic` could not
     write: its folder is missing, or a temp file cannot be created in it (probed)."""
