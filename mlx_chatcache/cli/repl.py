@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from .chat_input import FENCE, message_text, parse_command, parse_save_arg, parse_setting, read_input
-from .common import human_bytes, plural, require_utf8
+from .common import plural, require_utf8
 from .progress import ProgressBar
+from .repl_show import SHOW
 from ..config import mlxcc_home
 from ..errors import ChatCacheError, UsageError
 from ..files.cache_file import Claim, claim
@@ -410,60 +411,13 @@ class ChatREPL:
     def show(self, what: str) -> None:
         show = SHOW.get(what.strip().lower())
         if show is None:
-            raise UsageError("usage: /show info|cache|stats|template")
-        show(self)
-
-    def _show_info(self) -> None:
-        s = self.session
-        c = s.config
-        fp = s.fingerprint
-        lines = [
-            f"model:         {self.model_ref or (fp.model_id if fp else 'unknown')}",
-            f"session:       {self.session_label or '(not saved)'}",
-            f"turns:         {s.num_turns}",
-            f"system prompt: {s.system_prompt if s.system_prompt is not None else '(none)'}",
-            f"sampling:      temp={c.temp} top_p={c.top_p} top_k={c.top_k} min_p={c.min_p} "
-            f"seed={c.seed} repetition_penalty={c.repetition_penalty}",
-            f"max_tokens:    {c.max_tokens}",
-            f"cache:         max_kv_size={s.state.max_kv_size} kv_bits={c.kv_bits}",
-        ]
-        self.say("\n".join(lines))
-
-    def _show_cache(self) -> None:
-        i = self.session.cache_info()
-        layers = ", ".join(f"{n} × {k}" for k, n in i["layers"].items())
-        window = (f"rotating window of {i['max_kv_size']} tokens, first {i['keep']} pinned"
-                  if i["max_kv_size"] else "unbounded")  # fmt: skip
-        lines = [
-            f"tokens:      {i['cached_tokens']} in the cache (+{i['pending_tokens']} to feed next turn)",
-            f"bytes:       {human_bytes(i['nbytes'])}",
-            f"layers:      {layers}",
-            f"window:      {window}",
-            f"trimmable:   {'yes' if i['trimmable'] else 'no'}",
-            f"checkpoints: {plural(i['checkpoints'], 'turn')} ({i['checkpoint_copies']} with a cache copy)",
-        ]
-        self.say("\n".join(lines))
-
-    def _show_stats(self) -> None:
-        s = self.session
-        last, t = s.last_stats, s.totals
-        if last is None:
-            self.say("no turn yet in this run")
-            return
-        self.say(f"last turn: {last.summary()}")
-        self.say(
-            f"this run:  {plural(s.turns_run, 'turn')}, {t.new_tokens} prompt tokens fed, "
-            f"{t.reused_tokens} reused, {t.recomputed_tokens} recomputed, "
-            f"{t.generated_tokens} generated, {t.seconds:.2f} s"
-        )
+            raise UsageError(f"usage: /show {'|'.join(SHOW)}")
+        self.say(show(self))
 
     def _history(self, arg: str) -> None:
         from ..chat.session_catalog import format_conversation
 
         self.say(format_conversation(self.session.messages))
-
-    def _show_template(self) -> None:
-        self.say(getattr(self.session.tokenizer, "chat_template", None) or "(no chat template)")
 
 
 # /NAME -> what runs it (/bye, /exit and /quit end the chat); HELP lists them
@@ -479,12 +433,6 @@ COMMANDS: dict[str, Callable[[ChatREPL, str], None]] = {
     "history": ChatREPL._history,
     "save": ChatREPL._save,
     "load": ChatREPL._load,
-}
-SHOW: dict[str, Callable[[ChatREPL], None]] = {
-    "info": ChatREPL._show_info,
-    "cache": ChatREPL._show_cache,
-    "stats": ChatREPL._show_stats,
-    "template": ChatREPL._show_template,
 }
 
 
