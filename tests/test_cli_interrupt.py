@@ -157,6 +157,9 @@ def test_chat_shows_prompt_progress_on_a_terminal(tiny_model_dirs, tmp_path):
         child.expect(PROGRESS)
         child.expect(">>>")
         child.sendline("/bye")
+        child.expect_exact("[this chat is not saved: ")  # no session: the first /bye says so
+        child.expect(">>>")
+        child.sendline("/bye")
         child.expect(pexpect.EOF)
     finally:
         child.close(force=True)

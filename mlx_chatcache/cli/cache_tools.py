@@ -55,7 +55,7 @@ def run_convert(args: argparse.Namespace) -> int:
     with claim(args.output, force=args.force) as out:
         info = convert_cache_file(args.input, out, args.to)
     n = plural(info.num_tokens, "token") if info.num_tokens is not None else "token ids unknown"
-    print(f"wrote {args.output} ({args.to} layout, {len(info.classes)} layers, {n})")
+    print(f"wrote {args.output} ({args.to} layout, {plural(len(info.classes), 'layer')}, {n})")
     return 0
 
 
@@ -71,7 +71,7 @@ def run_trim(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.file} is a chat session: trimming would break its bookkeeping; use /undo "
                              "in 'mlxcc chat' (or export it with 'mlxcc cache convert' first)")  # fmt: skip
         before, after = trim_cache_file(args.file, out, args.n, args.drop)
-    print(f"{args.output or args.file}: {before} -> {after} tokens")
+    print(f"{args.output or args.file}: {before} -> {plural(after, 'token')}")
     return 0
 
 

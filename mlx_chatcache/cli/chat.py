@@ -122,8 +122,8 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=N
         for line in session.load_notes:
             _note(line)
         _note(
-            f"resumed session {label}: {plural(session.num_turns, 'turn')}, {session.cached_tokens} tokens "
-            "in the cache, 0 tokens recomputed"
+            f"resumed session {label}: {plural(session.num_turns, 'turn')}, "
+            f"{plural(session.cached_tokens, 'token')} in the cache, 0 tokens recomputed"
         )
         for line in recap(session.messages):
             _note(line)
@@ -208,7 +208,7 @@ def _from_prebuilt(args, model, tokenizer, shared, info, config):
         session.set_system_prompt(args.system_prompt)
         _note(f"[new system prompt: the cache of {f} is not used; its messages will be read on the first turn]")
         return session
-    _note(f"[started from {f}: {len(prompt.tokens)} tokens in the cache, 0 tokens recomputed]")
+    _note(f"[started from {f}: {plural(len(prompt.tokens), 'token')} in the cache, 0 tokens recomputed]")
     if prompt.max_kv_size is not None and prompt.keep < session.pinned_tokens():
         _note(f"[the window of {f} pins its first {prompt.keep} tokens, not the whole system prompt: it leaves "
               f"the window once the chat outgrows max_kv_size={prompt.max_kv_size}]")  # fmt: skip

@@ -9,14 +9,17 @@ Replies stream to ``out``; notes, errors and statistics go to ``err``, so
 Any line starting with ``/`` is a command (:data:`COMMANDS`, listed by
 :data:`HELP`); ``//text`` sends ``/text`` as a message. A line starting with
 three double quotes starts a multi-line message, ended by a line ending with
-three double quotes.
+three double quotes; on a terminal a pasted block is one message too (bracketed
+paste), even one that starts with ``/``.
 
 Ctrl-C while a reply streams stops it after the current token (the partial
 reply stays in the conversation); a second Ctrl-C aborts the turn at once.
 While the prompt is read, Ctrl-C cancels the message within about a second
 (the prompt's model calls are paced, see :mod:`mlx_chatcache.generation.pacing`), and a
 progress line on a terminal shows how far it got (erased when the reply
-starts). Ctrl-C at the prompt clears the line; Ctrl-D (end of input) ends the chat.
+starts). Ctrl-C at the prompt clears the line; Ctrl-D (end of input) ends the chat
+(a chat with no session file says it is not saved: on a terminal the first Ctrl-D
+only says so, to leave time for ``/save``).
 
 Nothing a user typed is lost to a failed save: ``/save`` and autosave errors
 are one line and the chat goes on; a failed autosave is retried after the
@@ -396,13 +399,13 @@ class ChatREPL:
             self.note(line)
         self.session = loaded
         self.unsaved = False  # the file holds what was loaded
-        self.note(f"[loaded {arg}: {plural(loaded.num_turns, 'turn')}, {loaded.cached_tokens} tokens "
-                  "in the cache, 0 tokens recomputed; saved there from now on]")  # fmt: skip
+        self.note(f"[loaded {arg}: {plural(loaded.num_turns, 'turn')}, {plural(loaded.cached_tokens, 'token')} in "
+                  "the cache, 0 tokens recomputed; saved there from now on]")  # fmt: skip
 
     @staticmethod
     def _how(r: RollbackResult) -> str:
         if r.how == "recompute":
-            return f"; the cache could not be rolled back: {r.recompute_tokens} tokens will be recomputed"
+            return f"; the cache could not be rolled back: {plural(r.recompute_tokens, 'token')} will be recomputed"
         if r.how == "rerender":
             return "; the conversation will be re-read on the next turn"
         return ""

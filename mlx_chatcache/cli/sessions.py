@@ -117,7 +117,7 @@ def run_export(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         raise UsageError(f"{out} exists; pass --force to replace it, or choose another file")
     write_text_atomic(out, text)
-    sys.stderr.write(f"wrote {out} ({len(info.messages)} messages, {args.format})\n")
+    sys.stderr.write(f"wrote {out} ({plural(len(info.messages), 'message')}, {args.format})\n")
     return 0
 
 
