@@ -98,14 +98,16 @@ def user_messages(home, name):
 
 
 def test_a_paste_at_the_prompt_is_one_message_even_one_starting_with_a_slash(tiny_model_dirs, tmp_path):
-    child = spawn(tiny_model_dirs["llama"], tmp_path, "--session", "p", "--max-tokens", "3")
+    child = spawn(tiny_model_dirs["llama"], tmp_path, "--session", "p", "--max-tokens", "3", "-v")
     try:
         child.expect(PROMPT)
         child.send(paste("line one\nline two\nline three"))
         child.send("\r")
+        child.expect(r"\[stats\]")
         child.expect(PROMPT)
         child.send(paste("/help\nmore"))
         child.send("\r")
+        child.expect(r"\[stats\]")
         child.expect(PROMPT)
         child.sendline("/bye")
         child.expect(pexpect.EOF)
@@ -154,10 +156,11 @@ def test_ctrl_d_in_an_unsaved_chat_warns_once(tiny_model_dirs, tmp_path):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
-    child = spawn(tiny_model_dirs["llama"], tmp_path, "--max-tokens", "3")
+    child = spawn(tiny_model_dirs["llama"], tmp_path, "--max-tokens", "3", "-v")
     try:
         child.expect(PROMPT)
         child.sendline("Good morning!")
+        child.expect(r"\[stats\]")  # the reply is over (a Ctrl-D typed during it is read by no prompt)
         child.expect(PROMPT)
         child.sendeof()
         child.expect_exact("[this chat is not saved: /save FILE keeps it; Ctrl-D again to quit without saving]")

@@ -85,7 +85,10 @@ class TerminalReader:
 
     def _paste_mode(self, on: bool) -> None:
         out = self.session.output
-        out.enable_bracketed_paste() if on else out.disable_bracketed_paste()
+        if on:
+            out.enable_bracketed_paste()
+        else:
+            out.disable_bracketed_paste()
         out.flush()
 
 
