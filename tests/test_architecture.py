@@ -318,7 +318,7 @@ NEVER_A_FILE = {
     "kv_group_size", "quantized_kv_start", "prefill_step_size", "ignore_chat_template", "chat_template_config",
     "extra_eos_token", "force", "verbose", "json", "to", "n", "drop", "host", "port", "cache_bytes",
     "disk_cache_bytes", "cache_redis", "context_length", "max_queue", "log_level", "served_model_name",
-    "ui", "no_ui",
+    "ui", "no_ui", "format",
 }
 NOT_DOORS = {
     "generate --prompt-file": "read", "cache-prompt --prompt-file": "read", "generate --json-schema": "read",
@@ -328,6 +328,9 @@ NOT_DOORS = {
     "serve --cache-dir": "the store's own marked folder",
     "cache info FILE": "read", "cache convert INPUT": "read", "cache diff A": "read", "cache diff B": "read",
     "sessions show NAME": "read", "sessions rm NAME": "deleted under the session lock",
+    "sessions export NAME": "read",
+    "sessions export --output": "a text file, not a cache: refused when it exists (unless --force), written by "
+    "files.atomic.write_text_atomic",
 }
 
 

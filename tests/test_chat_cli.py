@@ -482,3 +482,57 @@ def test_session_file_refusal_of_a_prebuilt_cache_names_the_right_command(tiny_m
     # the command it names works
     rc, out, err = chat(d, script(TURNS[0]), "--prompt-cache-file", str(f))
     assert rc == 0 and stats(err)[0]["recomputed"] == 0
+
+
+# ------------------------------------------------------------------ what the chat says
+def test_help_descriptions_start_in_one_column(tiny_model_dirs, chat):
+    rc, out, err = chat(tiny_model_dirs["llama"], script("/help"))
+    assert rc == 0
+    lines = [ln for ln in out.splitlines() if ln.startswith("  ")]
+    named = [ln for ln in lines if ln[2] in '/"']
+    assert len(named) >= 13 and any(ln.startswith('  """ ') for ln in named), out
+    columns = set()
+    for ln in lines:  # "  NAME  DESCRIPTION" or "  (spaces) MORE DESCRIPTION"
+        m = re.match(r"  \S.*?\s{2,}(?=\S)", ln) if ln[2] != " " else re.match(r"\s+", ln)
+        if m:  # (a name too long for the column has its description on the next line)
+            columns.add(m.end())
+    assert len(columns) == 1, out
+
+
+def test_resume_recaps_the_last_exchange(tiny_model_dirs, home):
+    d = tiny_model_dirs["llama"]
+    long_question = "Tell me about rivers.\n" + "Please be detailed. " * 20
+    first = subprocess_chat(d, script("Good morning!", '"""', *long_question.split("\n"), '"""'), "--session", "r",
+                            home=home)  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    again = subprocess_chat(d, "", "--session", "r", home=home)
+    assert again.returncode == 0, again.stderr
+    info = read_cache_info(home / "sessions" / "r.safetensors")
+    question, reply = info.messages[-2]["content"], info.messages[-1]["content"]
+    lines = again.stderr.splitlines()
+    i = next(i for i, ln in enumerate(lines) if RESUMED.search(ln))
+    you, model = lines[i + 1], lines[i + 2]
+    assert you.startswith("  you:   Tell me about rivers. \u23ce Please be detailed.") and you.endswith("\u2026"), you
+    assert len(you) <= 320 and "Good morning" not in again.stderr
+    assert model.startswith("  model: ") and reply.strip()[:20].replace("\n", " \u23ce ") in model, (model, reply)
+    assert question.startswith("Tell me about rivers.")
+    # an empty session has nothing to recap
+    empty = subprocess_chat(d, script("Hello", "/undo"), "--session", "e", home=home)
+    assert empty.returncode == 0, empty.stderr
+    again = subprocess_chat(d, "", "--session", "e", home=home)
+    lines = again.stderr.splitlines()
+    i = next(i for i, ln in enumerate(lines) if RESUMED.search(ln))
+    assert not any(ln.startswith(("  you:", "  model:")) for ln in lines), again.stderr
+
+
+def test_end_of_input_in_an_unsaved_chat_says_so(tiny_model_dirs, chat):
+    d = tiny_model_dirs["llama"]
+    note = "[not saved: start with --session NAME to keep a chat]"
+    rc, out, err = chat(d, script("Hello"))
+    assert rc == 0 and err.strip().splitlines()[-1] == note, err
+    rc, out, err = chat(d, script("Hello", "/bye", "never sent"))
+    assert rc == 0 and err.count(note) == 1 and err.count("[stats]") == 1, err
+    rc, out, err = chat(d, script("/help"))  # nothing said: nothing to keep
+    assert rc == 0 and note not in err
+    rc, out, err = chat(d, script("Hello"), "--session", "kept")
+    assert rc == 0 and "not saved" not in err, err

@@ -86,7 +86,7 @@ def test_ctrl_c_during_a_long_prompt_exits_within_seconds(demo_gguf, tmp_path, c
     prompt_file.write_text(LONG)
     if command == "generate":
         args = ["generate", "--model", demo_gguf, "-p", LONG, "-m", "4", "--save-prompt-cache", target]
-        message = rf"mlxcc: interrupted before the reply started; nothing saved to {re.escape(str(target))}"
+        message = rf"mlxcc: interrupted: before the reply started; nothing saved to {re.escape(str(target))}"
     else:
         args = ["cache-prompt", "--model", demo_gguf, "--prompt-file", prompt_file, "--prompt-cache-file", target]
         message = rf"mlxcc: interrupted; nothing saved to {re.escape(str(target))}"
@@ -117,7 +117,8 @@ def test_generate_interrupted_mid_reply_ends_the_line_and_keeps_the_file(tiny_mo
         child.expect(PROGRESS)
         time.sleep(2.0)  # the reply is streaming (for minutes if not stopped)
         child.sendintr()
-        child.expect(r"mlxcc: interrupted the reply was cut short; nothing saved to .*c\.safetensors \(it is unchanged\)")
+        child.expect(r"(?m)^mlxcc: interrupted: the reply was cut short; nothing saved to "
+                     r".*c\.safetensors \(it is unchanged\)")
         printed = child.before
         child.expect(pexpect.EOF)
     finally:
@@ -154,6 +155,9 @@ def test_chat_shows_prompt_progress_on_a_terminal(tiny_model_dirs, tmp_path):
         child.expect(">>>")
         child.sendline("word " * 300)
         child.expect(PROGRESS)
+        child.expect(">>>")
+        child.sendline("/bye")
+        child.expect_exact("[this chat is not saved: ")  # no session: the first /bye says so
         child.expect(">>>")
         child.sendline("/bye")
         child.expect(pexpect.EOF)

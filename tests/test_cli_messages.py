@@ -131,3 +131,112 @@ def test_one_line_is_one_short_line_that_starts_like_the_text(text, limit):
     assert len(line) <= limit and not any(c in line for c in "\n\r\t")
     assert line == joined if len(joined) <= limit else (line.endswith("...") and joined.startswith(line[:-3]))
     assert clipped(joined, limit) == line
+
+
+# every command a user can run (``mlxcc`` and its nested actions): arguments it parses,
+# and arguments with a wrong or missing value (None: it takes no value that can be wrong)
+COMMAND_ARGS = {
+    "generate": ([], ["--temp", "hot"]),
+    "cache-prompt": (["--prompt-cache-file", "c.safetensors"], ["--prompt-cache-file", "c", "--max-kv-size", "big"]),
+    "chat": ([], ["--temp", "hot"]),
+    "cache": ([], ["nothing"]),
+    "cache info": (["c.safetensors"], []),
+    "cache convert": (["a", "b", "--to", "mlxcc"], ["a", "b", "--to", "gguf"]),
+    "cache trim": (["c.safetensors", "3"], ["c.safetensors", "-1"]),
+    "cache diff": (["a", "b"], ["a"]),
+    "sessions": ([], ["nothing"]),
+    "sessions list": ([], None),
+    "sessions show": (["s"], []),
+    "sessions export": (["s"], ["s", "--format", "pdf"]),
+    "sessions rm": (["s"], []),
+    "doctor": ([], ["--weights", "f16"]),
+    "serve": ([], ["--port", "http"]),
+}
+
+
+def all_commands() -> set[str]:
+    import argparse
+
+    from mlx_chatcache.cli.main import build_parser
+
+    found, todo = set(), [build_parser()]
+    while todo:
+        parser = todo.pop()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    found.add(child.prog.removeprefix("mlxcc "))
+                    todo.append(child)
+    return found
+
+
+def test_the_table_names_every_command():
+    assert set(COMMAND_ARGS) == all_commands()
+
+
+@pytest.mark.parametrize("command", sorted(COMMAND_ARGS))
+def test_bad_arguments_point_at_the_help_of_the_command_given(command, tmp_path):
+    needed, bad_value = COMMAND_ARGS[command]
+    words = command.split()
+    help_hint = f"(see 'mlxcc {command} --help')"
+    p = mlxcc(*words, *needed, "--no-such-flag", cwd=tmp_path)
+    line = one_error_line(p)
+    assert p.returncode == 2 and "unrecognized arguments: --no-such-flag" in line and line.endswith(help_hint), line
+    if bad_value is not None:
+        p = mlxcc(*words, *bad_value, cwd=tmp_path)
+        line = one_error_line(p)
+        assert p.returncode == 2 and line.startswith(f"mlxcc {command}: error: ") and line.endswith(help_hint), line
+
+
+def saved_cache(model_dir, path, prompt="Hello") -> None:
+    p = mlxcc("generate", "--model", model_dir, "-p", prompt, "-m", "1", "--save-prompt-cache", path)
+    assert p.returncode == 0, p.stderr
+
+
+def test_cache_diff_of_two_models_compares_no_token_ids(tiny_model_dirs, tmp_path):
+    a, b, c = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "c.safetensors"
+    saved_cache(tiny_model_dirs["llama"], a)
+    saved_cache(tiny_model_dirs["hybrid"], b)
+    saved_cache(tiny_model_dirs["llama"], c, "Hello there, how are you?")
+    p = mlxcc("cache", "diff", a, b)
+    assert p.returncode == 0 and "model:        no" in p.stdout, p.stdout
+    assert "common prefix: not compared (different models" in p.stdout and "diverge at" not in p.stdout, p.stdout
+    d = json.loads(mlxcc("cache", "diff", a, b, "--json").stdout)
+    assert d["same_model"] is False and d["common_prefix"] is None and d["diverge_at"] is None
+    same = mlxcc("cache", "diff", a, c)
+    n = json.loads(mlxcc("cache", "diff", a, c, "--json").stdout)["common_prefix"]
+    assert n > 1 and f"common prefix: {n} tokens" in same.stdout, same.stdout
+
+
+def on_a_full_disk(tmp_path, *commands: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    """Run ``commands`` (shell) with ``$D`` a 256 KB tmpfs that is nearly full (a new
+    mount namespace: ``unshare -rm``); skipped when this system refuses it, except in CI."""
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {tmp_path}"],
+                           capture_output=True, text=True)  # fmt: skip
+    if probe.returncode != 0:
+        if os.environ.get("CI") == "true":  # CI runs as root on a machine where this works
+            pytest.fail(f"cannot mount a small tmpfs: {probe.stderr.strip()}")
+        pytest.skip(f"cannot mount a small tmpfs here: {probe.stderr.strip()}")
+    d = tmp_path / "full"
+    d.mkdir(exist_ok=True)
+    setup = (f'D={d}; mount -t tmpfs -o size=256k tmpfs "$D" && '
+             'dd if=/dev/zero of="$D/filler" bs=1k count=224 2>/dev/null')
+    script = " && ".join([setup, *commands])
+    p = subprocess.run(["unshare", "-rm", "sh", "-c", script], input=stdin, capture_output=True, timeout=TIMEOUT)
+    p.stdout, p.stderr = p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace")
+    return p
+
+
+def test_a_full_disk_says_the_disk_is_full(tiny_model_dirs, tmp_path):
+    model = tiny_model_dirs["llama"]
+    py = f"{sys.executable} -m mlx_chatcache"
+    p = on_a_full_disk(tmp_path, f'{py} generate --model {model} -p Hello -m 2 --save-prompt-cache "$D/x.safetensors"')
+    line = one_error_line(p)
+    assert p.returncode == 1 and "x.safetensors: the disk is full (" in line, p.stderr
+    assert "bytes free in " in line and "free some space or save elsewhere" in line and "[write]" not in line
+    env = f"MLXCC_HOME={tmp_path / 'home'}"
+    p = on_a_full_disk(tmp_path, f'{env} {py} chat --model {model} -m 2 -v --session-file "$D/s.safetensors"',
+                       stdin=b"Hello\nGood morning!\n")  # fmt: skip
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert errors and all("the disk is full (" in ln for ln in errors), p.stderr
+    assert p.stderr.count("[stats]") == 2 and "Traceback" not in p.stderr, p.stderr  # the chat went on

@@ -82,3 +82,95 @@ def test_ctrl_c_stops_a_reply_not_the_program(tiny_model_dirs, tmp_path):
     info = read_cache_info(tmp_path / "sessions" / "int.safetensors")
     assert [m["role"] for m in info.messages] == ["user", "assistant"]
     assert 0 < len(info.tokens) < 200000
+
+
+PASTE_ON, PASTE_OFF = "\x1b[?2004h", "\x1b[?2004l"  # what a program writes to turn bracketed paste on / off
+
+
+def paste(text: str) -> str:
+    """What a terminal in bracketed paste mode sends for a paste of ``text`` (lines end in CR)."""
+    return "\x1b[200~" + text.replace("\n", "\r") + "\x1b[201~"
+
+
+def user_messages(home, name):
+    return [m["content"] for m in read_cache_info(home / "sessions" / f"{name}.safetensors").messages
+            if m["role"] == "user"]  # fmt: skip
+
+
+def test_a_paste_at_the_prompt_is_one_message_even_one_starting_with_a_slash(tiny_model_dirs, tmp_path):
+    child = spawn(tiny_model_dirs["llama"], tmp_path, "--session", "p", "--max-tokens", "3", "-v")
+    try:
+        child.expect(PROMPT)
+        child.send(paste("line one\nline two\nline three"))
+        child.send("\r")
+        child.expect(r"\[stats\]")
+        child.expect(PROMPT)
+        child.send(paste("/help\nmore"))
+        child.send("\r")
+        child.expect(r"\[stats\]")
+        child.expect(PROMPT)
+        child.sendline("/bye")
+        child.expect(pexpect.EOF)
+        output = child.before
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    assert user_messages(tmp_path, "p") == ["line one\nline two\nline three", "/help\nmore"]
+    assert "Commands (anything" not in output and "unknown command" not in output
+    assert output.rfind(PASTE_OFF) > output.rfind(PASTE_ON)  # the chat ends with the mode off
+
+
+def test_a_paste_while_a_reply_streams_is_one_message(tiny_model_dirs, tmp_path):
+    """The test plays the terminal: it brackets the paste only when the chat has turned
+    bracketed paste mode on (the last mode sequence written before the paste)."""
+    child = spawn(tiny_model_dirs["llama"], tmp_path, "--session", "s", "--max-tokens", "40", "-v")
+    try:
+        child.expect(PROMPT)
+        child.sendline("Write a list: apples, oranges.")
+        child.expect_exact(PASTE_OFF)  # the prompt returned
+        seen = child.expect_exact([PASTE_ON, "[stats]"])  # the mode while the reply streams
+        mode_on = seen == 0
+        text = "line one\nline two\nline three"
+        child.send(paste(text) if mode_on else text.replace("\n", "\r"))
+        if seen == 0:
+            child.expect_exact("[stats]")
+        child.expect(PROMPT)
+        child.send("\r")  # the pasted text waits at the prompt: Enter sends it
+        child.expect(r"\[stats\]")
+        child.expect(PROMPT)
+        child.sendline("/bye")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert mode_on, "bracketed paste was off while the reply streamed"
+    assert user_messages(tmp_path, "s") == ["Write a list: apples, oranges.", "line one\nline two\nline three"]
+
+
+def test_ctrl_d_in_an_unsaved_chat_warns_once(tiny_model_dirs, tmp_path):
+    child = spawn(tiny_model_dirs["llama"], tmp_path, "--max-tokens", "3")
+    kept = tmp_path / "kept.safetensors"
+    try:
+        child.expect(PROMPT)
+        child.sendeof()  # nothing said yet: nothing to keep
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    child = spawn(tiny_model_dirs["llama"], tmp_path, "--max-tokens", "3", "-v")
+    try:
+        child.expect(PROMPT)
+        child.sendline("Good morning!")
+        child.expect(r"\[stats\]")  # the reply is over (a Ctrl-D typed during it is read by no prompt)
+        child.expect(PROMPT)
+        child.sendeof()
+        child.expect_exact("[this chat is not saved: /save FILE keeps it; Ctrl-D again to quit without saving]")
+        child.expect(PROMPT)
+        child.sendline(f"/save {kept}")
+        child.expect_exact(f"[session saved to {kept}]")
+        child.expect(PROMPT)
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    assert [m["content"] for m in read_cache_info(kept).messages][:1] == ["Good morning!"]

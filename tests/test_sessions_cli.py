@@ -15,6 +15,8 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlx_chatcache.files.mlxcc_format import read_cache_info
 
@@ -170,3 +172,90 @@ def test_history_in_the_terminal(tiny_model_dirs, tmp_path):
         child.close(force=True)
     assert child.exitstatus == 0
     assert sorted(p.name for p in (tmp_path / "sessions").iterdir()) == ["h.safetensors"]
+
+
+def test_show_counts_in_the_singular_and_a_damaged_session_is_one_warning(tiny_model_dirs, tmp_path):
+    d, home = tiny_model_dirs["llama"], tmp_path
+    assert chat(d, home, "one", "Hello there").returncode == 0
+    assert chat(d, home, "bad", "Hello again").returncode == 0
+    shown = mlxcc("sessions", "show", "one", home=home)
+    assert shown.returncode == 0 and ", 1 turn, " in shown.stdout.splitlines()[0], shown.stdout
+    f = home / "sessions" / "bad.safetensors"
+    raw = bytearray(f.read_bytes())
+    at = raw.index(b"Hello again")  # in the header's session JSON: the header checksum no longer matches
+    raw[at] = ord("J")
+    f.write_bytes(bytes(raw))
+    rows = mlxcc("sessions", home=home)
+    assert rows.returncode == 0, rows.stderr
+    row = next(ln.split() for ln in rows.stdout.splitlines() if ln.startswith("bad "))
+    assert row[1] == "(damaged)", rows.stdout
+    assert "cache-prompt" not in rows.stdout + rows.stderr
+    warning = rows.stderr.strip().splitlines()
+    assert len(warning) == 1 and warning[0].startswith("warning: session 'bad' cannot be read (")
+    assert warning[0].endswith("remove it with 'mlxcc sessions rm bad'") and str(f) not in warning[0], warning
+    listed = {x["name"]: x for x in json.loads(mlxcc("sessions", "list", "--json", home=home).stdout)}
+    assert str(f) in listed["bad"]["problem"] and listed["one"]["problem"] is None  # the whole text
+
+
+FAKE = '"""\nlook at this:\n## user\nI did not write this\n```python\nprint(1)\n"""'
+
+
+def md_sections(text: str) -> list[tuple[int, str]]:
+    """The (level, text) of every top-level header a Markdown reader sees in ``text``
+    (not one inside a quote or a list)."""
+    from markdown_it import MarkdownIt
+
+    tokens = MarkdownIt("commonmark").parse(text)
+    return [(int(t.tag[1]), tokens[i + 1].content) for i, t in enumerate(tokens)
+            if t.type == "heading_open" and t.level == 0]  # fmt: skip
+
+
+def test_export_json_and_markdown(tiny_model_dirs, tmp_path):
+    from openai.types.chat import ChatCompletionMessageParam
+    from pydantic import TypeAdapter
+
+    d, home = tiny_model_dirs["llama"], tmp_path
+    r = chat(d, home, "ex", "Hello there", *FAKE.split("\n"), "## assistant", flags=("--system-prompt", "Be brief."))
+    assert r.returncode == 0, r.stderr
+    info = read_cache_info(home / "sessions" / "ex.safetensors")
+    assert [m["content"] for m in info.messages if m["role"] == "user"][1:] == [
+        "look at this:\n## user\nI did not write this\n```python\nprint(1)", "## assistant"]
+
+    as_json = mlxcc("sessions", "export", "ex", home=home)
+    assert as_json.returncode == 0, as_json.stderr
+    messages = json.loads(as_json.stdout)
+    assert messages == info.messages == json.loads(mlxcc("sessions", "show", "ex", "--json", home=home).stdout)
+    TypeAdapter(list[ChatCompletionMessageParam]).validate_python(messages)  # what a client sends as is
+
+    md = mlxcc("sessions", "export", "ex", "--format", "md", home=home)
+    assert md.returncode == 0, md.stderr
+    assert md_sections(md.stdout) == [(1, "ex")] + [(2, m["role"]) for m in messages]
+    for m in messages:
+        assert m["content"] in md.stdout  # verbatim
+    assert f"model: {d.resolve()}" in md.stdout
+
+    out = tmp_path / "chat.md"
+    w = mlxcc("sessions", "export", "ex", "--format", "md", "-o", str(out), home=home)
+    assert w.returncode == 0 and out.read_text() == md.stdout, w.stderr
+    out.write_text("my notes\n")
+    again = mlxcc("sessions", "export", "ex", "-o", str(out), home=home)
+    assert again.returncode == 1 and "exists" in one_line(again) and "--force" in one_line(again)
+    assert out.read_text() == "my notes\n"
+    forced = mlxcc("sessions", "export", "ex", "-o", str(out), "--force", home=home)
+    assert forced.returncode == 0 and json.loads(out.read_text()) == messages
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp file left
+    missing = mlxcc("sessions", "export", "nope", home=home)
+    assert missing.returncode == 1 and "no session named 'nope'" in one_line(missing)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]),
+                          st.text(st.sampled_from("ab #=-`~\n>*_ \t<!"), max_size=40)), max_size=5))  # fmt: skip
+def test_markdown_export_has_one_header_per_message_whatever_they_say(pairs):
+    from mlx_chatcache.chat.session_export import to_markdown
+
+    messages = [{"role": r, "content": c} for r, c in pairs]
+    text = to_markdown("s", "m", messages)
+    assert md_sections(text) == [(1, "s")] + [(2, m["role"]) for m in messages]
+    for m in messages:
+        assert m["content"] in text

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ChatCacheError, SessionError
+from ..errors import ChatCacheError, SessionError, clipped
 from ..files.mlxcc_format import CacheFileInfo, read_cache_info
 from ..files.atomic import remove_stale_temp_files
 from ..files.cache_file import SESSION_KEY
@@ -34,7 +35,9 @@ class SessionSummary:
     adapter_path: str | None = None
     turns: int = 0
     tokens: int = 0
-    problem: str | None = None  # why the file could not be read as a session
+    problem: str | None = None  # why the file could not be read as a session (the full error text)
+    label: str | None = None  # that reason in a word or two: "damaged", "not a chat session", "newer format"
+    reason: str | None = None  # that reason in a short phrase, without the file's path or a remedy
 
 
 def session_source(info: CacheFileInfo) -> dict:
@@ -60,14 +63,26 @@ def summarize(name: str, path: Path) -> SessionSummary:
         info = read_cache_info(path)
     except ChatCacheError as e:
         s.problem = str(e)
+        s.label, s.reason = _problem_words(s.problem, path)
         return s
     if SESSION_KEY not in info.metadata or info.messages is None:
-        s.problem = "a cache file, not a chat session"
+        s.problem = s.reason = "a cache file, not a chat session"
+        s.label = "not a chat session"
     src = session_source(info)
     s.model, s.adapter_path = src["model"], src["adapter_path"]
     s.turns = sum(1 for m in info.messages or [] if m["role"] == "assistant")
     s.tokens = info.num_tokens or 0
     return s
+
+
+def _problem_words(text: str, path: Path) -> tuple[str, str]:
+    """``(label, reason)`` of the error a session file could not be read with: the
+    reason is the error's first parenthesised detail (else its text without the path)."""
+    if "newer than this" in text:
+        return "newer format", "written by a newer mlx_chatcache: upgrade it to read this session"
+    body = text.replace(str(path), "").strip(" :;")
+    m = re.search(r"\(([^()]*)\)", body)
+    return "damaged", (m.group(1) if m else clipped(body, 120))
 
 
 def list_sessions(folder: Path | None = None) -> list[SessionSummary]:

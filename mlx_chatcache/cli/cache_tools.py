@@ -8,7 +8,7 @@ import json
 
 from ..files.convert import FORMATS, convert_cache_file, diff_cache_files, trim_cache_file
 from ..files.cache_file import claim
-from .common import add_force_arg, non_negative_int
+from .common import add_force_arg, non_negative_int, plural
 
 
 def add_actions(csub) -> None:
@@ -54,8 +54,8 @@ def add_actions(csub) -> None:
 def run_convert(args: argparse.Namespace) -> int:
     with claim(args.output, force=args.force) as out:
         info = convert_cache_file(args.input, out, args.to)
-    n = f"{info.num_tokens} tokens" if info.num_tokens is not None else "token ids unknown"
-    print(f"wrote {args.output} ({args.to} layout, {len(info.classes)} layers, {n})")
+    n = plural(info.num_tokens, "token") if info.num_tokens is not None else "token ids unknown"
+    print(f"wrote {args.output} ({args.to} layout, {plural(len(info.classes), 'layer')}, {n})")
     return 0
 
 
@@ -71,7 +71,7 @@ def run_trim(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.file} is a chat session: trimming would break its bookkeeping; use /undo "
                              "in 'mlxcc chat' (or export it with 'mlxcc cache convert' first)")  # fmt: skip
         before, after = trim_cache_file(args.file, out, args.n, args.drop)
-    print(f"{args.output or args.file}: {before} -> {after} tokens")
+    print(f"{args.output or args.file}: {before} -> {plural(after, 'token')}")
     return 0
 
 
@@ -84,7 +84,9 @@ def run_diff(args: argparse.Namespace) -> int:
         "model_b": b.model.model_id if b.model else b.metadata.get("model"),
         "same_model": d.same_model,
         "tokens_a": a.num_tokens, "tokens_b": b.num_tokens,
-        "common_prefix": d.common_prefix, "diverge_at": d.diverge_at,
+        # ids of two tokenizers are not comparable: no prefix is reported for different models
+        "common_prefix": None if d.same_model is False else d.common_prefix,
+        "diverge_at": None if d.same_model is False else d.diverge_at,
         "layer_differences": d.layer_differences, "setting_differences": d.setting_differences,
     }  # fmt: skip
     if args.json:
@@ -93,10 +95,12 @@ def run_diff(args: argparse.Namespace) -> int:
     same = {True: "yes", False: "no", None: "unknown (a file does not say)"}[d.same_model]
     lines = [f"model:        {same} ({out['model_a'] or '?'} / {out['model_b'] or '?'})",
              f"tokens:       {_n(a.num_tokens)} / {_n(b.num_tokens)}"]  # fmt: skip
-    if d.common_prefix is None:
+    if d.same_model is False:  # ids of two tokenizers: equal ids need not be the same text
+        lines.append("common prefix: not compared (different models: their token ids are not comparable)")
+    elif d.common_prefix is None:
         lines.append("common prefix: unknown (a file holds no token ids)")
     else:
-        lines.append(f"common prefix: {d.common_prefix} tokens")
+        lines.append(f"common prefix: {plural(d.common_prefix, 'token')}")
         if d.diverge_at is not None:
             i = d.diverge_at
             lines.append(f"diverge at:   token {i} (id {a.tokens[i]} vs {b.tokens[i]})")

@@ -41,6 +41,7 @@ from .common import (
     config_overrides,
     lenient_stdin,
     load_model,
+    plural,
     runtime_lines,
 )
 
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=None) -> int:
     from ..chat.session import ChatSession  # imports mlx-lm: only when the chat starts, not for --help
     from .chat_input import StreamReader, TerminalReader
-    from .repl import ChatREPL, history_file, plural
+    from .repl import ChatREPL, history_file
 
     prebuilt = _prebuilt_header(args, path, label) if args.prompt_cache_file is not None else None
     source = None
@@ -121,9 +122,11 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=N
         for line in session.load_notes:
             _note(line)
         _note(
-            f"resumed session {label}: {plural(session.num_turns, 'turn')}, {session.cached_tokens} tokens "
-            "in the cache, 0 tokens recomputed"
+            f"resumed session {label}: {plural(session.num_turns, 'turn')}, "
+            f"{plural(session.cached_tokens, 'token')} in the cache, 0 tokens recomputed"
         )
+        for line in recap(session.messages):
+            _note(line)
         if args.system_prompt is not None and args.system_prompt != (session.system_prompt or ""):
             session.set_system_prompt(args.system_prompt)
             _note("[new system prompt: the conversation will be re-read on the next turn]")
@@ -205,12 +208,32 @@ def _from_prebuilt(args, model, tokenizer, shared, info, config):
         session.set_system_prompt(args.system_prompt)
         _note(f"[new system prompt: the cache of {f} is not used; its messages will be read on the first turn]")
         return session
-    _note(f"[started from {f}: {len(prompt.tokens)} tokens in the cache, 0 tokens recomputed]")
+    _note(f"[started from {f}: {plural(len(prompt.tokens), 'token')} in the cache, 0 tokens recomputed]")
     window = prompt.shape
     if window.max_kv_size is not None and window.keep < session.pinned_tokens():
         _note(f"[the window of {f} pins its first {window.keep} tokens, not the whole system prompt: it leaves "
               f"the window once the chat outgrows max_kv_size={window.max_kv_size}]")  # fmt: skip
     return session
+
+
+RECAP_CHARS = {"user": 200, "assistant": 300}  # what a resume shows of the last exchange, per message
+
+
+def recap(messages: list[dict]) -> list[str]:
+    """The last exchange of ``messages`` (the last user message and the reply after
+    it), one line each, cut to :data:`RECAP_CHARS`; [] when there is none."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last is None:
+        return []
+    lines = []
+    for m in messages[last : last + 2]:
+        if m["role"] not in RECAP_CHARS:
+            continue
+        text = " \u23ce ".join(m["content"].strip().splitlines())  # one line: line breaks shown as ⏎
+        limit = RECAP_CHARS[m["role"]]
+        text = text[:limit] + "\u2026" if len(text) > limit else text
+        lines.append(f"  {'you:  ' if m['role'] == 'user' else 'model:'} {text}")
+    return lines
 
 
 def _note(text: str) -> None:

@@ -3,13 +3,14 @@ messages, commands told from messages, and the values of ``/set``.
 
 Contract
 --------
-A reader has ``read(prompt) -> str | None`` (None at end of input):
-:class:`TerminalReader` (prompt_toolkit line editing with a persistent
-history; Ctrl-C at the prompt gives an empty line) or :class:`StreamReader`
-(lines of a text stream, so a chat can be scripted). :func:`read_input` reads
-one :class:`UserInput`: a line, or a block fenced by three double quotes
-(always a message). :func:`parse_command` tells a ``/command`` from a message
-(``//text`` is the message ``/text``, see :func:`message_text`);
+A reader has ``read(prompt) -> str | None`` (None at end of input) and
+``close()``: :class:`TerminalReader` (prompt_toolkit line editing with a
+persistent history and bracketed paste; Ctrl-C at the prompt gives an empty
+line) or :class:`StreamReader` (lines of a text stream, so a chat can be
+scripted). :func:`read_input` reads one :class:`UserInput`: a line, a pasted
+block, or a block fenced by three double quotes (the last two always a
+message). :func:`parse_command` tells a ``/command`` from a message (``//text``
+is the message ``/text``, see :func:`message_text`);
 :func:`parse_setting` turns ``/set NAME VALUE`` into a setting name and a
 checked value, or a one-line :class:`~mlx_chatcache.errors.UsageError`. Nothing
 here touches a session.
@@ -42,11 +43,17 @@ class StreamReader:
             return None
         return line[:-1] if line.endswith("\n") else line
 
+    def close(self) -> None:
+        """Nothing to undo for a stream."""
+
 
 class TerminalReader:
     """prompt_toolkit line editing with a persistent history; None at Ctrl-D.
 
-    Ctrl-C at the prompt gives an empty line (the line is cleared)."""
+    Ctrl-C at the prompt gives an empty line (the line is cleared). The terminal's
+    bracketed paste mode stays on between prompts (a paste made while a reply
+    streams reaches the next prompt as one paste, not as typed lines) until
+    :meth:`close`, which the chat calls when it ends."""
 
     def __init__(self, history_file: Path | None = None):
         from prompt_toolkit import PromptSession
@@ -61,13 +68,28 @@ class TerminalReader:
                 pass
         self.session = PromptSession(history=history)
 
-    def read(self, prompt: str) -> str | None:
+    def read(self, prompt: str, default: str = "") -> str | None:
+        """The line typed after ``prompt`` (which starts as ``default``, editable)."""
         try:
-            return self.session.prompt(prompt)
+            return self.session.prompt(prompt, default=default)
         except KeyboardInterrupt:
             return ""
         except EOFError:
             return None
+        finally:  # prompt_toolkit turns bracketed paste off when the prompt returns
+            self._paste_mode(True)
+
+    def close(self) -> None:
+        """Turn the terminal's bracketed paste mode off (the shell after the chat expects it off)."""
+        self._paste_mode(False)
+
+    def _paste_mode(self, on: bool) -> None:
+        out = self.session.output
+        if on:
+            out.enable_bracketed_paste()
+        else:
+            out.disable_bracketed_paste()
+        out.flush()
 
 
 @dataclass
@@ -81,6 +103,8 @@ def read_input(reader) -> UserInput | None:
     line = reader.read(PROMPT)
     if line is None:
         return None
+    if "\n" in line:  # a pasted block (one line from a terminal holds no line break): a message
+        return UserInput(line, multiline=True)
     stripped = line.strip()
     if not stripped.startswith(FENCE):
         return UserInput(line)

@@ -223,6 +223,11 @@ def read_json_schema(value: str | None) -> dict | None:
     return schema
 
 
+def plural(n: int, word: str) -> str:
+    """``"1 turn"``, ``"2 turns"``: ``n`` and ``word``, with an ``s`` unless ``n`` is 1."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def human_bytes(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000 or unit == "GB":

@@ -294,7 +294,7 @@ def interrupted(printed: bool, save_path: str | None) -> int:
     else:
         saved = ""
     what = "the reply was cut short" if printed else "before the reply started"
-    sys.stderr.write(f"mlxcc: interrupted {what}{saved}\n")
+    sys.stderr.write(f"mlxcc: interrupted: {what}{saved}\n")
     sys.stderr.flush()
     return 130
 

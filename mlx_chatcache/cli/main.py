@@ -52,9 +52,21 @@ def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
                 _no_abbreviations(child)
 
 
+def chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost (sub)parser the parsed ``args`` went through (``mlxcc sessions show``'s, say)."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if name is None or name not in subs[0].choices:
+            return parser
+        parser = subs[0].choices[name]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # said by the subcommand's parser, so the hint names its --help
+        chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(extras)}")
     if not getattr(args, "run", None):
         parser.print_help(sys.stderr)
         return 2

@@ -9,14 +9,17 @@ Replies stream to ``out``; notes, errors and statistics go to ``err``, so
 Any line starting with ``/`` is a command (:data:`COMMANDS`, listed by
 :data:`HELP`); ``//text`` sends ``/text`` as a message. A line starting with
 three double quotes starts a multi-line message, ended by a line ending with
-three double quotes.
+three double quotes; on a terminal a pasted block is one message too (bracketed
+paste), even one that starts with ``/``.
 
 Ctrl-C while a reply streams stops it after the current token (the partial
 reply stays in the conversation); a second Ctrl-C aborts the turn at once.
 While the prompt is read, Ctrl-C cancels the message within about a second
 (the prompt's model calls are paced, see :mod:`mlx_chatcache.generation.pacing`), and a
 progress line on a terminal shows how far it got (erased when the reply
-starts). Ctrl-C at the prompt clears the line; Ctrl-D (end of input) ends the chat.
+starts). Ctrl-C at the prompt clears the line; Ctrl-D (end of input) ends the chat
+(a chat with no session file says it is not saved: on a terminal the first Ctrl-D
+only says so, to leave time for ``/save``).
 
 Nothing a user typed is lost to a failed save: ``/save`` and autosave errors
 are one line and the chat goes on; a failed autosave is retried after the
@@ -39,37 +42,56 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from .chat_input import FENCE, message_text, parse_command, parse_save_arg, parse_setting, read_input
-from .common import human_bytes, require_utf8
+from .common import plural, require_utf8
 from .progress import ProgressBar
+from .repl_show import SHOW
 from ..config import mlxcc_home
 from ..errors import ChatCacheError, UsageError
 from ..files.cache_file import Claim, claim
 from ..chat.session import ChatSession, RollbackResult, TurnResult
 
-HELP = f"""\
-Commands (anything else is sent to the model):
-  /help, /?              show this help
-  /bye, /exit            end the chat (also Ctrl-D)
-  /clear                 forget the conversation (the system prompt stays)
-  /undo                  remove the last exchange (your message and the reply)
-  /retry                 generate the last reply again (with --seed: seed + number
-                         of retries, so each retry differs yet is reproducible)
-  /system [TEXT]         show or set the system prompt (empty quotes \"\" removes it)
-  /set NAME VALUE        change a setting: temp, top_p, top_k, min_p, max_tokens,
-                         seed (or 'none'), repetition_penalty (or 'none')
-  /history               the conversation so far
-  /show info|cache|stats|template
-                         the model and settings, the cache, the last turn's
-                         statistics, the chat template
-  /save FILE [--force]   save the session to FILE (--force: even over a file
-                         that is not a prompt cache, or another chat session)
-  /load FILE             continue the session saved in FILE: the chat is saved
-                         there from now on (the session it leaves stays as last
-                         saved)
-  {FENCE}                   start or end a multi-line message
-  //text                 send a message that starts with '/'
-Ctrl-C stops a reply; the conversation keeps what was written so far. Before
-the reply starts (a long message being read) it cancels the message."""
+# /help: (what is typed, what it does); a description's later lines continue under it
+HELP_TABLE = (
+    ("/help, /?", "show this help"),
+    ("/bye, /exit", "end the chat (also Ctrl-D)"),
+    ("/clear", "forget the conversation (the system prompt stays)"),
+    ("/undo", "remove the last exchange (your message and the reply)"),
+    ("/retry", "generate the last reply again (with --seed: seed + number\n"
+               "of retries, so each retry differs yet is reproducible)"),
+    ("/system [TEXT]", 'show or set the system prompt (empty quotes "" removes it)'),
+    ("/set NAME VALUE", "change a setting: temp, top_p, top_k, min_p, max_tokens,\n"
+                        "seed (or 'none'), repetition_penalty (or 'none')"),
+    ("/history", "the conversation so far"),
+    ("/show info|cache|stats|template", "the model and settings, the cache, the last turn's\n"
+                                        "statistics, the chat template"),
+    ("/save FILE [--force]", "save the session to FILE (--force: even over a file\n"
+                             "that is not a prompt cache, or another chat session)"),
+    ("/load FILE", "continue the session saved in FILE: the chat is saved\n"
+                   "there from now on (the session it leaves stays as last\nsaved)"),
+    (FENCE, "start or end a multi-line message (a paste is one message too)"),
+    ("//text", "send a message that starts with '/'"),
+)  # fmt: skip
+HELP_WIDTH = 23  # the column where descriptions start, after two spaces of indent
+
+
+def _help_text() -> str:
+    """HELP built from :data:`HELP_TABLE`: every description starts in the same column
+    (a name too long for it gets a line of its own)."""
+    pad = " " * (2 + HELP_WIDTH)
+    lines = ["Commands (anything else is sent to the model):"]
+    for name, text in HELP_TABLE:
+        first, *rest = text.split("\n")
+        if len(name) < HELP_WIDTH:
+            lines.append(f"  {name:<{HELP_WIDTH}}{first}")
+        else:
+            lines += [f"  {name}", pad + first]
+        lines += [pad + line for line in rest]
+    lines += ["Ctrl-C stops a reply; the conversation keeps what was written so far. Before",
+              "the reply starts (a long message being read) it cancels the message."]  # fmt: skip
+    return "\n".join(lines)
+
+
+HELP = _help_text()
 
 
 # ------------------------------------------------------------------ Ctrl-C
@@ -175,6 +197,7 @@ class ChatREPL:
         try:
             return self._loop()
         finally:
+            self.reader.close()
             if self.held is not None:
                 self.held.release()
 
@@ -214,8 +237,21 @@ class ChatREPL:
         return True
 
     def _keep_unsaved(self) -> bool:
-        """At the end of the chat: retry a failed autosave; True (the chat goes on)
-        the first time it still fails on a terminal, so the user can /save elsewhere."""
+        """At the end of the chat (end of input, /bye): True (the chat goes on) the first
+        time on a terminal when the conversation is not saved, so the user can /save it.
+        A chat without a session file says so (piped: one line, and it ends); a failed
+        autosave is retried first."""
+        if self.autosave is None:
+            if self.session.num_turns == 0:
+                return False
+            if not self.interactive:
+                self.note("[not saved: start with --session NAME to keep a chat]")
+                return False
+            if self._warned_unsaved:
+                return False
+            self._warned_unsaved = True
+            self.note("[this chat is not saved: /save FILE keeps it; Ctrl-D again to quit without saving]")
+            return True
         if not self.unsaved:
             return False
         self.save()
@@ -363,13 +399,13 @@ class ChatREPL:
             self.note(line)
         self.session = loaded
         self.unsaved = False  # the file holds what was loaded
-        self.note(f"[loaded {arg}: {plural(loaded.num_turns, 'turn')}, {loaded.cached_tokens} tokens "
-                  "in the cache, 0 tokens recomputed; saved there from now on]")  # fmt: skip
+        self.note(f"[loaded {arg}: {plural(loaded.num_turns, 'turn')}, {plural(loaded.cached_tokens, 'token')} in "
+                  "the cache, 0 tokens recomputed; saved there from now on]")  # fmt: skip
 
     @staticmethod
     def _how(r: RollbackResult) -> str:
         if r.how == "recompute":
-            return f"; the cache could not be rolled back: {r.recompute_tokens} tokens will be recomputed"
+            return f"; the cache could not be rolled back: {plural(r.recompute_tokens, 'token')} will be recomputed"
         if r.how == "rerender":
             return "; the conversation will be re-read on the next turn"
         return ""
@@ -378,60 +414,13 @@ class ChatREPL:
     def show(self, what: str) -> None:
         show = SHOW.get(what.strip().lower())
         if show is None:
-            raise UsageError("usage: /show info|cache|stats|template")
-        show(self)
-
-    def _show_info(self) -> None:
-        s = self.session
-        c = s.config
-        fp = s.fingerprint
-        lines = [
-            f"model:         {self.model_ref or (fp.model_id if fp else 'unknown')}",
-            f"session:       {self.session_label or '(not saved)'}",
-            f"turns:         {s.num_turns}",
-            f"system prompt: {s.system_prompt if s.system_prompt is not None else '(none)'}",
-            f"sampling:      temp={c.temp} top_p={c.top_p} top_k={c.top_k} min_p={c.min_p} "
-            f"seed={c.seed} repetition_penalty={c.repetition_penalty}",
-            f"max_tokens:    {c.max_tokens}",
-            f"cache:         max_kv_size={s.state.shape.max_kv_size} kv_bits={c.kv_bits}",
-        ]
-        self.say("\n".join(lines))
-
-    def _show_cache(self) -> None:
-        i = self.session.cache_info()
-        layers = ", ".join(f"{n} × {k}" for k, n in i["layers"].items())
-        window = (f"rotating window of {i['max_kv_size']} tokens, first {i['keep']} pinned"
-                  if i["max_kv_size"] else "unbounded")  # fmt: skip
-        lines = [
-            f"tokens:      {i['cached_tokens']} in the cache (+{i['pending_tokens']} to feed next turn)",
-            f"bytes:       {human_bytes(i['nbytes'])}",
-            f"layers:      {layers}",
-            f"window:      {window}",
-            f"trimmable:   {'yes' if i['trimmable'] else 'no'}",
-            f"checkpoints: {plural(i['checkpoints'], 'turn')} ({i['checkpoint_copies']} with a cache copy)",
-        ]
-        self.say("\n".join(lines))
-
-    def _show_stats(self) -> None:
-        s = self.session
-        last, t = s.last_stats, s.totals
-        if last is None:
-            self.say("no turn yet in this run")
-            return
-        self.say(f"last turn: {last.summary()}")
-        self.say(
-            f"this run:  {plural(s.turns_run, 'turn')}, {t.new_tokens} prompt tokens fed, "
-            f"{t.reused_tokens} reused, {t.recomputed_tokens} recomputed, "
-            f"{t.generated_tokens} generated, {t.seconds:.2f} s"
-        )
+            raise UsageError(f"usage: /show {'|'.join(SHOW)}")
+        self.say(show(self))
 
     def _history(self, arg: str) -> None:
         from ..chat.session_catalog import format_conversation
 
         self.say(format_conversation(self.session.messages))
-
-    def _show_template(self) -> None:
-        self.say(getattr(self.session.tokenizer, "chat_template", None) or "(no chat template)")
 
 
 # /NAME -> what runs it (/bye, /exit and /quit end the chat); HELP lists them
@@ -448,20 +437,10 @@ COMMANDS: dict[str, Callable[[ChatREPL, str], None]] = {
     "save": ChatREPL._save,
     "load": ChatREPL._load,
 }
-SHOW: dict[str, Callable[[ChatREPL], None]] = {
-    "info": ChatREPL._show_info,
-    "cache": ChatREPL._show_cache,
-    "stats": ChatREPL._show_stats,
-    "template": ChatREPL._show_template,
-}
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def history_file() -> Path:
     return mlxcc_home() / "chat_history"
 
 
-__all__ = ["ChatREPL", "StopFlag", "HELP", "COMMANDS", "history_file", "plural"]
+__all__ = ["ChatREPL", "StopFlag", "HELP", "COMMANDS", "history_file"]

@@ -1,4 +1,4 @@
-"""``mlxcc sessions [list|show NAME|rm NAME]``: the chat sessions kept in MLXCC_HOME.
+"""``mlxcc sessions [list|show NAME|export NAME|rm NAME]``: the chat sessions kept in MLXCC_HOME.
 
 Reads file headers only (no arrays). ``rm`` refuses a session a running chat
 holds (its lock).
@@ -9,11 +9,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 from ..chat.session_catalog import format_conversation, list_sessions, read_session_info, remove_session, session_source
+from ..chat.session_export import FORMATS, to_json, to_markdown
 from ..chat.session_file import sessions_dir
-from .common import human_bytes
+from ..errors import UsageError
+from ..files.atomic import write_text_atomic
+from .common import human_bytes, plural
 
 COLUMNS = ("NAME", "MODEL", "TURNS", "TOKENS", "SIZE", "LAST USED")
 
@@ -21,7 +26,7 @@ COLUMNS = ("NAME", "MODEL", "TURNS", "TOKENS", "SIZE", "LAST USED")
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "sessions",
-        help="list, show or remove saved chat sessions",
+        help="list, show, export or remove saved chat sessions",
         description="The chat sessions saved with 'mlxcc chat --session NAME' (in MLXCC_HOME/sessions, "
         "default MLXCC_HOME: ~/.mlxcc). Without an action: list them, most recently used first.",
     )
@@ -35,6 +40,17 @@ def add_parser(sub) -> None:
     show.add_argument("name", help="the session name")
     show.add_argument("--json", action="store_true", help="print the messages as JSON")
     show.set_defaults(run=run_show)
+    export = ssub.add_parser(
+        "export", help="write a session's conversation as JSON (OpenAI messages) or Markdown",
+        description="Write a session's conversation: --format json is the list of {role, content} "
+        "messages an OpenAI-style chat completion request takes; --format md is Markdown, one '## ROLE' "
+        "section per message (content that could fake a section is fenced). Reads the file's header only.",
+    )  # fmt: skip
+    export.add_argument("name", help="the session name")
+    export.add_argument("--format", choices=FORMATS, default="json", help="json (default) or md")
+    export.add_argument("--output", "-o", metavar="FILE", help="write to FILE (atomically) instead of stdout")
+    export.add_argument("--force", action="store_true", help="replace FILE when it exists (default: refuse)")
+    export.set_defaults(run=run_export)
     rm = ssub.add_parser("rm", help="delete a session (not while a chat holds it)",
                          description="Delete a session file; refused while a chat has the session open.")
     rm.add_argument("name", nargs="+", help="the session name(s)")
@@ -61,11 +77,16 @@ def run_list(args: argparse.Namespace) -> int:
     rows = [COLUMNS]
     for s in sessions:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.last_used))
-        model = f"({s.problem})" if s.problem else _model_label(s.model, s.adapter_path)
+        model = f"({s.label})" if s.problem else _model_label(s.model, s.adapter_path)
         rows.append((s.name, model, str(s.turns), str(s.tokens), human_bytes(s.size), used))
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS) - 1)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    sys.stdout.flush()  # the table first, then what could not be read
+    for s in sessions:
+        if s.problem:
+            sys.stderr.write(f"warning: session '{s.name}' cannot be read ({s.reason}); "
+                             f"remove it with 'mlxcc sessions rm {s.name}'\n")  # fmt: skip
     return 0
 
 
@@ -78,8 +99,25 @@ def run_show(args: argparse.Namespace) -> int:
     turns = sum(1 for m in info.messages if m["role"] == "assistant")
     print(f"session '{args.name}': model {src['model'] or '?'}"
           + (f" + adapter {src['adapter_path']}" if src["adapter_path"] else "")
-          + f", {turns} turns, {info.num_tokens} tokens")  # fmt: skip
+          + f", {plural(turns, 'turn')}, {plural(info.num_tokens or 0, 'token')}")  # fmt: skip
     print(format_conversation(info.messages))
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    info = read_session_info(args.name)
+    if args.format == "json":
+        text = to_json(info.messages)
+    else:
+        text = to_markdown(args.name, session_source(info)["model"], info.messages)
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.output).expanduser()
+    if out.exists() and not args.force:
+        raise UsageError(f"{out} exists; pass --force to replace it, or choose another file")
+    write_text_atomic(out, text)
+    sys.stderr.write(f"wrote {out} ({plural(len(info.messages), 'message')}, {args.format})\n")
     return 0
 
 

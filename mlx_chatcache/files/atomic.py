@@ -24,6 +24,7 @@ import hashlib
 import io
 import os
 import re
+import shutil
 import socket
 import tempfile
 import time
@@ -101,11 +102,40 @@ def write_error(path: Path, folder: Path, e: BaseException, created: bool = True
         )
     if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         hint = f"folder {folder} cannot be written: save elsewhere or make it writable"
-    elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        hint = "free some disk space or save elsewhere"
+    elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or _out_of_space(folder, reason):
+        free = _free_bytes(folder)
+        left = f" ({free:,} bytes free in {folder})" if free is not None else ""
+        return CacheFileError(f"could not write {path}: the disk is full{left}; the previous file (if any) "
+                              "is unchanged; free some space or save elsewhere")  # fmt: skip
     else:
         hint = "save elsewhere or check the path"
     return CacheFileError(f"could not write {path}: {reason}; the previous file (if any) is unchanged; {hint}")
+
+
+FULL_DISK_MARGIN = 1 << 20  # a failed write with less free space than this (or than it wrote) met a full disk
+
+
+def _out_of_space(folder: Path, reason: str) -> bool:
+    """Whether a write that failed without an errno (MLX: "[write] Unable to write
+    N bytes to file.") failed for want of space: less is free than N or 1 MiB."""
+    if not reason.startswith("[write]"):
+        return False
+    free = _free_bytes(folder)
+    asked = re.search(r"(\d+) bytes", reason)
+    return free is not None and free < max(int(asked.group(1)) if asked else 0, FULL_DISK_MARGIN)
+
+
+def _free_bytes(folder: Path) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Atomically replace ``path`` by ``text`` (UTF-8): a text file that is not a cache
+    (an export), written as :func:`write_file_atomic` writes; its errors likewise."""
+    write_file_atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def check_writable(path: str | os.PathLike) -> None:
