@@ -55,7 +55,7 @@ class SessionRecord:
 
     state: PromptCache  # the cache, its tokens and the conversation they are (``state.messages``)
     config: GenerationConfig
-    pending: list[int]  # the last reply token, fed first next turn
+    pending: list[int]  # fed first next turn (the last reply token; more after a rollback)
     text: str  # every prompt and reply so far, exactly as fed or generated
     checkpoints: list[Checkpoint]  # saved without their cache copies
     attempt: int  # retries of the last turn

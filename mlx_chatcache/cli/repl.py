@@ -45,6 +45,7 @@ from ..config import mlxcc_home
 from ..errors import ChatCacheError, UsageError
 from ..files.cache_file import Claim, claim
 from ..chat.session import ChatSession, RollbackResult, TurnResult
+from .repl_edit import edit_command
 
 HELP = f"""\
 Commands (anything else is sent to the model):
@@ -54,6 +55,8 @@ Commands (anything else is sent to the model):
   /undo                  remove the last exchange (your message and the reply)
   /retry                 generate the last reply again (with --seed: seed + number
                          of retries, so each retry differs yet is reproducible)
+  /edit [N]              replace your message N (default the last) with the next
+                         input and answer it again (the messages after it go)
   /system [TEXT]         show or set the system prompt (empty quotes \"\" removes it)
   /set NAME VALUE        change a setting: temp, top_p, top_k, min_p, max_tokens,
                          seed (or 'none'), repetition_penalty (or 'none')
@@ -229,8 +232,9 @@ class ChatREPL:
         self.note(f"[the last changes were NOT saved in {self.autosave}]")
         return False
 
-    def turn(self, action: Callable[[Callable[[], bool]], TurnResult]) -> None:
-        """Run one generation with Ctrl-C handling and a progress line, then report and autosave."""
+    def turn(self, action: Callable[[Callable[[], bool]], TurnResult]) -> TurnResult | None:
+        """Run one generation with Ctrl-C handling and a progress line, then report and autosave.
+        Returns the turn's result (None when it was aborted or failed)."""
         self._emitted = False
         self._bar = ProgressBar("prompt", stream=self.err)
         self.session.progress = self._bar.update
@@ -250,13 +254,14 @@ class ChatREPL:
             self._bar = self.session.progress = None
         if result.stats.finish_reason == "cancelled":
             self.note("[cancelled before the reply started; your message was not sent]")
-            return
+            return result
         self._emit("\n")
         if result.stats.finish_reason == "interrupted":
             self.note("[stopped]")
         if self.verbose:
             self.note(f"[stats] {result.stats.summary()}")
         self.save()
+        return result
 
     def save(self) -> None:
         if self.autosave is None:  # no session file: only the shared tiers (--cache-dir), if any
@@ -447,6 +452,7 @@ COMMANDS: dict[str, Callable[[ChatREPL, str], None]] = {
     "history": ChatREPL._history,
     "save": ChatREPL._save,
     "load": ChatREPL._load,
+    "edit": edit_command,
 }
 SHOW: dict[str, Callable[[ChatREPL], None]] = {
     "info": ChatREPL._show_info,
