@@ -37,7 +37,7 @@ from ..files.cache_file import SESSION_KEY, Claim, claim
 from ..files.mlxcc_format import read_cache_info
 from ..config import (DEFAULTS, RANGES, SHAPE_KEYS, CacheShape, GenerationConfig, SettingError, check_setting,
                       check_window, mlxcc_home)
-from ..errors import CacheFileError, ModelMismatchError, SessionError, clipped
+from ..errors import CacheFileError, ModelMismatchError, SessionError, UsageError, clipped
 from ..models.fingerprint import ModelFingerprint
 
 if TYPE_CHECKING:  # imported where a session is loaded: names, paths and locks need no MLX or mlx-lm
@@ -124,7 +124,8 @@ def _cache_config(record: SessionRecord) -> GenerationConfig:
 # ------------------------------------------------------------------ load
 def load_session(path: str | os.PathLike, model, overrides: dict | None = None) -> SessionRecord:
     """The session saved at ``path``, for ``model``; ``overrides`` change sampling
-    settings (a different ``max_kv_size`` is refused: the cache shape is fixed).
+    settings; a cache-shape setting (:data:`~mlx_chatcache.config.SHAPE_KEYS`: the
+    window, the KV quantization) other than the session's is refused in one line.
     The record comes from the file's header; its cache is checked out of a
     prompt-cache store whose one tier is the file (strict: a file of another
     model, or layers the model does not make, are one-line errors)."""
@@ -148,8 +149,14 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
     notes: list[str] = []
     config = _parse_config(path, meta.get("settings"), notes)
     config = config.windowed(_parse_window(path, meta))
-    state = _checkout(path, model, info, config)
-    config = _with_overrides(path, config, overrides)
+    overrides = overrides or {}
+    # the shape flags ask for: the file tier refuses a cache made otherwise (as for any cache file)
+    config = config.updated(**{k: v for k, v in overrides.items() if k in SHAPE_KEYS and k != "keep"})
+    try:
+        state = _checkout(path, model, info, config)
+    except UsageError as e:  # other cache-shape settings than the session's
+        raise SessionError(str(e)) from None
+    config = config.updated(**{k: v for k, v in overrides.items() if k not in SHAPE_KEYS})
     pending, text = _parse_text(path, meta)
     checkpoints = _parse_checkpoints(path, meta)
     attempt = meta.get("attempt", 0)
@@ -230,17 +237,6 @@ def _parse_window(path, meta: dict) -> CacheShape:
         raise CacheFileError(f"{path}: the session's window is unusable: {e.named.split('; ')[0]}; "
                              "the file is damaged") from None  # fmt: skip
     return CacheShape(max_kv, keep)
-
-
-def _with_overrides(path, config: GenerationConfig, overrides: dict | None) -> GenerationConfig:
-    overrides = overrides or {}
-    shape = config.shape.adopted(overrides)
-    if shape is None:
-        raise SessionError(
-            f"{path} was made with max_kv_size={config.max_kv_size}; resume it with the same "
-            "--max-kv-size (or none) or start a new session"
-        )
-    return config.shaped(shape).updated(**{k: v for k, v in overrides.items() if k not in SHAPE_KEYS})
 
 
 def _parse_text(path, meta: dict) -> tuple[list[int], str]:
