@@ -130,3 +130,59 @@ def test_edit_index_errors(llama_model):
     for n in (0, 2, -1, True):
         with pytest.raises(UsageError, match="there is no user message"):
             s.edit(n, NEW)
+
+
+# ------------------------------------------------------------------ /branch
+@pytest.mark.parametrize("kind", ["llama", "hybrid"])
+def test_branch_forks_a_saved_session_and_both_go_on_exactly(kind, tiny_model_dirs, chat, home, capsys):
+    d = tiny_model_dirs[kind]
+    other = "Tell me a joke instead."
+    rc, out, err = chat(d, script(*TURNS[:2], "/branch b", TURNS[2]), "--session", "a", *SP)
+    assert rc == 0, err
+    assert "[branched: this chat continues in 'b'; 'a' stays at turn 2 (resume it with 'mlxcc chat --session a')]" in err
+    assert stats(err)[2]["recomputed"] == 0
+    chat(d, script(*TURNS[:3]), "--session", "f3", *SP)
+    assert messages(home, "b") == messages(home, "f3")
+    assert len(messages(home, "a")) == 5  # system + 2 exchanges: as it was at the branch
+    # the parent goes on from turn 2, with nothing recomputed
+    rc, out, err = chat(d, script(other), "--session", "a", *SP)
+    assert rc == 0 and stats(err)[0]["recomputed"] == 0
+    chat(d, script(*TURNS[:2], other), "--session", "f3b", *SP)
+    assert messages(home, "a") == messages(home, "f3b")
+    # the branch file stands alone: the parent's removal does not break it
+    capsys.readouterr()
+    from mlx_chatcache.cli.main import main
+
+    assert main(["sessions", "show", "a"]) == 0
+    shown = capsys.readouterr().out
+    assert "branches: b (at turn 2)" in shown
+    assert main(["sessions", "rm", "a"]) == 0
+    rc, out, err = chat(d, script(TURNS[3]), "--session", "b", *SP)
+    assert rc == 0 and stats(err)[0]["recomputed"] == 0, err
+
+
+def test_branch_of_an_unsaved_chat_saves_it(tiny_model_dirs, chat, home):
+    d = tiny_model_dirs["llama"]
+    rc, out, err = chat(d, script(TURNS[0], "/branch b", TURNS[1]), *SP)
+    assert rc == 0 and "[saved as session 'b': this chat continues there]" in err
+    assert len(messages(home, "b")) == 5
+    assert "branch_of" not in read_cache_info(home / "sessions" / "b.safetensors").metadata["session"]
+
+
+@pytest.mark.parametrize("line,said", [
+    ("/branch a", "this chat is session 'a' already"),
+    ("/branch c", "session 'c' exists"),
+    ("/branch ../x", "invalid session name"),
+    ("/branch", "usage: /branch NAME"),
+])  # fmt: skip
+def test_branch_refusals_write_nothing(line, said, tiny_model_dirs, chat, home):
+    d = tiny_model_dirs["llama"]
+    for name in ("a", "c"):
+        assert chat(d, script(TURNS[0]), "--session", name, *SP)[0] == 0
+    folder = home / "sessions"
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix == ".safetensors"}
+    rc, out, err = chat(d, script(line), "--session", "a", *SP)
+    assert rc == 1
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and said in errors[0], err
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix == ".safetensors"} == before

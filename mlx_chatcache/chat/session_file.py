@@ -61,6 +61,7 @@ class SessionRecord:
     attempt: int  # retries of the last turn
     source: dict | None = None  # how the model was loaded: {"model": ref, "adapter_path": path | None}
     notes: list[str] = dataclasses.field(default_factory=list)  # loading: saved settings dropped (not saved)
+    branch_of: dict | None = None  # {"session": name or path, "turns": n}: forked from there, at n turns
 
 
 # ------------------------------------------------------------------ save
@@ -76,6 +77,7 @@ def session_metadata(record: SessionRecord) -> dict:
         "checkpoints": [c.to_json() for c in record.checkpoints],
         "attempt": record.attempt,
         **({"source": record.source} if record.source else {}),
+        **({"branch_of": record.branch_of} if record.branch_of else {}),
     }
 
 
@@ -162,7 +164,7 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
     attempt = meta.get("attempt", 0)
     state.messages, state.text = info.messages, None
     return SessionRecord(state, config, pending, text, checkpoints, attempt if _is_int(attempt) else 0,
-                         notes=notes)  # fmt: skip
+                         notes=notes, branch_of=parse_branch_of(meta, path))  # fmt: skip
 
 
 def _checkout(path, model, info: CacheFileInfo, config: GenerationConfig) -> PromptCache:
@@ -257,6 +259,28 @@ def _parse_checkpoints(path, meta: dict) -> list[Checkpoint]:
     return checkpoints
 
 
+def parse_branch_of(meta: dict, path=None) -> dict | None:
+    """The session a session was branched from, ``{"session": str, "turns": int}``
+    (None: none); malformed: CacheFileError when ``path`` names the file, else None."""
+    raw = meta.get("branch_of")
+    if raw is None:
+        return None
+    if isinstance(raw, dict) and isinstance(raw.get("session"), str) and _is_int(raw.get("turns")):
+        return {"session": raw["session"], "turns": raw["turns"]}
+    if path is None:
+        return None
+    raise CacheFileError(f"{path}: the session's branch_of record is malformed; the file is damaged")
+
+
+def session_name(path: str | os.PathLike) -> str:
+    """The name of the session at ``path`` (its path when it is not in :func:`sessions_dir`)."""
+    path = Path(path)
+    if Path(os.path.realpath(path.parent)) == Path(os.path.realpath(sessions_dir())) and \
+            path.name.endswith(SESSION_SUFFIX):  # fmt: skip
+        return path.name[: -len(SESSION_SUFFIX)]
+    return str(path)
+
+
 def _is_int(v) -> bool:
     return type(v) is int and v >= 0
 
@@ -295,6 +319,8 @@ __all__ = [
     "session_metadata",
     "save_session",
     "load_session",
+    "session_name",
     "session_path",
     "sessions_dir",
+    "parse_branch_of",
 ]

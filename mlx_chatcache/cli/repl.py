@@ -45,7 +45,7 @@ from ..config import mlxcc_home
 from ..errors import ChatCacheError, UsageError
 from ..files.cache_file import Claim, claim
 from ..chat.session import ChatSession, RollbackResult, TurnResult
-from .repl_edit import edit_command
+from .repl_edit import branch_command, edit_command
 
 HELP = f"""\
 Commands (anything else is sent to the model):
@@ -57,6 +57,8 @@ Commands (anything else is sent to the model):
                          of retries, so each retry differs yet is reproducible)
   /edit [N]              replace your message N (default the last) with the next
                          input and answer it again (the messages after it go)
+  /branch NAME           go on in a new session NAME (the session left keeps
+                         this point); 'mlxcc sessions show' lists branches
   /system [TEXT]         show or set the system prompt (empty quotes \"\" removes it)
   /set NAME VALUE        change a setting: temp, top_p, top_k, min_p, max_tokens,
                          seed (or 'none'), repetition_penalty (or 'none')
@@ -453,6 +455,7 @@ COMMANDS: dict[str, Callable[[ChatREPL, str], None]] = {
     "save": ChatREPL._save,
     "load": ChatREPL._load,
     "edit": edit_command,
+    "branch": branch_command,
 }
 SHOW: dict[str, Callable[[ChatREPL], None]] = {
     "info": ChatREPL._show_info,

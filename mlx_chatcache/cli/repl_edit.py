@@ -1,4 +1,4 @@
-"""The chat commands that change where a conversation goes: ``/edit [N]``.
+"""The chat commands that change where a conversation goes: ``/edit [N]`` and ``/branch NAME``.
 
 Each is a function of the :class:`~mlx_chatcache.cli.repl.ChatREPL` running the chat
 and the command's argument, listed in its ``COMMANDS`` table.
@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 from .chat_input import message_text, read_input
 from ..errors import ChatCacheError, UsageError
 from ..chat.session import ChatSession
+from ..chat.session_file import session_name, session_path
+from ..files.cache_file import claim
 
 if TYPE_CHECKING:
     from .repl import ChatREPL
@@ -67,4 +69,47 @@ def _edit_not_made(repl: ChatREPL, s: ChatSession) -> None:
               "on the next turn]")  # fmt: skip
 
 
-__all__ = ["edit_command", "parse_edit_arg"]
+def branch_command(repl: ChatREPL, arg: str) -> None:
+    """``/branch NAME``: save the chat as it is into the new session NAME (a file of
+    its own, which records the session it came from and at how many turns) and go
+    on there; the session it leaves stays as last saved. Refused, writing nothing,
+    when NAME exists or another chat holds it."""
+    name = arg.strip()
+    if not name:
+        raise UsageError("usage: /branch NAME (a new session name)")
+    path = session_path(name)
+    label = f"'{name}'"
+    if repl.held is not None and repl.held.covers(path):
+        raise UsageError(f"this chat is session {label} already; /branch takes a new session name")
+    if path.exists():
+        raise UsageError(f"session {label} exists; /branch takes a new session name (continue {label} "
+                         f"with 'mlxcc chat --session {name}')")  # fmt: skip
+    s = repl.session
+    if repl.unsaved:  # bring the session left behind up to date first, if its file can take it
+        repl.save()
+    left = None if repl.held is None else repl.held.path
+    parent = None if left is None else session_name(left)
+    new = claim(path, mine=True, label=label, required=True)
+    before = s.branch_of
+    if parent is not None:
+        s.branch_of = {"session": parent, "turns": s.num_turns}
+    try:
+        problems = s.save(new)
+    except BaseException:
+        s.branch_of = before
+        new.release()
+        raise
+    for line in problems:
+        repl.note(f"warning: {line}")
+    if repl.held is not None:
+        repl.held.release()
+    repl.held, repl.session_label, repl.unsaved = new, label, False
+    if parent is None:
+        repl.note(f"[saved as session {label}: this chat continues there]")
+        return
+    again = f"--session {parent}" if parent != str(left) else f"--session-file {parent}"
+    repl.note(f"[branched: this chat continues in {label}; '{parent}' stays at turn {s.num_turns} "
+              f"(resume it with 'mlxcc chat {again}')]")  # fmt: skip
+
+
+__all__ = ["branch_command", "edit_command", "parse_edit_arg"]

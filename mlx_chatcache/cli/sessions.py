@@ -12,6 +12,7 @@ import os
 import time
 
 from ..chat.session_catalog import format_conversation, list_sessions, read_session_info, remove_session, session_source
+from ..chat.session_catalog import branches
 from ..chat.session_file import sessions_dir
 from .common import human_bytes
 
@@ -79,6 +80,9 @@ def run_show(args: argparse.Namespace) -> int:
     print(f"session '{args.name}': model {src['model'] or '?'}"
           + (f" + adapter {src['adapter_path']}" if src["adapter_path"] else "")
           + f", {turns} turns, {info.num_tokens} tokens")  # fmt: skip
+    forks = branches(args.name)
+    if forks:
+        print("branches: " + ", ".join(f"{b} (at turn {n})" for b, n in forks))
     print(format_conversation(info.messages))
     return 0
 
