@@ -110,8 +110,11 @@ class ChatSession(SessionRollback):
         config: GenerationConfig = DEFAULTS,
         max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS,
         shared: Sequence[Tier] = (),
+        template_args: dict | None = None,
+        stop: Sequence[str] = (),
     ):
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        self.template_args, self.stop = template_args or None, tuple(stop)
         self._setup(model, tokenizer, config, max_checkpoints, messages, shared)
         self.state = self._new_state()
         self.pending: list[int] = []
@@ -174,7 +177,8 @@ class ChatSession(SessionRollback):
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         try:
-            return chat_text(self.tokenizer, messages, add_generation_prompt=add_generation_prompt)
+            return chat_text(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                             template_kwargs=self.template_args)  # fmt: skip
         except Exception as e:  # jinja errors: a template that rejects this conversation
             raise SessionError(f"the chat template failed on this conversation: {type(e).__name__}: {e}") from e
 
@@ -296,7 +300,8 @@ class ChatSession(SessionRollback):
         # between chunks; the generate loop then feeds only the last prompt token
         feed_prompt(self.model, self.state, prompt_ids, len(prompt_ids) - 1, self.config, should_stop, self.progress)
         reply = stream_reply(
-            self.model, self.tokenizer, prompt_ids, self.state, self._call_config(), started, on_text, should_stop
+            self.model, self.tokenizer, prompt_ids, self.state, self._call_config(), started, on_text, should_stop,
+            self.stop,
         )
         self._keep_reply(prompt_ids, prompt_text, reply)
         stats = turn_stats(prompt_ids, reused, common, reply, started)
@@ -324,7 +329,8 @@ class ChatSession(SessionRollback):
             stop_text = self.tokenizer.decode([reply.last.token])
         if self.state.tokens == prompt_ids + reply.tokens[:-1]:
             self.pending = [reply.tokens[-1]]
-            self.text = prompt_text + reply.text + stop_text
+            # cut at a stop string: the tokens say more than the reply (next turn matches them by decoding)
+            self.text = "" if reply.cut else prompt_text + reply.text + stop_text
         else:  # not the documented state: fall back to re-rendering next turn
             self.pending, self.text = [], ""
             self.checkpoints.clear()
@@ -359,6 +365,12 @@ class ChatSession(SessionRollback):
         if text is not None:
             self.messages.insert(0, {"role": "system", "content": text})
         self._drop_cache()
+
+    def set_template_args(self, args: dict | None) -> None:
+        """Replace the chat template's extra arguments; the cache is rebuilt next turn."""
+        if (args or None) != self.template_args:
+            self.template_args = args or None
+            self._drop_cache()
 
     def clear(self) -> None:
         """Forget the conversation (the system prompt stays)."""
@@ -409,7 +421,8 @@ class ChatSession(SessionRollback):
         """What a session file holds of this session (shares its lists and cache)."""
         state = dataclasses.replace(self.state, messages=self.messages, text=None)  # the cache as a chat's
         return SessionRecord(state, self.config, self.pending, self.text, self.checkpoints, self.attempt,
-                             getattr(self.model, "source", None), branch_of=self.branch_of)  # fmt: skip
+                             getattr(self.model, "source", None), branch_of=self.branch_of,
+                             template_args=self.template_args, stop=self.stop)  # fmt: skip
 
     def save(self, path: str | os.PathLike | None) -> list[str]:
         """Write the session to ``path`` atomically (a previous file survives any failure),
@@ -433,6 +446,7 @@ class ChatSession(SessionRollback):
         is dropped (the default is used): ``load_notes`` has one line for each."""
         record = load_session(path, model, overrides)
         self = cls.__new__(cls)
+        self.template_args, self.stop = record.template_args, record.stop
         self._setup(model, tokenizer, record.config, max_checkpoints, record.state.messages, shared)
         self.state, self.pending, self.text = record.state, record.pending, record.text
         self.checkpoints, self.attempt = record.checkpoints, record.attempt
@@ -456,6 +470,7 @@ class ChatSession(SessionRollback):
         if prompt.messages is None:
             raise UsageError("a chat starts only from a chat cache (messages, not raw text)")
         self = cls.__new__(cls)
+        self.template_args, self.stop = None, ()
         self._setup(model, tokenizer, config, max_checkpoints, [dict(m) for m in prompt.messages], shared)
         self.state, self.pending, self.checkpoints, self.attempt = prompt, [], [], 0
         text = self.render(self.messages, add_generation_prompt=False) if self.messages else ""

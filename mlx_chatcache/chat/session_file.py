@@ -62,6 +62,8 @@ class SessionRecord:
     source: dict | None = None  # how the model was loaded: {"model": ref, "adapter_path": path | None}
     notes: list[str] = dataclasses.field(default_factory=list)  # loading: saved settings dropped (not saved)
     branch_of: dict | None = None  # {"session": name or path, "turns": n}: forked from there, at n turns
+    template_args: dict | None = None  # extra arguments of the chat template
+    stop: tuple[str, ...] = ()  # stop strings: a reply ends before the first
 
 
 # ------------------------------------------------------------------ save
@@ -78,6 +80,8 @@ def session_metadata(record: SessionRecord) -> dict:
         "attempt": record.attempt,
         **({"source": record.source} if record.source else {}),
         **({"branch_of": record.branch_of} if record.branch_of else {}),
+        **({"template_args": record.template_args} if record.template_args else {}),
+        **({"stop": list(record.stop)} if record.stop else {}),
     }
 
 
@@ -163,8 +167,10 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
     checkpoints = _parse_checkpoints(path, meta)
     attempt = meta.get("attempt", 0)
     state.messages, state.text = info.messages, None
+    template_args, stop = _parse_template_and_stop(path, meta)
     return SessionRecord(state, config, pending, text, checkpoints, attempt if _is_int(attempt) else 0,
-                         notes=notes, branch_of=parse_branch_of(meta, path))  # fmt: skip
+                         notes=notes, branch_of=parse_branch_of(meta, path), template_args=template_args,
+                         stop=stop)  # fmt: skip
 
 
 def _checkout(path, model, info: CacheFileInfo, config: GenerationConfig) -> PromptCache:
@@ -257,6 +263,15 @@ def _parse_checkpoints(path, meta: dict) -> list[Checkpoint]:
             raise CacheFileError(f"{path}: session checkpoints are malformed; the file is damaged")
         checkpoints.append(Checkpoint(*ck))
     return checkpoints
+
+
+def _parse_template_and_stop(path, meta: dict) -> tuple[dict | None, tuple[str, ...]]:
+    args, stop = meta.get("template_args"), meta.get("stop", [])
+    if not (args is None or isinstance(args, dict)) or not (
+            isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)):  # fmt: skip
+        raise CacheFileError(f"{path}: the session's template arguments or stop strings are malformed; "
+                             "the file is damaged")  # fmt: skip
+    return args or None, tuple(stop)
 
 
 def parse_branch_of(meta: dict, path=None) -> dict | None:
