@@ -127,3 +127,33 @@ def test_a_reply_cut_at_a_stop_string_leaves_an_exact_cache(data, tiny_model):
         assert s.tokens[: len(prompt)] == prompt
         ref = [r.token for r in stream_generate(model, tokenizer, prompt, config=s.config)]
         assert s.tokens[len(prompt):] == ref[:n]
+
+
+# ------------------------------------------------------------------ the context warning
+@pytest.fixture(scope="module")
+def short_context_dir(tmp_path_factory, tiny_model_dirs):
+    """The tiny llama with a context of 160 tokens."""
+    d = tmp_path_factory.mktemp("short") / "llama-160"
+    shutil.copytree(tiny_model_dirs["llama"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["max_position_embeddings"] = 160
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("flags,limit,said", [
+    ((), 160, "of the model's 160-token context: at 160 the next message is refused"),
+    (("--max-kv-size", "96"), 96, "tokens of the 96-token window: past it the oldest turns leave the window"),
+])  # fmt: skip
+def test_the_context_warning_comes_once_when_a_turn_may_fill_80_percent(flags, limit, said, short_context_dir,
+                                                                         chat):  # fmt: skip
+    turns = [TURNS[i % 2] for i in range(5)]
+    rc, out, err = chat(short_context_dir, script(*turns), *flags)
+    lines = err.splitlines()
+    warned = [i for i, x in enumerate(lines) if said in x]
+    assert len(warned) == 1, err
+    at = [i for i, x in enumerate(lines) if "[stats]" in x]
+    reach = [s["new"] + s["reused"] + 8 for s in stats(err)]  # prompt + --max-tokens
+    first = next(t for t, r in enumerate(reach) if r >= 0.8 * limit)
+    assert warned[0] == at[first] + 1  # right after that turn's statistics, never before
+    assert first >= 2 and all(r < 0.8 * limit for r in reach[:first])

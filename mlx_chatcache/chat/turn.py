@@ -97,6 +97,7 @@ class TurnStats:
 class TurnResult:
     text: str
     stats: TurnStats
+    warning: str | None = None  # a line to show (the conversation nears the end of the context)
 
 
 @dataclass

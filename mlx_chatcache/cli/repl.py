@@ -262,6 +262,8 @@ class ChatREPL:
             self.note("[stopped]")
         if self.verbose:
             self.note(f"[stats] {result.stats.summary()}")
+        if result.warning:
+            self.note(result.warning)
         self.save()
         return result
 
