@@ -157,3 +157,24 @@ def test_the_context_warning_comes_once_when_a_turn_may_fill_80_percent(flags, l
     first = next(t for t, r in enumerate(reach) if r >= 0.8 * limit)
     assert warned[0] == at[first] + 1  # right after that turn's statistics, never before
     assert first >= 2 and all(r < 0.8 * limit for r in reach[:first])
+
+
+@pytest.mark.parametrize("saved", [True, False], ids=["session", "no-session"])
+def test_a_failed_edit_keeps_the_conversation_and_its_cache(saved, short_context_dir, chat, home):
+    """An edit whose turn is refused (its prompt is past the context) changes nothing:
+    the session file is loaded again (nothing recomputed) or, without one, the tokens
+    after the edit point are fed again; the next reply is the one without the edit."""
+    d = short_context_dir
+    where = ("--session", "s") if saved else ()
+    too_long = " ".join(["word"] * 200)
+    rc, out, err = chat(d, script(TURNS[0], TURNS[1], "/edit 1", too_long, TURNS[2]), *where)
+    assert "the conversation has" in err and "but the model's context holds 160" in err, err
+    st_ = stats(err)
+    assert len(st_) == 3
+    if saved:
+        assert "[edit not made; the conversation is as before (0 tokens recomputed)]" in err
+        assert st_[2]["reused"] == st_[1]["new"] + st_[1]["reused"] + st_[1]["generated"] - 1
+    else:
+        assert "[edit not made; the conversation is as before: " in err
+    rc, ref_out, ref_err = chat(d, script(TURNS[0], TURNS[1], TURNS[2]))
+    assert out == ref_out
