@@ -255,9 +255,9 @@ def test_save_load_continues_exactly(kind, tiny_model_dirs, tmp_path):
     info = read_cache_info(path)
     meta = json.loads(info.metadata["session"])
     assert meta["settings"]["temp"] == 0.8 and info.messages == a.messages[:-2]
-    # undo after loading: trimmable caches roll back, others say they recompute
+    # undo after loading: trimmable caches trim back, others restore the copy the file keeps
     c = ChatSession.load(path, model, tokenizer)
-    assert c.undo().how == ("trim" if kind == "llama" else "recompute")
+    assert c.undo().how == ("trim" if kind == "llama" else "checkpoint")
 
 
 def test_load_refuses_another_model_and_non_sessions(llama_model, make_tiny_model, tmp_path):

@@ -33,9 +33,11 @@ At the start of each turn the session records a
 lengths, and copies of the layers that may not trim back); undo, retry and a
 failed or cancelled turn roll back to it without feeding a history token
 again (see :mod:`mlx_chatcache.chat.checkpoints`). Copies are kept in memory for the
-last ``max_checkpoints`` turns only. Past those turns (or after loading a
-session from a file) an untrimmable cache cannot be rolled back: the history
-is then recomputed on the next turn, and the session says so.
+last ``max_checkpoints`` turns only, and a session file keeps the newest of
+them up to :data:`~mlx_chatcache.config.SESSION_CHECKPOINT_BYTES` (so they
+work after a resume too). Past those turns an untrimmable cache cannot be
+rolled back: the history is then recomputed on the next turn, and the session
+says so.
 
 Bounded memory
 --------------
@@ -91,7 +93,7 @@ from ..generation.checkout import checkout_prompt, scope_of
 from ..generation.text import as_tokenizer_wrapper
 from ..models.context import check_prompt_fits, context_warning
 from .rollback import SessionRollback
-from .session_file import SessionRecord, load_session, save_session
+from .session_file import SessionRecord, kept_copies, load_session, save_session
 from ..store.store import PromptStore
 from ..store.tiers import Scope, Tier
 
@@ -418,6 +420,8 @@ class ChatSession(SessionRollback):
             "keep": self.state.shape.keep if self.state.shape.max_kv_size else None,
             "checkpoints": len(self.checkpoints),
             "checkpoint_copies": sum(1 for c in self.checkpoints if c.cache is not None),
+            "saved_copies": [prompt_cache_nbytes([x for x in c if x is not None])
+                             for c in kept_copies(self.checkpoints)[0]],  # fmt: skip
         }
 
     # ------------------------------------------------------------ files

@@ -417,7 +417,8 @@ class ChatREPL:
             f"layers:      {layers}",
             f"window:      {window}",
             f"trimmable:   {'yes' if i['trimmable'] else 'no'}",
-            f"checkpoints: {plural(i['checkpoints'], 'turn')} ({i['checkpoint_copies']} with a cache copy)",
+            f"checkpoints: {plural(i['checkpoints'], 'turn')} ({i['checkpoint_copies']} with a cache copy, "
+            f"{len(i['saved_copies'])} kept in a session file: {human_bytes(sum(i['saved_copies']))})",
         ]
         self.say("\n".join(lines))
 
