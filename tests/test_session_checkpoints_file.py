@@ -63,7 +63,7 @@ def test_the_file_keeps_the_newest_copies_within_its_byte_bound(tiny_model_dirs,
     d = tiny_model_dirs["ssm"]
     assert chat(d, script(*TURNS[:3]), "--session", "s", *SP)[0] == 0
     n, nbytes = snapshot_bytes(session_file(home, "s"))
-    assert n == 2  # turns 2 and 3 (turn 1 started from an empty cache: nothing to keep)
+    assert n == 3  # one per turn (the first turn's at the end of the system prompt); SSM states: equal sizes
     import mlx_chatcache.chat.session_file as sf
 
     monkeypatch.setattr(sf, "SESSION_CHECKPOINT_BYTES", nbytes // n)  # room for one copy
@@ -92,3 +92,23 @@ def test_a_damaged_checkpoint_copy_is_refused_in_one_line(tiny_model_dirs, chat,
     assert rc == 1 and out == ""
     assert len(err.strip().splitlines()) == 1 and "damaged" in err, err
     assert path.read_bytes() == bytes(data)
+
+
+@pytest.mark.parametrize("kind", UNTRIMMABLE)
+def test_new_chats_share_the_stored_system_prompt(kind, tiny_model_dirs, chat, home, llama_model):
+    d = tiny_model_dirs[kind]
+    store = str(home.parent / "store")
+    rc, _, err = chat(d, script(TURNS[0]), "--cache-dir", store, *SP)
+    assert rc == 0, err
+    rc, out, err = chat(d, script(TURNS[1], TURNS[2]), "--cache-dir", store, *SP)
+    assert rc == 0, err
+    tokenizer = llama_model[1]  # every tiny kind shares the tokenizer
+    head = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}], tokenize=False)
+    n_head = len(tokenizer.encode(head, add_special_tokens=False))
+    assert stats(err)[0]["reused"] == n_head > 0
+    rc, fresh, _ = chat(d, script(TURNS[1], TURNS[2]), *SP)
+    assert out == fresh  # the same replies as a chat without the store
+    # undo of the first turn keeps the system prompt: the same message again reuses it
+    rc, out, err = chat(d, script(TURNS[1], "/undo", TURNS[1]), *SP)
+    st = stats(err)
+    assert st[1]["reused"] == n_head and st[1]["new"] == st[0]["new"] - n_head

@@ -57,6 +57,26 @@ class SessionRollback:
         self.checkpoints[-1] = Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, copies)
         return restored.state_len
 
+    def _checkpoint_system_head(self, prompt_ids: list[int], prompt_text: str, should_stop: StopCheck | None) -> None:
+        """The first turn of a chat with a system prompt, on a cache holding at most the
+        rendered system prompt (the head): feed the head first and move this turn's
+        checkpoint there, so rolling the first turn back keeps the system prompt. When
+        the head was fed here and the cache cannot trim back, the shared tiers get it:
+        an entry whose tokens are exactly a prefix of every chat with that system prompt."""
+        ck = self.checkpoints[-1] if self.checkpoints else None
+        if self.system_prompt is None or ck is None or ck.n_tokens != 0:
+            return
+        head_text = self.render(self.messages[:1], add_generation_prompt=False)
+        head = self.encode(head_text)
+        n, had = len(head), len(self.state.tokens)
+        if not (0 < n < len(prompt_ids) - 1 and had <= n and prompt_ids[:n] == head and prompt_text.startswith(head_text)):
+            return
+        feed_prompt(self.model, self.state, prompt_ids, n, self.config, should_stop)
+        self.checkpoints[-1] = Checkpoint(ck.n_messages, n, n, len(head_text), snapshot(self.state.cache))
+        if had < n and self.shared.tiers and not all(c.always_trimmable() for c in self.state.cache):
+            # best effort: a tier that fails is reported when the session is saved
+            self.shared.put(self.scope, self.state.tokens, self.state.cache, on_error=lambda tier, e: None)
+
     def _rewind(self, ck: Checkpoint, tokens: list[int] | None = None) -> RollbackResult:
         """Make messages, tokens, text and cache what they were at ``ck``.
         ``tokens``: the session's tokens (default ``self.tokens``; a failed turn

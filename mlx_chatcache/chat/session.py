@@ -58,7 +58,10 @@ being a strict named tier. ``shared`` tiers (``mlxcc chat --cache-dir``: the dis
 uses) get the cache on every save, and a turn that starts with an empty cache
 (a new session, after ``/clear`` or a new system prompt) starts from their
 longest prefix of its prompt: a new chat whose system prompt (or first
-messages) a server or another chat already processed reuses them. The file's
+messages) a server or another chat already processed reuses them. A new
+conversation's first turn feeds its rendered system prompt first and keeps its
+checkpoint there; the shared tiers get that cache too when it cannot trim
+back, so every new chat with the same model and system prompt starts from it. The file's
 layout, session names and the session lock are in
 :mod:`mlx_chatcache.chat.session_file`.
 """
@@ -299,6 +302,8 @@ class ChatSession(SessionRollback):
             reused = self._history_rewritten(prompt_ids, k, prompt_text, n_text, should_stop)
         trimmed_to = reuse_prefix(self.state, prompt_ids, self.model)
         reused = trimmed_to if reused is None else reused
+        if not held:  # a new conversation: its system prompt gets a checkpoint of its own
+            self._checkpoint_system_head(prompt_ids, prompt_text, should_stop)
         # feed the prompt here, chunk by chunk, so that a stop request is honoured
         # between chunks; the generate loop then feeds only the last prompt token
         feed_prompt(self.model, self.state, prompt_ids, len(prompt_ids) - 1, self.config, should_stop, self.progress)
