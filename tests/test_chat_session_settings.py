@@ -178,3 +178,13 @@ def test_a_failed_edit_keeps_the_conversation_and_its_cache(saved, short_context
         assert "[edit not made; the conversation is as before: " in err
     rc, ref_out, ref_err = chat(d, script(TURNS[0], TURNS[1], TURNS[2]))
     assert out == ref_out
+
+
+def test_the_context_warning_comes_again_after_the_conversation_shrinks(short_context_dir, chat):
+    turns = [TURNS[i % 2] for i in range(5)]
+    rc, out, err = chat(short_context_dir, script(*turns, "/clear", *turns))
+    said = "of the model's 160-token context"
+    assert err.count(said) == 2, err
+    lines = err.splitlines()
+    cleared = next(i for i, x in enumerate(lines) if "[conversation cleared]" in x)
+    assert [i < cleared for i, x in enumerate(lines) if said in x] == [True, False]
