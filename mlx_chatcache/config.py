@@ -270,6 +270,8 @@ FLOAT32_MAX_BYTES = 2 * 10**9  # auto: float32 weights when they take at most th
 PREFILL_DEQUANT_ROWS = 8  # q: calls of at least this many rows use dequantized float32 weights
 
 DEFAULT_MAX_CHECKPOINTS = 4  # chat turns whose cache copies are kept for undo/retry (ChatSession)
+SESSION_CHECKPOINT_BYTES = 256 * 2**20  # a session file keeps the newest checkpoint copies up to this many bytes
+CONTEXT_WARNING_FRACTION = 0.8  # a chat warns once when a turn may fill this much of the context (or window)
 
 # the longest a model call should take where Ctrl-C must be acted upon (the CLI,
 # a chat turn that polls a stop request): prompt processing is split to fit (pacing.py)

@@ -1,5 +1,6 @@
 """How a :class:`~mlx_chatcache.chat.session.ChatSession` rolls back: the turn checkpoints it records,
-what it keeps when a template rewrites history, and rewinding to a checkpoint.
+what it keeps when a template rewrites history, rewinding to a checkpoint, and editing an
+earlier message (a rollback to that message's turn, then the turn again with the new text).
 
 :class:`SessionRollback` is a base class of ``ChatSession`` and works on its attributes (``model``,
 ``config``, ``messages``, ``state``, ``pending``, ``text``, ``checkpoints``, ``tokens``); the
@@ -9,9 +10,11 @@ in the docstring of :mod:`mlx_chatcache.chat.session` ("Undo and retry").
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..cache import can_trim_prompt_cache
-from ..errors import SessionError
-from .turn import StopCheck, feed_prompt
+from ..errors import SessionError, UsageError
+from .turn import StopCheck, TextCallback, TurnResult, feed_prompt
 from .checkpoints import Checkpoint, RollbackResult, drop_old_copies, restore, rewind_cache, snapshot
 
 
@@ -54,6 +57,26 @@ class SessionRollback:
         self.checkpoints[-1] = Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, copies)
         return restored.state_len
 
+    def _checkpoint_system_head(self, prompt_ids: list[int], prompt_text: str, should_stop: StopCheck | None) -> None:
+        """The first turn of a chat with a system prompt, on a cache holding at most the
+        rendered system prompt (the head): feed the head first and move this turn's
+        checkpoint there, so rolling the first turn back keeps the system prompt. When
+        the head was fed here and the cache cannot trim back, the shared tiers get it:
+        an entry whose tokens are exactly a prefix of every chat with that system prompt."""
+        ck = self.checkpoints[-1] if self.checkpoints else None
+        if self.system_prompt is None or ck is None or ck.n_tokens != 0:
+            return
+        head_text = self.render(self.messages[:1], add_generation_prompt=False)
+        head = self.encode(head_text)
+        n, had = len(head), len(self.state.tokens)
+        if not (0 < n < len(prompt_ids) - 1 and had <= n and prompt_ids[:n] == head and prompt_text.startswith(head_text)):
+            return
+        feed_prompt(self.model, self.state, prompt_ids, n, self.config, should_stop)
+        self.checkpoints[-1] = Checkpoint(ck.n_messages, n, n, len(head_text), snapshot(self.state.cache))
+        if had < n and self.shared.tiers and not all(c.always_trimmable() for c in self.state.cache):
+            # best effort: a tier that fails is reported when the session is saved
+            self.shared.put(self.scope, self.state.tokens, self.state.cache, on_error=lambda tier, e: None)
+
     def _rewind(self, ck: Checkpoint, tokens: list[int] | None = None) -> RollbackResult:
         """Make messages, tokens, text and cache what they were at ``ck``.
         ``tokens``: the session's tokens (default ``self.tokens``; a failed turn
@@ -79,7 +102,12 @@ class SessionRollback:
         raise SessionError("there is no exchange to undo or retry yet; send a message first")
 
     def _rollback_last(self) -> RollbackResult:
-        i = self._last_exchange()
+        return self._rollback_to(self._last_exchange())
+
+    def _rollback_to(self, i: int) -> RollbackResult:
+        """Drop ``messages[i:]`` (``i``: a user message) and roll the cache back to
+        the start of that turn: from its checkpoint when there is one (trim or
+        copies), else the next turn re-renders the conversation."""
         while self.checkpoints and self.checkpoints[-1].n_messages > i:
             self.checkpoints.pop()
         if self.checkpoints and self.checkpoints[-1].n_messages == i:
@@ -94,3 +122,56 @@ class SessionRollback:
         held = len(self.state.tokens)
         self.state.reset(self.model)
         return RollbackResult("recompute", held)
+
+    def user_message_index(self, n: int | None) -> int:
+        """Index in ``messages`` of user message ``n`` (1-based; None: the last);
+        a UsageError names the valid numbers."""
+        users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+        if not users:
+            raise SessionError("there is no message to edit yet; send a message first")
+        if n is None:
+            return users[-1]
+        if type(n) is not int or not 1 <= n <= len(users):
+            raise UsageError(f"there is no user message {n}: this chat has {len(users)} "
+                             f"(1 is the first, {len(users)} the last)")  # fmt: skip
+        return users[n - 1]
+
+    def edit(
+        self, n: int | None, content: str, on_text: TextCallback | None = None, should_stop: StopCheck | None = None
+    ) -> TurnResult:
+        """Replace user message ``n`` (1-based; None: the last) with ``content`` and
+        generate its reply again; the messages after it are dropped. The cache rolls
+        back to the start of that turn as ``undo`` does, so the turn feeds only the
+        new message's tokens (unless that turn's checkpoint is gone: then as after a
+        rollback that could not trim). The reply is the one a new chat with the same
+        messages would give.
+
+        A turn that is cancelled (``finish_reason == "cancelled"``) or raises leaves
+        the conversation as it was before the edit; the tokens after the edit point
+        are then fed again on the next turn (``pending``), which a caller with a saved
+        copy of the session avoids by loading it again."""
+        if not isinstance(content, str):
+            raise UsageError("a chat message must be text")
+        i = self.user_message_index(n)
+        before = ([dict(m) for m in self.messages], self.text, self.tokens,
+                  [dataclasses.replace(c) for c in self.checkpoints])  # fmt: skip
+        self._rollback_to(i)
+        self.attempt = 0
+        try:
+            result = self._turn(content, on_text, should_stop)
+        except BaseException:
+            self._restore(*before)
+            raise
+        if result.stats.finish_reason == "cancelled":
+            self._restore(*before)
+        return result
+
+    def _restore(self, messages: list[dict], text: str, tokens: list[int], checkpoints: list[Checkpoint]) -> None:
+        """The conversation before a failed edit: the cache keeps the history up to
+        the edit point and the tokens after it wait in ``pending`` (fed, exactly as
+        they were, on the next turn)."""
+        if self.state.tokens != tokens[: len(self.state.tokens)]:
+            self.state.reset(self.model)
+        self.messages[:] = messages
+        self.text, self.pending = text, tokens[len(self.state.tokens) :]
+        self.checkpoints[:] = checkpoints

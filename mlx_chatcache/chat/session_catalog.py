@@ -152,7 +152,28 @@ def format_conversation(messages: list[dict]) -> str:
     return "\n".join(blocks)
 
 
+def branches(name: str, folder: Path | None = None) -> list[tuple[str, int]]:
+    """``[(session, turns)]``: the sessions in ``folder`` (default :func:`sessions_dir`)
+    branched from session ``name``, at ``turns`` turns, by name (headers only)."""
+    from .session_file import parse_branch_of
+
+    folder = folder or sessions_dir()
+    out = []
+    for p in sorted(folder.glob(f"*{SESSION_SUFFIX}")) if folder.is_dir() else []:
+        if p.name.startswith("."):
+            continue
+        try:
+            meta = json.loads(read_cache_info(p).metadata.get(SESSION_KEY, "{}"))
+        except (ChatCacheError, OSError, json.JSONDecodeError, RecursionError):
+            continue  # damaged or not a session: 'mlxcc sessions' says so
+        parent = parse_branch_of(meta) if isinstance(meta, dict) else None
+        if parent is not None and parent["session"] == name:
+            out.append((p.name[: -len(SESSION_SUFFIX)], parent["turns"]))
+    return out
+
+
 __all__ = [
+    "branches",
     "format_conversation",
     "SessionSummary",
     "list_sessions",

@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..files.cache_file import SESSION_KEY, Claim, claim
 from ..files.mlxcc_format import read_cache_info
-from ..config import (DEFAULTS, RANGES, SHAPE_KEYS, CacheShape, GenerationConfig, SettingError, check_setting,
-                      check_window, mlxcc_home)
-from ..errors import CacheFileError, ModelMismatchError, SessionError, clipped
+from ..config import (DEFAULTS, RANGES, SESSION_CHECKPOINT_BYTES, SHAPE_KEYS, CacheShape, GenerationConfig,
+                      SettingError, check_setting, check_window, mlxcc_home)
+from ..errors import CacheFileError, ModelMismatchError, SessionError, UsageError, clipped
 from ..models.fingerprint import ModelFingerprint
 
 if TYPE_CHECKING:  # imported where a session is loaded: names, paths and locks need no MLX or mlx-lm
@@ -55,17 +55,22 @@ class SessionRecord:
 
     state: PromptCache  # the cache, its tokens and the conversation they are (``state.messages``)
     config: GenerationConfig
-    pending: list[int]  # the last reply token, fed first next turn
+    pending: list[int]  # fed first next turn (the last reply token; more after a rollback)
     text: str  # every prompt and reply so far, exactly as fed or generated
-    checkpoints: list[Checkpoint]  # saved without their cache copies
+    checkpoints: list[Checkpoint]  # the newest cache copies saved too (kept_copies)
     attempt: int  # retries of the last turn
     source: dict | None = None  # how the model was loaded: {"model": ref, "adapter_path": path | None}
     notes: list[str] = dataclasses.field(default_factory=list)  # loading: saved settings dropped (not saved)
+    branch_of: dict | None = None  # {"session": name or path, "turns": n}: forked from there, at n turns
+    template_args: dict | None = None  # extra arguments of the chat template
+    stop: tuple[str, ...] = ()  # stop strings: a reply ends before the first
 
 
 # ------------------------------------------------------------------ save
-def session_metadata(record: SessionRecord) -> dict:
-    """The JSON object stored under the ``session`` metadata key."""
+def session_metadata(record: SessionRecord, snapshot_index: Sequence[int] = ()) -> dict:
+    """The JSON object stored under the ``session`` metadata key; ``snapshot_index``:
+    per checkpoint, the file snapshot holding its cache copy (-1: none; default none)."""
+    index = list(snapshot_index) or [-1] * len(record.checkpoints)
     return {
         "format": SESSION_FORMAT,
         "settings": dataclasses.asdict(record.config),
@@ -73,9 +78,12 @@ def session_metadata(record: SessionRecord) -> dict:
         "keep": record.state.shape.keep,
         "pending": list(record.pending),
         "text": record.text,
-        "checkpoints": [c.to_json() for c in record.checkpoints],
+        "checkpoints": [[*c.to_json(), k] for c, k in zip(record.checkpoints, index)],
         "attempt": record.attempt,
         **({"source": record.source} if record.source else {}),
+        **({"branch_of": record.branch_of} if record.branch_of else {}),
+        **({"template_args": record.template_args} if record.template_args else {}),
+        **({"stop": list(record.stop)} if record.stop else {}),
     }
 
 
@@ -98,14 +106,37 @@ def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
     if path is not None and not isinstance(path, Claim):
         with claim(path, mine=True) as held:
             return save_session(held, record, fingerprint, shared)
+    snapshots, index = kept_copies(record.checkpoints)
     prompt = dataclasses.replace(  # the session's cache as its file holds it (sharing layers and tokens)
         record.state, settings=file_settings(record.state, _cache_config(record)),  # weight policy, window, KV
-        metadata={SESSION_KEY: json.dumps(session_metadata(record), ensure_ascii=False)},
+        metadata={SESSION_KEY: json.dumps(session_metadata(record, index), ensure_ascii=False)},
+        snapshots=snapshots,
     )
     store = PromptStore([CacheFileTier(None, path, what="session"), *(shared if fingerprint is not None else ())])
     problems: list[str] = []
     put_prompt(store, session_scope(fingerprint, record), prompt, warn=problems.append)
     return problems
+
+
+def kept_copies(checkpoints: Sequence[Checkpoint]) -> tuple[list, list[int]]:
+    """``(snapshots, index)``: the checkpoint copies a session file keeps, those of the
+    newest checkpoints while their bytes sum to at most
+    :data:`~mlx_chatcache.config.SESSION_CHECKPOINT_BYTES` (a copy at an empty cache
+    is not kept: an empty cache is made for free), and per checkpoint its snapshot (-1: none)."""
+    from ..cache import prompt_cache_nbytes
+
+    snapshots, index, total = [], [-1] * len(checkpoints), 0
+    for k in range(len(checkpoints) - 1, -1, -1):
+        c = checkpoints[k]
+        if c.cache is None or c.state_len == 0:
+            continue
+        n = prompt_cache_nbytes([x for x in c.cache if x is not None])
+        if total + n > SESSION_CHECKPOINT_BYTES:
+            break
+        total += n
+        index[k] = len(snapshots)
+        snapshots.append(c.cache)
+    return snapshots, index
 
 
 def session_scope(fingerprint: ModelFingerprint | None, record: SessionRecord) -> Scope:
@@ -124,7 +155,8 @@ def _cache_config(record: SessionRecord) -> GenerationConfig:
 # ------------------------------------------------------------------ load
 def load_session(path: str | os.PathLike, model, overrides: dict | None = None) -> SessionRecord:
     """The session saved at ``path``, for ``model``; ``overrides`` change sampling
-    settings (a different ``max_kv_size`` is refused: the cache shape is fixed).
+    settings; a cache-shape setting (:data:`~mlx_chatcache.config.SHAPE_KEYS`: the
+    window, the KV quantization) other than the session's is refused in one line.
     The record comes from the file's header; its cache is checked out of a
     prompt-cache store whose one tier is the file (strict: a file of another
     model, or layers the model does not make, are one-line errors)."""
@@ -148,14 +180,22 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
     notes: list[str] = []
     config = _parse_config(path, meta.get("settings"), notes)
     config = config.windowed(_parse_window(path, meta))
-    state = _checkout(path, model, info, config)
-    config = _with_overrides(path, config, overrides)
+    overrides = overrides or {}
+    # the shape flags ask for: the file tier refuses a cache made otherwise (as for any cache file)
+    config = config.updated(**{k: v for k, v in overrides.items() if k in SHAPE_KEYS and k != "keep"})
+    try:
+        state = _checkout(path, model, info, config)
+    except UsageError as e:  # other cache-shape settings than the session's
+        raise SessionError(str(e)) from None
+    config = config.updated(**{k: v for k, v in overrides.items() if k not in SHAPE_KEYS})
     pending, text = _parse_text(path, meta)
-    checkpoints = _parse_checkpoints(path, meta)
+    checkpoints = _parse_checkpoints(path, meta, state)
     attempt = meta.get("attempt", 0)
     state.messages, state.text = info.messages, None
+    template_args, stop = _parse_template_and_stop(path, meta)
     return SessionRecord(state, config, pending, text, checkpoints, attempt if _is_int(attempt) else 0,
-                         notes=notes)  # fmt: skip
+                         notes=notes, branch_of=parse_branch_of(meta, path), template_args=template_args,
+                         stop=stop)  # fmt: skip
 
 
 def _checkout(path, model, info: CacheFileInfo, config: GenerationConfig) -> PromptCache:
@@ -233,17 +273,6 @@ def _parse_window(path, meta: dict) -> CacheShape:
     return CacheShape(max_kv, keep)
 
 
-def _with_overrides(path, config: GenerationConfig, overrides: dict | None) -> GenerationConfig:
-    overrides = overrides or {}
-    shape = config.shape.adopted(overrides)
-    if shape is None:
-        raise SessionError(
-            f"{path} was made with max_kv_size={config.max_kv_size}; resume it with the same "
-            "--max-kv-size (or none) or start a new session"
-        )
-    return config.shaped(shape).updated(**{k: v for k, v in overrides.items() if k not in SHAPE_KEYS})
-
-
 def _parse_text(path, meta: dict) -> tuple[list[int], str]:
     pending, text = meta.get("pending", []), meta.get("text", "")
     if not (isinstance(pending, list) and all(_is_int(t) for t in pending) and isinstance(text, str)):
@@ -251,15 +280,61 @@ def _parse_text(path, meta: dict) -> tuple[list[int], str]:
     return pending, text
 
 
-def _parse_checkpoints(path, meta: dict) -> list[Checkpoint]:
+def _parse_checkpoints(path, meta: dict, state: PromptCache) -> list[Checkpoint]:
+    """The checkpoints, with the cache copies the file keeps (checked against ``state``'s layers)."""
+    from ..files.mlxcc_format import load_snapshots
     from .checkpoints import Checkpoint
 
-    checkpoints = []
+    checkpoints, index = [], []
     for ck in meta.get("checkpoints", []):
-        if not (isinstance(ck, list) and len(ck) == 4 and all(_is_int(v) for v in ck)):
+        if not (isinstance(ck, list) and len(ck) in (4, 5) and all(_is_int(v) for v in ck[:4])
+                and (len(ck) == 4 or type(ck[4]) is int and ck[4] >= -1)):  # fmt: skip
             raise CacheFileError(f"{path}: session checkpoints are malformed; the file is damaged")
-        checkpoints.append(Checkpoint(*ck))
+        checkpoints.append(Checkpoint(*ck[:4]))
+        index.append(ck[4] if len(ck) == 5 else -1)
+    if any(k >= 0 for k in index):
+        snapshots = load_snapshots(path)
+        for ck, k in zip(checkpoints, index):
+            if k < 0:
+                continue
+            snap = snapshots[k] if k < len(snapshots) else None
+            if snap is None or len(snap) != len(state.cache) or any(
+                    x is not None and type(x) is not type(c) for x, c in zip(snap, state.cache)):  # fmt: skip
+                raise CacheFileError(f"{path}: a checkpoint's cache copy does not fit the session's cache; "
+                                     "the file is damaged")  # fmt: skip
+            ck.cache = snap
     return checkpoints
+
+
+def _parse_template_and_stop(path, meta: dict) -> tuple[dict | None, tuple[str, ...]]:
+    args, stop = meta.get("template_args"), meta.get("stop", [])
+    if not (args is None or isinstance(args, dict)) or not (
+            isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)):  # fmt: skip
+        raise CacheFileError(f"{path}: the session's template arguments or stop strings are malformed; "
+                             "the file is damaged")  # fmt: skip
+    return args or None, tuple(stop)
+
+
+def parse_branch_of(meta: dict, path=None) -> dict | None:
+    """The session a session was branched from, ``{"session": str, "turns": int}``
+    (None: none); malformed: CacheFileError when ``path`` names the file, else None."""
+    raw = meta.get("branch_of")
+    if raw is None:
+        return None
+    if isinstance(raw, dict) and isinstance(raw.get("session"), str) and _is_int(raw.get("turns")):
+        return {"session": raw["session"], "turns": raw["turns"]}
+    if path is None:
+        return None
+    raise CacheFileError(f"{path}: the session's branch_of record is malformed; the file is damaged")
+
+
+def session_name(path: str | os.PathLike) -> str:
+    """The name of the session at ``path`` (its path when it is not in :func:`sessions_dir`)."""
+    path = Path(path)
+    if Path(os.path.realpath(path.parent)) == Path(os.path.realpath(sessions_dir())) and \
+            path.name.endswith(SESSION_SUFFIX):  # fmt: skip
+        return path.name[: -len(SESSION_SUFFIX)]
+    return str(path)
 
 
 def _is_int(v) -> bool:
@@ -298,8 +373,11 @@ def session_path(name: str) -> Path:
 __all__ = [
     "SessionRecord",
     "session_metadata",
+    "kept_copies",
     "save_session",
     "load_session",
+    "session_name",
     "session_path",
     "sessions_dir",
+    "parse_branch_of",
 ]

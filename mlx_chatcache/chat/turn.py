@@ -22,7 +22,8 @@ leaves the layers holding ``state.tokens`` (trimmed back) or an empty state.
 :func:`stream_reply` generates the reply to a prompt the state holds a prefix
 of, passing each text piece to ``on_text``. It polls ``should_stop`` after
 every token that does not end the reply and ends the reply there
-("interrupted"), then passes on the text the detokenizer held back. The state
+("interrupted"), then passes on the text the detokenizer held back. Stop
+strings end it too (finish "stop"; the text is cut before the stop string). The state
 is left as :mod:`mlx_chatcache.generation.loop` documents for a reply that ends:
 every reply token but the last has been fed (after an interruption, the token
 the generate loop fed ahead is trimmed back off).
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..config import INTERRUPTIBLE_CALL_SECONDS, GenerationConfig
 from ..generation.loop import (
@@ -47,6 +48,7 @@ from ..generation.loop import (
 )
 from ..generation.pacing import CallPacer
 from ..generation.prompt import PromptCache, trim_state
+from ..generation.stops import StopMatcher
 from ..generation.text import GenerationResponse, stream_generate
 
 TextCallback = Callable[[str], None]
@@ -95,6 +97,7 @@ class TurnStats:
 class TurnResult:
     text: str
     stats: TurnStats
+    warning: str | None = None  # a line to show (the conversation nears the end of the context)
 
 
 @dataclass
@@ -106,9 +109,12 @@ class Reply:
     last: GenerationResponse  # the final step: finish reason, speed, memory
     ttft: float  # seconds from the turn's start to the first reply token
     interrupted: bool
+    cut: bool = False  # ended at a stop string: ``text`` ends before the text of ``tokens`` does
 
     @property
     def finish_reason(self) -> str:
+        if self.cut:
+            return "stop"
         return "interrupted" if self.interrupted else (self.last.finish_reason or "length")
 
 
@@ -152,12 +158,26 @@ def stream_reply(
     started: float,
     on_text: TextCallback | None,
     should_stop: StopCheck | None,
+    stops: Sequence[str] = (),
 ) -> Reply:
     """The reply to ``prompt_ids`` (see the module doc); ``started``: the turn's
-    start on ``time.perf_counter()``, from which the TTFT is measured."""
+    start on ``time.perf_counter()``, from which the TTFT is measured. The text
+    is cut at the first of ``stops`` (:class:`~mlx_chatcache.generation.stops.StopMatcher`):
+    the reply ends there (``cut``; its tokens then say more than its text)."""
     tokens: list[int] = []
-    pieces: list[str] = []
-    last, ttft, interrupted = None, 0.0, False
+    raw: list[str] = []  # the detokenizer's pieces
+    pieces: list[str] = []  # what the reply says (cut at a stop string)
+    matcher = StopMatcher(list(stops))
+    last, ttft, interrupted, cut = None, 0.0, False, False
+
+    def say(piece: str) -> bool:
+        out, hit = matcher.feed(piece)
+        if out:
+            pieces.append(out)
+            if on_text:
+                on_text(out)
+        return hit
+
     gen = stream_generate(model, tokenizer, prompt_ids, state=state, config=config)
     try:
         for r in gen:
@@ -166,32 +186,29 @@ def stream_reply(
             last = r
             tokens.append(r.token)
             if r.text:
-                pieces.append(r.text)
-                if on_text:
-                    on_text(r.text)
-            if r.finish_reason is None and should_stop is not None and should_stop():
-                interrupted = True
+                raw.append(r.text)
+                cut = say(r.text)
+            if r.finish_reason is None and (cut or should_stop is not None and should_stop()):
+                interrupted = not cut
                 break
     finally:
         gen.close()
-    text = "".join(pieces)
-    if interrupted:
+    if interrupted or cut:
         fed = len(prompt_ids) + len(tokens) - 1  # the reply's last token was fed ahead
         if len(state.tokens) > fed and not trim_state(state, fed):
             state.reset(model)  # not reached: a token is fed ahead only when it can be trimmed back
-        text = _flush_held_back(tokenizer, text, tokens, on_text)
-    return Reply(text, tokens, last, ttft, interrupted)
+    if interrupted:
+        cut = say(_held_back(tokenizer, "".join(raw), tokens))
+    if not cut:
+        say(matcher.flush())
+    return Reply("".join(pieces), tokens, last, ttft, interrupted, cut)
 
 
-def _flush_held_back(tokenizer, text: str, tokens: list[int], on_text: TextCallback | None) -> str:
-    """The detokenizer may hold back the end of a word: pass it on too."""
+def _held_back(tokenizer, text: str, tokens: list[int]) -> str:
+    """The end of a word the detokenizer may hold back after ``text``."""
     eos = set(tokenizer.eos_token_ids)
     full = tokenizer.decode([t for t in tokens if t not in eos])
-    if full.startswith(text) and len(full) > len(text):
-        if on_text:
-            on_text(full[len(text):])
-        return full
-    return text
+    return full[len(text):] if full.startswith(text) else ""
 
 
 def turn_stats(prompt_ids: list[int], reused: int, common: int, reply: Reply, started: float) -> TurnStats:

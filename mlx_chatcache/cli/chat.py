@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..chat.session_file import session_path
 from ..files.cache_file import claim
-from ..errors import SessionError
+from ..errors import SessionError, UsageError
 from ..files.atomic import remove_stale_temp_files
 from .common import (
     add_cache_args,
@@ -42,6 +42,7 @@ from .common import (
     lenient_stdin,
     load_model,
     plural,
+    read_json_arg,
     runtime_lines,
 )
 
@@ -60,6 +61,10 @@ def add_parser(sub) -> None:
     p.add_argument("--system-prompt", help="the system prompt (pinned in the cache window with --max-kv-size)")
     add_sampling_args(p)
     add_cache_args(p)
+    p.add_argument("--chat-template-config", "--chat-template-args", metavar="JSON",
+                   help="JSON object (or file) of extra chat template arguments; saved with the session")
+    p.add_argument("--stop", metavar="TEXT", action="append",
+                   help="end a reply before this text (repeatable); saved with the session")  # fmt: skip
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--session", metavar="NAME",
@@ -99,6 +104,9 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=N
     from .chat_input import StreamReader, TerminalReader
     from .repl import ChatREPL, history_file
 
+    template = read_json_arg(args.chat_template_config, "--chat-template-config")
+    if args.stop is not None and not all(args.stop):
+        raise UsageError("--stop needs a non-empty text")
     prebuilt = _prebuilt_header(args, path, label) if args.prompt_cache_file is not None else None
     source = None
     if path is not None and path.exists() and args.model is None:
@@ -132,9 +140,14 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=N
             _note("[new system prompt: the conversation will be re-read on the next turn]")
     else:
         session = ChatSession(model, tokenizer, system_prompt=args.system_prompt, config=config_from_args(args),
-                              shared=shared)  # fmt: skip
+                              shared=shared, template_args=template, stop=args.stop or ())  # fmt: skip
         if path is not None:
             _note(f"new session {label} (saved after every turn to {path})")
+    if template is not None and template != session.template_args:  # a resumed or prebuilt chat
+        session.set_template_args(template)
+        _note("[new chat template arguments: the conversation will be re-read on the next turn]")
+    if args.stop is not None:
+        session.stop = tuple(args.stop)
     if args.verbose:  # once the session is known to be usable (errors stay one line)
         for line in runtime_lines(model):
             _note(line)
@@ -159,7 +172,7 @@ def _prebuilt_header(args, path: Path | None, label: str | None):
     the chat's session must be new, the file a chat cache with token ids, and the
     window and KV flags those of the file (the generate command's rules: unset flags
     take the file's). Raises one line for anything else."""
-    from ..errors import CacheFormatError, UsageError
+    from ..errors import CacheFormatError
     from ..files.mlxcc_format import read_cache_info
     from ..generation.checkout import scope_of
     from ..store.named_file import CacheFileTier

@@ -49,6 +49,7 @@ from ..config import mlxcc_home
 from ..errors import ChatCacheError, UsageError
 from ..files.cache_file import Claim, claim
 from ..chat.session import ChatSession, RollbackResult, TurnResult
+from .repl_edit import branch_command, edit_command
 
 # /help: (what is typed, what it does); a description's later lines continue under it
 HELP_TABLE = (
@@ -58,6 +59,10 @@ HELP_TABLE = (
     ("/undo", "remove the last exchange (your message and the reply)"),
     ("/retry", "generate the last reply again (with --seed: seed + number\n"
                "of retries, so each retry differs yet is reproducible)"),
+    ("/edit [N]", "replace your message N (default the last) with the next\n"
+                  "input and answer it again (the messages after it go)"),
+    ("/branch NAME", "go on in a new session NAME (the session left keeps\n"
+                     "this point); 'mlxcc sessions show' lists branches"),
     ("/system [TEXT]", 'show or set the system prompt (empty quotes "" removes it)'),
     ("/set NAME VALUE", "change a setting: temp, top_p, top_k, min_p, max_tokens,\n"
                         "seed (or 'none'), repetition_penalty (or 'none')"),
@@ -265,8 +270,9 @@ class ChatREPL:
         self.note(f"[the last changes were NOT saved in {self.autosave}]")
         return False
 
-    def turn(self, action: Callable[[Callable[[], bool]], TurnResult]) -> None:
-        """Run one generation with Ctrl-C handling and a progress line, then report and autosave."""
+    def turn(self, action: Callable[[Callable[[], bool]], TurnResult]) -> TurnResult | None:
+        """Run one generation with Ctrl-C handling and a progress line, then report and autosave.
+        Returns the turn's result (None when it was aborted or failed)."""
         self._emitted = False
         self._bar = ProgressBar("prompt", stream=self.err)
         self.session.progress = self._bar.update
@@ -286,13 +292,16 @@ class ChatREPL:
             self._bar = self.session.progress = None
         if result.stats.finish_reason == "cancelled":
             self.note("[cancelled before the reply started; your message was not sent]")
-            return
+            return result
         self._emit("\n")
         if result.stats.finish_reason == "interrupted":
             self.note("[stopped]")
         if self.verbose:
             self.note(f"[stats] {result.stats.summary()}")
+        if result.warning:
+            self.note(result.warning)
         self.save()
+        return result
 
     def save(self) -> None:
         if self.autosave is None:  # no session file: only the shared tiers (--cache-dir), if any
@@ -436,6 +445,8 @@ COMMANDS: dict[str, Callable[[ChatREPL, str], None]] = {
     "history": ChatREPL._history,
     "save": ChatREPL._save,
     "load": ChatREPL._load,
+    "edit": edit_command,
+    "branch": branch_command,
 }
 
 

@@ -42,7 +42,8 @@ def show_cache(repl: ChatREPL) -> str:
         f"layers:      {layers}",
         f"window:      {window}",
         f"trimmable:   {'yes' if i['trimmable'] else 'no'}",
-        f"checkpoints: {plural(i['checkpoints'], 'turn')} ({i['checkpoint_copies']} with a cache copy)",
+        f"checkpoints: {plural(i['checkpoints'], 'turn')} ({i['checkpoint_copies']} with a cache copy, "
+        f"{len(i['saved_copies'])} kept in a session file: {human_bytes(sum(i['saved_copies']))})",
     ]
     return "\n".join(lines)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..chat.session_catalog import format_conversation, list_sessions, read_session_info, remove_session, session_source
 from ..chat.session_export import FORMATS, to_json, to_markdown
+from ..chat.session_catalog import branches
 from ..chat.session_file import sessions_dir
 from ..errors import UsageError
 from ..files.atomic import write_text_atomic
@@ -100,6 +101,9 @@ def run_show(args: argparse.Namespace) -> int:
     print(f"session '{args.name}': model {src['model'] or '?'}"
           + (f" + adapter {src['adapter_path']}" if src["adapter_path"] else "")
           + f", {plural(turns, 'turn')}, {plural(info.num_tokens or 0, 'token')}")  # fmt: skip
+    forks = branches(args.name)
+    if forks:
+        print("branches: " + ", ".join(f"{b} (at turn {n})" for b, n in forks))
     print(format_conversation(info.messages))
     return 0
 

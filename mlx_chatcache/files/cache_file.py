@@ -182,7 +182,7 @@ def hold(path: str | os.PathLike, label: str | None = None) -> Claim:
 
 def write(target: Claim | str | os.PathLike, cache, *, tokens=None, model=None, messages=None, text=None,
           settings: dict | None = None, metadata: dict[str, str] | None = None, format: str = "mlxcc",
-          force: bool = False) -> None:
+          force: bool = False, snapshots=()) -> None:
     """Write ``cache`` (a layer list; the other fields as
     :func:`~mlx_chatcache.files.mlxcc_format.save_prompt_cache` takes them) atomically
     to ``target``: a :class:`Claim` the caller holds, or a path, claimed (``force``)
@@ -192,11 +192,11 @@ def write(target: Claim | str | os.PathLike, cache, *, tokens=None, model=None, 
     if not isinstance(target, Claim):
         with claim(target, force=force) as c:
             return write(c, cache, tokens=tokens, model=model, messages=messages, text=text, settings=settings,
-                         metadata=metadata, format=format)  # fmt: skip
+                         metadata=metadata, format=format, snapshots=snapshots)  # fmt: skip
     if not (target.active and target.writes):
         raise SessionError(f"{target.path} is not claimed for writing; claim it first (files.cache_file.claim)")
     save_prompt_cache(target.real, cache, tokens=tokens, model=model, messages=messages, text=text,
-                      settings=settings, metadata=metadata, format=format)  # fmt: skip
+                      settings=settings, metadata=metadata, format=format, snapshots=snapshots)  # fmt: skip
 
 
 def _check_writable(path: Path, real: Path) -> None:

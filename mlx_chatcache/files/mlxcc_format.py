@@ -25,6 +25,12 @@ Layout of our files (format version 4):
 - checksums (version 4 on; :mod:`.checksum`): ``mlxcc.tensor_crc32``,
   ``mlxcc.header_crc32``. A version 4 file without them is refused; older
   files have none and load unchecked.
+- snapshots (version 6, written only by a file that has some: a chat session's
+  checkpoints): ``mlxcc.snapshots`` (count); for snapshot ``s``
+  ``mlxcc.snapshot.{s}.layers`` (JSON list of the layer indices copied) and, per
+  copied layer ``i``, ``mlxcc.snapshot.{s}.layer.{i}.class`` / ``.meta`` /
+  ``.arrays`` with tensors ``snapshot.{s}.layer.{i}.{j}`` (checksummed like the
+  layers). :func:`load_snapshots` reads them; loading the cache ignores them.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ if TYPE_CHECKING:  # the cache classes (and so mlx-lm) load only when arrays bec
 
 FORMAT_NAME = "mlx_chatcache"
 FORMAT_VERSION = 4  # 4: checksums; 3: rotating meta_state ends in ring_idx; 2: K/V room; 1: live tokens only
+SNAPSHOTS_VERSION = 6  # a file with snapshots (layer copies of earlier points); the newest version read
+MAX_SNAPSHOTS = 64
 CHECKSUMS_SINCE = 4
 MAX_LAYERS = 4096
 # the names in mlx_chatcache.cache.CACHE_CLASSES (a test keeps them equal): reading a header checks a
@@ -70,13 +78,15 @@ def save_prompt_cache(
     text: str | None = None,
     settings: dict | None = None,
     format: str = "mlxcc",
+    snapshots: Sequence[Sequence[BaseCache | None]] = (),
 ) -> None:
     """Save ``cache`` (one cache per layer) atomically to ``file_name`` (mlx-lm's signature).
 
     ``metadata``: free string metadata; ``tokens``: the token ids the cache holds;
     ``model``: the fingerprint of the model that made it; ``messages``: the chat it
     holds; ``text``: the raw text it holds (no chat template); ``settings``:
-    JSON-able shape/sampling settings. A cache with layers that are not ours
+    JSON-able shape/sampling settings; ``snapshots``: copies of some layers at
+    earlier points (None for a layer not copied), see the module doc. A cache with layers that are not ours
     (mlx-lm's own classes, e.g. its ``BatchKVCache``) is written in mlx-lm's
     layout, whatever ``format`` says (see :mod:`.mlxlm`).
     """
@@ -87,7 +97,8 @@ def save_prompt_cache(
             names = " or ".join(repr(n) for n in ["mlxcc", *registry.format_names()])
             raise CacheFormatError(f"unknown cache file format {format!r}; use {names}")
         given = [k for k, v in (("tokens", tokens), ("model", model), ("messages", messages), ("text", text),
-                                ("settings", settings or None)) if v is not None]  # fmt: skip
+                                ("settings", settings or None), ("snapshots", snapshots or None))
+                 if v is not None]  # fmt: skip
         if given:
             why = f"a {foreign} layer (mlx-lm's class)" if format == "mlxcc" else f"format={format!r}"
             raise UnsupportedCacheError(
@@ -95,7 +106,8 @@ def save_prompt_cache(
                 "and string metadata; pass them in metadata or save our cache classes"
             )
         return writer.save(file_name, cache, metadata or {})
-    write_atomic(file_name, *_file_contents(file_name, cache, tokens, model, messages, text, settings, metadata))
+    write_atomic(file_name, *_file_contents(file_name, cache, tokens, model, messages, text, settings, metadata,
+                                            snapshots))  # fmt: skip
 
 
 def _is_ours(layer) -> bool:
@@ -115,7 +127,7 @@ def prompt_cache_bytes(
     return safetensors_bytes(*_file_contents("cache", cache, tokens, model, None, None, settings, metadata))
 
 
-def _file_contents(path, cache, tokens, model, messages, text, settings, metadata):
+def _file_contents(path, cache, tokens, model, messages, text, settings, metadata, snapshots=()):
     """``(arrays, metadata)`` of our file for ``cache``."""
     _check_tokens_match(path, cache, None if tokens is None else list(tokens))
     stored = [c.file_state() for c in cache]
@@ -125,7 +137,27 @@ def _file_contents(path, cache, tokens, model, messages, text, settings, metadat
     if settings:
         meta["mlxcc.settings"] = json.dumps(settings)
     arrays = {f"layer.{i}.{j}": a for i, layer in enumerate(stored) for j, a in enumerate(layer)}
+    if snapshots:
+        _add_snapshots(meta, arrays, snapshots, len(cache))
     return arrays, meta
+
+
+def _add_snapshots(meta: dict, arrays: dict, snapshots, num_layers: int) -> None:
+    if len(snapshots) > MAX_SNAPSHOTS:
+        raise UnsupportedCacheError(f"a cache file holds at most {MAX_SNAPSHOTS} snapshots, not {len(snapshots)}")
+    meta["mlxcc.format_version"] = str(SNAPSHOTS_VERSION)
+    meta["mlxcc.snapshots"] = str(len(snapshots))
+    for s, snap in enumerate(snapshots):
+        if len(snap) != num_layers:
+            raise UnsupportedCacheError(f"snapshot {s} has {len(snap)} layers, the cache {num_layers}")
+        copied = [i for i, c in enumerate(snap) if c is not None]
+        meta[f"mlxcc.snapshot.{s}.layers"] = json.dumps(copied)
+        for i in copied:
+            state = snap[i].file_state()
+            meta[f"mlxcc.snapshot.{s}.layer.{i}.class"] = type(snap[i]).__name__
+            meta[f"mlxcc.snapshot.{s}.layer.{i}.meta"] = json.dumps(list(snap[i].meta_state))
+            meta[f"mlxcc.snapshot.{s}.layer.{i}.arrays"] = str(len(state))
+            arrays.update({f"snapshot.{s}.layer.{i}.{j}": a for j, a in enumerate(state)})
 
 
 def _header_metadata(cache, stored, tokens, model, messages, metadata) -> dict[str, str]:
@@ -227,7 +259,8 @@ def _load(header: Header, model: ModelFingerprint | None, what: str):
 def _build_layers(header: Header, info: CacheFileInfo) -> list[BaseCache]:
     from ..cache import cache_class
 
-    arrays = read_arrays(header)
+    layers = info.extra["layers"]
+    arrays = read_arrays(header, [f"layer.{i}.{j}" for i, (_, count) in enumerate(layers) for j in range(count)])
     cache = []
     for i, name in enumerate(info.classes):
         meta, count = info.extra["layers"][i]
@@ -268,10 +301,10 @@ def _info_from_header(header: Header) -> CacheFileInfo:
 def _parse_ours(header: Header) -> CacheFileInfo:
     meta, path = header.metadata, header.path
     version = _int_field(path, meta, "mlxcc.format_version")
-    if version > FORMAT_VERSION:
+    if version > SNAPSHOTS_VERSION or FORMAT_VERSION < version < SNAPSHOTS_VERSION:
         raise CacheFormatError(
             f"{path} uses cache format version {version}, newer than this mlx_chatcache "
-            f"understands ({FORMAT_VERSION}); upgrade mlx_chatcache"
+            f"understands ({FORMAT_VERSION}, {SNAPSHOTS_VERSION} with snapshots); upgrade mlx_chatcache"
         )
     if version < 1:
         raise CacheFormatError(f"{path}: invalid cache format version {version}")
@@ -300,6 +333,9 @@ def _parse_ours(header: Header) -> CacheFileInfo:
         classes.append(name)
         layers.append((tuple(lm), count))
     expected = {f"layer.{i}.{j}" for i, (_, c) in enumerate(layers) for j in range(c)}
+    snapshots = _parse_snapshots(header, n) if version >= SNAPSHOTS_VERSION else []
+    expected |= {f"snapshot.{s}.layer.{i}.{j}" for s, snap in enumerate(snapshots)
+                 for i, (_, _, c) in snap.items() for j in range(c)}  # fmt: skip
     if set(header.tensors) != expected:
         raise CacheFormatError(f"{path}: the file holds arrays no layer claims; it was tampered with")
     return CacheFileInfo(
@@ -313,8 +349,64 @@ def _parse_ours(header: Header) -> CacheFileInfo:
         text=meta.get("mlxcc.text"),
         settings=registry.parse_settings(path, meta.get("mlxcc.settings")),
         metadata={k[5:]: v for k, v in meta.items() if k.startswith("user.")},
-        extra={"layers": layers},
+        extra={"layers": layers, "snapshots": snapshots},
     )
+
+
+def _parse_snapshots(header: Header, num_layers: int) -> list[dict[int, tuple[str, tuple, int]]]:
+    """Per snapshot ``{layer index: (class, meta, array count)}``, checked like the layers."""
+    meta, path = header.metadata, header.path
+    n = _int_field(path, meta, "mlxcc.snapshots")
+    if n > MAX_SNAPSHOTS:
+        raise CacheFormatError(f"{path}: implausible snapshot count {n}")
+    out = []
+    for s in range(n):
+        copied = _json_field(path, meta, f"mlxcc.snapshot.{s}.layers")
+        if not (isinstance(copied, list) and all(type(i) is int and 0 <= i < num_layers for i in copied)
+                and len(set(copied)) == len(copied)):  # fmt: skip
+            raise CacheFormatError(f"{path}: snapshot {s} lists invalid layers; the file is damaged")
+        snap = {}
+        for i in copied:
+            key = f"mlxcc.snapshot.{s}.layer.{i}"
+            name = meta.get(f"{key}.class")
+            if name not in CACHE_CLASS_NAMES:
+                raise CacheFormatError(f"{path}: snapshot {s} layer {i} has an unknown class; the file is damaged")
+            lm = _json_field(path, meta, f"{key}.meta")
+            if not isinstance(lm, list) or not all(isinstance(x, str) for x in lm):
+                raise CacheFormatError(f"{path}: snapshot {s} layer {i} meta state is not a list of strings")
+            count = _int_field(path, meta, f"{key}.arrays")
+            for j in range(count):
+                if f"snapshot.{s}.layer.{i}.{j}" not in header.tensors:
+                    raise CacheFormatError(f"{path}: array snapshot.{s}.layer.{i}.{j} is missing; the file is damaged")
+            snap[i] = (name, tuple(lm), count)
+        out.append(snap)
+    return out
+
+
+def load_snapshots(path: str | os.PathLike) -> list[list[BaseCache | None]]:
+    """The snapshots of the cache file ``path`` (see the module doc), one list of
+    layers per snapshot (None: a layer not copied); [] for a file without any.
+    Their arrays are checked against the file's checksums."""
+    from ..cache import cache_class
+
+    header = read_header(path)
+    info = _info_from_header(header)
+    snaps = (info.extra or {}).get("snapshots") or []
+    names = [f"snapshot.{s}.layer.{i}.{j}" for s, snap in enumerate(snaps) for i, (_, _, c) in snap.items()
+             for j in range(c)]  # fmt: skip
+    if not names:
+        return []
+    arrays = read_arrays(header, names)
+    try:
+        return [[cache_class(snap[i][0]).from_state([arrays.pop(f"snapshot.{s}.layer.{i}.{j}")
+                                                     for j in range(snap[i][2])], snap[i][1])
+                 if i in snap else None for i in range(len(info.classes))]
+                for s, snap in enumerate(snaps)]  # fmt: skip
+    except ChatCacheError:
+        raise
+    except Exception as e:
+        detail = one_line(f"{type(e).__name__}: {e}", 200)
+        raise CacheFormatError(f"{path}: a snapshot is inconsistent ({detail}); the file is damaged") from e
 
 
 def _int_field(path, meta: dict, key: str) -> int:
@@ -364,4 +456,6 @@ __all__ = [
     "verify_cache_file",
     "check_cache_fits_model",
     "FORMAT_VERSION",
+    "SNAPSHOTS_VERSION",
+    "load_snapshots",
 ]

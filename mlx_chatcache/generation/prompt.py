@@ -46,7 +46,8 @@ class PromptCache:
     ``shape`` records the cache's shape so it can be rebuilt.
     ``fingerprint`` names the model that made it; ``messages`` (a chat) or
     ``text`` (raw text, no chat template) say what the tokens are, when known;
-    ``settings`` are saved with the file, ``metadata`` (free user strings) too when
+    ``settings`` are saved with the file, ``metadata`` (free user strings) and
+    ``snapshots`` (layer copies of earlier points: a chat's checkpoints) too when
     the store puts it into a named file. The caller keeps ``messages``/``text``
     in step with ``tokens`` (:meth:`reset` leaves them alone).
     """
@@ -59,6 +60,7 @@ class PromptCache:
     text: str | None = None  # raw mode
     settings: dict = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
+    snapshots: list[list[BaseCache | None]] = field(default_factory=list)  # earlier points a named file keeps
 
     @classmethod
     def new(cls, model, shape: CacheShape | None = None) -> "PromptCache":

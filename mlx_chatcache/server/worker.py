@@ -62,6 +62,7 @@ from ..generation.loop import PrefillStopped, consistent_on_error, make_kv_quant
 from ..generation.prompt import PromptCache, reuse_prefix
 from ..generation.checkout import checkout_prompt, prompt_scope
 from ..generation.sample import LogitsProcessor, make_logits_processors
+from ..generation.stops import StopMatcher
 from ..generation.text import stream_generate
 from ..store.store import PromptStore
 from ..store.tiers import Scope, compact_copy
@@ -357,29 +358,4 @@ class GenerationWorker:
             best = [(self.tokenizer.decode([i]), i, lp) for lp, i in pairs]
         return TokenLogprob(self.tokenizer.decode([token]), token, logprobs[token].item(), best, offset)
 
-
-class StopMatcher:
-    """Cuts reply text at the first of ``stops``; holds back a tail that may
-    still become one."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        if not self.stops:
-            return text, False
-        self.pending += text
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            out, self.pending = self.pending[:cut], ""
-            return out, True
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
-        out = self.pending[: len(self.pending) - hold]
-        self.pending = self.pending[len(out) :]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
 

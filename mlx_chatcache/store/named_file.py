@@ -146,13 +146,14 @@ class CacheFileTier(Tier):
     # ------------------------------------------------------------------ writing
     def add(self, scope, tokens, cache, key, prompt: PromptCache | None = None):
         """Write ``cache`` (holding ``tokens``) with what ``prompt`` says its tokens are,
-        its settings and metadata (None: nothing but the layers and token ids)."""
+        its settings, metadata and snapshots (None: nothing but the layers and token ids)."""
         if self.write_path is None:
             return False
         messages, text = (None, None) if prompt is None else (prompt.messages, prompt.text)
         settings, metadata = ({}, {}) if prompt is None else (prompt.settings, prompt.metadata)
         cache_file.write(self._target, cache, tokens=list(tokens), model=scope.fingerprint,
-                         messages=messages, text=text, settings=settings, metadata=metadata)  # fmt: skip
+                         messages=messages, text=text, settings=settings, metadata=metadata,
+                         snapshots=() if prompt is None else prompt.snapshots)  # fmt: skip
         self.counters["added"] += 1
         return True
 
