@@ -101,7 +101,7 @@ def check_answer(server, status: int, headers: dict, data: bytes, stream: bool =
     assert status == 200, (status, text[:300])
     if not stream:
         reply = json.loads(text)
-        assert len(reply["choices"]) == 1 and reply["usage"]["completion_tokens"] >= 0, reply
+        assert 1 <= len(reply["choices"]) <= 2 and reply["usage"]["completion_tokens"] >= 0, reply
         return
     events = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
     assert events and events[-1] == "[DONE]", text[-300:]
@@ -162,11 +162,23 @@ GOOD = {  # values the server takes
     "stop": st.one_of(TEXT, st.lists(TEXT, max_size=4)),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
-    "n": st.just(1),
     "prompt_cache_key": TEXT,
-    "logprobs": st.just(False),
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(0, 5),
     "max_completion_tokens": MAX_TOKENS,
     "user": TEXT,
+    "top_k": st.integers(0, 50),
+    "min_p": st.floats(0, 1),
+    "repetition_penalty": st.floats(0.5, 2),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB_SIZE - 1).map(str), st.floats(-100, 100), max_size=3),
+    "n": st.integers(1, 2),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "boolean"}}}}}]),
+    "tools": st.just([{"type": "function", "function": {"name": "add", "parameters": {"type": "object",
+        "properties": {"a": {"type": "integer"}}}}}]),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "add"}}]),
 }
 BAD = {  # values it must refuse or survive: out of range, of the wrong type
     "max_tokens": st.one_of(NUMBERS, st.integers(5, 10**6)),
@@ -176,6 +188,19 @@ BAD = {  # values it must refuse or survive: out of range, of the wrong type
     "seed": st.one_of(st.integers(0, 2**64 - 1), OUT_OF_RANGE_SEEDS, NUMBERS.filter(lambda v: type(v) is not int), TEXT),
     "stop": st.lists(TEXT, min_size=5, max_size=8),
     "stream_options": st.fixed_dictionaries({"include_usage": JSON_ANY}),
+    "top_k": NUMBERS,
+    "min_p": NUMBERS,
+    "repetition_penalty": NUMBERS,
+    "presence_penalty": NUMBERS,
+    "frequency_penalty": NUMBERS,
+    "logit_bias": st.one_of(JSON_ANY, st.dictionaries(st.one_of(TEXT, st.integers().map(str)), NUMBERS, max_size=3)),
+    "logprobs": NUMBERS,
+    "top_logprobs": NUMBERS,
+    "n": NUMBERS,
+    "response_format": st.one_of(JSON_ANY, st.fixed_dictionaries({"type": st.just("json_schema"),
+                                                                  "json_schema": st.fixed_dictionaries({"schema": JSON_ANY})})),
+    "tools": st.one_of(JSON_ANY, st.lists(JSON_ANY, max_size=3)),
+    "tool_choice": JSON_ANY,
 }
 ROLES = st.one_of(st.sampled_from(["user", "system", "assistant", "developer", "tool"]), TEXT)
 MESSAGE = st.fixed_dictionaries({"role": ROLES, "content": st.one_of(
