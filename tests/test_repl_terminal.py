@@ -174,3 +174,23 @@ def test_ctrl_d_in_an_unsaved_chat_warns_once(tiny_model_dirs, tmp_path):
         child.close(force=True)
     assert child.exitstatus == 0
     assert [m["content"] for m in read_cache_info(kept).messages][:1] == ["Good morning!"]
+
+
+def test_edit_on_a_terminal_starts_from_the_old_message(tiny_model_dirs, tmp_path):
+    """/edit shows the message it replaces, editable: typing at its end extends it."""
+    child = spawn(tiny_model_dirs["llama"], tmp_path, "--session", "ed", "--max-tokens", "4")
+    try:
+        child.expect(PROMPT)
+        child.sendline("Good morning")
+        child.expect(PROMPT)  # the reply streamed, then the next prompt
+        child.sendline("/edit")
+        child.expect(r"new text for your last message")
+        child.expect("Good morning")  # drawn in the editable line
+        child.sendline(" to you")
+        child.expect(PROMPT)
+        child.sendline("/bye")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    info = read_cache_info(tmp_path / "sessions" / "ed.safetensors")
+    assert [m["content"] for m in info.messages if m["role"] == "user"] == ["Good morning to you"]

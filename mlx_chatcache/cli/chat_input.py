@@ -37,7 +37,8 @@ class StreamReader:
     def __init__(self, stream: TextIO):
         self.stream = stream
 
-    def read(self, prompt: str) -> str | None:
+    def read(self, prompt: str, default: str = "") -> str | None:
+        """The next line of the stream (``default`` is for terminals: a stream has no editor)."""
         line = self.stream.readline()
         if not line:
             return None
@@ -98,9 +99,10 @@ class UserInput:
     multiline: bool = False  # a fenced block: always a message, never a command
 
 
-def read_input(reader) -> UserInput | None:
-    """One message or command; a fenced block spans lines. None at end of input."""
-    line = reader.read(PROMPT)
+def read_input(reader, default: str = "") -> UserInput | None:
+    """One message or command; a fenced block spans lines. None at end of input.
+    On a terminal the line starts as ``default`` (editable)."""
+    line = reader.read(PROMPT, default=default)
     if line is None:
         return None
     if "\n" in line:  # a pasted block (one line from a terminal holds no line break): a message

@@ -35,10 +35,10 @@ def edit_command(repl: ChatREPL, arg: str) -> None:
     cancelled or aborted leaves the conversation as it was."""
     s = repl.session
     n = parse_edit_arg(arg)
-    s.user_message_index(n)  # refused before the new text is read
+    old = s.messages[s.user_message_index(n)]["content"]  # refused before the new text is read
     repl.note(f"[new text for {'your last message' if n is None else f'message {n}'} "
               "(an empty line cancels the edit)]")  # fmt: skip
-    item = read_input(repl.reader)
+    item = read_input(repl.reader, default=old if "\n" not in old else "")  # a terminal shows it, editable
     text = None
     if item is not None and repl._valid(item.text):
         text = item.text if item.multiline else message_text(item.text)
