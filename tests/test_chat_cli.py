@@ -184,9 +184,9 @@ def test_commands_and_multiline(tiny_model_dirs, chat, home):
     assert "error: usage: /show info|cache|stats|template" in err
     # /save wrote both exchanges; /load continues them (the conversation after it)
     assert f"[loaded {saved}: 2 turns," in err
-    history = out[out.index("system:\n    Be kind.\nuser:"):]
-    assert history.startswith("system:\n    Be kind.\nuser:\n    first line\n    \n    second line\nassistant:")
-    assert "user:\n    /slash message\nassistant:" in history
+    history = out[out.index("system:\n    Be kind.\nuser [1]:"):]
+    assert history.startswith("system:\n    Be kind.\nuser [1]:\n    first line\n    \n    second line\nassistant:")
+    assert "user [2]:\n    /slash message\nassistant:" in history
     # /load switched the chat to the loaded file: two undos are saved there; the session
     # it left keeps what /clear saved
     assert read_cache_info(saved).messages == [{"role": "system", "content": "Be kind."}]

@@ -77,8 +77,11 @@ def test_sessions_list_show_rm(tiny_model_dirs, tmp_path):
     shown = mlxcc("sessions", "show", "alpha", home=home)
     assert shown.returncode == 0
     info = read_cache_info(home / "sessions" / "alpha.safetensors")
-    for m in info.messages:
-        assert f"{m['role']}:\n    {m['content']}" in shown.stdout
+    users = 0
+    for m in info.messages:  # user messages numbered, as /edit N names them
+        users += m["role"] == "user"
+        label = f"user [{users}]" if m["role"] == "user" else m["role"]
+        assert f"{label}:\n    {m['content']}" in shown.stdout
     assert json.loads(mlxcc("sessions", "show", "alpha", "--json", home=home).stdout) == info.messages
 
     gone = mlxcc("sessions", "rm", "alpha", home=home)
@@ -139,7 +142,7 @@ def test_resume_without_model_uses_the_recorded_one(tiny_model_dirs, tmp_path):
     assert "resumed session 's': 1 turn" in again.stderr and "(0 recomputed)" in again.stderr
     info = read_cache_info(home / "sessions" / "s.safetensors")
     assert [m["content"] for m in info.messages if m["role"] == "user"] == ["Hello there", "What is a river?"]
-    assert "user:\n    Hello there" in again.stdout and "user:\n    What is a river?" in again.stdout  # /history
+    assert "user [1]:\n    Hello there" in again.stdout and "user [2]:\n    What is a river?" in again.stdout  # /history
     shutil.rmtree(d)
     moved = chat(None, home, "s", "Hi")
     assert moved.returncode == 1
@@ -164,7 +167,7 @@ def test_history_in_the_terminal(tiny_model_dirs, tmp_path):
         child.sendline("Good morning!")
         child.expect(">>>")
         child.sendline("/history")
-        child.expect(r"user:\s+Good morning!\s+assistant:")
+        child.expect(r"user \[1\]:\s+Good morning!\s+assistant:")
         child.expect(">>>")
         child.sendline("/bye")
         child.expect(pexpect.EOF)

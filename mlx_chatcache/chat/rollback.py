@@ -133,7 +133,7 @@ class SessionRollback:
             return users[-1]
         if type(n) is not int or not 1 <= n <= len(users):
             raise UsageError(f"there is no user message {n}: this chat has {len(users)} "
-                             f"(1 is the first, {len(users)} the last)")  # fmt: skip
+                             f"(1 is the first, {len(users)} the last; /history numbers them)")  # fmt: skip
         return users[n - 1]
 
     def edit(

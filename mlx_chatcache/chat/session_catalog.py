@@ -142,13 +142,15 @@ def resume_source(path: Path, label: str) -> dict:
 
 
 def format_conversation(messages: list[dict]) -> str:
-    """One block per message: ``role:`` then its text, indented (``sessions show``, ``/history``)."""
+    """One block per message: ``role:`` then its text, indented (``sessions show``, ``/history``);
+    user messages are numbered (``user [N]:``), as ``/edit N`` names them."""
     if not messages:
         return "(no messages yet)"
-    blocks = []
+    blocks, n = [], 0
     for m in messages:
         body = m["content"].replace("\n", "\n    ")
-        blocks.append(f"{m['role']}:\n    {body}")
+        n += m["role"] == "user"
+        blocks.append(f"{m['role']} [{n}]:\n    {body}" if m["role"] == "user" else f"{m['role']}:\n    {body}")
     return "\n".join(blocks)
 
 
