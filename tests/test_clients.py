@@ -121,13 +121,21 @@ def test_refusals_name_the_field(server, client):
     assert e.value.body["param"] == "response_format"
 
 
-def test_a_format_without_a_grammar_refuses_forced_calls(tmp_path):
+def test_another_format_forces_calls_and_refuses_what_it_cannot_write(tmp_path):
     folder = build_tiny_model("llama", tmp_path / "minimax", tool_format="minimax_m2")
+    only_null = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "s": {"type": "string", "enum": ["null"]}}, "required": ["s"]}}}  # fmt: skip
     with ServerProcess(folder, None) as s:
         c = openai.OpenAI(base_url=s.base_url, api_key="-", max_retries=0)
-        with pytest.raises(openai.BadRequestError) as e:
-            c.chat.completions.create(model=s.model_id, messages=[QUESTION], tools=[ADD], tool_choice="required")
-        assert e.value.body["param"] == "tool_choice" and "minimax_m2" in e.value.body["message"]
+        r = c.chat.completions.create(model=s.model_id, messages=[QUESTION], tools=[ADD], tool_choice="required",
+                                      temperature=1.0, seed=5)  # fmt: skip
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "add"
+        jsonschema.validate(json.loads(call.function.arguments), ADD["function"]["parameters"])
+        with pytest.raises(openai.BadRequestError) as e:  # minimax_m2 reads the text null as None
+            c.chat.completions.create(model=s.model_id, messages=[QUESTION], tools=[only_null], tool_choice="required")
+        assert e.value.body["param"] == "tool_choice" and "null" in e.value.body["message"]
         r = c.chat.completions.create(model=s.model_id, messages=[QUESTION], tools=[ADD], max_tokens=10)
         assert r.choices[0].finish_reason in ("stop", "length")
 
