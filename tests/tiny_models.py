@@ -24,7 +24,7 @@ Contract
 
 ``build_tiny_model(kind, folder, seed, tool_format=FORMAT)`` (``TOOL_FORMATS``:
 json_tools, mistral, qwen3_coder, pythonic, glm47, minimax_m2, function_gemma, gemma4,
-kimi_k2, longcat, minicpm5, muse_spark) writes a model whose chat template
+kimi_k2, longcat, minicpm5, muse_spark, kimi_k3) writes a model whose chat template
 renders ``tools``, assistant ``tool_calls`` in that mlx-lm tool-call format and
 ``tool`` results; ``tokenizer_config.json`` names the format (``tool_parser_type``)
 and the template holds the marker mlx-lm infers it from. The format's markers are
@@ -156,6 +156,9 @@ _TOOL_CALLS = {
     + "{{- '<atem:invoke name=\"' + tc.function.name + '\">' }}{%- for k, v in args.items() %}"
     "{{- '<atem:parameter name=\"' + k + '\">' + (v | tojson) + '</atem:parameter>' }}{%- endfor %}"
     "{{- '</atem:invoke>' }}{%- endfor %}{{- '</atem:function_calls>' }}",
+    "kimi_k3": "{{- '<|open|>tools<|sep|>' }}{%- for tc in message.tool_calls %}" + _ARGS
+    + "{{- '<|open|>call tool=\"' + tc.function.name + '\"<|sep|><|open|>json type=\"object\"<|sep|>' }}"
+    + _ARGS_JSON + "{{- '<|close|>json<|sep|><|close|>call<|sep|>' }}{%- endfor %}{{- '<|close|>tools<|sep|>' }}",
 }
 # each format's markers, added as special tokens
 TOOL_FORMATS = {
@@ -173,6 +176,7 @@ TOOL_FORMATS = {
                 "<longcat_arg_value>", "</longcat_arg_value>"),
     "minicpm5": (),  # its markers are plain text, as in its own tokenizer
     "muse_spark": ("<atem:function_calls>", "</atem:function_calls>"),
+    "kimi_k3": ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"),  # its XTML vocabulary
 }
 
 

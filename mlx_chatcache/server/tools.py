@@ -78,14 +78,21 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: str) -> str:
 
 
 def _marker(tokenizer, text: str) -> str:
-    """``text`` in Lark: the token itself when it is one special token, else the string."""
+    """``text`` in Lark: its special tokens as themselves (``<[id]>``), the rest as strings."""
     if not text:
         return ""
-    ids = tokenizer.encode(text, add_special_tokens=False)
     special = set(getattr(tokenizer, "all_special_tokens", ())) | set(getattr(tokenizer, "added_tokens_encoder", {}))
-    if len(ids) == 1 and text in special:
-        return f"<[{ids[0]}]>"
-    return json.dumps(text)
+    names = sorted((t for t in special if t and t in text), key=len, reverse=True)
+    if not names:
+        return json.dumps(text)
+    parts = []
+    for piece in re.split("(" + "|".join(map(re.escape, names)) + ")", text):
+        ids = tokenizer.encode(piece, add_special_tokens=False) if piece in special else None
+        if ids is not None and len(ids) == 1:
+            parts.append(f"<[{ids[0]}]>")
+        elif piece:
+            parts.append(json.dumps(piece))
+    return " ".join(parts)
 
 
 def _parameters(fn: dict) -> dict:
@@ -304,6 +311,15 @@ def _kimi_k2_rules(rule: str, name: str, params: dict, marker=json.dumps) -> lis
     return [f"{rule}: " + " ".join([*head, f"{rule}a", marker("<|tool_call_end|>")]), _json_rule(f"{rule}a", params)]
 
 
+def _kimi_k3_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
+    if '"' in name or "&" in name:
+        raise ToolError(f"the name {name!r} cannot be written in this model's tool format (it holds '\"' or '&'); "
+                        "use tool_choice 'auto'", "tool_choice")  # fmt: skip
+    parts = [marker(f'<|open|>call tool="{name}"<|sep|><|open|>json type="object"<|sep|>'), f"{rule}a",
+             marker("<|close|>json<|sep|><|close|>call<|sep|>")]  # fmt: skip
+    return [f"{rule}: " + " ".join(parts), _json_rule(f"{rule}a", params)]
+
+
 _FAMILY_RULES = {
     "json_tools": _json_tools_rules,
     "mistral": _mistral_rules,
@@ -317,6 +333,7 @@ _FAMILY_RULES = {
     "function_gemma": _function_gemma_rules,
     "gemma4": _gemma4_rules,
     "kimi_k2": _kimi_k2_rules,
+    "kimi_k3": _kimi_k3_rules,
 }
 FORCED_FAMILIES = tuple(_FAMILY_RULES)
 
