@@ -1,11 +1,13 @@
 """OpenAI clients against a real ``mlxcc serve`` (tests/server_process.py) on tiny models
 with tool templates: a two-turn conversation with a tool call (turn 1 forced by
 ``tool_choice``, so deterministic even with random weights; turn 2 reuses turn 1's
-cache), structured output, and the refusals. langchain-openai, llm and litellm run
-when installed (``pip install -e '.[clients]'``)."""
+cache), structured output, and the refusals. llm cannot send ``tool_choice``: its two
+turns run in ``auto`` on a tiny model taught the conversation. langchain-openai, llm and
+litellm run when installed (``pip install -e '.[clients]'``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -121,13 +123,21 @@ def test_refusals_name_the_field(server, client):
     assert e.value.body["param"] == "response_format"
 
 
-def test_a_format_without_a_grammar_refuses_forced_calls(tmp_path):
+def test_another_format_forces_calls_and_refuses_what_it_cannot_write(tmp_path):
     folder = build_tiny_model("llama", tmp_path / "minimax", tool_format="minimax_m2")
+    only_null = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "s": {"type": "string", "enum": ["null"]}}, "required": ["s"]}}}  # fmt: skip
     with ServerProcess(folder, None) as s:
         c = openai.OpenAI(base_url=s.base_url, api_key="-", max_retries=0)
-        with pytest.raises(openai.BadRequestError) as e:
-            c.chat.completions.create(model=s.model_id, messages=[QUESTION], tools=[ADD], tool_choice="required")
-        assert e.value.body["param"] == "tool_choice" and "minimax_m2" in e.value.body["message"]
+        r = c.chat.completions.create(model=s.model_id, messages=[QUESTION], tools=[ADD], tool_choice="required",
+                                      temperature=1.0, seed=5)  # fmt: skip
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "add"
+        jsonschema.validate(json.loads(call.function.arguments), ADD["function"]["parameters"])
+        with pytest.raises(openai.BadRequestError) as e:  # minimax_m2 reads the text null as None
+            c.chat.completions.create(model=s.model_id, messages=[QUESTION], tools=[only_null], tool_choice="required")
+        assert e.value.body["param"] == "tool_choice" and "null" in e.value.body["message"]
         r = c.chat.completions.create(model=s.model_id, messages=[QUESTION], tools=[ADD], max_tokens=10)
         assert r.choices[0].finish_reason in ("stop", "length")
 
@@ -157,9 +167,7 @@ def test_langchain_openai_with_structured_output(server):
     jsonschema.validate(out, PERSON)
 
 
-def test_llm_schema_and_tools(server, tmp_path, monkeypatch):
-    """llm sends tools but no tool_choice: its turn is checked to run with the tools; the
-    forced call is what the openai SDK test covers. Its schema prompt validates."""
+def _llm_model(tmp_path, monkeypatch, server):
     monkeypatch.setenv("LLM_LOAD_PLUGINS", "")  # only llm's own OpenAI models, no installed plugins
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path))
     llm = pytest.importorskip("llm")
@@ -168,6 +176,13 @@ def test_llm_schema_and_tools(server, tmp_path, monkeypatch):
         "  supports_tools: true\n  supports_schema: true\n")  # fmt: skip
     model = llm.get_model("tiny")
     model.key = "-"
+    return model
+
+
+def test_llm_schema_and_tools(server, tmp_path, monkeypatch):
+    """llm sends tools but no tool_choice: on the random model its turn is checked to run
+    with the tools (the two turns with a call: the trained model below). Its schema prompt validates."""
+    model = _llm_model(tmp_path, monkeypatch, server)
     person = model.prompt("Invent a person.", schema=PERSON, temperature=1.0)
     jsonschema.validate(json.loads(person.text()), PERSON)
 
@@ -177,6 +192,74 @@ def test_llm_schema_and_tools(server, tmp_path, monkeypatch):
 
     chain = model.chain(QUESTION["content"], tools=[add], options={"max_tokens": 20})
     assert isinstance(chain.text(), str)
+
+
+# the tool llm sends for the Python function add below
+LLM_ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+    "type": "object"}}}  # fmt: skip
+CALL_TEXT = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+ANSWER = "2 + 3 = 5."
+
+
+def _teach(folder, examples, steps=200):
+    """Train the tiny model in ``folder`` until greedy decoding answers each ``(prompt ids,
+    reply ids)`` with its reply; the weights are rewritten in place."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(folder)
+    rows = [(mx.array(p + r[:-1]), mx.array(r), len(p) - 1) for p, r in examples]
+
+    def loss(m):
+        return sum(nn.losses.cross_entropy(m(x[None])[0, k:], y).mean() for x, y, k in rows)
+
+    step, opt = nn.value_and_grad(model, loss), optim.Adam(learning_rate=3e-3)
+    for _ in range(steps):
+        value, grads = step(model)
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state)
+        if value.item() < 1e-3:
+            break
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})  # fmt: skip
+
+
+def test_llm_two_turns_with_a_tool_call(tmp_path, monkeypatch):
+    """A model taught (here, in a few seconds) to call add and then to answer from the result:
+    llm's own tool chain runs both turns in ``auto``; the reply is parsed by the model's
+    mlx-lm parser, and turn 2 reuses turn 1's cache."""
+    if importlib.util.find_spec("llm") is None:  # imported later, once its plugins are switched off
+        pytest.skip("llm is not installed")
+    from mlx_chatcache.generation.templates import encode_text, render_chat
+    from mlx_chatcache.models.loading import load
+
+    folder = build_tiny_model("llama", tmp_path / "taught", tool_format="json_tools")
+    _, tokenizer = load(str(folder))
+    turn1 = [QUESTION]
+    turn2 = turn1 + [{"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function",
+                      "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+                     {"role": "tool", "tool_call_id": "call_0", "content": "5"}]  # fmt: skip
+    end = encode_text(tokenizer, "<|im_end|>")
+    _teach(folder, [(render_chat(tokenizer, m, template_kwargs={"tools": [LLM_ADD]}), encode_text(tokenizer, r) + end)
+                    for m, r in [(turn1, CALL_TEXT), (turn2, ANSWER)]])  # fmt: skip
+    with ServerProcess(folder, tmp_path / "cache", "--max-tokens", "60") as server:
+        model = _llm_model(tmp_path, monkeypatch, server)
+        seen = []
+
+        def add(a: int, b: int) -> int:
+            """Add two numbers."""
+            seen.append((a, b))
+            return a + b
+
+        first, second = model.chain(QUESTION["content"], tools=[add], options={"temperature": 0}).responses()
+        assert second.text().strip() == ANSWER
+        assert seen == [(2, 3)] and [c.name for c in first.tool_calls()] == ["add"]
+        assert first.response_json["finish_reason"] == "tool_calls"
+        assert second.response_json["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # turn 1 reused
 
 
 def test_litellm_forced_tool_call(server, monkeypatch):

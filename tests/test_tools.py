@@ -5,6 +5,7 @@ gives the same result however the text is cut."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -63,7 +64,9 @@ def test_a_named_function_is_called_even_by_random_weights(tool_models, family):
         content, calls = split_tool_calls(tokenizer, [ADD], text)
         assert content is None and len(calls) == 1, text
         call = calls[0]
-        assert call["type"] == "function" and call["function"]["name"] == "add" and call["id"].startswith("call_")
+        assert call["type"] == "function" and call["function"]["name"] == "add"
+        # a format that numbers its calls (kimi_k2) keeps its own id, so the template writes it back
+        assert call["id"] == "functions.add:0" if family == "kimi_k2" else call["id"].startswith("call_")
         jsonschema.validate(json.loads(call["function"]["arguments"]), ADD["function"]["parameters"])
 
 
@@ -92,7 +95,7 @@ def tool_sets(draw):
     return tools
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=36, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tools=tool_sets(), family=st.sampled_from(FORCED_FAMILIES), seed=st.integers(0, 2**16),
        named=st.booleans())  # fmt: skip
 def test_required_gives_exactly_one_valid_call(tool_models, tools, family, seed, named):
@@ -109,16 +112,31 @@ def test_required_gives_exactly_one_valid_call(tool_models, tools, family, seed,
     jsonschema.validate(json.loads(fn["arguments"]), schema)
 
 
-def test_formats_without_a_grammar_refuse_forced_calls_by_name(tool_models):
-    model, tokenizer = tool_models["minimax_m2"]
+def test_formats_without_a_grammar_refuse_forced_calls_by_name():
+    def parse_tool_call(text, tools=None):  # a format mlx-lm may add later
+        raise ValueError(text)
+
+    parse_tool_call.__module__ = "mlx_lm.tool_parsers.later_format"
+    tokenizer = SimpleNamespace(tool_parser=parse_tool_call, tool_call_start="<call>", tool_call_end="</call>")
+    assert tool_family(tokenizer) == "later_format" and "later_format" not in FORCED_FAMILIES
     with pytest.raises(ToolError) as e:
         forced_call_grammar(tokenizer, [ADD], "required")
-    assert e.value.param == "tool_choice" and "minimax_m2" in str(e.value) and "auto" in str(e.value)
-    # auto still parses what the model writes in its own format
-    text = ('Sure.<minimax:tool_call><invoke name="add"><parameter name="a">2</parameter>'
-            '<parameter name="b">3</parameter></invoke></minimax:tool_call>')  # fmt: skip
-    content, calls = split_tool_calls(tokenizer, [ADD], text)
-    assert content == "Sure." and json.loads(calls[0]["function"]["arguments"]) == {"a": 2, "b": 3}
+    assert e.value.param == "tool_choice" and "later_format" in str(e.value) and "auto" in str(e.value)
+
+
+@pytest.mark.parametrize(("family", "tool", "what"), [
+    ("function_gemma", {"name": "add-one", "parameters": {"type": "object", "properties": {}}}, "add-one"),
+    ("gemma4", {"name": "f", "parameters": {"type": "object", "properties": {"xs": {"type": "array"}},
+                                            "required": ["xs"]}}, "xs"),
+    ("kimi_k2", {"name": "a:1", "parameters": {"type": "object", "properties": {}}}, "a:1"),
+    ("minimax_m2", {"name": "f", "parameters": {"type": "object", "properties": {"s": {"type": "string",
+                    "enum": ["null", "NULL"]}}, "required": ["s"]}}, "null"),
+])  # fmt: skip
+def test_what_a_format_cannot_write_is_refused_by_name(tool_models, family, tool, what):
+    _, tokenizer = tool_models[family]
+    with pytest.raises(ToolError) as e:
+        forced_call_grammar(tokenizer, [{"type": "function", "function": tool}], "required")
+    assert e.value.param == "tool_choice" and what in str(e.value) and "auto" in str(e.value)
 
 
 def test_a_tokenizer_without_a_format_refuses_tools(llama_model):
@@ -145,7 +163,22 @@ def test_streamed_splitting_equals_whole(tool_models, cuts, family, before, afte
                            "</parameter>\n</function>\n</tool_call>",
             "pythonic": "<|tool_call_start|>[add(a=2, b=3)]<|tool_call_end|>",
             "glm47": "<tool_call>add<arg_key>a</arg_key><arg_value>2</arg_value><arg_key>b</arg_key>"
-                     "<arg_value>3</arg_value></tool_call>"}[family]  # fmt: skip
+                     "<arg_value>3</arg_value></tool_call>",
+            "minimax_m2": '<minimax:tool_call><invoke name="add"><parameter name="a">2</parameter>'
+                          '<parameter name="b">3</parameter></invoke></minimax:tool_call>',
+            "function_gemma": "<start_function_call>call:add{a:2,b:3}<end_function_call>",
+            "gemma4": "<|tool_call>call:add{a:2,b:3}<tool_call|>",
+            "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>"
+                       '{"a": 2, "b": 3}<|tool_call_end|><|tool_calls_section_end|>',
+            "longcat": "<longcat_tool_call>add<longcat_arg_key>a</longcat_arg_key><longcat_arg_value>2"
+                       "</longcat_arg_value><longcat_arg_key>b</longcat_arg_key><longcat_arg_value>3"
+                       "</longcat_arg_value></longcat_tool_call>",
+            "minicpm5": '<function name="add"><param name="a">2</param><param name="b">3</param></function>',
+            "muse_spark": '<atem:function_calls><atem:invoke name="add"><atem:parameter name="a">2</atem:parameter>'
+                          '<atem:parameter name="b">3</atem:parameter></atem:invoke></atem:function_calls>',
+            "kimi_k3": '<|open|>tools<|sep|><|open|>call tool="add"<|sep|><|open|>json type="object"<|sep|>'
+                       '{"a": 2, "b": 3}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>',
+            }[family]  # fmt: skip
     text = before + call + ("" if family == "mistral" else after)
     stream, content, calls = ToolCallStream(tokenizer, [ADD]), "", []
     points = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})

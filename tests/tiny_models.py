@@ -23,7 +23,8 @@ Contract
   ``<|im_end|>``, pad is ``<|endoftext|>``, no bos.
 
 ``build_tiny_model(kind, folder, seed, tool_format=FORMAT)`` (``TOOL_FORMATS``:
-json_tools, mistral, qwen3_coder, pythonic, glm47, minimax_m2) writes a model whose chat template
+json_tools, mistral, qwen3_coder, pythonic, glm47, minimax_m2, function_gemma, gemma4,
+kimi_k2, longcat, minicpm5, muse_spark, kimi_k3) writes a model whose chat template
 renders ``tools``, assistant ``tool_calls`` in that mlx-lm tool-call format and
 ``tool`` results; ``tokenizer_config.json`` names the format (``tool_parser_type``)
 and the template holds the marker mlx-lm infers it from. The format's markers are
@@ -133,6 +134,31 @@ _TOOL_CALLS = {
     + "{{- '<invoke name=\"' + tc.function.name + '\">' }}{%- for k, v in args.items() %}{{- '<parameter name=\"'"
     " + k + '\">' + (v if v is string else (v | tojson)) + '</parameter>' }}{%- endfor %}{{- '</invoke>' }}"
     "{%- endfor %}{{- '</minimax:tool_call>' }}",
+    "function_gemma": "{%- for tc in message.tool_calls %}" + _ARGS
+    + "{{- '<start_function_call>call:' + tc.function.name + '{' }}{%- for k, v in args.items() %}{{- k + ':' + ("
+    "'<escape>' + v + '<escape>' if v is string else (v | tojson)) + (',' if not loop.last else '') }}{%- endfor %}"
+    "{{- '}<end_function_call>' }}{%- endfor %}",
+    "gemma4": "{%- for tc in message.tool_calls %}" + _ARGS
+    + "{{- '<|tool_call>call:' + tc.function.name + '{' }}{%- for k, v in args.items() %}{{- k + ':' + ("
+    "'<|\"|>' + v + '<|\"|>' if v is string else (v | tojson)) + (',' if not loop.last else '') }}{%- endfor %}"
+    "{{- '}<tool_call|>' }}{%- endfor %}",
+    "kimi_k2": "{{- '<|tool_calls_section_begin|>' }}{%- for tc in message.tool_calls %}" + _ARGS
+    + "{{- '<|tool_call_begin|>functions.' + tc.function.name + ':' + (loop.index0 | string)"
+    " + '<|tool_call_argument_begin|>' }}" + _ARGS_JSON + "{{- '<|tool_call_end|>' }}{%- endfor %}"
+    "{{- '<|tool_calls_section_end|>' }}",
+    "longcat": "{%- for tc in message.tool_calls %}" + _ARGS + "{{- '<longcat_tool_call>' + tc.function.name }}"
+    "{%- for k, v in args.items() %}{{- '<longcat_arg_key>' + k + '</longcat_arg_key><longcat_arg_value>' + (v if v"
+    " is string else (v | tojson)) + '</longcat_arg_value>' }}{%- endfor %}{{- '</longcat_tool_call>' }}{%- endfor %}",
+    "minicpm5": "{%- for tc in message.tool_calls %}" + _ARGS + "{{- '<function name=\"' + tc.function.name + '\">' }}"
+    "{%- for k, v in args.items() %}{{- '<param name=\"' + k + '\">' + (v if v is string else (v | tojson))"
+    " + '</param>' }}{%- endfor %}{{- '</function>' }}{%- endfor %}",
+    "muse_spark": "{{- '<atem:function_calls>' }}{%- for tc in message.tool_calls %}" + _ARGS
+    + "{{- '<atem:invoke name=\"' + tc.function.name + '\">' }}{%- for k, v in args.items() %}"
+    "{{- '<atem:parameter name=\"' + k + '\">' + (v | tojson) + '</atem:parameter>' }}{%- endfor %}"
+    "{{- '</atem:invoke>' }}{%- endfor %}{{- '</atem:function_calls>' }}",
+    "kimi_k3": "{{- '<|open|>tools<|sep|>' }}{%- for tc in message.tool_calls %}" + _ARGS
+    + "{{- '<|open|>call tool=\"' + tc.function.name + '\"<|sep|><|open|>json type=\"object\"<|sep|>' }}"
+    + _ARGS_JSON + "{{- '<|close|>json<|sep|><|close|>call<|sep|>' }}{%- endfor %}{{- '<|close|>tools<|sep|>' }}",
 }
 # each format's markers, added as special tokens
 TOOL_FORMATS = {
@@ -142,6 +168,15 @@ TOOL_FORMATS = {
     "pythonic": ("<|tool_call_start|>", "<|tool_call_end|>"),
     "glm47": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
     "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
+    "function_gemma": ("<start_function_call>", "<end_function_call>", "<escape>"),
+    "gemma4": ("<|tool_call>", "<tool_call|>", '<|"|>'),
+    "kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                "<|tool_call_end|>", "<|tool_call_argument_begin|>"),
+    "longcat": ("<longcat_tool_call>", "</longcat_tool_call>", "<longcat_arg_key>", "</longcat_arg_key>",
+                "<longcat_arg_value>", "</longcat_arg_value>"),
+    "minicpm5": (),  # its markers are plain text, as in its own tokenizer
+    "muse_spark": ("<atem:function_calls>", "</atem:function_calls>"),
+    "kimi_k3": ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"),  # its XTML vocabulary
 }
 
 

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 
 from ..errors import ChatCacheError
 
 log = logging.getLogger("mlxcc.server")
 
-FORCED_FAMILIES = ("json_tools", "mistral", "qwen3_coder", "pythonic", "glm47")
 COMPACT = {"whitespace_flexible": False}
 
 
@@ -78,14 +78,21 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: str) -> str:
 
 
 def _marker(tokenizer, text: str) -> str:
-    """``text`` in Lark: the token itself when it is one special token, else the string."""
+    """``text`` in Lark: its special tokens as themselves (``<[id]>``), the rest as strings."""
     if not text:
         return ""
-    ids = tokenizer.encode(text, add_special_tokens=False)
     special = set(getattr(tokenizer, "all_special_tokens", ())) | set(getattr(tokenizer, "added_tokens_encoder", {}))
-    if len(ids) == 1 and text in special:
-        return f"<[{ids[0]}]>"
-    return json.dumps(text)
+    names = sorted((t for t in special if t and t in text), key=len, reverse=True)
+    if not names:
+        return json.dumps(text)
+    parts = []
+    for piece in re.split("(" + "|".join(map(re.escape, names)) + ")", text):
+        ids = tokenizer.encode(piece, add_special_tokens=False) if piece in special else None
+        if ids is not None and len(ids) == 1:
+            parts.append(f"<[{ids[0]}]>")
+        elif piece:
+            parts.append(json.dumps(piece))
+    return " ".join(parts)
 
 
 def _parameters(fn: dict) -> dict:
@@ -165,19 +172,152 @@ def _trimmed_string(schema: dict) -> str:
     return "/(%s|%s[^<]%s%s)%s/" % (edge, edge, middle, edge, "" if low else "?")
 
 
-def _glm47_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
-    parts, lines = [json.dumps(name)], []
+def _span(schema: dict) -> str:
+    n = schema.get("maxLength")
+    return "{%d,%s}" % (max(int(schema.get("minLength", 0)), 0), "" if n is None else int(n))
+
+
+def _enum_token(schema: dict, writable) -> str:
+    """The enum's string values that ``writable`` accepts, as Lark alternatives."""
+    values = [v for v in schema["enum"] if isinstance(v, str) and writable(v)]
+    if not values:
+        raise ToolError(f"no value of the enum {schema['enum']!r} can be written in this model's tool format; "
+                        "use tool_choice 'auto'", "tool_choice")  # fmt: skip
+    return " | ".join(json.dumps(v) for v in values)
+
+
+def _bare(schema: dict) -> str:
+    """A string written as is, stripped by the parser."""
+    if "enum" in schema:
+        return _enum_token(schema, lambda v: v == v.strip() and "<" not in v)
+    return _trimmed_string(schema)
+
+
+def _bare_not_null(schema: dict) -> str:
+    """A string written as is, stripped, and read as None when it spells null (minimax_m2, minicpm5)."""
+    if "enum" in schema:
+        return _enum_token(schema, lambda v: v == v.strip() and "<" not in v and v.lower() != "null")
+    return _trimmed_string(schema) + " & ~/[nN][uU][lL][lL]/"
+
+
+def _json_string(schema: dict) -> str:
+    """A JSON string literal without escapes or ``<`` (muse_spark)."""
+    if "enum" in schema:
+        return _enum_token(schema, lambda v: json.dumps(v) == f'"{v}"' and "<" not in v)
+    return '/"[^"\\\\<\\x00-\\x1f]%s"/' % _span(schema)
+
+
+SCALARS = ("integer", "number", "boolean", "null")
+
+
+def _values(rule: str, params: dict, string_token, scalars_only: bool = False) -> tuple[list, list[str]]:
+    """Each required parameter as ``(key, Lark expression)``, and the rules they use: strings
+    through ``string_token(schema)``, other values as compact JSON (only scalars when
+    ``scalars_only``: the format's own syntax would misread a JSON object or array)."""
+    pairs, lines = [], []
     for j, (key, schema) in enumerate(_required(params)):
-        value = f"{rule}v{j}"
-        if schema.get("type") == "string" and "enum" not in schema:
-            lines.append(f"{value}: {_trimmed_string(schema)}")
-        elif schema.get("type") == "string":
-            lines.append(f"{value}: " + " | ".join(json.dumps(v) for v in schema["enum"]))
+        name = f"{rule}v{j}"
+        if schema.get("type") == "string":
+            name = name.upper()
+            lines.append(f"{name}: {string_token(schema)}")
+        elif scalars_only and schema.get("type") not in SCALARS:
+            raise ToolError(f"parameter {key!r} ({schema.get('type', 'any type')}) cannot be forced in this model's "
+                            "tool format; use tool_choice 'auto'", "tool_choice")  # fmt: skip
         else:
-            lines.append(_json_rule(value, schema))
-        parts += [marker("<arg_key>"), json.dumps(key), marker("</arg_key>"), marker("<arg_value>"), value,
-                  marker("</arg_value>")]  # fmt: skip
+            lines.append(_json_rule(name, schema))
+        pairs.append((key, name))
+    return pairs, lines
+
+
+def _words(*names: str) -> None:
+    """Formats that write names bare need word characters only."""
+    for n in names:
+        if not re.fullmatch(r"\w+", n):
+            raise ToolError(f"the name {n!r} cannot be written in this model's tool format (letters, digits "
+                            "and _ only); use tool_choice 'auto'", "tool_choice")  # fmt: skip
+
+
+def _arg_pairs_rules(tag: str):
+    """glm47 and longcat: ``name<TAG_key>k</TAG_key><TAG_value>v</TAG_value>...``."""
+
+    def rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
+        pairs, lines = _values(rule, params, _bare)
+        if not pairs and tag == "longcat_arg":  # longcat reads a call without arguments only as JSON
+            return [_json_rule(rule, _call_object(name, params))]
+        parts = [json.dumps(name)]
+        for key, value in pairs:
+            parts += [marker(f"<{tag}_key>"), json.dumps(key), marker(f"</{tag}_key>"), marker(f"<{tag}_value>"),
+                      value, marker(f"</{tag}_value>")]  # fmt: skip
+        return [f"{rule}: " + " ".join(parts), *lines]
+
+    return rules
+
+
+def _minimax_m2_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
+    pairs, lines = _values(rule, params, _bare_not_null)
+    parts = [json.dumps(f'<invoke name="{name}">')]
+    for key, value in pairs:
+        parts += [json.dumps(f'<parameter name="{key}">'), value, json.dumps("</parameter>")]
+    return [f"{rule}: " + " ".join([*parts, json.dumps("</invoke>")]), *lines]
+
+
+def _minicpm5_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
+    pairs, lines = _values(rule, params, _bare_not_null)
+    parts = [json.dumps(f'"{name}">')]  # after the start marker '<function name='
+    for key, value in pairs:
+        parts += [json.dumps(f'<param name="{key}">'), value, json.dumps("</param>")]
     return [f"{rule}: " + " ".join(parts), *lines]
+
+
+def _muse_spark_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
+    pairs, lines = _values(rule, params, _json_string)
+    parts = [json.dumps(f'<atem:invoke name="{name}">')]
+    for key, value in pairs:
+        parts += [json.dumps(f'<atem:parameter name="{key}">'), value, json.dumps("</atem:parameter>")]
+    return [f"{rule}: " + " ".join([*parts, json.dumps("</atem:invoke>")]), *lines]
+
+
+def _function_gemma_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
+    esc = marker("<escape>")
+    _words(name, *(k for k, _ in _required(params)))
+    pairs, lines = _values(rule, params, lambda s: _enum_token(s, lambda v: not set(v) & set("<}")) if "enum" in s
+                           else f"/[^<}}]{_span(s)}/", scalars_only=True)  # fmt: skip
+    strings = {k for k, s in _required(params) if s.get("type") == "string"}
+    parts = [json.dumps(f"call:{name}{{")]
+    for j, (key, value) in enumerate(pairs):
+        parts += [json.dumps(("," if j else "") + f"{key}:")]
+        parts += [esc, value, esc] if key in strings else [value]
+    return [f"{rule}: " + " ".join([*parts, json.dumps("}")]), *lines]
+
+
+def _gemma4_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
+    quote = marker('<|"|>')
+    _words(name, *(k for k, _ in _required(params)))
+    pairs, lines = _values(rule, params, lambda s: _enum_token(s, lambda v: "<" not in v and "\x00" not in v)
+                           if "enum" in s else f"/[^<\\x00]{_span(s)}/", scalars_only=True)  # fmt: skip
+    strings = {k for k, s in _required(params) if s.get("type") == "string"}
+    parts = [json.dumps(f"call:{name}{{")]
+    for j, (key, value) in enumerate(pairs):
+        parts += [json.dumps(("," if j else "") + f"{key}:")]
+        parts += [quote, value, quote] if key in strings else [value]
+    return [f"{rule}: " + " ".join([*parts, json.dumps("}")]), *lines]
+
+
+def _kimi_k2_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
+    if ":" in name:
+        raise ToolError(f"the name {name!r} cannot be written in this model's tool format (it holds ':'); "
+                        "use tool_choice 'auto'", "tool_choice")  # fmt: skip
+    head = [marker("<|tool_call_begin|>"), json.dumps(f"functions.{name}:0"), marker("<|tool_call_argument_begin|>")]
+    return [f"{rule}: " + " ".join([*head, f"{rule}a", marker("<|tool_call_end|>")]), _json_rule(f"{rule}a", params)]
+
+
+def _kimi_k3_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
+    if '"' in name or "&" in name:
+        raise ToolError(f"the name {name!r} cannot be written in this model's tool format (it holds '\"' or '&'); "
+                        "use tool_choice 'auto'", "tool_choice")  # fmt: skip
+    parts = [marker(f'<|open|>call tool="{name}"<|sep|><|open|>json type="object"<|sep|>'), f"{rule}a",
+             marker("<|close|>json<|sep|><|close|>call<|sep|>")]  # fmt: skip
+    return [f"{rule}: " + " ".join(parts), _json_rule(f"{rule}a", params)]
 
 
 _FAMILY_RULES = {
@@ -185,8 +325,17 @@ _FAMILY_RULES = {
     "mistral": _mistral_rules,
     "qwen3_coder": _qwen3_coder_rules,
     "pythonic": _pythonic_rules,
-    "glm47": _glm47_rules,
+    "glm47": _arg_pairs_rules("arg"),
+    "longcat": _arg_pairs_rules("longcat_arg"),
+    "minimax_m2": _minimax_m2_rules,
+    "minicpm5": _minicpm5_rules,
+    "muse_spark": _muse_spark_rules,
+    "function_gemma": _function_gemma_rules,
+    "gemma4": _gemma4_rules,
+    "kimi_k2": _kimi_k2_rules,
+    "kimi_k3": _kimi_k3_rules,
 }
+FORCED_FAMILIES = tuple(_FAMILY_RULES)
 
 
 # ------------------------------------------------------------------ parsing replies
