@@ -262,9 +262,17 @@ def test_llm_two_turns_with_a_tool_call(tmp_path, monkeypatch):
         assert second.response_json["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # turn 1 reused
 
 
-def test_litellm_forced_tool_call(server, monkeypatch):
+def test_litellm_two_turns_with_a_tool_call(server, monkeypatch):
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download when it is imported
     litellm = pytest.importorskip("litellm")
-    r = litellm.completion(model=f"openai/{server.model_id}", api_base=server.base_url, api_key="-",
-                           messages=[QUESTION], tools=[ADD], tool_choice=_forced(), temperature=1.0)  # fmt: skip
+    where = dict(model=f"openai/{server.model_id}", api_base=server.base_url, api_key="-")
+    r = litellm.completion(**where, messages=[QUESTION], tools=[ADD], tool_choice=_forced(), temperature=1.0)
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == "add"
+    call = r.choices[0].message.tool_calls[0]
+    jsonschema.validate(json.loads(call.function.arguments), ADD["function"]["parameters"])
+    messages = [QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "5"}]  # fmt: skip
+    r2 = litellm.completion(**where, messages=messages, tools=[ADD], tool_choice="none", max_tokens=20)
+    assert isinstance(r2.choices[0].message.content, str) and not r2.choices[0].message.tool_calls
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0  # turn 1 is reused
