@@ -10,11 +10,11 @@ file's whole self-description (:class:`CacheFileInfo`) with the layers.
 held in memory (values of a remote store tier). With
 ``format="mlx-lm"`` we write a file mlx-lm 0.32's ``load_prompt_cache`` accepts.
 
-Layout of our files (format version 4):
+Layout of our files (format version 5):
 - tensors ``layer.{i}.{j}``: array ``j`` of layer ``i``'s ``file_state()``: its
-  ``state``, or for a K/V cache the live tokens followed by zeroed room up to
-  the next multiple of 256 tokens (``spare_slots``), so a loaded cache grows
-  in place (version 1 files, live tokens only, load too); rotating caches in
+  ``state``, K/V arrays holding exactly the live tokens (version 2-4 files carry
+  zeroed room up to the next multiple of 256 tokens after them; they load, and
+  the loaded cache grows into that room); rotating caches in
   temporal order, their ``meta_state`` ending in the ring position
   (``ring_idx``) that restores the live slot order (version 1 and 2 files lack
   it and load in temporal slot order);
@@ -48,7 +48,8 @@ if TYPE_CHECKING:  # the cache classes (and so mlx-lm) load only when arrays bec
     from ..cache import BaseCache
 
 FORMAT_NAME = "mlx_chatcache"
-FORMAT_VERSION = 4  # 4: checksums; 3: rotating meta_state ends in ring_idx; 2: K/V room; 1: live tokens only
+FORMAT_VERSION = 5  # 5: K/V arrays hold exactly the live tokens; 4: checksums; 3: rotating meta_state
+# ends in ring_idx; 2: K/V room; 1: live tokens only
 CHECKSUMS_SINCE = 4
 MAX_LAYERS = 4096
 # the names in mlx_chatcache.cache.CACHE_CLASSES (a test keeps them equal): reading a header checks a
