@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from mlx_chatcache.cache import ChunkedKVCache, KVCache, QuantizedKVCache
 from mlx_chatcache.cache.cache_base import kv_len
+from mlx_chatcache.errors import CacheFileError
 from mlx_chatcache.files.atomic import write_atomic
 from mlx_chatcache.files.mlxcc_format import (
     FORMAT_VERSION,
@@ -62,6 +63,21 @@ def test_a_55_token_cache_stores_exactly_55_slots(tmp_path, kind):
     data = prompt_cache_bytes([c], tokens=list(range(55)))
     (loaded,), info = load_prompt_cache_bytes(data, "value")
     assert info.slots == 55 and same_state(loaded, c)
+    assert kv_len(loaded.keys) == KVCache.step  # read into room to grow (one allocation)
+
+
+@pytest.mark.parametrize("kind", ["float", "q8"])
+def test_a_damaged_tensor_read_into_room_is_refused(tmp_path, kind):
+    """The checksum covers the file's bytes also when they are read into room."""
+    p = tmp_path / "c.safetensors"
+    save_prompt_cache(p, [filled(KINDS[kind], 55)], tokens=list(range(55)))
+    header = read_header(p)
+    t = header.tensors["layer.0.1"]
+    data = bytearray(p.read_bytes())
+    data[header.data_start + (t.begin + t.end) // 2] ^= 0x40
+    p.write_bytes(bytes(data))
+    with pytest.raises(CacheFileError, match="checksum"):
+        load_cache_file(p)
 
 
 def legacy_v4_file(path, cache, tokens):
@@ -116,6 +132,8 @@ def test_save_load_append_equals_the_never_saved_cache(tmp_path, kind, n, k, tri
         assert {t.shape[2] for t in read_header(p).tensors.values()} == {held}
     (loaded,), _ = load_cache_file(p)
     assert same_state(loaded, saved)
+    if held:
+        assert kv_len(loaded.keys) == KVCache.grown_slots(held)
     want = saved.update_and_fetch(rnd(k, 7), rnd(k, 8))
     got = loaded.update_and_fetch(rnd(k, 7), rnd(k, 8))
     assert same_leaves(want, got)

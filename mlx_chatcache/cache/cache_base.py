@@ -8,7 +8,7 @@ chat session rely on):
   growing K/V cache also takes arrays that carry the room older files stored
   after the live tokens (see ``KVCache``), and grows into it in place.
 - ``file_state()``: the arrays a cache file stores: exactly ``state`` (files
-  hold no room to grow: a loaded cache makes its room at its first update).
+  hold no room to grow: a loader makes it, see ``grown_slots``).
 - ``meta_state``: a tuple of plain strings with everything that is not an array
   (offsets, window size, keep, a window's ring position, bits, group size).
   Settable; parsing errors raise :class:`CacheFormatError`.
@@ -123,6 +123,12 @@ class BaseCache:
         """What a cache file stores: exactly ``state`` (the live content, no
         room); ``from_state(file_state(), meta_state)`` rebuilds the cache."""
         return self.state
+
+    @classmethod
+    def grown_slots(cls, held: int) -> int:
+        """Slots (axis 2) a loader reads each of this class's arrays of ``held``
+        tokens into, so that the next tokens fit without a copy (``held``: no room)."""
+        return held
 
     def eval_arrays(self) -> list[mx.array]:
         """Arrays to ``mx.eval`` after an update (the live buffers, not copies)."""

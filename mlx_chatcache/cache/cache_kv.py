@@ -2,10 +2,11 @@
 
 All three keep keys/values in a buffer that grows in ``step``-sized blocks;
 only ``[0:held]`` is live. ``state`` returns exactly the live part, so a saved
-file never holds padding or trimmed-away tokens. A cache rebuilt from exact
-arrays makes its room at its first update (one new buffer per array); arrays
-with the room older files stored (up to the next multiple of ``step``) are
-taken as they are and grown into in place.
+file never holds padding or trimmed-away tokens. ``state`` may be set with
+arrays that carry room after the live tokens up to the next multiple of
+``step`` (``grown_slots``: what a loader reads a file into, and what files of
+format version 2-4 stored); the cache grows into it in place. A cache rebuilt
+from exact arrays makes its room at its first update (one new buffer per array).
 
 Each subclasses mlx-lm's class of the same name (see ``docs/mlx-lm-compat.md``).
 ``to_quantized`` exists only where mlx-lm's class has it (``KVCache``): mlx-lm's
@@ -124,7 +125,7 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
         v = [a[...] for a in v]  # own objects: update_and_fetch writes into them in place
         self.keys, self.values = self._pack(v[: n // 2]), self._pack(v[n // 2 :])
         slots = v[0].shape[2] if v[0].ndim == 4 else -1
-        if slots not in (self._held(), self._legacy_room(self._held())):
+        if slots not in (self._held(), self.grown_slots(self._held())):
             slots = -1
         for a in v:
             if a.ndim != 4 or a.shape[2] != slots or a.shape[:2] != v[0].shape[:2]:
@@ -133,10 +134,10 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
                     "as (batch, heads, tokens, dim)"
                 )
 
-    def _legacy_room(self, held: int) -> int:
-        """Slots a K/V array of ``held`` tokens has in a file of format version
-        2-4: the tokens, then room up to the next multiple of ``step``."""
-        return held + (-held % self.step)
+    @classmethod
+    def grown_slots(cls, held: int) -> int:
+        """The tokens, then room up to the next multiple of ``step``."""
+        return held + (-held % cls.step)
 
     def _array_names(self) -> tuple[str, ...]:
         return ("keys", "values")

@@ -78,8 +78,9 @@ class RotatingKVCache(KVCache, mlx_lm_cache.RotatingKVCache):
     def _held(self) -> int:
         return min(self.offset, self.max_size)
 
-    def _legacy_room(self, held: int) -> int:
-        return held  # a window's files always held its state exactly
+    @classmethod
+    def grown_slots(cls, held: int) -> int:
+        return held  # a window's buffer is its own layout: files hold its state exactly
 
     # ----------------------------------------------------------- positions
     def _positions(self) -> np.ndarray:

@@ -13,8 +13,8 @@ held in memory (values of a remote store tier). With
 Layout of our files (format version 5):
 - tensors ``layer.{i}.{j}``: array ``j`` of layer ``i``'s ``file_state()``: its
   ``state``, K/V arrays holding exactly the live tokens (version 2-4 files carry
-  zeroed room up to the next multiple of 256 tokens after them; they load, and
-  the loaded cache grows into that room); rotating caches in
+  zeroed room up to the next multiple of 256 tokens after them); a loader reads
+  them into buffers with room to grow (``grown_slots``); rotating caches in
   temporal order, their ``meta_state`` ending in the ring position
   (``ring_idx``) that restores the live slot order (version 1 and 2 files lack
   it and load in temporal slot order);
@@ -226,9 +226,16 @@ def _load(header: Header, model: ModelFingerprint | None, what: str):
 
 
 def _build_layers(header: Header, info: CacheFileInfo) -> list[BaseCache]:
+    """The layers, their K/V arrays read straight into buffers with room to grow."""
     from ..cache import cache_class
 
-    arrays = read_arrays(header)
+    slots = {}
+    for i, name in enumerate(info.classes):
+        for j in range(info.extra["layers"][i][1]):
+            t = header.tensors[f"layer.{i}.{j}"]
+            if len(t.shape) == 4:
+                slots[t.name] = cache_class(name).grown_slots(t.shape[2])
+    arrays = read_arrays(header, slots=slots)
     cache = []
     for i, name in enumerate(info.classes):
         meta, count = info.extra["layers"][i]
