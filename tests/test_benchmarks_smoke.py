@@ -128,7 +128,7 @@ def test_store_growth_smoke(tmp_path):
     out = run("store_growth.py", "--tiny", "--counts", "1,2", "--shared", "64", "--unique", "8", "--repeats", "1",
               "--write-results", "--results", str(results))
     assert re.search(r"^\| K/V +\| tokens +\| file MB", out, re.M)
-    assert len(re.findall(r"^\| (as made|float16) ", out, re.M)) == 2
+    assert len(re.findall(r"^\| (as made: float32|cast: float16) ", out, re.M)) == 2
     store_rows = re.findall(r"^\| ([12]) +\| [\d.]+ +\| [\d.]+ +\| ([\d.]+)x", out, re.M)
     assert [n for n, _ in store_rows] == ["1", "2"]
     assert float(store_rows[1][1]) > float(store_rows[0][1])  # whole entries: the shared prompt stored twice
