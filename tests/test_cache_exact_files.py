@@ -63,14 +63,33 @@ def test_a_55_token_cache_stores_exactly_55_slots(tmp_path, kind):
     data = prompt_cache_bytes([c], tokens=list(range(55)))
     (loaded,), info = load_prompt_cache_bytes(data, "value")
     assert info.slots == 55 and same_state(loaded, c)
-    assert kv_len(loaded.keys) == KVCache.step  # read into room to grow (one allocation)
+
+
+def loaded_slots(held: int) -> int:
+    """Slots a loaded K/V array of ``held`` tokens has: room to the next step when
+    that room at most doubles it, else exactly the tokens (room at the first update)."""
+    grown = KVCache.grown_slots(held)
+    return grown if grown <= 2 * held else held
+
+
+@pytest.mark.parametrize("held", [55, 128, 200, 256, 300])
+def test_loaded_k_v_arrays_get_room_that_at_most_doubles_them(tmp_path, held):
+    c = filled(KVCache, held)
+    p = tmp_path / "c.safetensors"
+    save_prompt_cache(p, [c], tokens=list(range(held)))
+    (from_file,), _ = load_cache_file(p)
+    (from_bytes,), _ = load_prompt_cache_bytes(prompt_cache_bytes([c], tokens=list(range(held))), "value")
+    for loaded in (from_file, from_bytes):
+        assert kv_len(loaded.keys) == kv_len(loaded.values) == loaded_slots(held)
+        assert same_state(loaded, c)
+    assert loaded_slots(200) == KVCache.step and loaded_slots(55) == 55
 
 
 @pytest.mark.parametrize("kind", ["float", "q8"])
 def test_a_damaged_tensor_read_into_room_is_refused(tmp_path, kind):
     """The checksum covers the file's bytes also when they are read into room."""
     p = tmp_path / "c.safetensors"
-    save_prompt_cache(p, [filled(KINDS[kind], 55)], tokens=list(range(55)))
+    save_prompt_cache(p, [filled(KINDS[kind], 200)], tokens=list(range(200)))
     header = read_header(p)
     t = header.tensors["layer.0.1"]
     data = bytearray(p.read_bytes())
@@ -133,7 +152,7 @@ def test_save_load_append_equals_the_never_saved_cache(tmp_path, kind, n, k, tri
     (loaded,), _ = load_cache_file(p)
     assert same_state(loaded, saved)
     if held:
-        assert kv_len(loaded.keys) == KVCache.grown_slots(held)
+        assert kv_len(loaded.keys) == loaded_slots(held)
     want = saved.update_and_fetch(rnd(k, 7), rnd(k, 8))
     got = loaded.update_and_fetch(rnd(k, 7), rnd(k, 8))
     assert same_leaves(want, got)

@@ -7,7 +7,8 @@ with the larger shapes and serves each tensor's bytes row by row (one row per
 batch and head: the file's tokens, then zeros for the room) straight into the
 buffer ``mx.load`` hands it (``readinto``). So room is made at load in the one
 allocation and the one pass over the data that loading costs anyway; no copy
-follows at the first update.
+follows at the first update. The reader (:func:`.safetensors_file.read_arrays`)
+makes room only where it at most doubles an array.
 
 :func:`live_crc32` is the CRC32 of the file bytes of such an array (its rows
 without the room), to check it against the file's checksum.

@@ -207,7 +207,9 @@ def read_arrays(header: Header, names=None, slots: dict[str, int] | None = None)
 
     ``slots``: tensor name -> slots on axis 2 to read that 4-D tensor into
     (room to grow after its own, zeroed; see :mod:`.grown_read`): one
-    allocation and one pass, as without room.
+    allocation and one pass, as without room. Room larger than the tensor's
+    own slots is not made (a file never makes the reader allocate more than
+    twice its bytes): such a tensor is read as it is.
 
     The file is opened once and checked to be the one ``read_header`` validated
     (a file replaced or rewritten since is refused). ``mx.load`` then reads it
@@ -222,7 +224,7 @@ def read_arrays(header: Header, names=None, slots: dict[str, int] | None = None)
     if not names:
         return {}
     slots = {n: k for n, k in (slots or {}).items()
-             if n in names and len(header.tensors[n].shape) == 4 and k > header.tensors[n].shape[2]}  # fmt: skip
+             if n in names and len(header.tensors[n].shape) == 4 and _room_ok(header.tensors[n].shape[2], k)}
     path = header.path
     need, limit = sum(_bytes_read(header.tensors[n], slots.get(n)) for n in names), memory_limit()
     if limit and need > limit:  # e.g. a sparse file: huge apparent size, no content; never allocate that
@@ -248,6 +250,10 @@ def read_arrays(header: Header, names=None, slots: dict[str, int] | None = None)
     except (RuntimeError, ValueError, OSError) as e:  # short read, file vanished, ...
         raise _bad(path, f"file shrank or changed while reading: {e}") from None
     return out
+
+
+def _room_ok(own: int, slots: int) -> bool:
+    return own < slots <= 2 * own
 
 
 def _bytes_read(t: TensorEntry, slots: int | None) -> int:
