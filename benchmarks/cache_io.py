@@ -659,8 +659,9 @@ def main(argv=None) -> int:
             "the float cache. 'new process': timed inside a fresh Python process per run (imports "
             "done first; no warm allocator: what resuming a saved chat pays); 'load + 1 token' "
             "adds one token appended to every layer, what a resume does before its first forward "
-            "(both files carry the K/V buffers' room to the next 256-token step, so it is written "
-            "in place). In-process warm loads depend on which buffers the allocator has kept from "
+            "(mlx-lm's file carries its buffers' room to the next 256-token step, so it is written "
+            "in place; ours holds exactly the tokens, 'tokens stored', and our loader reads them "
+            "into buffers with that room, so it is written in place too). In-process warm loads depend on which buffers the allocator has kept from "
             "earlier runs (we saw either loader take 20 or 80 ms for the same 4k file depending on "
             "what ran before it), so the new-process columns are the ones to compare.\n\n")
     out += md_table(headers, table)

@@ -133,3 +133,17 @@ def test_grammar_cost_smoke(tmp_path):
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert {"free", "no-op processor", "schema"} <= set(rows), out
     assert any(k.startswith("V=384, 3 fields") for k in rows), out
+
+
+def test_store_growth_smoke(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    out = run("store_growth.py", "--tiny", "--counts", "1,2", "--shared", "64", "--unique", "8", "--repeats", "1",
+              "--write-results", "--results", str(results))
+    assert re.search(r"^\| K/V +\| tokens +\| file MB", out, re.M)
+    assert len(re.findall(r"^\| (as made: float32|cast: float16) ", out, re.M)) == 2
+    store_rows = re.findall(r"^\| ([12]) +\| [\d.]+ +\| [\d.]+ +\| ([\d.]+)x", out, re.M)
+    assert [n for n, _ in store_rows] == ["1", "2"]
+    assert float(store_rows[1][1]) > float(store_rows[0][1])  # whole entries: the shared prompt stored twice
+    assert re.search(r"^\| memory +\| [\d.]+ ", out, re.M) and re.search(r"^\| disk +\| [\d.]+ ", out, re.M)
+    assert "llama" in out and "- command: " in out
+    assert "<!-- BEGIN store_growth -->" in results.read_text()

@@ -95,14 +95,14 @@ def test_header_only_info_matches(tmp_path):
     p = tmp_path / "c.safetensors"
     save_prompt_cache(p, [filled(KVCache())], tokens=list(range(12)))
     info = read_cache_info(p)
-    # stored bytes: keys and values, each (1, 2 heads, 256 slots: 12 tokens + room, 32) float32
-    assert info.num_tokens == 12 and info.nbytes == 2 * KVCache.step * 2 * 32 * 4
+    # stored bytes: keys and values, each (1, 2 heads, 12 tokens, 32) float32
+    assert info.num_tokens == 12 and info.nbytes == 2 * 12 * 2 * 32 * 4 and info.slots == 12
 
 
-def test_file_holds_live_tokens_and_zeroed_room_like_mlx_lm(tmp_path):
-    """K/V arrays are stored with their buffer's room to the next 256-token step
-    (as mlx-lm stores them), the room zeroed: the arrays take as many bytes as
-    (at most) mlx-lm's, trimmed tokens never reach the file, ``state`` stays exact."""
+def test_file_holds_exactly_the_live_tokens(tmp_path):
+    """K/V arrays are stored without room to grow and without trimmed tokens:
+    exactly the live tokens, fewer bytes than mlx-lm's file of the same cache
+    (which stores its buffers' room); ``state`` stays exact."""
     from mlx_chatcache.files.safetensors_file import read_arrays, read_header
 
     ours, theirs = KVCache(), lm.KVCache()
@@ -110,17 +110,17 @@ def test_file_holds_live_tokens_and_zeroed_room_like_mlx_lm(tmp_path):
         c.update_and_fetch(rnd(15), rnd(15, 1))
         c.trim(5)
     save_prompt_cache(tmp_path / "first.safetensors", [ours], tokens=list(range(10)))
-    ours.update_and_fetch(rnd(3, 7), rnd(3, 8))  # into the zeroed room, then trimmed again
+    ours.update_and_fetch(rnd(3, 7), rnd(3, 8))  # into the buffer's room, then trimmed again
     ours.trim(3)
     save_prompt_cache(tmp_path / "a.safetensors", [ours], tokens=list(range(10)))
     lm.save_prompt_cache(str(tmp_path / "b.safetensors"), [theirs])
     a, b = (read_header(tmp_path / f) for f in ("a.safetensors", "b.safetensors"))
-    assert sum(t.end - t.begin for t in a.tensors.values()) <= sum(t.end - t.begin for t in b.tensors.values())
+    ours_bytes = sum(t.end - t.begin for t in a.tensors.values())
+    assert ours_bytes == 2 * 10 * 2 * 32 * 4 < sum(t.end - t.begin for t in b.tensors.values())
     stored = read_arrays(a)
     for name, arr in stored.items():
-        assert arr.shape[2] == KVCache.step
-        assert mx.array_equal(arr[..., :10, :], (rnd(15) if name.endswith(".0") else rnd(15, 1))[..., :10, :])
-        assert not mx.any(arr[..., 10:, :]).item()  # the 5 trimmed tokens are gone
+        assert arr.shape[2] == 10  # the 5 trimmed tokens are gone, and there is no room
+        assert mx.array_equal(arr, (rnd(15) if name.endswith(".0") else rnd(15, 1))[..., :10, :])
     (loaded,) = load_prompt_cache(tmp_path / "a.safetensors")
     assert all(s.shape[2] == 10 for s in loaded.state)
 
@@ -327,21 +327,22 @@ def test_mlx_lm_file_continues_identically(kind, tiny_model_dirs, tmp_path):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("make", [KVCache, lambda: QuantizedKVCache(32, 8)], ids=["float", "q8"])
 def test_loaded_cache_grows_without_reallocating(tmp_path, dtype, make):
-    """A loaded cache gets its room to the next step boundary from the file, so
-    the first updates after a resume write into that room, and it continues
-    exactly like the cache that was saved."""
+    """The file holds exactly the tokens; the loader reads them into buffers with
+    room to the next step boundary, so the first updates after a resume write
+    into that room, and it continues exactly like the cache that was saved."""
     from mlx.utils import tree_flatten
 
     from mlx_chatcache.cache.cache_base import kv_len
+    from mlx_chatcache.files.safetensors_file import read_header
 
     saved = make()
-    saved.update_and_fetch(rnd(10).astype(dtype), rnd(10, 1).astype(dtype))
+    saved.update_and_fetch(rnd(200).astype(dtype), rnd(200, 1).astype(dtype))
     p = tmp_path / "c.safetensors"
-    save_prompt_cache(p, [saved], tokens=list(range(10)))
+    save_prompt_cache(p, [saved], tokens=list(range(200)))
+    assert {t.shape[2] for t in read_header(p).tensors.values()} == {200}  # no room in the file
     (loaded,) = load_prompt_cache(p)
-    assert loaded.spare_slots() == KVCache.step - 10
     assert kv_len(loaded.keys) == kv_len(loaded.values) == KVCache.step
-    assert all(s.shape[2] == 10 for s in loaded.state)  # the contract: live tokens only
+    assert all(s.shape[2] == 200 for s in loaded.state)  # the contract: live tokens only
     for i in range(3):
         k, v = rnd(7, 10 + i).astype(dtype), rnd(7, 20 + i).astype(dtype)
         want, got = saved.update_and_fetch(k, v), loaded.update_and_fetch(k, v)
@@ -354,8 +355,8 @@ def test_loaded_float_buffer_is_written_in_place(tmp_path):
     import numpy as np
 
     c = KVCache()
-    c.update_and_fetch(rnd(10), rnd(10, 1))
-    save_prompt_cache(tmp_path / "c.safetensors", [c], tokens=list(range(10)))
+    c.update_and_fetch(rnd(200), rnd(200, 1))
+    save_prompt_cache(tmp_path / "c.safetensors", [c], tokens=list(range(200)))
     (loaded,) = load_prompt_cache(tmp_path / "c.safetensors")
 
     def address(a):
@@ -367,13 +368,14 @@ def test_loaded_float_buffer_is_written_in_place(tmp_path):
     assert address(loaded.keys) == before
 
 
-def test_state_setter_takes_only_the_declared_spare_room():
+def test_state_setter_takes_only_the_live_tokens_or_the_room_older_files_stored():
     c = KVCache()
     c.offset = 10
-    ok = mx.zeros((1, 2, 10 + c.spare_slots(), 32))
-    c.state = [ok, ok]
-    assert c.state[0].shape[2] == 10
-    for slots in (9, 11, 10 + c.spare_slots() + 1):
+    for slots in (10, KVCache.step):
+        ok = mx.zeros((1, 2, slots, 32))
+        c.state = [ok, ok]
+        assert c.state[0].shape[2] == 10
+    for slots in (9, 11, KVCache.step + 1):
         bad = mx.zeros((1, 2, slots, 32))
         with pytest.raises(CacheFormatError, match="does not hold 10 tokens"):
             c.state = [bad, bad]
@@ -398,10 +400,9 @@ def test_file_changed_or_shortened_after_header_check(good_file, tmp_path):
 
 @pytest.mark.parametrize("make", [KVCache, lambda: QuantizedKVCache(32, 8)], ids=["float", "q8"])
 @pytest.mark.parametrize("keep, grow", [(10, 290), (KVCache.step, 10)])  # room after the trim; none
-def test_trimmed_tokens_beyond_the_saved_room_never_reach_a_later_file(tmp_path, make, keep, grow):
-    """Trim far back, save (which stores only up to the next step), grow past that
-    step again, save: the slots the second file stores past the live tokens are
-    zero, not the tokens trimmed before the first save."""
+def test_trimmed_tokens_never_reach_a_later_file(tmp_path, make, keep, grow):
+    """Trim far back, save, grow past the next step again, save: each file
+    stores exactly the live tokens, never the tokens trimmed before."""
     from mlx_chatcache.files.safetensors_file import read_arrays, read_header
 
     c = make()
@@ -411,14 +412,16 @@ def test_trimmed_tokens_beyond_the_saved_room_never_reach_a_later_file(tmp_path,
     c.update_and_fetch(rnd(grow, 3), rnd(grow, 4))  # past the next step: the second file stores more
     n = keep + grow
     save_prompt_cache(tmp_path / "b.safetensors", [c], tokens=list(range(n)))
+    assert read_header(tmp_path / "a.safetensors").tensors["layer.0.0"].shape[2] == keep
     for name, arr in read_arrays(read_header(tmp_path / "b.safetensors")).items():
-        assert arr.shape[2] == -(-n // KVCache.step) * KVCache.step
-        assert not mx.any(arr[..., n:, :]).item(), name
+        assert arr.shape[2] == n, name
+    (loaded,) = load_prompt_cache(tmp_path / "b.safetensors")
+    assert same_live(loaded, c)
 
 
 def test_reads_version_1_files_without_room(tmp_path):
     """Files from format version 1 hold exactly the live tokens; they still load,
-    continue like the saved cache, and are written back in the current version with room."""
+    continue like the saved cache, and are written back in the current version."""
     from mlx_chatcache.cache.cache_base import kv_len
 
     c = filled(KVCache())
@@ -431,17 +434,22 @@ def test_reads_version_1_files_without_room(tmp_path):
     }  # fmt: skip
     mx.save_safetensors(str(p), {"layer.0.0": k, "layer.0.1": v}, meta)
     (old,), info = load_cache_file(p)
-    assert info.format_version == 1 and kv_len(old.keys) == 12
+    assert info.format_version == 1 and kv_len(old.keys) == 12  # room would more than double it
     assert_same([c], [old])
     got, want = old.update_and_fetch(rnd(2, 9), rnd(2, 9)), c.update_and_fetch(rnd(2, 9), rnd(2, 9))
     assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
-    save_prompt_cache(tmp_path / "v3.safetensors", [old], tokens=list(range(14)))
-    assert read_cache_info(tmp_path / "v3.safetensors").format_version == FORMAT_VERSION == 4
+    save_prompt_cache(tmp_path / "new.safetensors", [old], tokens=list(range(14)))
+    assert read_cache_info(tmp_path / "new.safetensors").format_version == FORMAT_VERSION == 5
 
 
 def wrapped_rings():
     """Wrapped windows whose ring does not start at slot ``keep`` (float and quantized)."""
     return [filled(RotatingKVCache(8, 2), (10, 1, 1, 1)), filled(QuantizedRotatingKVCache(8, 2, 32, 8), (5, 1, 5, 1, 1))]
+
+
+def same_live(a, b) -> bool:
+    xs, ys = a.state, b.state
+    return len(xs) == len(ys) and all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(xs, ys))
 
 
 def same_buffers(a, b) -> bool:

@@ -71,7 +71,7 @@ def test_files_carry_checksums_and_verify(saved):
     path, data, cache = saved
     _, h = _split(data)
     assert {HEADER_KEY, TENSORS_KEY} <= set(h["__metadata__"])
-    assert read_cache_info(path).format_version == FORMAT_VERSION == 4
+    assert read_cache_info(path).format_version == FORMAT_VERSION == 5
     assert verify_cache_file(path) is True
     assert load_prompt_cache_bytes(prompt_cache_bytes(cache, tokens=TOKENS), "mem")[1].tokens == TOKENS
 

@@ -131,6 +131,28 @@ def test_restart_keeps_the_conversation_and_greedy_output(tiny_model_dirs, llama
     assert warm_text == cold_reply.choices[0].message.content  # identical with and without the store
 
 
+def test_a_running_server_finds_entries_a_command_adds(tiny_model_dirs, llama_model, tmp_path):
+    """``mlxcc generate --cache-dir`` writes an entry into a running server's folder;
+    the server's next request with that prompt is served from it, without a restart."""
+    import subprocess
+    import sys
+
+    msgs = [{"role": "user", "content": "Name three rivers of Europe, please."}]
+    other = [{"role": "user", "content": "Something else entirely."}]
+    _, tokenizer = llama_model
+    own = common_prefix_len(render_chat(tokenizer, other), render_chat(tokenizer, msgs))  # the template's start
+    with ServerProcess(tiny_model_dirs["llama"], tmp_path, "--cache-bytes", "0") as s:
+        chat(s, other)  # the server has looked at its folder and stored an entry of its own
+        assert s.health()["store"]["disk"]["hits"] == 0
+        cmd = [sys.executable, "-m", "mlx_chatcache", "generate", "--model", str(tiny_model_dirs["llama"]),
+               "-p", msgs[0]["content"], "-m", "4", "--cache-dir", str(tmp_path)]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, env=s.env, timeout=120)
+        time.sleep(1.2)  # the server looks again at most once per second
+        reply = chat(s, msgs)
+        assert reply.usage.prompt_tokens_details.cached_tokens > own  # more than its own entry serves
+        assert s.health()["store"]["disk"]["hits"] == 1
+
+
 def test_completions_stream_and_non_stream(server):
     c = client(server)
     full = c.completions.create(model=server.model_id, prompt="The train leaves the station", max_tokens=8, temperature=0)

@@ -4,12 +4,11 @@ Contract of :class:`BaseCache` (what the file format, the generate loop and the
 chat session rely on):
 
 - ``state``: a list of arrays holding exactly the live content (never padding,
-  never trimmed-away tokens, rotating caches in temporal order). Settable; the
-  set arrays may also carry exactly ``spare_slots()`` zeroed slots after the live
-  tokens (axis 2), which the cache then grows into without reallocating.
-- ``file_state()``: the arrays a cache file stores: ``state``, or the growing
-  buffers whole (live tokens, then ``spare_slots()`` zeroed slots), so that a
-  loaded cache grows in place as the saved one would.
+  never trimmed-away tokens, rotating caches in temporal order). Settable; a
+  growing K/V cache also takes arrays that carry the room older files stored
+  after the live tokens (see ``KVCache``), and grows into it in place.
+- ``file_state()``: the arrays a cache file stores: exactly ``state`` (files
+  hold no room to grow: a loader makes it, see ``grown_slots``).
 - ``meta_state``: a tuple of plain strings with everything that is not an array
   (offsets, window size, keep, a window's ring position, bits, group size).
   Settable; parsing errors raise :class:`CacheFormatError`.
@@ -120,14 +119,16 @@ class BaseCache:
     def _init_empty(self) -> None:
         """Set the attributes an instance needs before ``meta_state`` is applied."""
 
-    def spare_slots(self) -> int:
-        """Free slots after the live tokens that ``file_state`` stores (0: none)."""
-        return 0
-
     def file_state(self) -> list[mx.array]:
-        """What a cache file stores; ``from_state(file_state(), meta_state)``
-        rebuilds the cache. ``state`` unless a subclass keeps room to grow."""
+        """What a cache file stores: exactly ``state`` (the live content, no
+        room); ``from_state(file_state(), meta_state)`` rebuilds the cache."""
         return self.state
+
+    @classmethod
+    def grown_slots(cls, held: int) -> int:
+        """Slots (axis 2) a loader reads each of this class's arrays of ``held``
+        tokens into, so that the next tokens fit without a copy (``held``: no room)."""
+        return held
 
     def eval_arrays(self) -> list[mx.array]:
         """Arrays to ``mx.eval`` after an update (the live buffers, not copies)."""
@@ -216,6 +217,15 @@ def kv_assign(buf, start: int, value) -> None:
             b[..., start:stop, :] = v
     else:
         buf[..., start:stop, :] = value
+
+
+def kv_grow(x, capacity: int):
+    """``x`` followed by zeroed steps up to ``capacity`` steps: one new buffer
+    per array, the live steps copied once."""
+    def grow(t):
+        return mx.pad(t, [(0, 0), (0, 0), (0, capacity - t.shape[2]), (0, 0)])
+
+    return tree_map(grow, x)
 
 
 def kv_zeros_like(x, n: int):

@@ -2,7 +2,11 @@
 
 All three keep keys/values in a buffer that grows in ``step``-sized blocks;
 only ``[0:held]`` is live. ``state`` returns exactly the live part, so a saved
-file never holds padding or trimmed-away tokens.
+file never holds padding or trimmed-away tokens. ``state`` may be set with
+arrays that carry room after the live tokens up to the next multiple of
+``step`` (``grown_slots``: what a loader reads a file into, and what files of
+format version 2-4 stored); the cache grows into it in place. A cache rebuilt
+from exact arrays makes its room at its first update (one new buffer per array).
 
 Each subclasses mlx-lm's class of the same name (see ``docs/mlx-lm-compat.md``).
 ``to_quantized`` exists only where mlx-lm's class has it (``KVCache``): mlx-lm's
@@ -21,8 +25,8 @@ from .cache_base import (
     BaseCache,
     check_arrays,
     kv_assign,
-    kv_concat,
     kv_flatten,
+    kv_grow,
     kv_len,
     kv_slice,
     kv_zeros_like,
@@ -44,7 +48,6 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
         self.keys = None
         self.values = None
         self.offset = 0
-        self._room_dirty = False  # slots past the live tokens may hold data (trimmed tokens)
 
     # ----------------------------------------------------------- storage hooks
     def _encode(self, x: mx.array):
@@ -80,9 +83,8 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
             self.keys = kv_zeros_like(keys, capacity)
             self.values = kv_zeros_like(values, capacity)
             return
-        live_k, live_v = kv_slice(self.keys, 0, held), kv_slice(self.values, 0, held)
-        self.keys = kv_concat([live_k, kv_zeros_like(keys, capacity - held)])
-        self.values = kv_concat([live_v, kv_zeros_like(values, capacity - held)])
+        self.keys = kv_grow(kv_slice(self.keys, 0, held), capacity)
+        self.values = kv_grow(kv_slice(self.values, 0, held), capacity)
 
     def _fetch(self):
         held = self._held()
@@ -123,9 +125,8 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
         v = [a[...] for a in v]  # own objects: update_and_fetch writes into them in place
         self.keys, self.values = self._pack(v[: n // 2]), self._pack(v[n // 2 :])
         slots = v[0].shape[2] if v[0].ndim == 4 else -1
-        if slots not in (self._held(), self._held() + self.spare_slots()):
+        if slots not in (self._held(), self.grown_slots(self._held())):
             slots = -1
-        self._room_dirty = slots > self._held()  # whatever the room holds is not ours
         for a in v:
             if a.ndim != 4 or a.shape[2] != slots or a.shape[:2] != v[0].shape[:2]:
                 raise CacheFormatError(
@@ -133,26 +134,10 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
                     "as (batch, heads, tokens, dim)"
                 )
 
-    def spare_slots(self) -> int:
-        """Room from the live tokens up to the next multiple of ``step``."""
-        return -self._held() % self.step
-
-    def file_state(self) -> list[mx.array]:
-        """Live tokens, then zeroed room up to the next step boundary: the buffers
-        themselves when they end there (no copy; the usual case), else cut to
-        that length or first grown to it (which this cache keeps). A room that
-        may hold trimmed tokens is zeroed in place first: they never reach a file."""
-        if self.keys is None:
-            return []
-        held, room = self._held(), self.spare_slots()
-        self._reserve(self.keys, self.values, held + room)
-        tail = kv_len(self.keys) - held  # >= room; all of it, not just what this file stores,
-        if tail and self._room_dirty:  # or a later, longer save would find trimmed tokens there
-            kv_assign(self.keys, held, kv_zeros_like(self.keys, tail))
-            kv_assign(self.values, held, kv_zeros_like(self.values, tail))
-        self._room_dirty = False
-        k, v = kv_slice(self.keys, 0, held + room), kv_slice(self.values, 0, held + room)
-        return [a[...] for a in kv_flatten(k) + kv_flatten(v)]
+    @classmethod
+    def grown_slots(cls, held: int) -> int:
+        """The tokens, then room up to the next multiple of ``step``."""
+        return held + (-held % cls.step)
 
     def _array_names(self) -> tuple[str, ...]:
         return ("keys", "values")
@@ -185,7 +170,6 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
     def trim(self, n: int) -> int:
         n = max(0, min(self._held(), n))
         self.offset -= n
-        self._room_dirty = self._room_dirty or n > 0
         return n
 
     def size(self) -> int:

@@ -78,11 +78,9 @@ class RotatingKVCache(KVCache, mlx_lm_cache.RotatingKVCache):
     def _held(self) -> int:
         return min(self.offset, self.max_size)
 
-    def spare_slots(self) -> int:
-        return 0  # a window's buffer layout is its own: files hold its state exactly
-
-    def file_state(self) -> list[mx.array]:
-        return self.state
+    @classmethod
+    def grown_slots(cls, held: int) -> int:
+        return held  # a window's buffer is its own layout: files hold its state exactly
 
     # ----------------------------------------------------------- positions
     def _positions(self) -> np.ndarray:

@@ -10,11 +10,11 @@ file's whole self-description (:class:`CacheFileInfo`) with the layers.
 held in memory (values of a remote store tier). With
 ``format="mlx-lm"`` we write a file mlx-lm 0.32's ``load_prompt_cache`` accepts.
 
-Layout of our files (format version 4):
+Layout of our files (format version 5):
 - tensors ``layer.{i}.{j}``: array ``j`` of layer ``i``'s ``file_state()``: its
-  ``state``, or for a K/V cache the live tokens followed by zeroed room up to
-  the next multiple of 256 tokens (``spare_slots``), so a loaded cache grows
-  in place (version 1 files, live tokens only, load too); rotating caches in
+  ``state``, K/V arrays holding exactly the live tokens (version 2-4 files carry
+  zeroed room up to the next multiple of 256 tokens after them); a loader reads
+  them into buffers with room to grow (``grown_slots``); rotating caches in
   temporal order, their ``meta_state`` ending in the ring position
   (``ring_idx``) that restores the live slot order (version 1 and 2 files lack
   it and load in temporal slot order);
@@ -54,7 +54,8 @@ if TYPE_CHECKING:  # the cache classes (and so mlx-lm) load only when arrays bec
     from ..cache import BaseCache
 
 FORMAT_NAME = "mlx_chatcache"
-FORMAT_VERSION = 4  # 4: checksums; 3: rotating meta_state ends in ring_idx; 2: K/V room; 1: live tokens only
+FORMAT_VERSION = 5  # 5: K/V arrays hold exactly the live tokens; 4: checksums; 3: rotating meta_state
+# ends in ring_idx; 2: K/V room; 1: live tokens only
 SNAPSHOTS_VERSION = 6  # a file with snapshots (layer copies of earlier points); the newest version read
 MAX_SNAPSHOTS = 64
 CHECKSUMS_SINCE = 4
@@ -257,10 +258,18 @@ def _load(header: Header, model: ModelFingerprint | None, what: str):
 
 
 def _build_layers(header: Header, info: CacheFileInfo) -> list[BaseCache]:
+    """The layers, their K/V arrays read straight into buffers with room to grow."""
     from ..cache import cache_class
 
     layers = info.extra["layers"]
-    arrays = read_arrays(header, [f"layer.{i}.{j}" for i, (_, count) in enumerate(layers) for j in range(count)])
+    names = [f"layer.{i}.{j}" for i, (_, count) in enumerate(layers) for j in range(count)]
+    slots = {}
+    for i, name in enumerate(info.classes):
+        for j in range(layers[i][1]):
+            t = header.tensors[f"layer.{i}.{j}"]
+            if len(t.shape) == 4:
+                slots[t.name] = cache_class(name).grown_slots(t.shape[2])
+    arrays = read_arrays(header, names, slots=slots)
     cache = []
     for i, name in enumerate(info.classes):
         meta, count = info.extra["layers"][i]

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CacheFileError, CacheFormatError, clipped
-from .checksum import check_tensors, header_checksums
+from .checksum import check_tensors, damaged, header_checksums
+from .grown_read import GrownView, live_crc32
 
 if TYPE_CHECKING:  # mlx loads when arrays are read or written: parsing a header needs none
     import mlx.core as mx
@@ -201,8 +202,14 @@ def _check_ranges(path: Path, tensors: dict[str, TensorEntry], data_len: int) ->
         raise _bad(path, f"data section has {data_len - pos} unexplained bytes")
 
 
-def read_arrays(header: Header, names=None) -> dict[str, mx.array]:
+def read_arrays(header: Header, names=None, slots: dict[str, int] | None = None) -> dict[str, mx.array]:
     """Read (and evaluate) the tensors ``names`` (default: all) of a validated header.
+
+    ``slots``: tensor name -> slots on axis 2 to read that 4-D tensor into
+    (room to grow after its own, zeroed; see :mod:`.grown_read`): one
+    allocation and one pass, as without room. Room larger than the tensor's
+    own slots is not made (a file never makes the reader allocate more than
+    twice its bytes): such a tensor is read as it is.
 
     The file is opened once and checked to be the one ``read_header`` validated
     (a file replaced or rewritten since is refused). ``mx.load`` then reads it
@@ -216,23 +223,28 @@ def read_arrays(header: Header, names=None) -> dict[str, mx.array]:
     names = list(header.tensors) if names is None else list(names)
     if not names:
         return {}
-    if header.data is not None:
-        return _read_arrays_bytes(header, names)
+    slots = {n: k for n, k in (slots or {}).items()
+             if n in names and len(header.tensors[n].shape) == 4 and _room_ok(header.tensors[n].shape[2], k)}
     path = header.path
-    need, limit = sum(header.tensors[n].end - header.tensors[n].begin for n in names), memory_limit()
+    need, limit = sum(_bytes_read(header.tensors[n], slots.get(n)) for n in names), memory_limit()
     if limit and need > limit:  # e.g. a sparse file: huge apparent size, no content; never allocate that
         raise CacheFileError(
-            f"{path} holds {need / 1e9:.1f} GB of arrays, more than this machine's memory "
-            f"({limit / 1e9:.1f} GB): it cannot be loaded here (or it is damaged)"
+            f"{path} holds {need / 1e9:.1f} GB of arrays (with room to grow), more than this machine's "
+            f"memory ({limit / 1e9:.1f} GB): it cannot be loaded here (or it is damaged)"
         )
+    if header.data is not None:
+        return _read_arrays_bytes(header, names, slots)
     changed = "the file changed since its header was read; load it again"
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", buffering=0) as f:
             if header.identity and _identity(os.fstat(f.fileno())) != header.identity:
                 raise _bad(path, changed)
             proc = f"/proc/self/fd/{f.fileno()}"
-            loaded = mx.load(proc if os.path.exists(proc) else str(path), format="safetensors")
-            out = _checked_arrays(header, names, loaded, changed)
+            if slots:
+                loaded = mx.load(GrownView(f, header, slots), format="safetensors")
+            else:
+                loaded = mx.load(proc if os.path.exists(proc) else str(path), format="safetensors")
+            out = _checked_arrays(header, names, loaded, changed, slots)
             if header.identity and _identity(os.fstat(f.fileno())) != header.identity:
                 raise _bad(path, changed)
     except (RuntimeError, ValueError, OSError) as e:  # short read, file vanished, ...
@@ -240,30 +252,45 @@ def read_arrays(header: Header, names=None) -> dict[str, mx.array]:
     return out
 
 
-def _read_arrays_bytes(header: Header, names: list[str]) -> dict[str, mx.array]:
+def _room_ok(own: int, slots: int) -> bool:
+    return own < slots <= 2 * own
+
+
+def _bytes_read(t: TensorEntry, slots: int | None) -> int:
+    """Bytes the array of ``t`` takes once read (into ``slots`` on axis 2 when given)."""
+    return (t.end - t.begin) if slots is None else (t.end - t.begin) // t.shape[2] * slots
+
+
+def _read_arrays_bytes(header: Header, names: list[str], slots: dict[str, int]) -> dict[str, mx.array]:
     import mlx.core as mx
 
     try:
-        loaded = mx.load(io.BytesIO(header.data), format="safetensors")
-        return _checked_arrays(header, names, loaded, "mlx read it differently")
+        source = io.BytesIO(header.data)
+        loaded = mx.load(GrownView(source, header, slots) if slots else source, format="safetensors")
+        return _checked_arrays(header, names, loaded, "mlx read it differently", slots)
     except (RuntimeError, ValueError) as e:
         raise _bad(header.path, f"arrays could not be read: {e}") from None
 
 
-def _checked_arrays(header: Header, names: list[str], loaded: dict, why: str) -> dict[str, mx.array]:
+def _checked_arrays(header: Header, names: list[str], loaded: dict, why: str,
+                    slots: dict[str, int]) -> dict[str, mx.array]:  # fmt: skip
     """``loaded[name]`` for ``names``, each checked against the validated header
-    (shape, dtype and, when it has them, checksum), evaluated."""
+    (shape, with ``slots`` where given, dtype and, when it has them, checksum), evaluated."""
     import mlx.core as mx
 
     out = {}
     for name in names:
         t, a = header.tensors[name], loaded.get(name)
-        if a is None or tuple(a.shape) != t.shape or a.dtype != getattr(mx, DTYPES[t.dtype][1]):
+        shape = t.shape if name not in slots else (*t.shape[:2], slots[name], *t.shape[3:])
+        if a is None or tuple(a.shape) != shape or a.dtype != getattr(mx, DTYPES[t.dtype][1]):
             raise _bad(header.path, why)
         out[name] = a
     mx.eval(list(out.values()))
     if header.checksums is not None:
-        check_tensors(header.path, out, header.checksums)
+        check_tensors(header.path, {n: a for n, a in out.items() if n not in slots}, header.checksums)
+        for name in slots:
+            if live_crc32(out[name], header.tensors[name].shape[2]) != header.checksums[name]:
+                raise damaged(header.path, f"tensor {name!r} does not match its checksum")
     return out
 
 

@@ -8,7 +8,7 @@ Contract of a tier (:class:`Tier`)
 - ``fetch(entry, scope, expected) -> list[BaseCache] | None``: an independent
   cache holding exactly ``entry.tokens`` (the caller may change it freely), or
   None when the entry turned out unusable (then it is dropped and counted in
-  ``stats()["corrupt"]``); ``expected`` is an empty cache the model makes, to
+  ``stats()["corrupt"]``, unless its disk file was simply gone); ``expected`` is an empty cache the model makes, to
   check layer kinds against;
 - ``add(scope, tokens, cache, key) -> bool``: store a cache holding ``tokens``
   (False: refused by the budget rule). The memory tier keeps a compact copy,
@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -42,6 +43,7 @@ import mlx.core as mx
 from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache, prompt_cache_nbytes
 from ..files.atomic import remove_stale_temp_files_in
 from ..files.mlxcc_format import check_cache_fits_model, load_cache_file, save_prompt_cache
+from ..config import SERVER_DEFAULTS
 from ..errors import ChatCacheError
 from ..models.fingerprint import ModelFingerprint
 from .disk_folder import claim_folder, entry_file_name, read_entry
@@ -178,16 +180,66 @@ class DiskTier(Tier):
     supersedes); the budget is enforced by the server that owns the folder
     (its scan evicts the oldest entries beyond it). OSErrors while scanning (a
     file removed meanwhile) skip that file. The least recently used order
-    survives restarts via file modification times (touched on every hit)."""
+    survives restarts via file modification times (touched on every hit).
+
+    Entries other processes add to the folder (``mlxcc generate --cache-dir``
+    next to a running server) are found without a restart: a ``find`` that
+    misses or serves only part of the query first indexes the entry files that
+    appeared or changed since the last look (at most once per
+    ``rescan_seconds``; it never evicts or deletes). An indexed entry whose
+    file another process removed is dropped at its fetch (a miss, not corrupt)."""
 
     name = "disk"
 
-    def __init__(self, folder: str | os.PathLike, budget: int | None):
+    def __init__(self, folder: str | os.PathLike, budget: int | None,
+                 rescan_seconds: float = SERVER_DEFAULTS.disk_rescan_seconds):  # fmt: skip
         super().__init__(sys.maxsize if budget is None else budget)
         self.counters["foreign"] = 0
         self.folder = claim_folder(folder)
         self.counters["temp_removed"] = len(remove_stale_temp_files_in(self.folder))
+        self.rescan_seconds = rescan_seconds
+        self._seen = self._listing()  # before the scan: a file written meanwhile is looked at again
+        self._rescanned = time.monotonic()
         self._scan(evict=budget is not None)
+
+    def find(self, scope, query, key):
+        found = super().find(scope, query, key)
+        if (found is None or found[1] < len(query)) and self._rescan():
+            found = super().find(scope, query, key)
+        return found
+
+    def _listing(self) -> dict[str, int]:
+        """``{name: mtime_ns}`` of the folder's entry-like files (empty if unreadable)."""
+        out = {}
+        try:
+            with os.scandir(self.folder) as it:
+                for e in it:
+                    if e.name.endswith(".safetensors") and not e.name.startswith("."):
+                        try:
+                            out[e.name] = e.stat().st_mtime_ns
+                        except OSError:
+                            continue  # removed meanwhile
+        except OSError:
+            pass
+        return out
+
+    def _rescan(self) -> bool:
+        """Index the store entries in files new or changed since the last look;
+        True when one was added. Throttled to once per ``rescan_seconds``."""
+        now = time.monotonic()
+        if now - self._rescanned < self.rescan_seconds:
+            return False
+        self._rescanned = now
+        listing, added = self._listing(), False
+        for name, mtime in listing.items():
+            if self._seen.get(name) == mtime:
+                continue
+            read = read_entry(self.folder / name)
+            if read is not None and self.index.get(read[0].namespace, read[0].tokens) is None:
+                self.index.add(read[0], [])
+                added = True
+        self._seen = listing
+        return added
 
     def _scan(self, evict: bool) -> None:
         found = []
@@ -217,6 +269,9 @@ class DiskTier(Tier):
 
     def fetch(self, entry, scope, expected):
         path = entry.payload
+        if not Path(path).exists():  # another process removed it: a miss
+            self.index.remove(entry)
+            return None
         try:
             cache, info = load_cache_file(path, model=scope.fingerprint)
             if tuple(info.tokens or ()) != entry.tokens:
