@@ -265,14 +265,18 @@ def test_chat_turn_feeds_its_new_tokens_in_one_call(tiny_model):
     assert r.stats.new_tokens <= DEFAULTS.prefill_step_size
     assert counting.calls[0] == r.stats.new_tokens  # the prompt: one call
     assert counting.calls[1:] == [1] * (len(counting.calls) - 1)
-    # a small prefill step: full chunks first, the last chunk with the first token
+    # a small prefill step: a new chat feeds its system prompt first (its checkpoint is there),
+    # in full chunks; then the rest: full chunks first, the last chunk with the first token
     config = DEFAULTS.updated(max_tokens=2, prefill_step_size=5)
     s2 = ChatSession(counting, tok, system_prompt="Be brief.", config=config)
+    head = len(s2.encode(s2.render(s2.messages[:1], add_generation_prompt=False)))
     counting.calls.clear()
     r2 = s2.ask("Good morning!")
-    n, chunks = r2.stats.new_tokens, []
+    head_calls = [5] * (head // 5) + ([head % 5] if head % 5 else [])
+    assert counting.calls[: len(head_calls)] == head_calls
+    n, chunks = r2.stats.new_tokens - head, []
     while sum(chunks) < n:
-        chunks.append(counting.calls[len(chunks)])
+        chunks.append(counting.calls[len(head_calls) + len(chunks)])
     assert sum(chunks) == n and chunks[:-1] == [5] * (len(chunks) - 1) and 1 <= chunks[-1] <= 5
 
 
