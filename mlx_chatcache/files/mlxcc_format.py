@@ -332,15 +332,9 @@ def _parse_ours(header: Header) -> CacheFileInfo:
             from ..cache import cache_class
 
             cache_class(name)
-        lm = _json_field(path, meta, f"mlxcc.layer.{i}.meta")
-        if not isinstance(lm, list) or not all(isinstance(s, str) for s in lm):
-            raise CacheFormatError(f"{path}: layer {i} meta state is not a list of strings")
-        count = _int_field(path, meta, f"mlxcc.layer.{i}.arrays")
-        for j in range(count):
-            if f"layer.{i}.{j}" not in header.tensors:
-                raise CacheFormatError(f"{path}: array layer.{i}.{j} is missing; the file is damaged")
+        lm, count = _layer_record(header, f"mlxcc.layer.{i}", f"layer.{i}", f"layer {i}")
         classes.append(name)
-        layers.append((tuple(lm), count))
+        layers.append((lm, count))
     expected = {f"layer.{i}.{j}" for i, (_, c) in enumerate(layers) for j in range(c)}
     snapshots = _parse_snapshots(header, n) if version >= SNAPSHOTS_VERSION else []
     expected |= {f"snapshot.{s}.layer.{i}.{j}" for s, snap in enumerate(snapshots)
@@ -362,6 +356,20 @@ def _parse_ours(header: Header) -> CacheFileInfo:
     )
 
 
+def _layer_record(header: Header, key: str, arrays: str, what: str) -> tuple[tuple[str, ...], int]:
+    """``(meta state, array count)`` of the layer record under metadata ``key``, its
+    arrays ``{arrays}.0 ..`` all present; CacheFormatError naming ``what`` otherwise."""
+    meta, path = header.metadata, header.path
+    lm = _json_field(path, meta, f"{key}.meta")
+    if not isinstance(lm, list) or not all(isinstance(x, str) for x in lm):
+        raise CacheFormatError(f"{path}: {what} meta state is not a list of strings")
+    count = _int_field(path, meta, f"{key}.arrays")
+    for j in range(count):
+        if f"{arrays}.{j}" not in header.tensors:
+            raise CacheFormatError(f"{path}: array {arrays}.{j} is missing; the file is damaged")
+    return tuple(lm), count
+
+
 def _parse_snapshots(header: Header, num_layers: int) -> list[dict[int, tuple[str, tuple, int]]]:
     """Per snapshot ``{layer index: (class, meta, array count)}``, checked like the layers."""
     meta, path = header.metadata, header.path
@@ -380,14 +388,8 @@ def _parse_snapshots(header: Header, num_layers: int) -> list[dict[int, tuple[st
             name = meta.get(f"{key}.class")
             if name not in CACHE_CLASS_NAMES:
                 raise CacheFormatError(f"{path}: snapshot {s} layer {i} has an unknown class; the file is damaged")
-            lm = _json_field(path, meta, f"{key}.meta")
-            if not isinstance(lm, list) or not all(isinstance(x, str) for x in lm):
-                raise CacheFormatError(f"{path}: snapshot {s} layer {i} meta state is not a list of strings")
-            count = _int_field(path, meta, f"{key}.arrays")
-            for j in range(count):
-                if f"snapshot.{s}.layer.{i}.{j}" not in header.tensors:
-                    raise CacheFormatError(f"{path}: array snapshot.{s}.layer.{i}.{j} is missing; the file is damaged")
-            snap[i] = (name, tuple(lm), count)
+            lm, count = _layer_record(header, key, f"snapshot.{s}.layer.{i}", f"snapshot {s} layer {i}")
+            snap[i] = (name, lm, count)
         out.append(snap)
     return out
 
