@@ -44,9 +44,9 @@ MAX_THREADS = 8
 _HEX = re.compile(r"[0-9a-f]{8}")
 
 
-def crc32(buf) -> int:
-    """CRC32 of a bytes-like object (any C-contiguous buffer)."""
-    return zlib.crc32(buf)
+def crc32(buf, value: int = 0) -> int:
+    """CRC32 of a bytes-like object (any C-contiguous buffer), continuing from ``value``."""
+    return zlib.crc32(buf, value)
 
 
 def array_crc32(a: mx.array) -> int:
@@ -57,6 +57,20 @@ def array_crc32(a: mx.array) -> int:
     if not view.c_contiguous:
         view = memoryview(mx.contiguous(a))
     return crc32(view)
+
+
+def live_crc32(a: mx.array, tokens: int) -> int:
+    """CRC32 of the first ``tokens`` slots (axis 2) of the 4-D array ``a``, in
+    row order: the bytes a file holding exactly those slots stores."""
+    import numpy as np
+
+    rows = a.shape[0] * a.shape[1]
+    flat = np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8).reshape(rows, -1)
+    real = flat.shape[1] // a.shape[2] * tokens
+    crc = 0
+    for r in range(rows):
+        crc = crc32(flat[r, :real], crc)
+    return crc
 
 
 def arrays_crc32(arrays: list[mx.array]) -> list[int]:

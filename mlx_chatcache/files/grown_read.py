@@ -19,12 +19,9 @@ from __future__ import annotations
 import io
 import json
 import math
-import zlib
 from typing import TYPE_CHECKING, BinaryIO
 
 if TYPE_CHECKING:
-    import mlx.core as mx
-
     from .safetensors_file import Header
 
 _ZERO_CHUNK = bytes(1 << 16)
@@ -36,15 +33,13 @@ class GrownView(io.RawIOBase):
     axis 2 (at least its own), the extra ones zero. Only what ``mx.load`` needs."""
 
     def __init__(self, source: BinaryIO, header: Header, slots: dict[str, int]):
-        from .safetensors_file import DTYPES
-
         self.source, self.pos = source, 0
         entries, self.parts, at = {}, [], 0
         for t in sorted(header.tensors.values(), key=lambda t: t.begin):
             shape, rows = list(t.shape), 1  # a tensor read as it is: one row
             if t.name in slots and len(shape) == 4 and slots[t.name] > shape[2]:
                 shape[2], rows = slots[t.name], shape[0] * shape[1]
-            size = math.prod(shape) * DTYPES[t.dtype][0]
+            size = math.prod(shape) * t.itemsize
             row_virtual = size // rows if rows else 0
             row_real = (t.end - t.begin) // rows if rows else 0
             self.parts.append((at, at + size, header.data_start + t.begin, row_real, row_virtual))
@@ -106,17 +101,3 @@ class GrownView(io.RawIOBase):
             if not k:
                 raise OSError("the cache file ended early")
             got += k
-
-
-def live_crc32(a: mx.array, tokens: int) -> int:
-    """CRC32 of the first ``tokens`` slots (axis 2) of the 4-D array ``a``, in
-    row order: the bytes a file holding exactly those slots stores."""
-    import numpy as np
-
-    rows = a.shape[0] * a.shape[1]
-    flat = np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8).reshape(rows, -1)
-    real = flat.shape[1] // a.shape[2] * tokens
-    crc = 0
-    for r in range(rows):
-        crc = zlib.crc32(flat[r, :real], crc)
-    return crc

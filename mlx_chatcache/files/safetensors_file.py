@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import CacheFileError, CacheFormatError, clipped
-from .checksum import check_tensors, damaged, header_checksums
-from .grown_read import GrownView, live_crc32
+from .checksum import check_tensors, damaged, header_checksums, live_crc32
+from .grown_read import GrownView
 
 if TYPE_CHECKING:  # mlx loads when arrays are read or written: parsing a header needs none
     import mlx.core as mx
@@ -66,6 +66,11 @@ class TensorEntry:
     shape: tuple[int, ...]
     begin: int  # byte range inside the data section
     end: int
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of its dtype."""
+        return DTYPES[self.dtype][0]
 
 
 @dataclass(frozen=True)
