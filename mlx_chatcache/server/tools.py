@@ -27,6 +27,7 @@ import json
 import logging
 import re
 import uuid
+from functools import partial
 
 from ..errors import ChatCacheError
 
@@ -253,28 +254,21 @@ def _arg_pairs_rules(tag: str):
     return rules
 
 
-def _minimax_m2_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
-    pairs, lines = _values(rule, params, _bare_not_null)
-    parts = [json.dumps(f'<invoke name="{name}">')]
-    for key, value in pairs:
-        parts += [json.dumps(f'<parameter name="{key}">'), value, json.dumps("</parameter>")]
-    return [f"{rule}: " + " ".join([*parts, json.dumps("</invoke>")]), *lines]
+def _tagged_rules(opening: str, param: str, closing: str, value, rule: str, name: str, params: dict,
+                  marker=json.dumps) -> list[str]:
+    """A call written as ``opening`` (with the tool's name), each parameter inside
+    ``<{param} name="key">...</{param}>``, then ``closing`` (may be empty)."""
+    pairs, lines = _values(rule, params, value)
+    parts = [json.dumps(opening.format(name=name))]
+    for key, v in pairs:
+        parts += [json.dumps(f'<{param} name="{key}">'), v, json.dumps(f"</{param}>")]
+    return [f"{rule}: " + " ".join([*parts, *([json.dumps(closing)] if closing else [])]), *lines]
 
 
-def _minicpm5_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
-    pairs, lines = _values(rule, params, _bare_not_null)
-    parts = [json.dumps(f'"{name}">')]  # after the start marker '<function name='
-    for key, value in pairs:
-        parts += [json.dumps(f'<param name="{key}">'), value, json.dumps("</param>")]
-    return [f"{rule}: " + " ".join(parts), *lines]
-
-
-def _muse_spark_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
-    pairs, lines = _values(rule, params, _json_string)
-    parts = [json.dumps(f'<atem:invoke name="{name}">')]
-    for key, value in pairs:
-        parts += [json.dumps(f'<atem:parameter name="{key}">'), value, json.dumps("</atem:parameter>")]
-    return [f"{rule}: " + " ".join([*parts, json.dumps("</atem:invoke>")]), *lines]
+_minimax_m2_rules = partial(_tagged_rules, '<invoke name="{name}">', "parameter", "</invoke>", _bare_not_null)
+_minicpm5_rules = partial(_tagged_rules, '"{name}">', "param", "", _bare_not_null)  # after '<function name='
+_muse_spark_rules = partial(_tagged_rules, '<atem:invoke name="{name}">', "atem:parameter", "</atem:invoke>",
+                            _json_string)  # fmt: skip
 
 
 def _function_gemma_rules(rule: str, name: str, params: dict, marker=json.dumps) -> list[str]:
