@@ -229,16 +229,15 @@ def check_form(cls_name: str, state, form) -> None:
             return isinstance(s, mx.array)
         return isinstance(s, (list, tuple)) and len(s) == len(f) and all(map(fits, s, f))
 
-    def shape(x, depth=0) -> str:
-        if isinstance(x, str) or isinstance(x, mx.array):
-            return x if isinstance(x, str) else "array"
+    def outline(x, leaf, depth=0) -> str:
         if not isinstance(x, (list, tuple)) or depth > 2:
-            return type(x).__name__
-        inner = ", ".join(shape(y, depth + 1) for y in x[:8]) + (", ..." if len(x) > 8 else "")
+            return leaf(x)
+        inner = ", ".join(outline(y, leaf, depth + 1) for y in x[:8]) + (", ..." if len(x) > 8 else "")
         return f"[{inner}]" if isinstance(x, list) else f"({inner})"
 
     if not fits(state, form):
-        raise CacheFormatError(f"{cls_name} state must be {shape(form)}, got {shape(state)}")
+        got = outline(state, lambda x: "array" if isinstance(x, mx.array) else type(x).__name__)
+        raise CacheFormatError(f"{cls_name} state must be {outline(form, str)}, got {got}")
 
 
 # ---------------------------------------------------------------- K/V helpers
