@@ -573,7 +573,7 @@ def model_check(prompt_tokens: int, bits_list) -> tuple[list[list], dict[str, fl
         top1 = int(mx.argmax(out).item() == mx.argmax(ref).item())
         rows.append([f"q{bits} (group {GROUP})", len(ids), f"{rel:.2e}",
                      f"{mx.max(mx.abs(out - ref)).item():.3f}", f"{kl:.2e}", "yes" if top1 else "NO"])
-    return rows, lossless_ratios([a for c in cache for a in c.state])
+    return rows, lossless_ratios([a for c in cache for a in c.flat_state()])
 
 
 def repeats_for(n: int, args) -> tuple[int, int]:

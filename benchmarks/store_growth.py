@@ -66,7 +66,7 @@ def load_model(tiny: bool):
 
 def kv_bytes_per_token(cache) -> int:
     """K/V bytes one token takes in ``cache`` (every layer's arrays, per token)."""
-    return sum(a.nbytes // a.shape[2] for c in cache for a in c.state if a.ndim == 4 and a.shape[2])
+    return sum(a.nbytes // a.shape[2] for c in cache for a in c.flat_state() if a.ndim == 4 and a.shape[2])
 
 
 def saved_chat(model, tok, folder: Path) -> tuple[list[list], str]:
@@ -91,7 +91,7 @@ def saved_chat(model, tok, folder: Path) -> tuple[list[list], str]:
         path = folder / f"chat-{label}.safetensors"
         save_prompt_cache(path, cache, tokens=ids)
         size, kv = path.stat().st_size, kv_bytes_per_token(cache) * n
-        dtype = str(next(a.dtype for c in cache for a in c.state if a.ndim == 4)).replace("mlx.core.", "")
+        dtype = str(next(a.dtype for c in cache for a in c.flat_state() if a.ndim == 4)).replace("mlx.core.", "")
         if label == "cast":
             per_token_f16 = kv // n
         rows.append([f"{label}: {dtype}", n, f"{size / 1e6:.3f}", f"{size / n / 1e3:.1f}", f"{kv / 1e6:.3f}",
@@ -104,7 +104,7 @@ def saved_chat(model, tok, folder: Path) -> tuple[list[list], str]:
 
 
 def _cast(cache, dtype):
-    return [type(c).from_state([a.astype(dtype) for a in c.state], c.meta_state) for c in cache]
+    return [type(c).from_flat_state([a.astype(dtype) for a in c.flat_state()], c.meta_state) for c in cache]
 
 
 def _llama_cpp_state_bytes(ids, f16_kv_bytes: int) -> tuple[int, str]:

@@ -925,7 +925,7 @@ def _check_memory(before: int, py_before: int, size: int) -> None:
 
 def _kv_checks(c: KVCache) -> None:
     held = c.size()
-    st = c.state
+    st = c.flat_state()
     if not st:
         if held:
             raise ContractViolation(f"{type(c).__name__} holds {held} tokens but has no arrays")
@@ -934,7 +934,7 @@ def _kv_checks(c: KVCache) -> None:
         if a.ndim != 4 or a.shape[2] != held or a.shape[:2] != st[0].shape[:2]:
             raise ContractViolation(f"{type(c).__name__} array {a.shape} does not hold {held} tokens")
     if isinstance(c, (QuantizedKVCache, QuantizedRotatingKVCache)) and held:  # mlx cannot dequantize 0 tokens
-        for w, sc, b in (st[:3], st[3:]):
+        for w, sc, b in c.state:
             full = mx.dequantize(w, sc, b, group_size=c.group_size, bits=c.bits)
             mx.eval(full)
 
@@ -948,12 +948,12 @@ def check_loaded(cache: list, info, workdir: Path) -> None:
         c = layers.pop()
         if not isinstance(c, BaseCache):
             raise ContractViolation(f"layer is a {type(c).__name__}")
-        st, ms = c.state, c.meta_state
-        if not all(isinstance(a, mx.array) for a in st) or not all(isinstance(m, str) for m in ms):
+        st, flat, ms = c.state, c.flat_state(), c.meta_state
+        if not all(isinstance(a, mx.array) for a in flat) or not all(isinstance(m, str) for m in ms):
             raise ContractViolation(f"{type(c).__name__} state/meta_state have wrong types")
-        mx.eval(st)
+        mx.eval(flat)
         again = type(c).from_state(st, ms)
-        if again.meta_state != ms or len(again.state) != len(st):
+        if again.meta_state != ms or len(again.flat_state()) != len(flat):
             raise ContractViolation(f"{type(c).__name__}.from_state(state, meta_state) differs")
         if isinstance(c, KVCache):
             _kv_checks(c)
@@ -967,8 +967,8 @@ def check_loaded(cache: list, info, workdir: Path) -> None:
     if [type(c) for c in back] != [type(c) for c in cache] or binfo.tokens != info.tokens:
         raise ContractViolation("save -> load changed the layers or tokens")
     for x, y in zip(back, cache):
-        if x.meta_state != y.meta_state or len(x.state) != len(y.state):
+        if x.meta_state != y.meta_state or len(x.flat_state()) != len(y.flat_state()):
             raise ContractViolation(f"save -> load changed {type(y).__name__}'s meta state")
-        for a, b in zip(x.state, y.state):
+        for a, b in zip(x.flat_state(), y.flat_state()):
             if a.dtype != b.dtype or a.shape != b.shape or not mx.array_equal(a, b, equal_nan=True):
                 raise ContractViolation(f"save -> load changed {type(y).__name__}'s arrays")

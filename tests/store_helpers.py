@@ -38,4 +38,4 @@ def scope(model, settings=SETTINGS):
 
 
 def arrays(cache):
-    return [np.array(a) for c in cache for a in c.state]
+    return [np.array(a) for c in cache for a in c.flat_state()]

@@ -139,18 +139,18 @@ def assert_state_is_live(c, K_all, V_all):
     pos = live_positions(c)
     st = c.state
     assert c.size() == len(pos)
-    for a in st:
+    for a in c.flat_state():
         assert a.shape[2] == c.size()
     if not st:  # never fed
         assert c.size() == 0 and c.empty()
         return
-    if is_quantized(c):
+    if is_quantized(c):  # mlx-lm's nesting: [(keys, scales, biases), (values, scales, biases)]
         gs, bits = quant_params(c)
         Kq = mx.quantize(K_all[:, :, mx.array(pos)], group_size=gs, bits=bits)
         Vq = mx.quantize(V_all[:, :, mx.array(pos)], group_size=gs, bits=bits)
-        assert len(st) == 6
-        for got, want in zip(st, list(Kq) + list(Vq)):
-            assert mx.array_equal(got, want).item()
+        assert len(st) == 2 and all(isinstance(x, tuple) and len(x) == 3 for x in st)
+        for got, want in zip(st, (Kq, Vq)):
+            assert all(mx.array_equal(g, w).item() for g, w in zip(got, want))
     else:
         assert len(st) == 2
         assert mx.array_equal(st[0], K_all[:, :, mx.array(pos)]).item()
@@ -324,8 +324,8 @@ def test_from_state_continues_identically(kind, split):
     assert r.meta_state == c.meta_state
     assert r.offset == c.offset and r.size() == c.size()
     assert r.is_trimmable() == c.is_trimmable()
-    assert len(r.state) == len(c.state)
-    for x, y in zip(r.state, c.state):
+    assert len(r.flat_state()) == len(c.flat_state())
+    for x, y in zip(r.flat_state(), c.flat_state()):
         assert x.shape == y.shape and x.dtype == y.dtype and mx.array_equal(x, y).item()
     for N in steps[split:]:
         s1 = np.random.default_rng(seed * 7 + N)
@@ -392,7 +392,7 @@ def test_trim_returns_min_n_held_and_continues_like_fresh(kind, restored):
         cc.update_and_fetch(K_all[:, :, 7:8], V_all[:, :, 7:8])
         cc.update_and_fetch(K_all[:, :, 8:20], V_all[:, :, 8:20])
     assert_state_is_live(c, K_all, V_all)
-    for x, y in zip(c.state, fresh.state):
+    for x, y in zip(c.flat_state(), fresh.flat_state()):
         assert mx.array_equal(x, y).item()
 
 
@@ -417,10 +417,10 @@ def test_rotating_not_trimmable_once_a_token_dropped(quantized, how):
         c = restore(c)
     assert c.offset > m
     assert not c.is_trimmable()
-    before = (c.offset, [np.array(a) for a in c.state])
+    before = (c.offset, [np.array(a) for a in c.flat_state()])
     assert c.trim(1) == 0 and c.trim(100) == 0
     assert c.offset == before[0]
-    for a, b in zip(c.state, before[1]):
+    for a, b in zip(c.flat_state(), before[1]):
         assert np.array_equal(np.array(a), b)
 
 
@@ -461,14 +461,14 @@ def test_non_trimmable_and_list_trim():
 
 # ------------------------------------------------- copy_prompt_cache
 def _snapshot(cache):
-    return [(c.meta_state, [np.array(a) for a in c.state]) for c in cache]
+    return [(c.meta_state, [np.array(a) for a in c.flat_state()]) for c in cache]
 
 
 def _assert_snapshot(cache, snap):
     assert len(cache) == len(snap)
     for c, (meta, arrays) in zip(cache, snap):
         assert c.meta_state == meta
-        st = c.state
+        st = c.flat_state()
         assert len(st) == len(arrays)
         for a, b in zip(st, arrays):
             assert np.array_equal(np.array(a), b)
@@ -628,7 +628,7 @@ def test_state_is_a_snapshot(kind):
     rng = np.random.default_rng(11)
     c = ALL_KINDS[kind]()
     step(c, rng, 256)  # exactly one growth step: the buffer is full
-    st = c.state
+    st = c.flat_state()
     before = [np.array(a) for a in st]
     for _ in range(3):
         if c.is_trimmable():

@@ -45,7 +45,7 @@ def same_leaves(x, y) -> bool:
 
 
 def same_state(a, b) -> bool:
-    xs, ys = a.state, b.state
+    xs, ys = a.flat_state(), b.flat_state()
     return a.offset == b.offset and len(xs) == len(ys) and all(
         x.dtype == y.dtype and x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(xs, ys)
     )

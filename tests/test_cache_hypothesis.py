@@ -131,7 +131,7 @@ def check_layers(cache, n, shape, quantized):
         assert type(c) is want_type
         held = min(n, max_kv) if max_kv else n
         assert c.size() == held
-        assert all(a.shape[2] == held for a in c.state)
+        assert all(a.shape[2] == held for a in c.flat_state())
 
 
 tokens_st = st.lists(st.integers(3, 383), min_size=1, max_size=12)
@@ -226,7 +226,7 @@ def test_random_operation_sequences_match_reference(llama_model, shape, ops, las
                 assert info.tokens == history
                 for a, b in zip(loaded, cache):
                     assert a.meta_state == b.meta_state
-                    assert all(mx.array_equal(x, y).item() for x, y in zip(a.state, b.state))
+                    assert all(mx.array_equal(x, y).item() for x, y in zip(a.flat_state(), b.flat_state()))
                 cache = loaded
             elif op == "quantize":
                 quantize_prompt_cache(cache, group_size=GROUP, bits=arg)

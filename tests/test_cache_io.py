@@ -64,8 +64,8 @@ def assert_same(a, b):
     assert [type(x) for x in a] == [type(y) for y in b]
     for x, y in zip(a, b):
         assert x.meta_state == y.meta_state
-        assert len(x.state) == len(y.state)
-        for s, t in zip(x.state, y.state):
+        assert len(x.flat_state()) == len(y.flat_state())
+        for s, t in zip(x.flat_state(), y.flat_state()):
             assert s.dtype == t.dtype and mx.array_equal(s, t)
 
 
@@ -122,7 +122,7 @@ def test_file_holds_exactly_the_live_tokens(tmp_path):
         assert arr.shape[2] == 10  # the 5 trimmed tokens are gone, and there is no room
         assert mx.array_equal(arr, (rnd(15) if name.endswith(".0") else rnd(15, 1))[..., :10, :])
     (loaded,) = load_prompt_cache(tmp_path / "a.safetensors")
-    assert all(s.shape[2] == 10 for s in loaded.state)
+    assert all(s.shape[2] == 10 for s in loaded.flat_state())
 
 
 def test_model_mismatch_refused(tmp_path):
@@ -342,7 +342,7 @@ def test_loaded_cache_grows_without_reallocating(tmp_path, dtype, make):
     assert {t.shape[2] for t in read_header(p).tensors.values()} == {200}  # no room in the file
     (loaded,) = load_prompt_cache(p)
     assert kv_len(loaded.keys) == kv_len(loaded.values) == KVCache.step
-    assert all(s.shape[2] == 200 for s in loaded.state)  # the contract: live tokens only
+    assert all(s.shape[2] == 200 for s in loaded.flat_state())  # the contract: live tokens only
     for i in range(3):
         k, v = rnd(7, 10 + i).astype(dtype), rnd(7, 20 + i).astype(dtype)
         want, got = saved.update_and_fetch(k, v), loaded.update_and_fetch(k, v)
@@ -448,7 +448,7 @@ def wrapped_rings():
 
 
 def same_live(a, b) -> bool:
-    xs, ys = a.state, b.state
+    xs, ys = a.flat_state(), b.flat_state()
     return len(xs) == len(ys) and all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(xs, ys))
 
 
@@ -486,7 +486,7 @@ def test_reads_version_2_rotating_files_in_temporal_order(tmp_path):
     for c in cache:
         meta = list(c.meta_state)
         old_meta = meta[:3] if len(meta) == 4 else meta[:5]  # without ring_idx
-        arrays = {f"layer.0.{j}": a for j, a in enumerate(c.state)}
+        arrays = {f"layer.0.{j}": a for j, a in enumerate(c.flat_state())}
         p = tmp_path / f"v2-{type(c).__name__}.safetensors"
         mx.save_safetensors(str(p), arrays, {
             "mlxcc.format": "mlx_chatcache", "mlxcc.format_version": "2", "mlxcc.num_layers": "1",
@@ -496,7 +496,7 @@ def test_reads_version_2_rotating_files_in_temporal_order(tmp_path):
         (old,), info = load_cache_file(p)
         assert info.format_version == 2 and old._idx == old.keep
         assert old.meta_state == tuple(old_meta) + (str(old.keep),)
-        assert all(mx.array_equal(x, y).item() for x, y in zip(old.state, c.state))
+        assert all(mx.array_equal(x, y).item() for x, y in zip(old.flat_state(), c.flat_state()))
         assert same_buffers(old, type(c).from_state(c.state, old_meta))  # temporal slots
 
 
@@ -520,7 +520,7 @@ def test_cache_bytes_are_the_file_and_load_with_the_same_checks(llama_model, tmp
     assert info.tokens == tokens and info.metadata == {"k": "v"} == on_disk[1].metadata
     assert len(data) == path.stat().st_size
     for a, b in zip(cache, on_disk[0]):
-        for x, y in zip(a.state, b.state):
+        for x, y in zip(a.flat_state(), b.flat_state()):
             np.testing.assert_array_equal(np.array(x), np.array(y))
     with pytest.raises(CacheFileError, match="mem is not a valid cache file"):
         load_prompt_cache_bytes(data[: len(data) // 2], "mem")

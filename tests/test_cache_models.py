@@ -221,7 +221,7 @@ def assert_same_cache(a, b):
     assert [type(x) for x in a] == [type(y) for y in b]
     for x, y in zip(a, b):
         assert x.meta_state == y.meta_state
-        sx, sy = x.state, y.state
+        sx, sy = x.flat_state(), y.flat_state()
         assert len(sx) == len(sy)
         for s, t in zip(sx, sy):
             assert s.dtype == t.dtype and s.shape == t.shape
@@ -251,7 +251,7 @@ def test_feeding_modes_match_reference(tiny_model, flavour, mode):
     assert_close_by_window(got_rows, want, cache)
     assert all(c.offset == PROMPT_LEN for c in layers(cache))
     for c in layers(cache):
-        for a in c.state if not isinstance(c, ArraysCache) else ():
+        for a in c.flat_state() if not isinstance(c, ArraysCache) else ():
             assert a.shape[2] == c.size() == min(PROMPT_LEN, getattr(c, "max_size", PROMPT_LEN))
 
     if flavour == "default":
@@ -308,11 +308,11 @@ def test_trim_then_refeed_restores_logits(tiny_model, flavour, n):
     trimmable = not any(isinstance(c, ArraysCache) for c in layers(cache))
     assert can_trim_prompt_cache(cache) == trimmable
     if not trimmable:
-        before = [(c.meta_state, [np.array(a) for a in c.state]) for c in cache]
+        before = [(c.meta_state, [np.array(a) for a in c.flat_state()]) for c in cache]
         assert trim_prompt_cache(cache, n) == 0
         for c, (meta, arrays) in zip(cache, before):
             assert c.meta_state == meta
-            assert all(np.array_equal(np.array(a), b) for a, b in zip(c.state, arrays))
+            assert all(np.array_equal(np.array(a), b) for a, b in zip(c.flat_state(), arrays))
         return
     assert trim_prompt_cache(cache, n) == n
     assert all(c.offset == 14 - n and c.size() == 14 - n for c in layers(cache))
@@ -353,7 +353,7 @@ def test_quantized_cache_file_round_trip_exact(tiny_model, bits, group_size, rot
     for c in layers(loaded):
         if isinstance(c, (QuantizedKVCache, QuantizedRotatingKVCache)):
             assert (c.bits, c.group_size) == (bits, group_size)
-            assert c.state[0].dtype == mx.uint32
+            assert c.state[0][0].dtype == mx.uint32  # (packed keys, scales, biases)
     copy = copy_prompt_cache(cache)
     a = feed(model, loaded, toks[30:], [1, 3])
     b = feed(model, copy, toks[30:], [1, 3])
@@ -394,4 +394,4 @@ def test_to_quantized_mid_stream(tiny_model, bits):
     for c, fc in zip(layers(by_hand), layers(cache)):
         assert c.offset == fc.offset == 36 and c.size() == fc.size()
         if not isinstance(c, ArraysCache):
-            assert all(x.shape[2] == c.size() == min(36, c.max_size) for x in c.state)
+            assert all(x.shape[2] == c.size() == min(36, c.max_size) for x in c.flat_state())

@@ -117,7 +117,7 @@ def content(c: BaseCache) -> list:
     for x in c.caches if isinstance(c, CacheList) else [c]:
         if isinstance(x, ChunkedKVCache):
             x.maybe_trim_front()
-    return [c.offset, c.size(), [a.tolist() for a in c.state if a.size]]
+    return [c.offset, c.size(), [a.tolist() for a in c.flat_state() if a.size]]
 
 
 # ------------------------------------------------------------ properties

@@ -57,7 +57,7 @@ def cache_prompt(d, f, *extra):
 
 
 def kv_arrays(cache):
-    return [a for c in cache for a in c.state]
+    return [a for c in cache for a in c.flat_state()]
 
 
 # ------------------------------------------------------------------ convert

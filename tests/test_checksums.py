@@ -132,7 +132,7 @@ def test_threaded_verification_agrees(saved, tmp_path, monkeypatch):
     path, data, cache = saved
     monkeypatch.setattr(checksum, "PARALLEL_BYTES", 0)
     loaded = load_prompt_cache(path)
-    assert all(mx.array_equal(x, y) for a, b in zip(cache, loaded) for x, y in zip(a.state, b.state))
+    assert all(mx.array_equal(x, y) for a, b in zip(cache, loaded) for x, y in zip(a.flat_state(), b.flat_state()))
     _, h = _split(data)
     sums = json.loads(h["__metadata__"][TENSORS_KEY])
     for name in sums:
@@ -159,7 +159,7 @@ def test_files_without_checksums_still_load(saved, tmp_path):
     loaded, info = load_cache_file(p)
     assert info.format_version == 3 and info.tokens == TOKENS
     for a, b in zip(cache, loaded):
-        for x, y in zip(a.state, b.state):
+        for x, y in zip(a.flat_state(), b.flat_state()):
             assert mx.array_equal(x, y)
     assert verify_cache_file(p) is False
 

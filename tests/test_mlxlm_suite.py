@@ -45,10 +45,7 @@ MAY_FAIL = {  # mlx-lm's batched generation
     "test_merge_with_empty_caches", "test_extend_with_empty_and_nonempty_batch_caches",
     "test_arrays_cache_extend_with_empty", "test_arrays_cache_advance", "test_cache_list",
 }  # fmt: skip
-KNOWN_DIFFERENCES = {
-    "test_save_load_quantized_cache": "our QuantizedKVCache.state is the flat list of its six arrays, "
-    "mlx-lm's is ((keys, scales, biases), (values, scales, biases)); the test indexes state[0][i]",
-}
+KNOWN_DIFFERENCES: dict[str, str] = {}
 MIN_CASES = 20
 
 

@@ -36,7 +36,7 @@ def test_save_load_round_trip(llama_model, tmp_path, shape):
     assert back.settings["note"] == "kept" and back.fingerprint == model.fingerprint
     for a, b in zip(prompt.cache, back.cache):
         assert a.offset == b.offset
-        for x, y in zip(a.state, b.state):
+        for x, y in zip(a.flat_state(), b.flat_state()):
             assert mx.array_equal(x, y)
 
 

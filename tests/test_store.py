@@ -35,7 +35,7 @@ def next_logits(model, state, prompt):
 
 
 def arrays(cache):
-    return [np.array(a) for c in cache for a in c.state]
+    return [np.array(a) for c in cache for a in c.flat_state()]
 
 
 def test_memory_hit_continues_like_a_fresh_prefill(llama_model):

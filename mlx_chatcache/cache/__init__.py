@@ -116,14 +116,15 @@ class CacheList(BaseCache, mlx_lm_cache.CacheList):
 
     @property
     def state(self) -> list[mx.array]:
-        return [a for c in self.caches for a in c.state]
+        """Every child's ``flat_state()``, in order, as one flat list."""
+        return [a for c in self.caches for a in c.flat_state()]
 
     @state.setter
     def state(self, v: Sequence[mx.array]) -> None:
         check_arrays("CacheList", v, sum(n for _, _, n in self._spec))
         caches, i = [], 0
         for name, meta, n in self._spec:
-            caches.append(cache_class(name).from_state(v[i : i + n], meta))
+            caches.append(cache_class(name).from_flat_state(v[i : i + n], meta))
             i += n
         self.caches = tuple(caches)
 
@@ -131,7 +132,7 @@ class CacheList(BaseCache, mlx_lm_cache.CacheList):
     def meta_state(self) -> tuple[str, ...]:
         out = [str(len(self.caches))]
         for c in self.caches:
-            out += [type(c).__name__, json.dumps(list(c.meta_state)), str(len(c.state))]
+            out += [type(c).__name__, json.dumps(list(c.meta_state)), str(len(c.flat_state()))]
         return tuple(out)
 
     @meta_state.setter

@@ -3,12 +3,17 @@
 Contract of :class:`BaseCache` (what the file format, the generate loop and the
 chat session rely on):
 
-- ``state``: a list of arrays holding exactly the live content (never padding,
-  never trimmed-away tokens, rotating caches in temporal order). Settable; a
-  growing K/V cache also takes arrays that carry the room older files stored
-  after the live tokens (see ``KVCache``), and grows into it in place.
-- ``file_state()``: the arrays a cache file stores: exactly ``state`` (files
-  hold no room to grow: a loader makes it, see ``grown_slots``).
+- ``state``: a list holding exactly the live content (never padding, never
+  trimmed-away tokens, rotating caches in temporal order), nested as mlx-lm
+  nests it: a K/V cache's is ``[keys, values]``, each an array, or for a
+  quantized cache a tuple ``(packed, scales, biases)``. Settable, in that same
+  nesting only; a growing K/V cache also takes arrays that carry the room older
+  files stored after the live tokens (see ``KVCache``), and grows into it in place.
+- ``flat_state()``: the arrays of ``state`` in order, unnested: what a cache
+  file stores (files hold no room to grow: a loader makes it, see
+  ``grown_slots``), and what every caller that needs a layer's arrays reads.
+  ``from_flat_state(c.flat_state(), c.meta_state)`` rebuilds ``c`` as
+  ``from_state`` does (``nest_state`` gives the flat arrays their nesting back).
 - ``meta_state``: a tuple of plain strings with everything that is not an array
   (offsets, window size, keep, a window's ring position, bits, group size).
   Settable; parsing errors raise :class:`CacheFormatError`.
@@ -90,11 +95,11 @@ class BaseCache:
     offset: int = 0
 
     @property
-    def state(self) -> list[mx.array]:
+    def state(self) -> list:
         return []
 
     @state.setter
-    def state(self, v: Sequence[mx.array]) -> None:
+    def state(self, v: Sequence) -> None:
         if v:
             raise CacheFormatError(f"{type(self).__name__} holds no arrays but {len(v)} were given")
 
@@ -108,21 +113,38 @@ class BaseCache:
             raise CacheFormatError(f"{type(self).__name__} takes no meta state, got {tuple(v)!r}")
 
     @classmethod
-    def from_state(cls, state: Sequence[mx.array], meta_state: Sequence[str]):
+    def from_state(cls, state: Sequence, meta_state: Sequence[str]):
         """Rebuild a cache from ``state`` and ``meta_state`` (validated)."""
+        obj = cls._with_meta(meta_state)
+        obj.state = list(state)
+        return obj
+
+    @classmethod
+    def from_flat_state(cls, arrays: Sequence[mx.array], meta_state: Sequence[str]):
+        """Rebuild a cache from ``flat_state()``'s arrays and ``meta_state`` (validated)."""
+        obj = cls._with_meta(meta_state)
+        obj.state = obj.nest_state(list(arrays))
+        return obj
+
+    @classmethod
+    def _with_meta(cls, meta_state: Sequence[str]):
         obj = cls.__new__(cls)
         obj._init_empty()
         obj.meta_state = tuple(meta_state)
-        obj.state = list(state)
         return obj
 
     def _init_empty(self) -> None:
         """Set the attributes an instance needs before ``meta_state`` is applied."""
 
-    def file_state(self) -> list[mx.array]:
-        """What a cache file stores: exactly ``state`` (the live content, no
-        room); ``from_state(file_state(), meta_state)`` rebuilds the cache."""
-        return self.state
+    def flat_state(self) -> list[mx.array]:
+        """The arrays of ``state`` in order, unnested (what a cache file stores)."""
+        return tree_arrays(self.state)
+
+    def nest_state(self, arrays: list[mx.array]) -> list:
+        """``arrays`` (a ``flat_state()``) in the nesting of this cache's ``state``
+        (its ``meta_state`` already set); arrays of the wrong count stay as they
+        are, for the ``state`` setter to refuse."""
+        return arrays
 
     @classmethod
     def grown_slots(cls, held: int) -> int:
@@ -132,7 +154,7 @@ class BaseCache:
 
     def eval_arrays(self) -> list[mx.array]:
         """Arrays to ``mx.eval`` after an update (the live buffers, not copies)."""
-        return self.state
+        return self.flat_state()
 
     def is_trimmable(self) -> bool:
         return False
@@ -186,6 +208,38 @@ def check_arrays(cls_name: str, state: Sequence, count: int) -> None:
         raise CacheFormatError(f"{cls_name} needs {count} arrays, got {len(state)}")
 
 
+# ---------------------------------------------------------------- state nesting
+def tree_arrays(tree) -> list[mx.array]:
+    """The arrays of an array or a nested list/tuple of arrays, depth first:
+    how every layer's ``state`` (and a quantized K/V buffer) flattens."""
+    return [a for _, a in tree_flatten(tree)]
+
+
+def nest_like(form, arrays: list[mx.array]):
+    """``arrays`` put where ``form`` (a nested list/tuple of names) has its names, in order."""
+    it = iter(arrays)
+    return tree_map(lambda _: next(it), form)
+
+
+def check_form(cls_name: str, state, form) -> None:
+    """CacheFormatError unless ``state`` nests arrays as ``form`` nests its names."""
+
+    def fits(s, f) -> bool:
+        if isinstance(f, str):
+            return isinstance(s, mx.array)
+        return isinstance(s, (list, tuple)) and len(s) == len(f) and all(map(fits, s, f))
+
+    def outline(x, leaf, depth=0) -> str:
+        if not isinstance(x, (list, tuple)) or depth > 2:
+            return leaf(x)
+        inner = ", ".join(outline(y, leaf, depth + 1) for y in x[:8]) + (", ..." if len(x) > 8 else "")
+        return f"[{inner}]" if isinstance(x, list) else f"({inner})"
+
+    if not fits(state, form):
+        got = outline(state, lambda x: "array" if isinstance(x, mx.array) else type(x).__name__)
+        raise CacheFormatError(f"{cls_name} state must be {outline(form, str)}, got {got}")
+
+
 # ---------------------------------------------------------------- K/V helpers
 def kv_len(x) -> int:
     """Sequence length (axis 2) of a float or quantized K/V buffer."""
@@ -235,10 +289,6 @@ def kv_zeros_like(x, n: int):
         return mx.zeros((B, H, n, D), dtype=t.dtype)
 
     return tree_map(z, x)
-
-
-def kv_flatten(x) -> list[mx.array]:
-    return [v for _, v in tree_flatten(x)] if isinstance(x, tuple) else [x]
 
 
 # ---------------------------------------------------------------- masks

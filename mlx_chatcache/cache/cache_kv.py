@@ -18,20 +18,23 @@ from __future__ import annotations
 from typing import Sequence
 
 import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.models import cache as mlx_lm_cache
 
 from .cache_base import (
     Absent,
     BaseCache,
     check_arrays,
+    check_form,
     kv_assign,
-    kv_flatten,
     kv_grow,
     kv_len,
     kv_slice,
     kv_zeros_like,
+    nest_like,
     parse_ints,
     standard_mask,
+    tree_arrays,
 )
 from ..errors import CacheFormatError
 
@@ -104,45 +107,54 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
 
     # ----------------------------------------------------------- contract
     @property
-    def state(self) -> list[mx.array]:
+    def state(self) -> list:
+        """``[keys, values]``, each as stored (see ``_state_form``); ``[]`` when empty."""
         if self.keys is None:
             return []
-        k, v = self._fetch()
         # new array objects: later in-place writes into our buffers must not
         # reach the caller's list (nor a cache rebuilt from it), and vice versa
-        return [a[...] for a in kv_flatten(k) + kv_flatten(v)]
+        return [tree_map(lambda a: a[...], x) for x in self._fetch()]
 
     @state.setter
-    def state(self, v: Sequence[mx.array]) -> None:
+    def state(self, v: Sequence) -> None:
         name = type(self).__name__
         if not v:
             if self._held() != 0:
                 raise CacheFormatError(f"{name} with {self._held()} tokens has no arrays")
             self.keys = self.values = None
             return
-        n = len(self._array_names())
-        check_arrays(name, v, n)
-        v = [a[...] for a in v]  # own objects: update_and_fetch writes into them in place
-        self.keys, self.values = self._pack(v[: n // 2]), self._pack(v[n // 2 :])
-        slots = v[0].shape[2] if v[0].ndim == 4 else -1
+        check_form(name, v, self._state_form())
+        # own objects: update_and_fetch writes into them in place
+        self.keys, self.values = (self._pack([a[...] for a in tree_arrays(x)]) for x in v)
+        flat = tree_arrays([self.keys, self.values])
+        slots = flat[0].shape[2] if flat[0].ndim == 4 else -1
         if slots not in (self._held(), self.grown_slots(self._held())):
             slots = -1
-        for a in v:
-            if a.ndim != 4 or a.shape[2] != slots or a.shape[:2] != v[0].shape[:2]:
+        for a in flat:
+            if a.ndim != 4 or a.shape[2] != slots or a.shape[:2] != flat[0].shape[:2]:
                 raise CacheFormatError(
                     f"{name} array of shape {tuple(a.shape)} does not hold {self._held()} tokens "
                     "as (batch, heads, tokens, dim)"
                 )
+
+    def nest_state(self, arrays: list[mx.array]) -> list:
+        if not arrays:
+            return []
+        form = self._state_form()
+        check_arrays(type(self).__name__, arrays, len(tree_arrays(form)))
+        return nest_like(form, arrays)
 
     @classmethod
     def grown_slots(cls, held: int) -> int:
         """The tokens, then room up to the next multiple of ``step``."""
         return held + (-held % cls.step)
 
-    def _array_names(self) -> tuple[str, ...]:
-        return ("keys", "values")
+    def _state_form(self) -> list:
+        """What ``state`` holds, as names nested like its arrays."""
+        return ["keys", "values"]
 
     def _pack(self, arrays):
+        """Keys or values as stored, from their arrays."""
         return arrays[0]
 
     @property
@@ -156,7 +168,7 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
     def eval_arrays(self) -> list[mx.array]:
         if self.keys is None:
             return []
-        return kv_flatten(self.keys) + kv_flatten(self.values)
+        return tree_arrays([self.keys, self.values])
 
     def is_trimmable(self) -> bool:
         return True
@@ -189,7 +201,9 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
 
 
 class QuantizedKVCache(KVCache, mlx_lm_cache.QuantizedKVCache):
-    """A KVCache whose keys/values are stored quantized (affine, per group)."""
+    """A KVCache whose keys/values are stored quantized (affine, per group);
+    its ``state`` nests them as mlx-lm's does:
+    ``[(keys, key_scales, key_biases), (values, value_scales, value_biases)]``."""
 
     to_quantized = Absent("it is already quantized")
 
@@ -200,8 +214,8 @@ class QuantizedKVCache(KVCache, mlx_lm_cache.QuantizedKVCache):
     def _encode(self, x: mx.array):
         return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
 
-    def _array_names(self):
-        return ("keys", "key_scales", "key_biases", "values", "value_scales", "value_biases")
+    def _state_form(self):
+        return [("keys", "key_scales", "key_biases"), ("values", "value_scales", "value_biases")]
 
     def _pack(self, arrays):
         check_quantized(type(self).__name__, arrays, self.group_size, self.bits)

@@ -204,11 +204,11 @@ class RotatingKVCache(KVCache, mlx_lm_cache.RotatingKVCache):
 
     # ----------------------------------------------------------- contract
     @property
-    def state(self) -> list[mx.array]:
+    def state(self) -> list:
         return KVCache.state.fget(self)
 
     @state.setter
-    def state(self, v: Sequence[mx.array]) -> None:
+    def state(self, v: Sequence) -> None:
         """Temporal-order arrays; stored in the slot order ``_idx`` says."""
         self._returned = None
         KVCache.state.fset(self, v)
@@ -282,7 +282,7 @@ class QuantizedRotatingKVCache(RotatingKVCache, mlx_lm_cache.QuantizedKVCache):
         self.group_size, self.bits = group_size, bits
 
     _encode = QuantizedKVCache._encode
-    _array_names = QuantizedKVCache._array_names
+    _state_form = QuantizedKVCache._state_form
     _pack = QuantizedKVCache._pack
 
     @property

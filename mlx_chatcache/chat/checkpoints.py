@@ -74,7 +74,7 @@ def snapshot(cache: list[BaseCache]) -> LayerCopies | None:
     if all(c.always_trimmable() for c in cache):
         return None
     snap = [None if c.always_trimmable() else _copy_layer(c) for c in cache]
-    mx.eval([c.state for c in snap if c is not None])
+    mx.eval([c.eval_arrays() for c in snap if c is not None])
     return snap
 
 
@@ -99,7 +99,7 @@ def restore(state: PromptCache, snap: LayerCopies, state_len: int, tokens: list[
             cache[i].trim(cache[i].offset - state_len)
         else:
             cache[i] = _copy_layer(x)
-    mx.eval([c.state for c in cache])
+    mx.eval([c.eval_arrays() for c in cache])
     state.tokens[:] = tokens[:state_len]
     return True
 

@@ -11,7 +11,7 @@ held in memory (values of a remote store tier). With
 ``format="mlx-lm"`` we write a file mlx-lm 0.32's ``load_prompt_cache`` accepts.
 
 Layout of our files (format version 5):
-- tensors ``layer.{i}.{j}``: array ``j`` of layer ``i``'s ``file_state()``: its
+- tensors ``layer.{i}.{j}``: array ``j`` of layer ``i``'s ``flat_state()``: its
   ``state``, K/V arrays holding exactly the live tokens (version 2-4 files carry
   zeroed room up to the next multiple of 256 tokens after them); a loader reads
   them into buffers with room to grow (``grown_slots``); rotating caches in
@@ -112,8 +112,8 @@ def save_prompt_cache(
 
 
 def _is_ours(layer) -> bool:
-    """Whether ``layer`` is one of our cache classes (they alone have ``file_state``)."""
-    return hasattr(layer, "file_state")
+    """Whether ``layer`` is one of our cache classes (they alone have ``flat_state``)."""
+    return hasattr(layer, "flat_state")
 
 
 def prompt_cache_bytes(
@@ -131,7 +131,7 @@ def prompt_cache_bytes(
 def _file_contents(path, cache, tokens, model, messages, text, settings, metadata, snapshots=()):
     """``(arrays, metadata)`` of our file for ``cache``."""
     _check_tokens_match(path, cache, None if tokens is None else list(tokens))
-    stored = [c.file_state() for c in cache]
+    stored = [c.flat_state() for c in cache]
     meta = _header_metadata(cache, stored, tokens, model, messages, metadata)
     if text is not None:
         meta["mlxcc.text"] = text
@@ -154,7 +154,7 @@ def _add_snapshots(meta: dict, arrays: dict, snapshots, num_layers: int) -> None
         copied = [i for i, c in enumerate(snap) if c is not None]
         meta[f"mlxcc.snapshot.{s}.layers"] = json.dumps(copied)
         for i in copied:
-            state = snap[i].file_state()
+            state = snap[i].flat_state()
             meta[f"mlxcc.snapshot.{s}.layer.{i}.class"] = type(snap[i]).__name__
             meta[f"mlxcc.snapshot.{s}.layer.{i}.meta"] = json.dumps(list(snap[i].meta_state))
             meta[f"mlxcc.snapshot.{s}.layer.{i}.arrays"] = str(len(state))
@@ -274,7 +274,7 @@ def _build_layers(header: Header, info: CacheFileInfo) -> list[BaseCache]:
     for i, name in enumerate(info.classes):
         meta, count = info.extra["layers"][i]
         state = [arrays.pop(f"layer.{i}.{j}") for j in range(count)]  # the cache owns them alone
-        cache.append(cache_class(name).from_state(state, meta))
+        cache.append(cache_class(name).from_flat_state(state, meta))
     return cache
 
 
@@ -409,7 +409,7 @@ def load_snapshots(path: str | os.PathLike) -> list[list[BaseCache | None]]:
         return []
     arrays = read_arrays(header, names)
     try:
-        return [[cache_class(snap[i][0]).from_state([arrays.pop(f"snapshot.{s}.layer.{i}.{j}")
+        return [[cache_class(snap[i][0]).from_flat_state([arrays.pop(f"snapshot.{s}.layer.{i}.{j}")
                                                      for j in range(snap[i][2])], snap[i][1])
                  if i in snap else None for i in range(len(info.classes))]
                 for s, snap in enumerate(snaps)]  # fmt: skip

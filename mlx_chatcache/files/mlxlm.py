@@ -360,7 +360,7 @@ def _to_mlx_lm(c: BaseCache):
     from mlx_lm.models import cache as lm
 
     name = type(c).__name__
-    if not hasattr(c, "file_state"):  # not ours: mlx-lm's own object, saved as it is
+    if not hasattr(c, "flat_state"):  # not ours: mlx-lm's own object, saved as it is
         if name not in _MLX_LM_CLASSES | set(_KEPT_AS_MLX_LM) or not type(c).__module__.startswith("mlx_lm."):
             raise UnsupportedCacheError(
                 f"cannot save a layer of class {_shown(name)}: it is neither an mlx_chatcache cache "

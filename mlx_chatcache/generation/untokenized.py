@@ -92,7 +92,7 @@ def _check_head(model, cache, tokens: list[int], path) -> int:
     fresh = make_prompt_cache(model)
     call_model(model, tokens[:k], fresh)
     for i in layers:
-        for a, b in zip(cache[i].state, fresh[i].state):  # (B, H, T, D) each
+        for a, b in zip(cache[i].flat_state(), fresh[i].flat_state()):  # (B, H, T, D) each
             if not _close(a[..., :k, :], b):
                 raise _mismatch(path, "first")
     return k
@@ -106,12 +106,12 @@ def _check_tail(model, cache, tokens: list[int], path) -> int:
     w = min(CHECK_TOKENS, n - CHECK_TOKENS)  # not the ones the head check covered
     if not layers or w <= 0 or not can_trim_prompt_cache(cache):
         return 0
-    old = {i: [a[..., n - w :, :] for a in cache[i].state] for i in layers}
+    old = {i: [a[..., n - w :, :] for a in cache[i].flat_state()] for i in layers}
     mx.eval(old)
     trim_prompt_cache(cache, w)
     call_model(model, tokens[n - w :], cache)
     for i in layers:
-        for a, b in zip(old[i], cache[i].state):
+        for a, b in zip(old[i], cache[i].flat_state()):
             if not _close(a, b[..., n - w :, :]):
                 raise _mismatch(path, "last")
     return w
