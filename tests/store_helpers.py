@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from mlx_chatcache.config import CacheShape
-from mlx_chatcache.generation.prompt import PromptCache
+from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.store.tiers import make_scope
 from tiny_models import VOCAB_SIZE

@@ -243,7 +243,7 @@ def test_a_damaged_disk_tier_entry_is_a_miss(llama_model, tmp_path):
     """A store entry whose array bytes were overwritten (same size, header intact)
     is never served: the lookup misses and counts it corrupt."""
     from mlx_chatcache.cache import make_prompt_cache
-    from mlx_chatcache.generation.prompt import PromptCache
+    from mlx_chatcache.files.prompt_cache import PromptCache
     from mlx_chatcache.generation.templates import feed_all
     from mlx_chatcache.store.store import PromptStore
     from mlx_chatcache.store.tiers import DiskTier, make_scope

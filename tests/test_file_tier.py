@@ -13,7 +13,8 @@ from store_helpers import SETTINGS, filled_state, scope, tokens_of
 from mlx_chatcache.cache import make_prompt_cache
 from mlx_chatcache.errors import CacheFormatError, ChatCacheError, ModelMismatchError, UsageError
 from mlx_chatcache.files.mlxcc_format import read_cache_info, save_prompt_cache
-from mlx_chatcache.generation.prompt import PromptCache, reuse_prefix
+from mlx_chatcache.files.prompt_cache import PromptCache
+from mlx_chatcache.generation.prompt import reuse_prefix
 from mlx_chatcache.models.loading import load
 from mlx_chatcache.store.named_file import CacheFileTier
 from mlx_chatcache.store.store import PromptStore

@@ -17,7 +17,8 @@ fakeredis = pytest.importorskip("fakeredis")
 from mlx_chatcache.cache import make_prompt_cache  # noqa: E402
 from mlx_chatcache.files.mlxcc_format import prompt_cache_bytes  # noqa: E402
 from mlx_chatcache.errors import UsageError  # noqa: E402
-from mlx_chatcache.generation.prompt import PromptCache, reuse_prefix  # noqa: E402
+from mlx_chatcache.files.prompt_cache import PromptCache  # noqa: E402
+from mlx_chatcache.generation.prompt import reuse_prefix  # noqa: E402
 from mlx_chatcache.store.store import PromptStore, build_store  # noqa: E402
 from mlx_chatcache.store.tiers import MemoryTier  # noqa: E402
 from mlx_chatcache.store.redis_layout import Chain, Manifest  # noqa: E402

@@ -9,7 +9,8 @@ import pytest
 from loop_helpers import forward
 
 from mlx_chatcache.cache import make_prompt_cache
-from mlx_chatcache.generation.prompt import PromptCache, reuse_prefix
+from mlx_chatcache.files.prompt_cache import PromptCache
+from mlx_chatcache.generation.prompt import reuse_prefix
 from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.store.store import PromptStore
 from mlx_chatcache.store.tiers import DiskTier, MemoryTier, make_scope

@@ -42,7 +42,7 @@ from ..models.fingerprint import ModelFingerprint
 
 if TYPE_CHECKING:  # imported where a session is loaded: names, paths and locks need no MLX or mlx-lm
     from ..files.registry import CacheFileInfo
-    from ..generation.prompt import PromptCache
+    from ..files.prompt_cache import PromptCache
     from ..store.tiers import Scope, Tier
     from .checkpoints import Checkpoint
 

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, prompt: str | None, config, target) -> int:
-    from ..generation.prompt import PromptCache
+    from ..files.prompt_cache import PromptCache
     from ..generation.templates import feed_all
 
     model, tokenizer = load_model(args)

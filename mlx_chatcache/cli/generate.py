@@ -67,7 +67,7 @@ from .common import (
 from .progress import ProgressBar
 
 if TYPE_CHECKING:
-    from ..generation.prompt import PromptCache
+    from ..files.prompt_cache import PromptCache
     from ..store.store import PromptStore
     from ..store.tiers import Scope
 

@@ -1,5 +1,5 @@
-"""Generation: running a model on a prompt cache. ``prompt`` (``PromptCache``: a cache and the exact
-token ids it holds, prefix reuse and trimming), ``loop`` (prefill and ``generate_step``), ``text``
+"""Generation: running a model on a prompt cache. ``prompt`` (prefix reuse and trimming of a
+``PromptCache``, the value ``files.prompt_cache`` holds), ``loop`` (prefill and ``generate_step``), ``text``
 (``stream_generate``/``generate``: text in, text out), ``model_call`` (the one door every model call
 goes through), ``sample`` (samplers and logits processors), ``constrain`` (grammar-constrained
 decoding: a JSON schema or Lark grammar as a logits processor), ``pacing`` (calls short enough for Ctrl-C),

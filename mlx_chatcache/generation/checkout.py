@@ -20,7 +20,7 @@ Contract
   UsageError). A command has no byte budget there: it never evicts, it
   only adds its entries; the server owning DIR enforces its budget.
 - :func:`checkout_prompt` is the store's longest cached prefix of a prompt as
-  a :class:`~mlx_chatcache.generation.prompt.PromptCache` of the given
+  a :class:`~mlx_chatcache.files.prompt_cache.PromptCache` of the given
   shape (an empty one on a miss), not yet trimmed to the prompt:
   :func:`~mlx_chatcache.generation.prompt.reuse_prefix` (which
   ``stream_generate`` calls) does that, and says how many tokens were reused.
@@ -43,7 +43,7 @@ from ..config import CacheShape, GenerationConfig
 from ..models.fingerprint import ModelFingerprint
 from ..store.store import PromptStore
 from ..store.tiers import DiskTier, Scope, Tier, make_scope
-from .prompt import PromptCache
+from ..files.prompt_cache import PromptCache
 
 
 def prompt_scope(model, config: GenerationConfig) -> Scope:

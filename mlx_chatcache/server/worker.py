@@ -59,7 +59,8 @@ import mlx.core as mx
 from ..config import SEED_LIMIT, GenerationConfig
 from ..errors import ChatCacheError
 from ..generation.loop import PrefillStopped, consistent_on_error, make_kv_quantizer, prefill
-from ..generation.prompt import PromptCache, reuse_prefix
+from ..files.prompt_cache import PromptCache
+from ..generation.prompt import reuse_prefix
 from ..generation.checkout import checkout_prompt, prompt_scope
 from ..generation.sample import LogitsProcessor, make_logits_processors
 from ..generation.stops import StopMatcher

@@ -28,7 +28,7 @@ Contract
   ``mlxcc generate --prompt-cache-file``, a chat session file) are strict:
   their ``find``/``fetch`` raise instead of missing. ``put`` writes them at
   once (never deferred), also for an empty cache, and passes them
-  ``prompt`` (the :class:`~mlx_chatcache.generation.prompt.PromptCache` being
+  ``prompt`` (the :class:`~mlx_chatcache.files.prompt_cache.PromptCache` being
   stored: the messages or text its tokens are, settings, user metadata); an
   error there is raised. With
   ``on_error``, a failing anonymous tier (a full shared disk) is reported to
@@ -56,7 +56,7 @@ from .index import Entry, Pin
 from .tiers import DiskTier, MemoryTier, Scope, Tier, compact_copy
 
 if TYPE_CHECKING:
-    from ..generation.prompt import PromptCache
+    from ..files.prompt_cache import PromptCache
 
 
 @dataclass
