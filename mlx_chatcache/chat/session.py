@@ -93,7 +93,7 @@ from ..files.tokens import common_prefix_len
 from ..files.prompt_cache import PromptCache
 from ..generation.prompt import reuse_prefix
 from ..generation.templates import chat_text, encode_text, has_chat_template
-from ..generation.checkout import checkout_prompt, scope_of
+from ..generation.checkout import scope_of
 from ..generation.text import as_tokenizer_wrapper
 from ..models.context import check_prompt_fits, context_warning
 from .rollback import SessionRollback
@@ -325,7 +325,7 @@ class ChatSession(SessionRollback):
     def _checkout_shared(self, prompt_ids: list[int]) -> None:
         """An empty cache (a new session, after /clear, /system or a rollback that
         could not trim) starts from the shared tiers' longest prefix of the prompt."""
-        state, tier = checkout_prompt(self.shared, self.scope, self.model, prompt_ids, self.state.shape)
+        state, tier = self.shared.checkout(self.scope, self.model, prompt_ids, self.state.shape)
         if tier is not None:
             self.state = state
 

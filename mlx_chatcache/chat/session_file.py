@@ -201,7 +201,7 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
 def _checkout(path, model, info: CacheFileInfo, config: GenerationConfig) -> PromptCache:
     """The session's cache, holding exactly the tokens its header ``info`` lists, from
     the file as a strict store tier."""
-    from ..generation.checkout import checkout_prompt, prompt_scope
+    from ..generation.checkout import prompt_scope
     from ..store.named_file import CacheFileTier
     from ..store.store import PromptStore
 
@@ -209,7 +209,7 @@ def _checkout(path, model, info: CacheFileInfo, config: GenerationConfig) -> Pro
     tokens = info.tokens
     scope = prompt_scope(model, config)
     # -1: an id no cache holds, past the end, so that every one of ``tokens`` can be served
-    state, tier = checkout_prompt(store, scope, model, [*tokens, -1], config.shape)
+    state, _ = store.checkout(scope, model, [*tokens, -1], config.shape)
     if state.tokens != list(tokens):  # only an empty session is not served (the file tier is strict)
         raise CacheFileError(f"{path}: the session's cache could not be read back; the file is damaged")
     return state

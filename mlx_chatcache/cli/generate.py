@@ -212,7 +212,7 @@ def _store(args, named) -> PromptStore:
 
 def _start(args, model, tokenizer, config, info, prompt, save: Claim | None) -> _Job:
     """The named file (strict) and --cache-dir behind one store; the longest stored prefix."""
-    from ..generation.checkout import checkout_prompt, prompt_scope
+    from ..generation.checkout import prompt_scope
     from ..store.named_file import CacheFileTier
 
     if info is None:
@@ -227,7 +227,7 @@ def _start(args, model, tokenizer, config, info, prompt, save: Claim | None) -> 
     tokens, messages, text = build_prompt(args, tokenizer, messages, text, prompt)
     store = _store(args, CacheFileTier(args.prompt_cache_file, save, header=info))
     scope = prompt_scope(model, config)
-    state, tier = checkout_prompt(store, scope, model, tokens, config.shape)
+    state, tier = store.checkout(scope, model, tokens, config.shape)
     state.messages, state.text = messages, text
     state.settings = {**(info.settings if info else {}), **state.settings}  # what the file recorded, written back
     return _Job(tokens, state, config, store, scope, tier)
