@@ -99,7 +99,7 @@ def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
     session file, or a path claimed as the caller's own (``mine``: a session
     there is replaced; a file another process holds, or one that is not a
     cache, is refused) for the write."""
-    from ..generation.checkout import file_settings, put_prompt
+    from ..generation.checkout import put_prompt
     from ..store.named_file import CacheFileTier
     from ..store.store import PromptStore
 
@@ -108,7 +108,7 @@ def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
             return save_session(held, record, fingerprint, shared)
     snapshots, index = kept_copies(record.checkpoints)
     prompt = dataclasses.replace(  # the session's cache as its file holds it (sharing layers and tokens)
-        record.state, settings=file_settings(record.state, _cache_config(record)),  # weight policy, window, KV
+        record.state, settings=record.state.shape.recording(record.state.settings, record.config),
         metadata={SESSION_KEY: json.dumps(session_metadata(record, index), ensure_ascii=False)},
         snapshots=snapshots,
     )

@@ -249,7 +249,7 @@ def _start_untokenized(args, model, tokenizer, config, prompt, save: Claim | Non
 
 
 def _generate(args, model, tokenizer, job: _Job) -> int:
-    from ..generation.checkout import file_settings, put_prompt
+    from ..generation.checkout import put_prompt
     from ..generation.text import stream_generate
 
     bar = ProgressBar("prompt")
@@ -275,7 +275,7 @@ def _generate(args, model, tokenizer, job: _Job) -> int:
         state.messages.append({"role": "assistant", "content": text})
     else:
         state.text += text
-    state.settings = file_settings(state, job.config)
+    state.settings = state.shape.recording(state.settings, job.config)
     put_prompt(job.store, job.scope, state, shared=job.shared,
                warn=lambda line: sys.stderr.write(f"mlxcc: warning: {line}\n"))  # fmt: skip
     if args.verbose and last is not None:

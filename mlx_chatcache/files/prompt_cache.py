@@ -85,11 +85,9 @@ class PromptCache:
         strings) through the door (:mod:`mlx_chatcache.files.cache_file`): ``path`` is the
         :class:`~mlx_chatcache.files.cache_file.Claim` the caller holds, or a path claimed
         for the write (``force``: even over a file that is not a cache, or a chat session)."""
-        settings = dict(self.settings)
-        settings.update(max_kv_size=self.shape.max_kv_size, keep=self.shape.keep)
         cache_file.write(
-            path, self.cache, tokens=self.tokens, model=self.fingerprint,
-            messages=self.messages, text=self.text, settings=settings, metadata=metadata, force=force,
+            path, self.cache, tokens=self.tokens, model=self.fingerprint, messages=self.messages,
+            text=self.text, settings=self.shape.recording(self.settings), metadata=metadata, force=force,
         )  # fmt: skip
 
     @classmethod

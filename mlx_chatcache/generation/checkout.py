@@ -6,8 +6,8 @@ Contract
 --------
 - ``config.shape`` (:class:`~mlx_chatcache.config.CacheShape`) is what shapes a cache (the window, KV
   quantization); every named file mlxcc writes records them
-  (:func:`file_settings`), so the strict file tier can refuse a run with other
-  ones. :func:`prompt_scope` is the store :class:`~mlx_chatcache.store.tiers.Scope`
+  (:meth:`~mlx_chatcache.config.CacheShape.recording`), so the strict file tier
+  can refuse a run with other ones. :func:`prompt_scope` is the store :class:`~mlx_chatcache.store.tiers.Scope`
   of a model, those settings and the weight policy applied to the model
   (``--weights``: it changes the arithmetic, so a shared entry of another
   policy is not used; a named file of another policy is, see
@@ -93,11 +93,4 @@ def put_prompt(store: PromptStore, scope: Scope, state: PromptCache, warn: Calla
     store.put(scope, state.tokens, state.cache, prompt=state, on_error=failed)
 
 
-def file_settings(state: PromptCache, config: GenerationConfig) -> dict:
-    """The settings a named file records for ``state``, made with ``config``: its
-    settings (what its file recorded before, this model's weight policy), its window
-    and the KV quantization (:attr:`~mlx_chatcache.config.GenerationConfig.shape`)."""
-    return {**state.settings, **config.windowed(state.shape).shape.settings()}
-
-
-__all__ = ["prompt_scope", "scope_of", "shared_tiers", "put_prompt", "file_settings"]
+__all__ = ["prompt_scope", "scope_of", "shared_tiers", "put_prompt"]

@@ -26,7 +26,7 @@ def ensure_state(model, state: PromptCache | None, config: GenerationConfig) -> 
     if state is None:
         return PromptCache.new(model, config.shape)
     made = state.shape
-    if config.max_kv_size is not None and (config.max_kv_size, config.keep) != (made.max_kv_size, made.keep):
+    if not made.agrees(config.max_kv_size, config.keep):
         raise UsageError(
             f"the prompt cache was made with max_kv_size={made.max_kv_size}, keep={made.keep} "
             f"but max_kv_size={config.max_kv_size}, keep={config.keep} was asked; "
