@@ -100,7 +100,7 @@ def run_engine(engine: str, model, prompt: list[int], n_tokens: int):
     if engine == "mlxcc":
         from mlx_chatcache.config import DEFAULTS
         from mlx_chatcache.generation.loop import generate_step
-        from mlx_chatcache.generation.prompt import PromptCache
+        from mlx_chatcache.files.prompt_cache import PromptCache
 
         config = DEFAULTS.updated(max_tokens=n_tokens, temp=0.0)
         steps = generate_step(prompt, model, state=PromptCache.new(model), config=config)

@@ -74,7 +74,7 @@ def saved_chat(model, tok, folder: Path) -> tuple[list[list], str]:
     import numpy as np
 
     from mlx_chatcache.files.mlxcc_format import save_prompt_cache
-    from mlx_chatcache.generation.prompt import PromptCache
+    from mlx_chatcache.files.prompt_cache import PromptCache
     from mlx_chatcache.generation.templates import feed_all
 
     if tok is not None:

@@ -21,7 +21,7 @@ _EXPORTS = {
     "load": "models.loading",
     "generate": "generation.text",
     "stream_generate": "generation.text",
-    "PromptCache": "generation.prompt",
+    "PromptCache": "files.prompt_cache",
     "make_prompt_cache": "cache",
     "save_prompt_cache": "files.mlxcc_format",
     "load_prompt_cache": "files.mlxcc_format",
@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only; at run time see __getattr_
     from .cache import make_prompt_cache
     from .chat.session import ChatSession
     from .files.mlxcc_format import load_prompt_cache, save_prompt_cache
-    from .generation.prompt import PromptCache
+    from .files.prompt_cache import PromptCache
     from .generation.text import generate, stream_generate
     from .models.loading import load
 

@@ -43,12 +43,26 @@ class CacheShape:
             raise CacheFormatError(f"{path}: settings max_kv_size/keep are not integers; the file is damaged")
         return shape
 
+    def agrees(self, max_kv_size: int | None, keep: int | None = None) -> bool:
+        """Whether a cache of this shape has the window a run asks for: none
+        (``max_kv_size`` None) or this one (``keep`` too, unless None). A cache keeps
+        the window it was made with; what a run on it uses is
+        :meth:`GenerationConfig.windowed`, what a file records :meth:`recording`."""
+        return max_kv_size is None or (max_kv_size == self.max_kv_size and keep in (None, self.keep))
+
+    def recording(self, settings: dict, config: "GenerationConfig | None" = None) -> dict:
+        """The settings a cache file records for a cache of this shape: ``settings`` (what
+        the file recorded before, the weight policy), this window and, when ``config``
+        runs the cache, the KV quantization it runs with (then every key of :data:`SHAPE_KEYS`)."""
+        if config is None:
+            return {**settings, "max_kv_size": self.max_kv_size, "keep": self.keep}
+        return {**settings, **config.windowed(self).shape.settings()}
+
     def adopted(self, flags: dict) -> "CacheShape | None":
         """This recorded shape with the settings ``flags`` give (shape keys set by the
         user; the window's ``keep`` is never a flag), or None when they ask for another
         window (``max_kv_size``): the caller refuses in its own words."""
-        want = flags.get("max_kv_size")
-        if want is not None and want != self.max_kv_size:
+        if not self.agrees(flags.get("max_kv_size")):
             return None
         kv = {k: v for k, v in flags.items() if k in SHAPE_KEYS and k not in ("max_kv_size", "keep")}
         return replace(self, **{k: v for k, v in kv.items() if v is not None})

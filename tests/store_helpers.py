@@ -1,18 +1,34 @@
 """Shared by the store tier tests (memory, disk, Redis): token ids, a cache
-filled with them, the settings the scopes use, and a cache's arrays as numpy."""
+filled with them, the settings the scopes use, a cache's arrays as numpy and
+what a checkout hands out."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 
 from mlx_chatcache.config import CacheShape
-from mlx_chatcache.generation.prompt import PromptCache
+from mlx_chatcache.files.prompt_cache import PromptCache
+from mlx_chatcache.files.tokens import common_prefix_len
 from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.store.tiers import make_scope
 from tiny_models import VOCAB_SIZE
 
 SETTINGS = {"max_kv_size": None, "keep": 4}
 
+
+def checked_out(store, sc, model, prompt, key=None):
+    """What ``store.checkout`` hands out for ``prompt`` (the default shape): None on a
+    miss, else its ``state`` (a PromptCache), ``cache``, ``tokens``, ``tier`` and
+    ``served``: the prompt tokens (but the last) its tokens share, the prefix a hit gives."""
+    state, tier = store.checkout(sc, model, prompt, key=key)
+    assert isinstance(state, PromptCache) and len(state.cache) == len(PromptCache.new(model).cache)
+    if tier is None:
+        assert state.tokens == [], "a miss hands out an empty cache"
+        return None
+    served = min(common_prefix_len(state.tokens, prompt), len(prompt) - 1)
+    return SimpleNamespace(state=state, cache=state.cache, tokens=state.tokens, tier=tier, served=served)
 
 
 

@@ -12,9 +12,8 @@ import sys
 
 import numpy as np
 import pytest
-from store_helpers import arrays, filled, scope, tokens_of
+from store_helpers import arrays, checked_out, filled, scope, tokens_of
 
-from mlx_chatcache.cache import make_prompt_cache
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.errors import UsageError
 from mlx_chatcache.store.disk_folder import MARKER
@@ -68,7 +67,7 @@ def test_a_server_folder_from_before_the_marker_is_adopted(llama_model, tmp_path
     (folder / ".x.safetensors.abc123-1.abcdefgh.tmp.safetensors").write_bytes(b"")  # a killed write's temp file
     restarted = DiskTier(folder, 1 << 30)
     assert (folder / MARKER).exists() and len(restarted.index) == 1
-    got = PromptStore([restarted]).checkout(scope(model), base + [7], make_prompt_cache(model))
+    got = checked_out(PromptStore([restarted]), scope(model), model, base + [7])
     assert got.tier == "disk" and got.served == 30
     np.testing.assert_array_equal(arrays(got.cache), want)
 

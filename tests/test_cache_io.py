@@ -505,7 +505,7 @@ def test_cache_bytes_are_the_file_and_load_with_the_same_checks(llama_model, tmp
 
     from mlx_chatcache.errors import CacheFileError, ModelMismatchError
     from mlx_chatcache.files.mlxcc_format import load_prompt_cache_bytes, prompt_cache_bytes
-    from mlx_chatcache.generation.prompt import PromptCache
+    from mlx_chatcache.files.prompt_cache import PromptCache
     from mlx_chatcache.generation.templates import feed_all
 
     model, _ = llama_model

@@ -318,7 +318,7 @@ def test_session_file_keeps_its_window_for_mlxcc_generate(tiny_model_dirs, tmp_p
     """A session made with --max-kv-size, continued by `mlxcc generate --prompt-cache-file`,
     keeps its rotating window shape (max_kv_size and the pinned keep)."""
     from mlx_chatcache.models.loading import load
-    from mlx_chatcache.generation.prompt import PromptCache
+    from mlx_chatcache.files.prompt_cache import PromptCache
 
     model_dir = str(tiny_model_dirs["llama"])
     f = tmp_path / "s.safetensors"
@@ -417,7 +417,7 @@ def test_chat_from_a_prebuilt_cache_with_another_system_prompt_reads_it_again(ti
 def _refusal_files(d, other_model, tmp_path):
     """name -> (file, extra flags, words the one-line refusal must contain, refused before the model loads)."""
     from mlx_chatcache.files.mlxcc_format import save_prompt_cache
-    from mlx_chatcache.generation.prompt import PromptCache
+    from mlx_chatcache.files.prompt_cache import PromptCache
     from mlx_chatcache.models.loading import load
 
     sys_f = tmp_path / "sys.safetensors"

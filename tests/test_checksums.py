@@ -242,8 +242,7 @@ def test_a_damaged_session_is_refused_and_left_alone(llama_model, tmp_path):
 def test_a_damaged_disk_tier_entry_is_a_miss(llama_model, tmp_path):
     """A store entry whose array bytes were overwritten (same size, header intact)
     is never served: the lookup misses and counts it corrupt."""
-    from mlx_chatcache.cache import make_prompt_cache
-    from mlx_chatcache.generation.prompt import PromptCache
+    from mlx_chatcache.files.prompt_cache import PromptCache
     from mlx_chatcache.generation.templates import feed_all
     from mlx_chatcache.store.store import PromptStore
     from mlx_chatcache.store.tiers import DiskTier, make_scope
@@ -262,5 +261,5 @@ def test_a_damaged_disk_tier_entry_is_a_miss(llama_model, tmp_path):
     path.write_bytes(data[:at] + bytes(64) + data[at + 64 :])
     assert path.read_bytes() != data
     store = PromptStore([DiskTier(tmp_path, 1 << 30)])
-    assert store.checkout(scope, tokens + [9], make_prompt_cache(model)) is None
+    assert store.checkout(scope, model, tokens + [9])[1] is None
     assert store.tiers[0].stats()["corrupt"] == 1

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from loop_helpers import forward
-from store_helpers import SETTINGS, filled_state, scope, tokens_of
+from store_helpers import SETTINGS, checked_out, filled_state, scope, tokens_of
 
 from mlx_chatcache.cache import make_prompt_cache
 from mlx_chatcache.errors import CacheFormatError, ChatCacheError, ModelMismatchError, UsageError
 from mlx_chatcache.files.mlxcc_format import read_cache_info, save_prompt_cache
-from mlx_chatcache.generation.prompt import PromptCache, reuse_prefix
+from mlx_chatcache.files.prompt_cache import PromptCache
+from mlx_chatcache.generation.prompt import reuse_prefix
 from mlx_chatcache.models.loading import load
 from mlx_chatcache.store.named_file import CacheFileTier
 from mlx_chatcache.store.store import PromptStore
@@ -44,7 +45,7 @@ def test_named_file_serves_its_prefix_like_a_fresh_prefill(kind, tiny_model_dirs
     assert info.tokens == base and info.messages == MESSAGES and info.metadata == {"note": "kept"}
     store = PromptStore([CacheFileTier(f)])
     prompt = base + tokens_of(6, start=200)
-    got = store.checkout(scope(model), prompt, make_prompt_cache(model))
+    got = checked_out(store, scope(model), model, prompt)
     assert got.tier == "file" and got.served == 30 and got.tokens == base
     state = PromptCache(got.cache, got.tokens)
     reused = reuse_prefix(state, prompt, model)
@@ -54,7 +55,7 @@ def test_named_file_serves_its_prefix_like_a_fresh_prefill(kind, tiny_model_dirs
     np.testing.assert_allclose(np.array(warm), np.array(cold), atol=1e-4)
     # a prompt that leaves the file's tokens at 12: a trimmable cache serves 12, an SSM one nothing
     branch = base[:12] + tokens_of(8, start=250)
-    got = PromptStore([CacheFileTier(f)]).checkout(scope(model), branch, make_prompt_cache(model))
+    got = checked_out(PromptStore([CacheFileTier(f)]), scope(model), model, branch)
     if kind == "llama":
         assert got is not None and got.served == 12
     else:
@@ -69,7 +70,7 @@ def test_named_file_is_strict(tiny_model_dirs, make_tiny_model, tmp_path):
     prompt = base + [7, 8]
 
     def checkout(path, m=model, settings=SETTINGS):
-        return PromptStore([CacheFileTier(path)]).checkout(scope(m, settings), prompt, make_prompt_cache(m))
+        return checked_out(PromptStore([CacheFileTier(path)]), scope(m, settings), m, prompt)
 
     other, _ = make_tiny_model("llama", seed=1)
     with pytest.raises(ModelMismatchError, match="another|differ"):
@@ -126,4 +127,4 @@ def test_an_empty_cache_is_written_to_the_named_file_only(llama_model, tmp_path)
     assert info.tokens == [] and info.messages == [{"role": "system", "content": "x"}]
     assert len(disk.index) == 0 and not list(folder.glob("*.safetensors"))
     # the tier reads the file again once it changed: nothing to serve now
-    assert store.checkout(scope(model), tokens_of(10), make_prompt_cache(model)) is None
+    assert checked_out(store, scope(model), model, tokens_of(10)) is None

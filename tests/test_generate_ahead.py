@@ -28,7 +28,7 @@ from mlx_chatcache.cache import KVCache, cache_offset, can_trim_prompt_cache
 from mlx_chatcache.chat.turn import stream_reply
 from mlx_chatcache.config import DEFAULTS, CacheShape
 from mlx_chatcache.generation.loop import final_call_size, generate_step, prefill
-from mlx_chatcache.generation.prompt import PromptCache
+from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.chat.session import ChatSession
 
 GREEDY = DEFAULTS.updated(temp=0.0)

@@ -31,7 +31,7 @@ from mlx_chatcache.config import DEFAULTS, CacheShape
 from mlx_chatcache.errors import CacheFormatError, ChatCacheError, UnsupportedCacheError, UsageError
 from mlx_chatcache.files.mlxcc_format import load_cache_file
 from mlx_chatcache.generation.loop import generate_step
-from mlx_chatcache.generation.prompt import PromptCache
+from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.generation.text import generate, stream_generate
 
 TEXT = "The weather was cold and windy, so we stayed inside and read our books."

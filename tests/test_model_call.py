@@ -25,7 +25,7 @@ from mlx_chatcache.cli.main import main
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import CacheNotUpdatedError, UnsupportedCacheError
 from mlx_chatcache.generation.model_call import call_model
-from mlx_chatcache.generation.prompt import PromptCache
+from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.generation.text import generate
 

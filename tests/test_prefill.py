@@ -15,7 +15,7 @@ from mlx_chatcache.cache import cache_offset, can_trim_prompt_cache, make_prompt
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.generation import loop
 from mlx_chatcache.generation.loop import PrefillStopped, consistent_on_error, prefill
-from mlx_chatcache.generation.prompt import PromptCache
+from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.server.worker import GenerationWorker, Job
 from mlx_chatcache.store.store import PromptStore

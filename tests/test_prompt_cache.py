@@ -3,11 +3,13 @@ and a loaded cache continues a generation exactly as the one that was saved (tin
 
 import mlx.core as mx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mlx_chatcache
 from mlx_chatcache import PromptCache, generate
 from mlx_chatcache.config import DEFAULTS, CacheShape
-from mlx_chatcache.errors import CacheFormatError, ModelMismatchError
+from mlx_chatcache.errors import CacheFormatError, ModelMismatchError, UsageError
 from mlx_chatcache.files import mlxcc_format
 from mlx_chatcache.generation import prompt as prompt_module
 from mlx_chatcache.generation.templates import feed_all
@@ -67,3 +69,46 @@ def test_flat_api_names_are_the_library_functions():
     assert mlx_chatcache.save_prompt_cache is mlxcc_format.save_prompt_cache
     assert mlx_chatcache.load_prompt_cache is mlxcc_format.load_prompt_cache
     assert mlx_chatcache.PromptCache is prompt_module.PromptCache
+
+
+windows = st.one_of(st.none(), st.integers(1, 40))
+shapes = st.builds(CacheShape, windows, st.integers(0, 6), st.sampled_from([None, 4, 8]), st.sampled_from([32, 64]),
+                   st.integers(0, 3))  # fmt: skip
+configs = st.builds(lambda w, k, b, g, s: DEFAULTS.updated(max_kv_size=w, keep=k, kv_bits=b, kv_group_size=g,
+                                                             quantized_kv_start=s),
+                    windows, st.integers(0, 6), st.sampled_from([None, 4, 8]), st.sampled_from([32, 64]),
+                    st.integers(0, 3))  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(made=shapes, config=configs)
+def test_one_rule_says_whether_a_cache_window_agrees(made, config):
+    """Whether a run may use a cache (ensure_state) and whether a file's shape takes flags
+    (CacheShape.adopted) follow one rule, CacheShape.agrees: no window asked, or the cache's."""
+    state = PromptCache([], [], made)  # ensure_state reads only the shape of a state it is given
+    same = config.max_kv_size is None or (config.max_kv_size, config.keep) == (made.max_kv_size, made.keep)
+    assert made.agrees(config.max_kv_size, config.keep) == same
+    if same:
+        assert prompt_module.ensure_state(None, state, config) is state
+    else:
+        with pytest.raises(UsageError, match="the prompt cache was made with max_kv_size"):
+            prompt_module.ensure_state(None, state, config)
+    flags = {"max_kv_size": config.max_kv_size, "kv_bits": config.kv_bits}
+    adopted = made.adopted(flags)
+    assert (adopted is None) == (not made.agrees(config.max_kv_size))
+    if adopted is not None:
+        assert (adopted.max_kv_size, adopted.keep) == (made.max_kv_size, made.keep)
+
+
+@settings(max_examples=200, deadline=None)
+@given(made=shapes, config=configs, note=st.text(max_size=5))
+def test_a_file_records_the_window_it_was_made_with_and_the_kv_it_runs_with(made, config, note):
+    """The settings a file records (CacheShape.recording: PromptCache.save, mlxcc generate,
+    cache-prompt, session files) read back as the shape a run of ``config`` on the cache has."""
+    before = {"note": note, "weights": "bf16", "max_kv_size": 999}
+    run = made.recording(before, config)
+    assert CacheShape.recorded(run, "f") == config.windowed(made).shape
+    assert (run["note"], run["weights"]) == (note, "bf16")
+    saved = made.recording(before)  # no run: the window alone, nothing else changed
+    assert saved == {**before, "max_kv_size": made.max_kv_size, "keep": made.keep}
+    assert made.recording(run) == run and made.recording(run, config) == run

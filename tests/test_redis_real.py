@@ -18,7 +18,7 @@ from mlx_chatcache.cache import make_prompt_cache  # noqa: E402
 from mlx_chatcache.store.store import PromptStore  # noqa: E402
 from mlx_chatcache.store.tiers import MemoryTier, make_scope  # noqa: E402
 from mlx_chatcache.store.redis_tier import RedisTier  # noqa: E402
-from store_helpers import SETTINGS, arrays, filled, tokens_of  # noqa: E402
+from store_helpers import SETTINGS, arrays, checked_out, filled, tokens_of  # noqa: E402
 
 @pytest.fixture
 def tiers(redis_server):  # noqa: F811
@@ -42,7 +42,7 @@ def test_round_trip_in_chunks_between_two_tiers(llama_model, tiers, redis_server
     a, b = tiers(chunk_bytes=200_000), tiers()
     assert a.add(sc, base, filled(model, base), "conv") and a.flush(10)
     assert len(redis_server.client().keys("mlxcc:c:*")) > 1
-    got = PromptStore([b]).checkout(sc, base[:150] + [1, 2], make_prompt_cache(model))
+    got = checked_out(PromptStore([b]), sc, model, base[:150] + [1, 2])
     assert got.tier == "redis" and got.served == 150
     np.testing.assert_array_equal(arrays(got.cache), arrays(filled(model, base)))
 
@@ -58,7 +58,7 @@ def test_killed_then_restarted_redis(llama_model, tiers, redis_server):  # noqa:
     redis_server.kill()
     t0 = time.monotonic()
     for _ in range(3):  # every lookup still answers (from memory), fast
-        assert store.checkout(sc, one + [5], make_prompt_cache(model)).tier == "memory"
+        assert checked_out(store, sc, model, one + [5]).tier == "memory"
         store.put(sc, two, filled(model, two))
     assert time.monotonic() - t0 < 5
     tier.flush(10)
@@ -72,8 +72,8 @@ def test_killed_then_restarted_redis(llama_model, tiers, redis_server):  # noqa:
         time.sleep(0.1)
     assert tier.stats()["connected"] is True and tier.stats()["added"] >= 2
     fresh = PromptStore([tiers()])
-    assert fresh.checkout(sc, two + [9, 1], make_prompt_cache(model)).served == 61
-    assert fresh.checkout(sc, one + [1], make_prompt_cache(model)) is None  # lost with the restart
+    assert checked_out(fresh, sc, model, two + [9, 1]).served == 61
+    assert checked_out(fresh, sc, model, one + [1]) is None  # lost with the restart
 
 
 def test_slow_redis_times_out_and_falls_back(llama_model, tiers, redis_server):  # noqa: F811

@@ -17,13 +17,14 @@ fakeredis = pytest.importorskip("fakeredis")
 from mlx_chatcache.cache import make_prompt_cache  # noqa: E402
 from mlx_chatcache.files.mlxcc_format import prompt_cache_bytes  # noqa: E402
 from mlx_chatcache.errors import UsageError  # noqa: E402
-from mlx_chatcache.generation.prompt import PromptCache, reuse_prefix  # noqa: E402
+from mlx_chatcache.files.prompt_cache import PromptCache  # noqa: E402
+from mlx_chatcache.generation.prompt import reuse_prefix  # noqa: E402
 from mlx_chatcache.store.store import PromptStore, build_store  # noqa: E402
 from mlx_chatcache.store.tiers import MemoryTier  # noqa: E402
 from mlx_chatcache.store.redis_layout import Chain, Manifest  # noqa: E402
 from mlx_chatcache.store.redis_tier import RedisTier  # noqa: E402
 from loop_helpers import forward  # noqa: E402
-from store_helpers import SETTINGS, arrays, filled, scope, tokens_of  # noqa: E402
+from store_helpers import SETTINGS, arrays, checked_out, filled, scope, tokens_of  # noqa: E402
 
 BLOCK = 16
 
@@ -70,7 +71,7 @@ def test_a_second_instance_continues_from_the_first_ones_entry(llama_model, make
     put(a, model, base)
     store = PromptStore([MemoryTier(1 << 30), b])
     prompt = base[:70] + tokens_of(9, start=200)  # diverges inside block 5 (tokens 64..79)
-    got = store.checkout(scope(model), prompt, make_prompt_cache(model))
+    got = checked_out(store, scope(model), model, prompt)
     assert got.tier == "redis" and got.served == 70 and got.tokens == base
     np.testing.assert_array_equal(arrays(got.cache), arrays(filled(model, base)))
     state = PromptCache(got.cache, got.tokens)
@@ -81,8 +82,8 @@ def test_a_second_instance_continues_from_the_first_ones_entry(llama_model, make
     np.testing.assert_allclose(np.array(warm), np.array(cold), atol=1e-4)
     assert b.stats()["hits"] == 1 and b.stats()["corrupt"] == 0
     # a shorter query than the entry is served too, and one shorter than a block never is
-    assert store.checkout(scope(model), base[:40] + [9], make_prompt_cache(model)).served == 40
-    assert store.checkout(scope(model), base[: BLOCK - 2] + [9], make_prompt_cache(model)) is None
+    assert checked_out(store, scope(model), model, base[:40] + [9]).served == 40
+    assert checked_out(store, scope(model), model, base[: BLOCK - 2] + [9]) is None
 
 
 def test_values_are_chunked_and_round_trip_exactly(llama_model, make_tier, raw):
@@ -110,7 +111,7 @@ def test_a_corrupted_chunk_is_rejected_counted_and_deleted(llama_model, make_tie
     raw.set(chunk, bytes(value))
     reader = make_tier()
     store = PromptStore([reader])
-    assert store.checkout(scope(model), base + [1], make_prompt_cache(model)) is None
+    assert checked_out(store, scope(model), model, base + [1]) is None
     assert reader.stats()["corrupt"] == 1 and reader.stats()["hits"] == 0
     assert reader.flush(10) and keys(raw, "m") == []  # the bad value is gone for every replica
 
@@ -145,7 +146,7 @@ def test_foreign_values_are_never_used(llama_model, make_tiny_model, make_tier, 
     reader = make_tier()
     for n, (what, data) in enumerate(cases.items(), start=1):
         forge(raw, reader, model, base, data)
-        got = PromptStore([reader]).checkout(scope(model), base + [1], make_prompt_cache(model))
+        got = checked_out(PromptStore([reader]), scope(model), model, base + [1])
         assert got is None, what
         assert reader.stats()["corrupt"] == n, what
         reader._bad.clear()  # the forged version name repeats; a real writer's never does
@@ -253,8 +254,8 @@ def test_untrimmable_entries_serve_only_themselves(tiny_model_dirs, make_tier):
     base = tokens_of(40)
     put(make_tier(), model, base)
     reader = PromptStore([make_tier()])
-    assert reader.checkout(scope(model), base[:35] + [1, 2], make_prompt_cache(model)) is None
-    got = reader.checkout(scope(model), base + [1, 2], make_prompt_cache(model))
+    assert checked_out(reader, scope(model), model, base[:35] + [1, 2]) is None
+    got = checked_out(reader, scope(model), model, base + [1, 2])
     assert got.served == 40 and got.tier == "redis"
     state = PromptCache(got.cache, got.tokens)
     prompt = base + [1, 2]
@@ -273,7 +274,7 @@ def test_redis_down_falls_back_logs_once_and_reconnects(llama_model, make_tier, 
     with caplog.at_level(logging.WARNING, logger="mlx_chatcache.store.redis"):
         for _ in range(5):
             store.put(scope(model), base, filled(model, base))
-            got = store.checkout(scope(model), base + [1], make_prompt_cache(model))
+            got = checked_out(store, scope(model), model, base + [1])
             assert got.tier == "memory" and got.served == 40  # served from memory all along
             time.sleep(0.06)
         assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
@@ -285,7 +286,7 @@ def test_redis_down_falls_back_logs_once_and_reconnects(llama_model, make_tier, 
         assert tier.flush(10)
         assert "reachable again" in caplog.records[-1].message and len(caplog.records) == 2
     reader = PromptStore([make_tier()])
-    assert reader.checkout(scope(model), base + [1], make_prompt_cache(model)).tier == "redis"
+    assert checked_out(reader, scope(model), model, base + [1]).tier == "redis"
     assert tier.stats()["connected"] is True and tier.stats()["outages"] == 1
 
 

@@ -283,7 +283,7 @@ def test_load_refuses_another_model_and_non_sessions(llama_model, make_tiny_mode
 # ------------------------------------------------------------------ from a prebuilt cache
 def _prebuilt(model, tokens: list[int], messages: list[dict]):
     """A prompt cache fed ``tokens`` that says it holds ``messages`` (as cache-prompt makes one)."""
-    from mlx_chatcache.generation.prompt import PromptCache
+    from mlx_chatcache.files.prompt_cache import PromptCache
     from mlx_chatcache.generation.templates import feed_all
 
     prompt = PromptCache.new(model)
@@ -319,7 +319,7 @@ def test_from_prompt_cache_continues_like_a_fresh_session(held, tiny_model):
 
 
 def test_from_prompt_cache_refuses_raw_text(llama_model):
-    from mlx_chatcache.generation.prompt import PromptCache
+    from mlx_chatcache.files.prompt_cache import PromptCache
 
     model, tokenizer = llama_model
     prompt = PromptCache.new(model)

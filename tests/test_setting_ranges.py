@@ -132,7 +132,7 @@ def test_window_smaller_than_keep_is_one_line_before_the_model_loads(tiny_model_
 
 
 def test_library_refuses_a_window_that_does_not_hold_more_than_keep(llama_model):
-    from mlx_chatcache.generation.prompt import PromptCache
+    from mlx_chatcache.files.prompt_cache import PromptCache
 
     with pytest.raises(UsageError, match=r"max_kv_size \(4\) must be larger than keep \(4\)"):
         PromptCache.new(llama_model[0], CacheShape(4, 4))

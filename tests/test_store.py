@@ -9,11 +9,13 @@ import pytest
 from loop_helpers import forward
 
 from mlx_chatcache.cache import make_prompt_cache
-from mlx_chatcache.generation.prompt import PromptCache, reuse_prefix
+from mlx_chatcache.config import CacheShape
+from mlx_chatcache.files.prompt_cache import PromptCache
+from mlx_chatcache.generation.prompt import reuse_prefix
 from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.store.store import PromptStore
 from mlx_chatcache.store.tiers import DiskTier, MemoryTier, make_scope
-from store_helpers import tokens_of
+from store_helpers import checked_out, tokens_of
 
 SETTINGS = {"max_kv_size": None, "keep": 4}
 
@@ -44,14 +46,14 @@ def test_memory_hit_continues_like_a_fresh_prefill(llama_model):
     store = PromptStore([MemoryTier(1 << 30)])
     store.put(scope(model), base, filled(model, base).cache)
     prompt = base[:25] + tokens_of(10, start=100)
-    got = store.checkout(scope(model), prompt, make_prompt_cache(model))
+    got = checked_out(store, scope(model), model, prompt)
     assert got.served == 25 and got.tier == "memory" and got.tokens == base
     warm, reused = next_logits(model, PromptCache(got.cache, got.tokens), prompt)
     cold, _ = next_logits(model, PromptCache.new(model), prompt)
     assert reused == 25
     np.testing.assert_allclose(np.array(warm), np.array(cold), atol=1e-4)
     # the stored entry did not change when the checked-out copy was trimmed and fed
-    again = store.checkout(scope(model), base + [5], make_prompt_cache(model))
+    again = checked_out(store, scope(model), model, base + [5])
     assert again.served == 40
     np.testing.assert_array_equal(arrays(again.cache), arrays(filled(model, base).cache))
 
@@ -62,9 +64,9 @@ def test_no_hit_for_another_model_or_shape(llama_model, make_tiny_model):
     base = tokens_of(20)
     store = PromptStore([MemoryTier(1 << 30)])
     store.put(scope(model), base, filled(model, base).cache)
-    assert store.checkout(scope(other), base + [1], make_prompt_cache(other)) is None
+    assert checked_out(store, scope(other), other, base + [1]) is None
     rotating = make_scope(model.fingerprint, {"max_kv_size": 64, "keep": 4})
-    assert store.checkout(rotating, base + [1], make_prompt_cache(model)) is None
+    assert checked_out(store, rotating, model, base + [1]) is None
 
 
 def test_disk_tier_survives_a_new_instance(llama_model, tmp_path):
@@ -75,7 +77,7 @@ def test_disk_tier_survives_a_new_instance(llama_model, tmp_path):
     DiskTier(tmp_path, 1 << 30).add(scope(model), base, state.cache, key="conv-1")
     disk = DiskTier(tmp_path, 1 << 30)  # a restarted server
     store = PromptStore([MemoryTier(1 << 30), disk])
-    got = store.checkout(scope(model), base + tokens_of(5, 200), make_prompt_cache(model))
+    got = checked_out(store, scope(model), model, base + tokens_of(5, 200))
     assert got.tier == "disk" and got.served == 30 and got.tokens == base
     assert [a.shape for a in arrays(got.cache)] == [a.shape for a in want]
     np.testing.assert_array_equal(arrays(got.cache), want)
@@ -106,7 +108,7 @@ def test_corrupt_disk_entries_are_skipped_and_counted(llama_model, tmp_path):
     data[-64:] = b"\xff" * 64  # array bytes only: the header still parses
     path_a.write_bytes(bytes(data[:-8]))
     store = PromptStore([restarted])
-    assert store.checkout(scope(model), a + [9], make_prompt_cache(model)) is None
+    assert checked_out(store, scope(model), model, a + [9]) is None
     assert restarted.stats()["corrupt"] == 1 and len(restarted.index) == 0
     assert path_a.exists()  # its header no longer matches its size: not provably ours, kept
     # an intact entry that does not fit (here: one layer fewer expected) is ours: dropped and deleted
@@ -148,7 +150,7 @@ def test_longer_entry_replaces_its_prefixes(llama_model, tmp_path):
     for tier in store.tiers:
         assert [e.tokens for e in tier.index.entries()] == [tuple(turn2)]
     assert len(list(tmp_path.glob("*.safetensors"))) == 1
-    got = store.checkout(scope(model), turn1 + [7, 8], make_prompt_cache(model))
+    got = checked_out(store, scope(model), model, turn1 + [7, 8])
     assert got.served == 20 and got.tokens == turn2  # served by trimming the longer entry
     # a prefix of a stored trimmable entry adds nothing: it is served already
     assert store.put(scope(model), turn1, filled(model, turn1).cache, key="c") == {"disk": True, "memory": True}
@@ -178,9 +180,9 @@ def test_untrimmable_entries_serve_only_their_own_prefix(tiny_model_dirs, kind):
     base = tokens_of(20)
     store = PromptStore([MemoryTier(1 << 30)])
     store.put(scope(model), base, filled(model, base).cache)
-    assert store.checkout(scope(model), base[:10] + [1, 2], make_prompt_cache(model)) is None
+    assert checked_out(store, scope(model), model, base[:10] + [1, 2]) is None
     prompt = base + tokens_of(6, start=33)
-    got = store.checkout(scope(model), prompt, make_prompt_cache(model))
+    got = checked_out(store, scope(model), model, prompt)
     assert got.served == 20
     warm, reused = next_logits(model, PromptCache(got.cache, got.tokens), prompt)
     cold, _ = next_logits(model, PromptCache.new(model), prompt)
@@ -202,11 +204,11 @@ def test_deferred_file_writes_wait_for_flush(llama_model, tmp_path):
     # a pending write's cache serves lookups even when the memory tier no longer has it
     mem = store.tiers[0]
     mem.index.remove(mem.index.get(scope(model).namespace, tuple(b)))
-    got = store.checkout(scope(model), b + [3], make_prompt_cache(model))
+    got = checked_out(store, scope(model), model, b + [3])
     assert got.tier == "pending" and got.served == 24
     store.flush()
     restarted = PromptStore([DiskTier(tmp_path, 1 << 30)])
-    got = restarted.checkout(scope(model), a + [1], make_prompt_cache(model))
+    got = checked_out(restarted, scope(model), model, a + [1])
     assert got.served == 20
     np.testing.assert_array_equal(arrays(got.cache), want)
     # the memory entry was shared with the pending write and is still compact and unchanged
@@ -231,7 +233,7 @@ def test_rotating_and_quantized_caches_round_trip_through_both_tiers(tiny_model_
     mem.put(sc, base, state.cache)
     PromptStore([DiskTier(tmp_path, 1 << 30)]).put(sc, base, state.cache)
     for store in (mem, PromptStore([DiskTier(tmp_path, 1 << 30)])):
-        got = store.checkout(sc, base + [5, 6], make_prompt_cache(model))
+        got = checked_out(store, sc, model, base + [5, 6])
         assert got.served == 12 and [type(c) for c in got.cache] == [type(c) for c in state.cache]
         got_arrays = arrays(got.cache)
         assert len(got_arrays) == len(want)
@@ -277,13 +279,41 @@ def test_a_running_disk_tier_finds_entries_another_process_adds(llama_model, tmp
     server = DiskTier(tmp_path, 1 << 30, rescan_seconds=0)
     throttled = DiskTier(tmp_path, 1 << 30, rescan_seconds=3600)
     store = PromptStore([server])
-    assert store.checkout(scope(model), query, make_prompt_cache(model)) is None
+    assert checked_out(store, scope(model), model, query) is None
     DiskTier(tmp_path, None).add(scope(model), base, state.cache, key=None)  # the command
-    got = store.checkout(scope(model), query, make_prompt_cache(model))
+    got = checked_out(store, scope(model), model, query)
     assert got.tier == "disk" and got.served == 30 and got.tokens == base
     np.testing.assert_array_equal(arrays(got.cache), arrays(state.cache))
     assert throttled.find(scope(model), query, None) is None  # looked less than an hour ago
     for path in tmp_path.glob("*.safetensors"):
         path.unlink()  # another process evicted it
-    assert store.checkout(scope(model), query, make_prompt_cache(model)) is None
+    assert checked_out(store, scope(model), model, query) is None
     assert server.stats()["corrupt"] == 0 and server.stats()["entries"] == 0
+
+
+@pytest.mark.parametrize("tier", ["memory", "pending", "disk"])
+def test_checkout_hands_out_one_prompt_cache(llama_model, tmp_path, tier):
+    """A checkout is a PromptCache of the model and the shape asked, holding the entry's
+    layers and exact token ids, with the tier it came from; a miss is an empty one of that shape."""
+    model, _ = llama_model
+    shape = CacheShape(max_kv_size=64, keep=6)
+    sc = make_scope(model.fingerprint, shape.settings())
+    base = tokens_of(30)
+    stored = PromptCache.new(model, shape)
+    feed_all(model, stored, base, 512)
+    want = arrays(stored.cache)
+    store = PromptStore([MemoryTier(1 << 30), DiskTier(tmp_path, 1 << 30)])
+    store.put(sc, base, stored.cache, defer=tier == "pending")
+    if tier != "memory":
+        mem = store.tiers[0]
+        mem.index.remove(mem.index.get(sc.namespace, tuple(base)))
+    got, where = store.checkout(sc, model, base[:20] + [7, 8], shape)
+    assert where == tier and isinstance(got, PromptCache)
+    assert got.shape == shape and got.fingerprint == model.fingerprint
+    assert got.tokens == base and got.cache is not stored.cache
+    assert [type(c) for c in got.cache] == [type(c) for c in stored.cache]
+    np.testing.assert_array_equal(arrays(got.cache), want)
+    assert reuse_prefix(got, base[:20] + [7, 8], model) == 20 and len(got.tokens) == 20
+    miss, where = store.checkout(sc, model, tokens_of(10, start=200), shape)
+    assert where is None and miss.tokens == [] and miss.shape == shape
+    assert [type(c) for c in miss.cache] == [type(c) for c in stored.cache]

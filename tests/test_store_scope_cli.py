@@ -18,7 +18,7 @@ from test_store_cli import SYSTEM, generate_args, reused_of, run_cli
 from mlx_chatcache.cache import QuantizedKVCache, kv_quantization_mismatch, quantize_prompt_cache
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.files.mlxcc_format import load_cache_file, read_cache_info, save_prompt_cache
-from mlx_chatcache.generation.prompt import PromptCache
+from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.generation.templates import render_chat
 from mlx_chatcache.generation.checkout import prompt_scope, put_prompt
 from mlx_chatcache.models.loading import load

@@ -21,7 +21,7 @@ from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.errors import ChatCacheError, TokenIdError
 from mlx_chatcache.generation.loop import generate_step
 from mlx_chatcache.generation.model_call import call_model
-from mlx_chatcache.generation.prompt import PromptCache
+from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.generation.text import generate
 from mlx_chatcache.generation.token_ids import check_token_ids, logits_fit, vocab_size
 from tiny_models import VOCAB_SIZE

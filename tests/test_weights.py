@@ -27,7 +27,7 @@ from mlx_chatcache.errors import UsageError
 from mlx_chatcache.files.mlxcc_format import read_cache_info
 from mlx_chatcache.generation.text import generate
 from mlx_chatcache.models.loading import load
-from mlx_chatcache.generation.prompt import PromptCache
+from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.generation.templates import feed_all
 
 PROMPT = [3, 17, 42, 99, 5, 8, 61, 23, 77, 14, 2, 31]  # 12 tokens: the prefill path (>= 8 rows)

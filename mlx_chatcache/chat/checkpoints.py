@@ -6,7 +6,7 @@ A :class:`Checkpoint` records a chat session at the start of a turn (before
 the user message is added): message count, token and text lengths and,
 optionally, ``cache``: copies of the layers that may not trim back to that
 point. Rolling back (:func:`rewind_cache`) makes a
-:class:`~mlx_chatcache.generation.prompt.PromptCache` hold the checkpoint's
+:class:`~mlx_chatcache.files.prompt_cache.PromptCache` hold the checkpoint's
 tokens again without feeding a history token twice:
 
 - when every layer can be trimmed, the cache is trimmed (``"trim"``);
@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..cache import BaseCache, copy_prompt_cache
-from ..generation.prompt import PromptCache, trim_state
+from ..files.prompt_cache import PromptCache
+from ..generation.prompt import trim_state
 
 LayerCopies = list[BaseCache | None]  # one entry per layer; None: a plain K/V layer (trimmed instead)
 

@@ -1,7 +1,7 @@
 """A multi-turn chat whose history is never fed to the model twice.
 
 :class:`ChatSession` holds the conversation (``messages``), a prompt cache with
-the exact token ids it has been fed (a :class:`~mlx_chatcache.generation.prompt.PromptCache`),
+the exact token ids it has been fed (a :class:`~mlx_chatcache.files.prompt_cache.PromptCache`),
 the settings (a :class:`GenerationConfig`) and per-turn checkpoints. This
 module decides what each turn feeds and keeps; the model work of a turn
 (feeding and streaming that stop on request, statistics) is in
@@ -90,9 +90,10 @@ from ..config import (DEFAULT_MAX_CHECKPOINTS, DEFAULTS, SEED_LIMIT, GenerationC
                       check_setting)
 from ..errors import SessionError, UsageError
 from ..files.tokens import common_prefix_len
-from ..generation.prompt import PromptCache, reuse_prefix
+from ..files.prompt_cache import PromptCache
+from ..generation.prompt import reuse_prefix
 from ..generation.templates import chat_text, encode_text, has_chat_template
-from ..generation.checkout import checkout_prompt, scope_of
+from ..generation.checkout import scope_of
 from ..generation.text import as_tokenizer_wrapper
 from ..models.context import check_prompt_fits, context_warning
 from .rollback import SessionRollback
@@ -324,7 +325,7 @@ class ChatSession(SessionRollback):
     def _checkout_shared(self, prompt_ids: list[int]) -> None:
         """An empty cache (a new session, after /clear, /system or a rollback that
         could not trim) starts from the shared tiers' longest prefix of the prompt."""
-        state, tier = checkout_prompt(self.shared, self.scope, self.model, prompt_ids, self.state.shape)
+        state, tier = self.shared.checkout(self.scope, self.model, prompt_ids, self.state.shape)
         if tier is not None:
             self.state = state
 

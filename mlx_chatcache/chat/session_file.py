@@ -42,7 +42,7 @@ from ..models.fingerprint import ModelFingerprint
 
 if TYPE_CHECKING:  # imported where a session is loaded: names, paths and locks need no MLX or mlx-lm
     from ..files.registry import CacheFileInfo
-    from ..generation.prompt import PromptCache
+    from ..files.prompt_cache import PromptCache
     from ..store.tiers import Scope, Tier
     from .checkpoints import Checkpoint
 
@@ -99,7 +99,7 @@ def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
     session file, or a path claimed as the caller's own (``mine``: a session
     there is replaced; a file another process holds, or one that is not a
     cache, is refused) for the write."""
-    from ..generation.checkout import file_settings, put_prompt
+    from ..generation.checkout import put_prompt
     from ..store.named_file import CacheFileTier
     from ..store.store import PromptStore
 
@@ -108,7 +108,7 @@ def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
             return save_session(held, record, fingerprint, shared)
     snapshots, index = kept_copies(record.checkpoints)
     prompt = dataclasses.replace(  # the session's cache as its file holds it (sharing layers and tokens)
-        record.state, settings=file_settings(record.state, _cache_config(record)),  # weight policy, window, KV
+        record.state, settings=record.state.shape.recording(record.state.settings, record.config),
         metadata={SESSION_KEY: json.dumps(session_metadata(record, index), ensure_ascii=False)},
         snapshots=snapshots,
     )
@@ -201,7 +201,7 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
 def _checkout(path, model, info: CacheFileInfo, config: GenerationConfig) -> PromptCache:
     """The session's cache, holding exactly the tokens its header ``info`` lists, from
     the file as a strict store tier."""
-    from ..generation.checkout import checkout_prompt, prompt_scope
+    from ..generation.checkout import prompt_scope
     from ..store.named_file import CacheFileTier
     from ..store.store import PromptStore
 
@@ -209,7 +209,7 @@ def _checkout(path, model, info: CacheFileInfo, config: GenerationConfig) -> Pro
     tokens = info.tokens
     scope = prompt_scope(model, config)
     # -1: an id no cache holds, past the end, so that every one of ``tokens`` can be served
-    state, tier = checkout_prompt(store, scope, model, [*tokens, -1], config.shape)
+    state, _ = store.checkout(scope, model, [*tokens, -1], config.shape)
     if state.tokens != list(tokens):  # only an empty session is not served (the file tier is strict)
         raise CacheFileError(f"{path}: the session's cache could not be read back; the file is damaged")
     return state

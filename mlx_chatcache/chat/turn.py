@@ -4,7 +4,7 @@ both stopping on request, and what the turn cost.
 Contract
 --------
 :func:`feed_prompt` feeds ``ids[len(state.tokens):upto]`` into a
-:class:`~mlx_chatcache.generation.prompt.PromptCache` in
+:class:`~mlx_chatcache.files.prompt_cache.PromptCache` in
 ``prefill_step_size`` chunks, recording each chunk in ``state.tokens``. It
 polls ``should_stop`` before every chunk and raises :class:`TurnCancelled`
 when it says so; the state then holds the chunks fed so far (the caller rolls
@@ -47,7 +47,8 @@ from ..generation.loop import (
     prefill,
 )
 from ..generation.pacing import CallPacer
-from ..generation.prompt import PromptCache, trim_state
+from ..files.prompt_cache import PromptCache
+from ..generation.prompt import trim_state
 from ..generation.stops import StopMatcher
 from ..generation.text import GenerationResponse, stream_generate
 

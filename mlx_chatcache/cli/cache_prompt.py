@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, prompt: str | None, config, target) -> int:
-    from ..generation.prompt import PromptCache
+    from ..files.prompt_cache import PromptCache
     from ..generation.templates import feed_all
 
     model, tokenizer = load_model(args)
@@ -112,7 +112,7 @@ def _run(args: argparse.Namespace, prompt: str | None, config, target) -> int:
 
         quantize_prompt_cache(stored.cache, config.kv_group_size, config.kv_bits, config.quantized_kv_start)
     elapsed = time.perf_counter() - start
-    stored.settings.update(config.shape.settings())  # recorded: generate adopts them, and refuses others
+    stored.settings = stored.shape.recording(stored.settings, config)  # generate adopts them, refuses others
     stored.save(target)
     size = os.path.getsize(args.prompt_cache_file)
     sys.stdout.write(

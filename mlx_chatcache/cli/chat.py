@@ -207,7 +207,7 @@ def _from_prebuilt(args, model, tokenizer, shared, info, config):
     """A new chat session holding the cache of ``--prompt-cache-file`` (read, never written)."""
     from ..chat.session import ChatSession
     from ..errors import CacheFileError, ModelMismatchError
-    from ..generation.prompt import PromptCache
+    from ..files.prompt_cache import PromptCache
 
     f = args.prompt_cache_file
     try:

@@ -67,7 +67,7 @@ from .common import (
 from .progress import ProgressBar
 
 if TYPE_CHECKING:
-    from ..generation.prompt import PromptCache
+    from ..files.prompt_cache import PromptCache
     from ..store.store import PromptStore
     from ..store.tiers import Scope
 
@@ -212,7 +212,7 @@ def _store(args, named) -> PromptStore:
 
 def _start(args, model, tokenizer, config, info, prompt, save: Claim | None) -> _Job:
     """The named file (strict) and --cache-dir behind one store; the longest stored prefix."""
-    from ..generation.checkout import checkout_prompt, prompt_scope
+    from ..generation.checkout import prompt_scope
     from ..store.named_file import CacheFileTier
 
     if info is None:
@@ -227,7 +227,7 @@ def _start(args, model, tokenizer, config, info, prompt, save: Claim | None) -> 
     tokens, messages, text = build_prompt(args, tokenizer, messages, text, prompt)
     store = _store(args, CacheFileTier(args.prompt_cache_file, save, header=info))
     scope = prompt_scope(model, config)
-    state, tier = checkout_prompt(store, scope, model, tokens, config.shape)
+    state, tier = store.checkout(scope, model, tokens, config.shape)
     state.messages, state.text = messages, text
     state.settings = {**(info.settings if info else {}), **state.settings}  # what the file recorded, written back
     return _Job(tokens, state, config, store, scope, tier)
@@ -249,7 +249,7 @@ def _start_untokenized(args, model, tokenizer, config, prompt, save: Claim | Non
 
 
 def _generate(args, model, tokenizer, job: _Job) -> int:
-    from ..generation.checkout import file_settings, put_prompt
+    from ..generation.checkout import put_prompt
     from ..generation.text import stream_generate
 
     bar = ProgressBar("prompt")
@@ -275,7 +275,7 @@ def _generate(args, model, tokenizer, job: _Job) -> int:
         state.messages.append({"role": "assistant", "content": text})
     else:
         state.text += text
-    state.settings = file_settings(state, job.config)
+    state.settings = state.shape.recording(state.settings, job.config)
     put_prompt(job.store, job.scope, state, shared=job.shared,
                warn=lambda line: sys.stderr.write(f"mlxcc: warning: {line}\n"))  # fmt: skip
     if args.verbose and last is not None:

@@ -1,4 +1,5 @@
-"""Files: prompt caches on disk. ``cache_file`` is the door every command and the chat use to a
+"""Files: prompt caches on disk. ``prompt_cache`` holds ``PromptCache``, the value a file holds (layers,
+their token ids, shape, what the tokens are) and that the store hands out. ``cache_file`` is the door every command and the chat use to a
 file the user names (``claim`` before work starts, ``write`` the only writer, ``hold`` for a file only
 read), ``lock`` the per-file lock it takes (``SessionLock``, of the real path); ``atomic`` writes
 (temp file + fsync + rename), ``safetensors_file`` reads headers and arrays with full validation,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..cache import BaseCache
 from ..config import DEFAULTS, GenerationConfig
 from ..errors import UsageError
-from .prompt import PromptCache
+from ..files.prompt_cache import PromptCache
 
 
 def call_config(

@@ -6,8 +6,8 @@ Contract
 --------
 - ``config.shape`` (:class:`~mlx_chatcache.config.CacheShape`) is what shapes a cache (the window, KV
   quantization); every named file mlxcc writes records them
-  (:func:`file_settings`), so the strict file tier can refuse a run with other
-  ones. :func:`prompt_scope` is the store :class:`~mlx_chatcache.store.tiers.Scope`
+  (:meth:`~mlx_chatcache.config.CacheShape.recording`), so the strict file tier
+  can refuse a run with other ones. :func:`prompt_scope` is the store :class:`~mlx_chatcache.store.tiers.Scope`
   of a model, those settings and the weight policy applied to the model
   (``--weights``: it changes the arithmetic, so a shared entry of another
   policy is not used; a named file of another policy is, see
@@ -19,10 +19,10 @@ Contract
   server's: see :mod:`mlx_chatcache.store.disk_folder`; else a one-line
   UsageError). A command has no byte budget there: it never evicts, it
   only adds its entries; the server owning DIR enforces its budget.
-- :func:`checkout_prompt` is the store's longest cached prefix of a prompt as
-  a :class:`~mlx_chatcache.generation.prompt.PromptCache` of the given
-  shape (an empty one on a miss), not yet trimmed to the prompt:
-  :func:`~mlx_chatcache.generation.prompt.reuse_prefix` (which
+- :meth:`PromptStore.checkout <mlx_chatcache.store.store.PromptStore.checkout>`
+  (called with a scope made here) hands out the longest cached prefix of a prompt
+  as a :class:`~mlx_chatcache.files.prompt_cache.PromptCache`, not yet trimmed to
+  the prompt: :func:`~mlx_chatcache.generation.prompt.reuse_prefix` (which
   ``stream_generate`` calls) does that, and says how many tokens were reused.
 - :func:`put_prompt` stores a prompt cache in every tier, the named file with
   its messages or text, settings and metadata; a shared tier that fails is reported, in one line, to ``warn``
@@ -36,14 +36,14 @@ Contract
 from __future__ import annotations
 
 import os
-from typing import Callable, Sequence
+from typing import Callable
 
-from ..cache import kv_quantization_mismatch, make_prompt_cache
-from ..config import CacheShape, GenerationConfig
+from ..cache import kv_quantization_mismatch
+from ..config import GenerationConfig
 from ..models.fingerprint import ModelFingerprint
 from ..store.store import PromptStore
 from ..store.tiers import DiskTier, Scope, Tier, make_scope
-from .prompt import PromptCache
+from ..files.prompt_cache import PromptCache
 
 
 def prompt_scope(model, config: GenerationConfig) -> Scope:
@@ -73,20 +73,6 @@ def shared_tiers(cache_dir: str | os.PathLike | None) -> list[Tier]:
     return [DiskTier(os.path.expanduser(cache_dir), None)]
 
 
-def checkout_prompt(store: PromptStore, scope: Scope, model, prompt: Sequence[int], shape: CacheShape,
-                    key: str | None = None) -> tuple[PromptCache, str | None]:  # fmt: skip
-    """``(state, tier)``: the longest stored prefix of ``prompt`` as a prompt cache of
-    ``shape`` and the tier it came from (None: a miss, ``state`` is empty), entries
-    pinned by ``key`` (a conversation id) preferred. ``state.tokens`` may run past the prompt."""
-    state = PromptCache.new(model, shape)
-    got = store.checkout(scope, prompt, make_prompt_cache(model, shape.max_kv_size, shape.keep), key)
-    if got is None:
-        return state, None
-    state.cache[:] = got.cache
-    state.tokens[:] = got.tokens
-    return state, got.tier
-
-
 def put_prompt(store: PromptStore, scope: Scope, state: PromptCache, warn: Callable[[str], None],
                shared: bool = True) -> None:  # fmt: skip
     """Store ``state`` in every tier of ``store`` (see the module doc)."""
@@ -107,11 +93,4 @@ def put_prompt(store: PromptStore, scope: Scope, state: PromptCache, warn: Calla
     store.put(scope, state.tokens, state.cache, prompt=state, on_error=failed)
 
 
-def file_settings(state: PromptCache, config: GenerationConfig) -> dict:
-    """The settings a named file records for ``state``, made with ``config``: its
-    settings (what its file recorded before, this model's weight policy), its window
-    and the KV quantization (:attr:`~mlx_chatcache.config.GenerationConfig.shape`)."""
-    return {**state.settings, **config.windowed(state.shape).shape.settings()}
-
-
-__all__ = ["prompt_scope", "scope_of", "shared_tiers", "checkout_prompt", "put_prompt", "file_settings"]
+__all__ = ["prompt_scope", "scope_of", "shared_tiers", "put_prompt"]

@@ -2,7 +2,7 @@
 
 Layers, each usable on its own (lowest first):
 
-1. :class:`~mlx_chatcache.generation.prompt.PromptCache` holds a prompt cache
+1. :class:`~mlx_chatcache.files.prompt_cache.PromptCache` holds a prompt cache
    (one cache per layer) and ``tokens``, the token ids that cache has been fed,
    in order; :func:`~mlx_chatcache.generation.prompt.reuse_prefix` reduces it to
    the longest part of a new prompt it already holds (both in
@@ -109,7 +109,8 @@ from ..errors import TokenIdError, UsageError
 from .arguments import call_config, call_state, refuse_unsupported
 from .model_call import call_model
 from .pacing import CallPacer
-from .prompt import PromptCache, ensure_state, reuse_prefix, trim_state
+from ..files.prompt_cache import PromptCache
+from .prompt import ensure_state, reuse_prefix, trim_state
 from .sample import LogitsProcessor, Sampler, make_logits_processors, make_sampler
 from .token_ids import check_token_ids
 

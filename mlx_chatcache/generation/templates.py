@@ -1,10 +1,10 @@
 """What a prompt cache holds: chat messages rendered to token ids, or all of a prompt fed.
 
-A :class:`~mlx_chatcache.generation.prompt.PromptCache` (cache + token ids)
+A :class:`~mlx_chatcache.files.prompt_cache.PromptCache` (cache + token ids)
 holds either the chat ``messages`` or the raw ``text`` (caches made
 without a chat template); saving and loading it is
-:meth:`~mlx_chatcache.generation.prompt.PromptCache.save` /
-:meth:`~mlx_chatcache.generation.prompt.PromptCache.load`.
+:meth:`~mlx_chatcache.files.prompt_cache.PromptCache.save` /
+:meth:`~mlx_chatcache.files.prompt_cache.PromptCache.load`.
 ``feed_all`` feeds every token of a prompt into an empty one, without
 sampling (what ``mlxcc cache-prompt`` saves).
 ``render_chat`` turns messages into token ids with the tokenizer's chat
@@ -17,7 +17,7 @@ from ..cache import cache_offset
 from ..errors import UsageError
 from .loop import consistent_on_error, prefill
 from .pacing import CallPacer
-from .prompt import PromptCache
+from ..files.prompt_cache import PromptCache
 
 
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,

@@ -21,7 +21,8 @@ from ..config import GenerationConfig
 from ..errors import UsageError
 from .arguments import call_config, call_state, refuse_unsupported
 from .loop import Progress, generate_step
-from .prompt import PromptCache, ensure_state, reuse_prefix
+from ..files.prompt_cache import PromptCache
+from .prompt import ensure_state, reuse_prefix
 from .sample import LogitsProcessor, Sampler, make_logits_processors
 from .token_ids import check_token_ids
 

@@ -25,7 +25,7 @@ from ..config import CacheShape
 from ..errors import CacheFileError, UsageError
 from ..files.mlxcc_format import load_cache_file
 from .model_call import call_model
-from .prompt import PromptCache
+from ..files.prompt_cache import PromptCache
 
 CHECK_TOKENS = 8  # assumed tokens recomputed at each end of the cache
 TOLERANCE = 0.05  # max |cached - recomputed| relative to max |recomputed|, per layer

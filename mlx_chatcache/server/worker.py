@@ -59,8 +59,9 @@ import mlx.core as mx
 from ..config import SEED_LIMIT, GenerationConfig
 from ..errors import ChatCacheError
 from ..generation.loop import PrefillStopped, consistent_on_error, make_kv_quantizer, prefill
-from ..generation.prompt import PromptCache, reuse_prefix
-from ..generation.checkout import checkout_prompt, prompt_scope
+from ..files.prompt_cache import PromptCache
+from ..generation.prompt import reuse_prefix
+from ..generation.checkout import prompt_scope
 from ..generation.sample import LogitsProcessor, make_logits_processors
 from ..generation.stops import StopMatcher
 from ..generation.text import stream_generate
@@ -264,7 +265,7 @@ class GenerationWorker:
     def _checkout(self, job: Job) -> tuple[PromptCache, int, str | None]:
         """The longest stored prefix of the prompt, trimmed to it, its length and
         the tier it came from (None: no token did)."""
-        state, tier = checkout_prompt(self.store, self.scope, self.model, job.prompt, self.config.shape, job.key)
+        state, tier = self.store.checkout(self.scope, self.model, job.prompt, self.config.shape, job.key)
         cached = 0 if tier is None else reuse_prefix(state, job.prompt, self.model)
         return state, cached, ("memory" if tier == "pending" else tier) if cached else None
 

@@ -26,7 +26,7 @@ read). It differs from the anonymous tiers (memory, disk, Redis) in three ways:
   :class:`~mlx_chatcache.files.cache_file.Claim` the caller holds, or a path
   claimed for each write;
 - **carries the file's contents**: :meth:`add` takes the
-  :class:`~mlx_chatcache.generation.prompt.PromptCache` being stored (the chat
+  :class:`~mlx_chatcache.files.prompt_cache.PromptCache` being stored (the chat
   messages or raw text its tokens are, the settings the file records and user
   metadata, e.g. a chat session's record), which
   :meth:`~.store.PromptStore.put` passes to named tiers only.
@@ -54,7 +54,7 @@ from .index import Entry
 from .tiers import Scope, Tier
 
 if TYPE_CHECKING:
-    from ..generation.prompt import PromptCache
+    from ..files.prompt_cache import PromptCache
 
 
 class CacheFileTier(Tier):

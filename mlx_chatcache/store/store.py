@@ -5,11 +5,13 @@ Contract
 --------
 ``PromptStore(tiers)``; tiers are asked in order (fastest first).
 
-- :meth:`PromptStore.checkout` ``(scope, prompt, expected, key)`` returns a
-  :class:`Checkout`: a cache the caller owns and the exact token ids it holds,
-  from the tier whose entry serves the longest prefix of ``prompt[:-1]`` (the
-  last prompt token is always left to feed, so the model yields logits; an
-  earlier tier wins ties), or None when no tier has one. An entry that turns
+- :meth:`PromptStore.checkout` ``(scope, model, prompt, shape, key)`` returns
+  ``(state, tier)``: a :class:`~mlx_chatcache.files.prompt_cache.PromptCache` of
+  ``model`` and ``shape`` the caller owns, holding the cache and exact token ids
+  of the entry that serves the longest prefix of ``prompt[:-1]`` (the last
+  prompt token is always left to feed, so the model yields logits; an earlier
+  tier wins ties), and the name of its tier; on a miss an empty one and None.
+  Entries pinned by ``key`` (a conversation id) are preferred. An entry that turns
   out unusable (a corrupt file) is dropped and counted, and the next best is
   tried: the caller sees a shorter hit or none, never an error. Caches whose
   deferred file write is still pending are found too (tier ``"pending"``).
@@ -28,7 +30,7 @@ Contract
   ``mlxcc generate --prompt-cache-file``, a chat session file) are strict:
   their ``find``/``fetch`` raise instead of missing. ``put`` writes them at
   once (never deferred), also for an empty cache, and passes them
-  ``prompt`` (the :class:`~mlx_chatcache.generation.prompt.PromptCache` being
+  ``prompt`` (the :class:`~mlx_chatcache.files.prompt_cache.PromptCache` being
   stored: the messages or text its tokens are, settings, user metadata); an
   error there is raised. With
   ``on_error``, a failing anonymous tier (a full shared disk) is reported to
@@ -47,24 +49,14 @@ file and, with ``--cache-dir``, the disk tier a server uses).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache
+from ..config import CacheShape
 from ..errors import ChatCacheError
+from ..files.prompt_cache import PromptCache
 from .index import Entry, Pin
 from .tiers import DiskTier, MemoryTier, Scope, Tier, compact_copy
-
-if TYPE_CHECKING:
-    from ..generation.prompt import PromptCache
-
-
-@dataclass
-class Checkout:
-    cache: list[BaseCache]
-    tokens: list[int]  # what ``cache`` holds (may extend past the prompt's shared prefix)
-    served: int  # prompt tokens the entry shares with the request
-    tier: str
 
 
 class PromptStore:
@@ -74,8 +66,11 @@ class PromptStore:
         self.lookups = 0
         self.misses = 0
 
-    def checkout(self, scope: Scope, prompt: Sequence[int], expected: Sequence[BaseCache],
-                 key: str | None = None) -> Checkout | None:  # fmt: skip
+    def checkout(self, scope: Scope, model, prompt: Sequence[int], shape: CacheShape | None = None,
+                 key: str | None = None) -> tuple[PromptCache, str | None]:  # fmt: skip
+        """``(state, tier)``: the longest stored prefix of ``prompt`` (see the module
+        doc); ``state.tokens`` may run past the prompt."""
+        state = PromptCache.new(model, shape)
         self.lookups += 1
         query = list(prompt[:-1])
         tried = 0
@@ -83,15 +78,15 @@ class PromptStore:
             best = self._best(scope, query, key)
             if best is None:
                 break
-            tier, entry, served = best
-            if tier is None:  # a deferred write not done yet: its cache is at hand
-                return Checkout(copy_prompt_cache(entry.payload), list(entry.tokens), served, "pending")
-            cache = tier.fetch(entry, scope, expected)
+            tier, entry, _ = best
+            # a deferred write not done yet: its cache is at hand
+            cache = copy_prompt_cache(entry.payload) if tier is None else tier.fetch(entry, scope, state.cache)
             if cache is not None:
-                return Checkout(cache, list(entry.tokens), served, tier.name)
+                state.cache[:], state.tokens[:] = cache, entry.tokens
+                return state, "pending" if tier is None else tier.name
             tried += 1
         self.misses += 1
-        return None
+        return state, None
 
     def _best(self, scope, query, key):
         best = None
@@ -188,4 +183,4 @@ def build_store(memory_bytes: int, disk_bytes: int, cache_dir, redis_url: str | 
     return PromptStore(tiers)
 
 
-__all__ = ["PromptStore", "Checkout", "build_store"]
+__all__ = ["PromptStore", "build_store"]
