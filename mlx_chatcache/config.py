@@ -70,6 +70,20 @@ class CacheShape:
 
 # the settings that shape a cache, in the order files record them
 SHAPE_KEYS: tuple[str, ...] = tuple(f.name for f in fields(CacheShape))
+
+
+def shape_settings(settings: dict) -> dict:
+    """The keys of ``settings`` that shape a cache; ``keep`` only with a window."""
+    shape = {k: settings[k] for k in SHAPE_KEYS if k in settings}
+    if shape.get("max_kv_size") is None:
+        shape.pop("keep", None)
+    return shape
+
+
+def shape_differences(theirs: dict, ours: dict) -> list[str]:
+    """The shape keys two settings both record with different values (in SHAPE_KEYS order)."""
+    theirs, ours = shape_settings(theirs), shape_settings(ours)
+    return [k for k in SHAPE_KEYS if k in theirs and k in ours and theirs[k] != ours[k]]
 _SHAPE = CacheShape()
 
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import mlx_chatcache
 from mlx_chatcache import PromptCache, generate
-from mlx_chatcache.config import DEFAULTS, CacheShape
+from mlx_chatcache.config import DEFAULTS, SHAPE_KEYS, CacheShape, shape_differences
 from mlx_chatcache.errors import CacheFormatError, ModelMismatchError, UsageError
 from mlx_chatcache.files import mlxcc_format
 from mlx_chatcache.generation import prompt as prompt_module
@@ -112,3 +112,17 @@ def test_a_file_records_the_window_it_was_made_with_and_the_kv_it_runs_with(made
     saved = made.recording(before)  # no run: the window alone, nothing else changed
     assert saved == {**before, "max_kv_size": made.max_kv_size, "keep": made.keep}
     assert made.recording(run) == run and made.recording(run, config) == run
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=shapes, b=shapes, drop=st.sets(st.sampled_from(SHAPE_KEYS)))
+def test_one_rule_says_which_recorded_shape_keys_differ(a, b, drop):
+    """A file's recorded shape and a run's differ exactly in the keys both record with other
+    values; ``keep`` counts only when both have a window (it means nothing without one)."""
+    theirs = {k: v for k, v in a.settings().items() if k not in drop}
+    ours = b.settings()
+    differ = shape_differences(theirs, ours)
+    for k in SHAPE_KEYS:
+        both = k in theirs and (k != "keep" or (theirs.get("max_kv_size") is not None
+                                                 and ours.get("max_kv_size") is not None))
+        assert (k in differ) == (both and theirs[k] != ours[k]), k

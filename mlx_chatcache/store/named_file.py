@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..cache import BaseCache, can_trim_prompt_cache
-from ..config import SHAPE_KEYS
+from ..config import shape_differences, shape_settings
 from ..errors import CacheFileError, CacheFormatError, UsageError
 from ..files import cache_file
 from ..files.mlxcc_format import check_cache_fits_model, load_cache_file, read_cache_info
@@ -112,8 +112,8 @@ class CacheFileTier(Tier):
                 f"{path} does not say which tokens it holds (written by {info.layout}); "
                 "rebuild it with 'mlxcc cache-prompt'"
             )
-        theirs, ours = recorded_shape(info), _shape(scope.settings)
-        differ = [k for k in SHAPE_KEYS if k in theirs and k in ours and theirs[k] != ours[k]]
+        theirs, ours = recorded_shape(info), scope.settings
+        differ = shape_differences(theirs, ours)
         if differ:
             made = ", ".join(f"{k}={theirs[k]}" for k in differ)
             asked = ", ".join(f"{k}={ours[k]}" for k in differ)
@@ -166,7 +166,7 @@ def recorded_shape(info: CacheFileInfo) -> dict:
     """The settings that shaped the cache of the file ``info`` describes: those it
     records and, for a file that does not record ``kv_bits`` (written before it
     was), the KV quantization its quantized layers show (a float file leaves it open)."""
-    shape = _shape(info.settings)
+    shape = shape_settings(info.settings)
     if "kv_bits" not in shape:
         found = _header_quantization(info)
         if found is not None:
@@ -192,14 +192,6 @@ def _header_quantization(info: CacheFileInfo) -> tuple[int, int] | None:
 
     layers = info.extra.get("layers") or []
     return next((q for q in (of(n, m) for n, (m, _) in zip(info.classes, layers)) if q is not None), None)
-
-
-def _shape(settings: dict) -> dict:
-    """The settings that shape a cache; ``keep`` matters only for a rotating window."""
-    shape = {k: settings[k] for k in SHAPE_KEYS if k in settings}
-    if shape.get("max_kv_size") is None:
-        shape.pop("keep", None)
-    return shape
 
 
 def _identity(path: Path) -> tuple:
