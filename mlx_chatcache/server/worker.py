@@ -5,7 +5,8 @@ Contract
 :class:`GenerationWorker` owns the model, the tokenizer's detokenizer use and
 the :class:`~mlx_chatcache.store.PromptStore`. ``submit(job)`` enqueues a
 :class:`Job` and returns at once (``QueueFull`` when ``max_queue`` jobs
-wait); jobs run one at a time, in order (requests are queued, not batched).
+wait); jobs run one at a time, in order, unless a :class:`~.batch.BatchScheduler`
+is attached and enabled: then its loop runs the jobs, several rows decoded together.
 A job reports through ``job.emit(event)``, called on the worker thread, with:
 
 - ``("start", {"cached_tokens": n, "cached_tier": t, "queued_s": s})`` once its
