@@ -182,6 +182,37 @@ def test_cancelling_one_of_three_streams_mid_decode_leaves_the_others_their_solo
     assert 10 <= len(cut.ids()) < config.max_tokens and cut.ids() == alone[1].ids()[: len(cut.ids())]
 
 
+def test_the_queue_holds_the_jobs_past_the_batchs_rows(llama):
+    from mlx_chatcache.server.worker import QueueFull
+
+    model, tok, prompts = llama
+    config = cfg(max_tokens=100000)
+    worker = GenerationWorker(model, tok, PromptStore([MemoryTier(1 << 30)]), config, max_queue=1)
+    sched = BatchScheduler(worker, 2)
+    recs = [Recorder() for _ in range(4)]
+    worker.start()
+    try:
+        for p, r in zip(prompts[:2], recs):
+            worker.submit(job_for(p, config, r))
+            for _ in range(200):  # admitted: the queue is free again
+                if not worker.waiting():
+                    break
+                threading.Event().wait(0.05)
+        for _ in range(200):
+            if sched.report()["active_rows"] == 2:
+                break
+            threading.Event().wait(0.05)
+        assert sched.report()["active_rows"] == 2
+        worker.submit(job_for(prompts[2], config, recs[2]))  # waits in the queue
+        with pytest.raises(QueueFull):
+            worker.submit(job_for(prompts[3], config, recs[3]))
+        assert sched.report()["waiting"] == 1
+    finally:
+        for r in recs[:3]:
+            r.job.cancel()
+        worker.stop()
+
+
 def test_a_rotating_window_falls_back_to_one_at_a_time_and_health_says_why(llama_model, tiny_model_dirs):
     from starlette.testclient import TestClient
 
