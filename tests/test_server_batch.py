@@ -60,8 +60,8 @@ class Recorder:
             self.job.cancel()
             self.done.set()
 
-    def ids(self):
-        return [lp.id for kind, p in self.events if kind == "piece" for lp in p.logprobs]
+    def ids(self, index=0):
+        return [lp.id for kind, p in self.events if kind == "piece" and p.index == index for lp in p.logprobs]
 
     def text(self):
         return "".join(p.text for kind, p in self.events if kind == "piece")
@@ -70,8 +70,8 @@ class Recorder:
         return self.events[-1]
 
 
-def job_for(prompt, config, rec, key=None):
-    rec.job = Job(prompt=list(prompt), config=config, emit=rec, logprobs=True, key=key)
+def job_for(prompt, config, rec, key=None, n=1):
+    rec.job = Job(prompt=list(prompt), config=config, emit=rec, logprobs=True, key=key, n=n)
     return rec.job
 
 
@@ -180,6 +180,54 @@ def test_cancelling_one_of_three_streams_mid_decode_leaves_the_others_their_solo
     cut = recs[1]
     assert not any(kind in ("done", "error") for kind, _ in cut.events)
     assert 10 <= len(cut.ids()) < config.max_tokens and cut.ids() == alone[1].ids()[: len(cut.ids())]
+
+
+def test_n_choices_are_rows_of_one_prefill_and_give_the_solo_choices(llama):
+    model, tok, prompts = llama
+    config = cfg(max_tokens=16)
+    worker1 = make_worker(model, tok, config, 1)[0]
+    alone = Recorder()
+    worker1._run(job_for(prompts[0], config, alone, n=3))
+    other_alone = solo(model, tok, prompts[1], config)[0]
+    worker, sched = make_worker(model, tok, config, 4)
+    try:
+        many, other = Recorder(), Recorder()
+        for p, r, n in ((prompts[0], many, 3), (prompts[1], other, 1)):
+            worker.submit(job_for(p, config, r, n=n))
+        worker.start()
+        assert many.done.wait(TIMEOUT) and other.done.wait(TIMEOUT)
+    finally:
+        worker.stop()
+    assert max(sched.widths) == 4  # three choices and the other job in one call
+    for i in range(3):
+        assert many.ids(i) == alone.ids(i) and len(many.ids(i)) == 16
+    assert many.last()[1]["choices"] == alone.last()[1]["choices"]
+    assert many.last()[1]["completion_tokens"] == alone.last()[1]["completion_tokens"] == 48
+    assert other.ids() == other_alone.ids()
+    # the prompt was fed once, its last token once per choice (as alone)
+    assert worker.stats["prompt_tokens_computed"] == worker1.stats["prompt_tokens_computed"] + len(prompts[1])
+
+
+def test_a_seeded_sampled_job_and_too_many_choices_run_alone_with_their_solo_tokens(llama):
+    model, tok, prompts = llama
+    seeded = cfg(temp=0.8, seed=7, max_tokens=10)
+    worker1 = make_worker(model, tok, seeded, 1)[0]
+    alone, wide_alone = Recorder(), Recorder()
+    worker1._run(job_for(prompts[1], seeded, alone))
+    worker1._run(job_for(prompts[3], cfg(max_tokens=6), wide_alone, n=3))
+    worker, sched = make_worker(model, tok, seeded, 2)
+    try:
+        recs = [Recorder(), Recorder(), Recorder()]
+        worker.submit(job_for(prompts[0], cfg(), recs[0]))
+        worker.submit(job_for(prompts[1], seeded, recs[1]))
+        worker.submit(job_for(prompts[3], cfg(max_tokens=6), recs[2], n=3))  # more choices than max_batch
+        worker.start()
+        assert all(r.done.wait(TIMEOUT) for r in recs)
+    finally:
+        worker.stop()
+    assert recs[1].ids() == alone.ids() and len(alone.ids()) == 10
+    assert [recs[2].ids(i) for i in range(3)] == [wide_alone.ids(i) for i in range(3)]
+    assert max(sched.widths) == 1 and worker.stats["jobs"] == 3 and worker.stats["errors"] == 0
 
 
 def test_the_queue_holds_the_jobs_past_the_batchs_rows(llama):

@@ -20,9 +20,11 @@ and leaves the batch at once when it ends (stop token, stop string,
 ``max_tokens``, cancelled): its cache, prompt and reply but the last token, goes
 into the store under its ``prompt_cache_key``, as a job alone puts it.
 
-A job the batch cannot reproduce runs alone, as today, once the batch has
-drained: ``n`` > 1 (its choices share one prefill), and a ``seed`` with a
-temperature above 0 (a batch's rows draw from one random stream).
+A job with ``n`` > 1 choices is prefilled once; then each choice is a row on
+its own copy of that cache (it waits while the batch has no room for all of
+them). A job the batch cannot reproduce runs alone, as today, once the batch
+has drained: more choices than ``max_batch``, a ``seed`` with a temperature above 0 (a batch's rows draw from
+one random stream, and choice ``i`` alone is seeded ``seed + i``).
 :meth:`BatchScheduler.report` is ``/health``'s ``batch``.
 """
 
@@ -41,6 +43,7 @@ from ..generation.batch import BatchRow, DecodeBatch, batch_refusal
 from ..generation.loop import consistent_on_error, prefill
 from ..generation.sample import make_logits_processors, make_sampler
 from ..generation.text import as_tokenizer_wrapper, next_segment, stop_token_ids
+from ..store.tiers import compact_copy
 from .worker import MAX_PENDING, ChoiceOutput, GenerationWorker, Job
 
 log = logging.getLogger("mlxcc.serve")
@@ -56,11 +59,10 @@ class _Active:
     tier: str | None
     waited: float
     started: float
-    out: ChoiceOutput
-    detokenizer: object = None
-    row: BatchRow | None = None
-    first: float | None = None
-    finish: str = "length"
+    states: list[PromptCache] = field(default_factory=list)  # one per choice, once decoding
+    outs: list[ChoiceOutput] = field(default_factory=list)
+    detokenizers: list = field(default_factory=list)
+    finishes: dict[int, str] = field(default_factory=dict)  # the choices that ended
     timing: dict = field(default_factory=dict)
 
 
@@ -89,7 +91,11 @@ class BatchScheduler:
     @staticmethod
     def batchable(job: Job) -> bool:
         """Whether ``job`` gives in a batch what it gives alone (see the module docstring)."""
-        return job.n == 1 and not (job.config.seed is not None and job.config.temp > 0)
+        return not (job.config.seed is not None and job.config.temp > 0)
+
+    def _alone(self, job: Job) -> bool:
+        """Whether ``job`` runs alone: not batchable, or more choices than ``max_batch``."""
+        return not self.batchable(job) or job.n > self.max_batch
 
     def _busy(self) -> bool:
         return bool(self.prefilling or self.decode.rows)
@@ -100,15 +106,15 @@ class BatchScheduler:
         while True:
             if not self._busy():
                 w.stats["busy"] = False
-                if self._held is not None:
+                if self._held is not None and self._alone(self._held):
                     job, self._held = self._held, None
                     w._serve(job)
                     w._flush(MAX_PENDING)
                     continue
-                if self._stopping:
+                if self._stopping and self._held is None:
                     w._flush(0)  # every deferred cache file, before the process ends
                     return
-                w._flush(0, until=lambda: not w._queue.empty())  # files, while no request waits
+                w._flush(0, until=lambda: not w._queue.empty() or self._held is not None)  # while none waits
             self._admit()
             if self._busy():
                 w.stats["busy"] = True
@@ -118,7 +124,10 @@ class BatchScheduler:
     def _admit(self) -> None:
         """Start waiting jobs while there is room (wait for one when nothing is active)."""
         w = self.worker
-        while self._held is None and not self._stopping and len(self.prefilling) + len(self.decode) < self.max_batch:
+        if self._held is not None and not self._alone(self._held) and self._held.n <= self.max_batch - self._rows():
+            job, self._held = self._held, None
+            self._start(job)
+        while self._held is None and not self._stopping and self._rows() < self.max_batch:
             try:
                 job = w._queue.get_nowait() if self._busy() else w._queue.get()
             except queue.Empty:
@@ -127,8 +136,8 @@ class BatchScheduler:
                 self._stopping = True
             elif job.cancelled:
                 w.stats["cancelled"] += 1
-            elif not self.batchable(job):
-                self._held = job
+            elif self._alone(job) or job.n > self.max_batch - self._rows():
+                self._held = job  # alone once the batch drains, or when it has room for all its choices
             else:
                 self._start(job)
 
@@ -145,7 +154,11 @@ class BatchScheduler:
             return
         w._account(job, cached, tier)
         job.emit(("start", {"cached_tokens": cached, "cached_tier": tier, "queued_s": waited}))
-        self.prefilling.append(_Active(job, state, cached, tier, waited, started, ChoiceOutput(w, job, 0)))
+        self.prefilling.append(_Active(job, state, cached, tier, waited, started))
+
+    def _rows(self) -> int:
+        """Rows decoding, and those the prefilling jobs' choices will take."""
+        return len(self.decode) + sum(a.job.n for a in self.prefilling)
 
     # ------------------------------------------------------------------ ticks
     def _prefill_tick(self) -> None:
@@ -175,12 +188,18 @@ class BatchScheduler:
             self._join(a)
 
     def _join(self, a: _Active) -> None:
-        config, job = a.job.config, a.job
-        processors = make_logits_processors(config) + (job.processors() if job.processors else [])
-        sampler = make_sampler(config.temp, config.top_p, config.top_k, config.min_p, config.min_tokens_to_keep)
-        a.detokenizer = as_tokenizer_wrapper(self.worker.tokenizer).detokenizer
-        a.row = self.decode.join(BatchRow(a.state, job.prompt[-1], sampler, processors, owner=a))
-        self.worker.stats["prompt_tokens_computed"] += 1  # the last prompt token, fed with the batch
+        """The job's choices join the batch: one row each, on copies of its prompt's cache."""
+        config, job, w = a.job.config, a.job, self.worker
+        base = compact_copy(a.state.cache) if job.n > 1 else None
+        copies = [PromptCache(compact_copy(base), list(a.state.tokens), a.state.shape) for _ in range(job.n - 1)]
+        a.states = [a.state, *copies]
+        for i, st in enumerate(a.states):
+            processors = make_logits_processors(config) + (job.processors() if job.processors else [])
+            sampler = make_sampler(config.temp, config.top_p, config.top_k, config.min_p, config.min_tokens_to_keep)
+            a.outs.append(ChoiceOutput(w, job, i))
+            a.detokenizers.append(as_tokenizer_wrapper(w.tokenizer).detokenizer)
+            self.decode.join(BatchRow(st, job.prompt[-1], sampler, processors, owner=(a, i)))
+            w.stats["prompt_tokens_computed"] += 1  # the last prompt token, fed with the batch
 
     def _decode_tick(self) -> None:
         """One model call for every row; rows that end leave the batch and are stored."""
@@ -190,43 +209,47 @@ class BatchScheduler:
         try:
             results = self.decode.step()
         except Exception as e:
-            for row in self.decode.fail(self.worker.model):
-                self._failed(row.owner.job, e)
+            for a in {id(row.owner[0]): row.owner[0] for row in self.decode.fail(self.worker.model)}.values():
+                self._failed(a.job, e)
             return
         now = time.perf_counter()
         rate = len(results) / max(now - t, 1e-9)
         self.decode_tok_s = rate if not self.decode_tok_s else 0.8 * self.decode_tok_s + 0.2 * rate
         ended = []
         for row, (token, logprobs) in zip(list(self.decode.rows), results):
-            a = row.owner
+            a, i = row.owner
             a.timing.setdefault("first", now)
-            n = a.out.n + 1
+            out, n = a.outs[i], a.outs[i].n + 1
             finish = "stop" if token in self._stops else "length" if n == a.job.config.max_tokens else None
-            end = a.out.token(next_segment(a.detokenizer, token, self._stops, finish), token, logprobs, finish)
+            end = out.token(next_segment(a.detokenizers[i], token, self._stops, finish), token, logprobs, finish)
             if end:
-                a.finish = end
+                a.finishes[i] = end
                 ended.append(row)
         if ended:
             self.decode.leave(ended)
-            for row in ended:
-                self._end(row.owner, row.owner.finish)
+            for a in {id(row.owner[0]): row.owner[0] for row in ended}.values():
+                if len(a.finishes) == len(a.states):
+                    self._end(a, "cancelled" if "cancelled" in a.finishes.values() else None)
 
     # ------------------------------------------------------------------ endings
-    def _end(self, a: _Active, finish: str) -> None:
-        """Report a job's end to its client, then store its cache."""
+    def _end(self, a: _Active, finish: str | None) -> None:
+        """Report a job's end to its client (``finish``: "cancelled", None: its choices'),
+        then store its choices' caches."""
         w, job = self.worker, a.job
-        choice = a.out.close(finish)
+        choices = [out.close(finish or a.finishes[i]) for i, out in enumerate(a.outs)]
         timing = {"queued_s": round(a.waited, 4), "first_token_s": round(a.timing.get("first", a.started) - a.started, 4),
                   "total_s": round(time.perf_counter() - a.started, 4)}  # fmt: skip
         w.stats["last_job"] = {**timing, "cached_tokens": a.cached, "prompt_tokens": len(job.prompt)}
         if finish == "cancelled":
             w.stats["cancelled"] += 1
         else:
-            job.emit(("done", {"finish_reason": choice["finish_reason"], "prompt_tokens": len(job.prompt),
-                               "completion_tokens": choice["completion_tokens"], "cached_tokens": a.cached,
-                               "cached_tier": a.tier, "timing": timing, "choices": [choice]}))  # fmt: skip
-        if a.state.tokens:
-            w._put(a.state.tokens, a.state.cache, job.key)
+            job.emit(("done", {"finish_reason": choices[0]["finish_reason"], "prompt_tokens": len(job.prompt),
+                               "completion_tokens": sum(c["completion_tokens"] for c in choices),
+                               "cached_tokens": a.cached, "cached_tier": a.tier, "timing": timing,
+                               "choices": choices}))  # fmt: skip
+        for st in a.states or [a.state]:
+            if st.tokens:
+                w._put(st.tokens, st.cache, job.key)
         self._counted()
         w._flush(MAX_PENDING)
 
