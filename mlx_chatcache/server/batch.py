@@ -237,7 +237,8 @@ class BatchScheduler:
         then store its choices' caches."""
         w, job = self.worker, a.job
         choices = [out.close(finish or a.finishes[i]) for i, out in enumerate(a.outs)]
-        timing = {"queued_s": round(a.waited, 4), "first_token_s": round(a.timing.get("first", a.started) - a.started, 4),
+        first = a.timing.get("first", a.started) - a.started
+        timing = {"queued_s": round(a.waited, 4), "first_token_s": round(first, 4),
                   "total_s": round(time.perf_counter() - a.started, 4)}  # fmt: skip
         w.stats["last_job"] = {**timing, "cached_tokens": a.cached, "prompt_tokens": len(job.prompt)}
         if finish == "cancelled":
