@@ -128,6 +128,7 @@ def test_four_concurrent_greedy_jobs_give_their_solo_tokens(llama):
     assert worker.stats["jobs"] == len(prompts) and worker.stats["errors"] == 0
     assert rows_seen["active_rows"] == 0 and rows_seen["decode_tok_s"] > 0
     assert max(sched.widths) == 4  # the four rows did decode together
+    assert sched.widths[0] == 1  # and the first decoded while the others' prompts were being fed
     # every prompt token was computed once: all but the last by prefill, the last in the batch
     assert worker.stats["prompt_tokens_computed"] == sum(len(p) for p in prompts)
 
@@ -262,7 +263,9 @@ def test_the_queue_holds_the_jobs_past_the_batchs_rows(llama):
         worker.stop()
 
 
-def test_a_rotating_window_falls_back_to_one_at_a_time_and_health_says_why(llama_model, tiny_model_dirs):
+def test_a_rotating_window_falls_back_to_one_at_a_time_and_health_says_why(llama_model, tiny_model_dirs, caplog):
+    import logging
+
     from starlette.testclient import TestClient
 
     from mlx_chatcache.server.app import create_app
@@ -270,8 +273,10 @@ def test_a_rotating_window_falls_back_to_one_at_a_time_and_health_says_why(llama
 
     model, tok = llama_model
     window = cfg(max_kv_size=64)
-    worker, sched = make_worker(model, tok, window, 4)
+    with caplog.at_level(logging.INFO, logger="mlxcc.serve"):
+        worker, sched = make_worker(model, tok, window, 4)
     assert not sched.enabled and "rotating window" in sched.reason
+    assert [r.getMessage() for r in caplog.records] == [f"requests are generated one at a time: {sched.reason}"]
     sliding, stok = load(str(tiny_model_dirs["sliding"]))
     service = Service(sliding, stok, str(tiny_model_dirs["sliding"]), PromptStore([MemoryTier(1 << 30)]), cfg(),
                       max_queue=4, max_batch=4)  # fmt: skip

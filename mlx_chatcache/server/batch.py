@@ -75,7 +75,7 @@ class BatchScheduler:
             log.info("requests are generated one at a time: %s", self.reason)
         self.decode = DecodeBatch(worker.model)
         self.prefilling: list[_Active] = []
-        self.decode_tok_s = 0.0
+        self.decode_tok_s, self._ticks = 0.0, 0
         self._held: Job | None = None  # a job that runs alone once the batch is empty
         self._stopping = False
         self._stops = stop_token_ids(as_tokenizer_wrapper(worker.tokenizer))
@@ -213,6 +213,9 @@ class BatchScheduler:
                 self._failed(a.job, e)
             return
         now = time.perf_counter()
+        self._ticks += 1
+        if self._ticks % 256 == 0:  # as a job alone does every 256 tokens
+            mx.clear_cache()
         rate = len(results) / max(now - t, 1e-9)
         self.decode_tok_s = rate if not self.decode_tok_s else 0.8 * self.decode_tok_s + 0.2 * rate
         ended = []
