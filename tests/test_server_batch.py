@@ -70,8 +70,8 @@ class Recorder:
         return self.events[-1]
 
 
-def job_for(prompt, config, rec, key=None, n=1):
-    rec.job = Job(prompt=list(prompt), config=config, emit=rec, logprobs=True, key=key, n=n)
+def job_for(prompt, config, rec, key=None, n=1, processors=None):
+    rec.job = Job(prompt=list(prompt), config=config, emit=rec, logprobs=True, key=key, n=n, processors=processors)
     return rec.job
 
 
@@ -230,6 +230,37 @@ def test_a_seeded_sampled_job_and_too_many_choices_run_alone_with_their_solo_tok
     assert recs[1].ids() == alone.ids() and len(alone.ids()) == 10
     assert [recs[2].ids(i) for i in range(3)] == [wide_alone.ids(i) for i in range(3)]
     assert max(sched.widths) == 1 and worker.stats["jobs"] == 3 and worker.stats["errors"] == 0
+
+
+def test_a_row_whose_processor_raises_fails_alone(llama):
+    model, tok, prompts = llama
+    config = cfg(max_tokens=20)
+    alone = [solo(model, tok, p, config)[0] for p in prompts[1:3]]
+
+    def breaks_at_twelve():
+        def process(context, logits):
+            if len(context) >= len(prompts[3]) + 12:
+                raise RuntimeError("a broken processor")
+            return logits
+
+        return [process]
+
+    worker, sched = make_worker(model, tok, config, 4)
+    try:
+        recs = [Recorder(), Recorder(), Recorder()]
+        worker.submit(job_for(prompts[1], config, recs[0]))
+        worker.submit(job_for(prompts[3], config, recs[1], key="broken", n=2, processors=breaks_at_twelve))
+        worker.submit(job_for(prompts[2], config, recs[2]))
+        worker.start()
+        assert all(r.done.wait(TIMEOUT) for r in recs)
+    finally:
+        worker.stop()
+    assert recs[1].last() == ("error", "internal error while generating; see the server log")
+    assert [kind for kind, _ in recs[1].events].count("error") == 1 and max(sched.widths) == 4
+    assert recs[0].ids() == alone[0].ids() and recs[2].ids() == alone[1].ids()
+    assert worker.stats["errors"] == 1 and worker.stats["jobs"] == 3
+    state, tier = worker.store.checkout(worker.scope, model, prompts[3] + [5, 6], config.shape, "broken")
+    assert tier is None  # nothing of a failed job is stored
 
 
 def test_the_queue_holds_the_jobs_past_the_batchs_rows(llama):

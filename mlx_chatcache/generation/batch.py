@@ -18,7 +18,8 @@ feed next, and its own sampler and logits processors.
   each row's fed token in its ``state.tokens``, and samples each row's next token
   with its processors (which see its own tokens as the context) and sampler, as
   :func:`~mlx_chatcache.generation.loop.sample_token` does for one: it returns
-  ``(token, logprobs (V,))`` per row, in row order;
+  ``(token, logprobs (V,))`` per row, in row order (the exception a row's processors
+  raised in its place: that row should leave);
 - :meth:`DecodeBatch.leave` removes rows; each gets back a cache of our
   ``KVCache`` layers holding exactly its ``state.tokens``, so its last sampled
   token is not fed (the rule of :mod:`mlx_chatcache.generation.loop`).
@@ -89,21 +90,31 @@ class DecodeBatch:
         self.rows.append(row)
         return row
 
-    def step(self) -> list[tuple[int, mx.array]]:
-        """Feed every row's next token in one model call; each row's ``(token, logprobs (V,))``."""
+    def step(self) -> list[tuple[int, mx.array] | Exception]:
+        """Feed every row's next token in one model call; each row's ``(token, logprobs (V,))``,
+        or the exception its logits processors or sampler raised (the row's state then holds its
+        fed tokens, and the row should leave)."""
         inputs = mx.array([r.next_token for r in self.rows], dtype=mx.uint32)[:, None]  # (B, 1)
         before = [layer._idx for layer in self._layers]
         logits = self.model(inputs, cache=self._layers)[:, -1, :]  # (B, V)
         if any(layer._idx != b + 1 for layer, b in zip(self._layers, before)):
             raise RuntimeError("the model did not store the batch's tokens in every layer's cache")
-        out = []
+        out: list = []
         for i, r in enumerate(self.rows):
             r.state.tokens.append(r.next_token)
-            out.append(sample_token(logits[i : i + 1], r.state.tokens, r.sampler, r.processors))
-        mx.eval(out, [(layer.keys, layer.values) for layer in self._layers])
-        for r, (token, _) in zip(self.rows, out):
-            r.next_token = token.item()
-        return [(r.next_token, logprobs[0]) for r, (_, logprobs) in zip(self.rows, out)]
+            try:
+                out.append(sample_token(logits[i : i + 1], r.state.tokens, r.sampler, r.processors))
+            except Exception as e:  # this row's processor: the others go on
+                out.append(e)
+        mx.eval([o for o in out if not isinstance(o, Exception)], [(layer.keys, layer.values) for layer in self._layers])
+        results: list = []
+        for r, o in zip(self.rows, out):
+            if isinstance(o, Exception):
+                results.append(o)
+                continue
+            r.next_token = o[0].item()
+            results.append((r.next_token, o[1][0]))
+        return results
 
     def leave(self, rows: Sequence[BatchRow]) -> None:
         """Take ``rows`` out; each gets its own cache back, holding its ``state.tokens``."""

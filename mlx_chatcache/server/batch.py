@@ -218,9 +218,13 @@ class BatchScheduler:
             mx.clear_cache()
         rate = len(results) / max(now - t, 1e-9)
         self.decode_tok_s = rate if not self.decode_tok_s else 0.8 * self.decode_tok_s + 0.2 * rate
-        ended = []
-        for row, (token, logprobs) in zip(list(self.decode.rows), results):
+        ended, failed = [], {}
+        for row, result in zip(list(self.decode.rows), results):
             a, i = row.owner
+            if isinstance(result, Exception):
+                failed[id(a)] = (a, result)
+                continue
+            token, logprobs = result
             a.timing.setdefault("first", now)
             out, n = a.outs[i], a.outs[i].n + 1
             finish = "stop" if token in self._stops else "length" if n == a.job.config.max_tokens else None
@@ -228,6 +232,11 @@ class BatchScheduler:
             if end:
                 a.finishes[i] = end
                 ended.append(row)
+        if failed:  # every row of a failed job leaves; nothing of it is stored
+            ended = [r for r in ended if id(r.owner[0]) not in failed]
+            self.decode.leave([r for r in self.decode.rows if id(r.owner[0]) in failed])
+            for a, e in failed.values():
+                self._failed(a.job, e)
         if ended:
             self.decode.leave(ended)
             for a in {id(row.owner[0]): row.owner[0] for row in ended}.values():
