@@ -184,6 +184,42 @@ def test_cancelling_one_of_three_streams_mid_decode_leaves_the_others_their_solo
     assert 10 <= len(cut.ids()) < config.max_tokens and cut.ids() == alone[1].ids()[: len(cut.ids())]
 
 
+def test_stop_strings_and_top_logprobs_in_a_batch_are_the_solo_ones(llama):
+    model, tok, prompts = llama
+    config = cfg(max_tokens=16)
+    plain = [solo(model, tok, p, config)[0] for p in prompts[1:4:2]]
+    stops = [[a.text()[5:8]] for a in plain]  # cut each reply after a few characters
+
+    def events_of(worker, run_alone):
+        recs = []
+        for p, stop in zip(prompts[1:4:2], stops):
+            rec = Recorder()
+            rec.job = Job(prompt=list(p), config=config, emit=rec, logprobs=True, top_logprobs=3, stop=stop, key="s")
+            recs.append(rec)
+            if run_alone:
+                worker._run(rec.job)
+            else:
+                worker.submit(rec.job)
+        if not run_alone:
+            worker.start()
+            assert all(r.done.wait(TIMEOUT) for r in recs)
+        return recs
+
+    alone = events_of(make_worker(model, tok, config, 1)[0], True)
+    worker, sched = make_worker(model, tok, config, 4)
+    try:
+        together = events_of(worker, False)
+    finally:
+        worker.stop()
+    assert max(sched.widths) == 2
+    for a, b in zip(alone, together):
+        assert b.last()[1]["finish_reason"] == a.last()[1]["finish_reason"] == "stop"
+        assert b.text() == a.text() and b.ids() == a.ids()
+        tops_a = [[t[1] for t in lp.top] for k, p in a.events if k == "piece" for lp in p.logprobs]
+        tops_b = [[t[1] for t in lp.top] for k, p in b.events if k == "piece" for lp in p.logprobs]
+        assert tops_b == tops_a and all(len(t) == 3 for t in tops_a)
+
+
 def test_n_choices_are_rows_of_one_prefill_and_give_the_solo_choices(llama):
     model, tok, prompts = llama
     config = cfg(max_tokens=16)
