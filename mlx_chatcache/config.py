@@ -210,10 +210,17 @@ REQUEST_RANGES: dict[str, Range] = {
     "completion_logprobs": Range(0, 5, integer=True),  # a completion's integer ``logprobs`` (OpenAI's range)
 }
 
+# the server settings checked by check_setting too (``mlxcc serve``'s flags)
+SERVER_RANGES: dict[str, Range] = {
+    "max_batch": Range(1, 64, integer=True),  # rows decoded in one model call
+}
+
 
 def range_of(name: str) -> Range:
     """The :class:`Range` of GenerationConfig field or request field ``name``."""
-    return RANGES[name] if name in RANGES else REQUEST_RANGES[name]
+    if name in RANGES:
+        return RANGES[name]
+    return REQUEST_RANGES[name] if name in REQUEST_RANGES else SERVER_RANGES[name]
 
 
 class SettingError(ValueError):
@@ -325,6 +332,10 @@ class ServerConfig:
     cache_dir_name: str = "server-cache"  # under mlxcc_home() unless --cache-dir is given
     disk_rescan_seconds: float = 1.0  # a disk tier looks for entries other processes added at most this often
     max_queue: int = 64  # requests waiting for the generation worker; more get HTTP 503
+    # rows decoded together in one model call (1: one request at a time); decoding on a CPU
+    # is bound by reading the weights, which a call does once for all its rows, so 4 rows
+    # cost about what one does while their attention over the caches stays small
+    max_batch: int = 4
     max_stop_sequences: int = 4  # as OpenAI's API
     max_n: int = MAX_CHOICES  # choices one request may ask for (each a generation on its own cache copy)
     retry_after_s: int = 1  # the Retry-After of a 503 (queue full)

@@ -317,7 +317,7 @@ NEVER_A_FILE = {
     "max_tokens", "temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_kv_size", "kv_bits",
     "kv_group_size", "quantized_kv_start", "prefill_step_size", "ignore_chat_template", "chat_template_config",
     "extra_eos_token", "force", "verbose", "json", "to", "n", "drop", "host", "port", "cache_bytes",
-    "disk_cache_bytes", "cache_redis", "context_length", "max_queue", "log_level", "served_model_name",
+    "disk_cache_bytes", "cache_redis", "context_length", "max_queue", "max_batch", "log_level", "served_model_name",
     "ui", "no_ui", "format", "stop",
 }
 NOT_DOORS = {

@@ -466,8 +466,9 @@ LONG = {"messages": [{"role": "user", "content": "Count to a thousand."}], "max_
 
 @pytest.fixture(scope="module")
 def named_server(tiny_model_dirs, tmp_path_factory):
+    # --max-batch 1: one request generating fills the worker, so the next one waits in the queue
     with ServerProcess(tiny_model_dirs["llama"], None, "--disk-cache-bytes", "0", "--max-queue", "1",
-                       "--context-length", "10000", "--served-model-name", "gpt-4o-mini",
+                       "--max-batch", "1", "--context-length", "10000", "--served-model-name", "gpt-4o-mini",
                        "--served-model-name", "local") as s:  # fmt: skip
         yield s
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Collection, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -100,6 +100,16 @@ def stop_token_ids(tokenizer, extra_eos_tokens: Iterable[str | int] = ()) -> set
     return stops
 
 
+def next_segment(detokenizer, token: int, stops: Collection[int], finish: str | None) -> str:
+    """The text ``token`` adds to a streaming ``detokenizer`` (a stop token adds none);
+    the text held back is flushed when ``finish`` says the reply ends here."""
+    if token not in stops:
+        detokenizer.add_token(token)
+    if finish:
+        detokenizer.finalize()
+    return detokenizer.last_segment
+
+
 def constrained(tokenizer, json_schema: dict, config: GenerationConfig,
                 processors: Sequence[LogitsProcessor] | None) -> list[LogitsProcessor]:
     """``processors`` (None: those ``config`` describes) then a fresh
@@ -177,12 +187,8 @@ def stream_generate(
         if n == 1:
             ttft, first = now - start, now
         finish = "stop" if token in stops else "length" if n == config.max_tokens else None
-        if token not in stops:
-            detokenizer.add_token(token)
-        if finish:
-            detokenizer.finalize()
         yield GenerationResponse(
-            text=detokenizer.last_segment,
+            text=next_segment(detokenizer, token, stops, finish),
             token=token,
             logprobs=logprobs,
             prompt_tokens=len(prompt_ids),
@@ -247,6 +253,7 @@ __all__ = [
     "as_tokenizer_wrapper",
     "encode_prompt",
     "stop_token_ids",
+    "next_segment",
     "stream_generate",
     "generate",
 ]

@@ -2,7 +2,7 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON, or
 server-sent events with ``"stream": true``, ending with ``data: [DONE]``),
-``GET /v1/models``, ``GET /health`` (queue, worker and store statistics);
+``GET /v1/models``, ``GET /health`` (queue, worker, batch and store statistics);
 the browser page's routes come from :mod:`.ui`.
 
 Contract: handlers never run MLX work; they parse and check the request
@@ -111,7 +111,7 @@ def create_app(service: Service, ui: str = "on", host: str = "127.0.0.1") -> Sta
         w = service.worker
         # plain counters the worker updates; reading them is safe from this thread
         return JSONResponse({"status": "ok", "model": service.model_id, "ui": ui, "queued": w.waiting(), **w.stats,
-                             "store": w.store.stats()})  # fmt: skip
+                             "batch": service.batch.report(), "store": w.store.stats()})  # fmt: skip
 
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),

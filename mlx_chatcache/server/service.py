@@ -3,7 +3,8 @@
 Contract
 --------
 A :class:`Service` holds the loaded model's names, its context length, the
-base :class:`GenerationConfig` and the :class:`GenerationWorker`.
+base :class:`GenerationConfig` and the :class:`GenerationWorker`, with its
+:class:`~.batch.BatchScheduler` (``max_batch`` rows decoded together).
 
 - :meth:`Service.check_model` refuses a ``model`` the server does not serve (404);
   its names are the model's reference, its folder's name and ``served_names``
@@ -34,7 +35,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..config import GenerationConfig, SettingError, check_setting
+from ..config import SERVER_DEFAULTS, GenerationConfig, SettingError, check_setting
 from ..errors import ChatCacheError, TokenIdError, one_line
 from ..generation.text import encode_prompt
 from ..generation.templates import has_chat_template, render_chat
@@ -43,6 +44,7 @@ from ..models.context import model_context_length
 from ..store.store import PromptStore
 from .protocol import Request, RequestError
 from .tools import ToolError, forced_call_grammar, forced_choice, split_tool_calls, tool_family
+from .batch import BatchScheduler
 from .worker import GenerationWorker
 
 DEFAULT_MODEL = "default_model"  # mlx-lm's name for the served model
@@ -50,13 +52,15 @@ DEFAULT_MODEL = "default_model"  # mlx-lm's name for the served model
 
 class Service:
     def __init__(self, model, tokenizer, model_ref: str, store: PromptStore, config: GenerationConfig,
-                 max_queue: int, context_length: int | None = None, served_names: tuple[str, ...] = ()):  # fmt: skip
+                 max_queue: int, context_length: int | None = None, served_names: tuple[str, ...] = (),
+                 max_batch: int = SERVER_DEFAULTS.max_batch):  # fmt: skip
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.model_id = Path(model_ref).name.removesuffix(".gguf") or model_ref
         self.served_names = tuple(dict.fromkeys(n for n in served_names if n != self.model_id))
         self.names = {model_ref, self.model_id, str(Path(model_ref).name), DEFAULT_MODEL, *self.served_names}
         self.context_length = context_length or model_context_length(model)
         self.worker = GenerationWorker(model, tokenizer, store, config, max_queue)
+        self.batch = BatchScheduler(self.worker, max_batch)  # the worker's loop when rows can be batched
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="mlxcc-tokenize")
 
     def start(self) -> None:

@@ -5,7 +5,8 @@ Contract
 :class:`GenerationWorker` owns the model, the tokenizer's detokenizer use and
 the :class:`~mlx_chatcache.store.PromptStore`. ``submit(job)`` enqueues a
 :class:`Job` and returns at once (``QueueFull`` when ``max_queue`` jobs
-wait); jobs run one at a time, in order (requests are queued, not batched).
+wait); jobs run one at a time, in order, unless a :class:`~.batch.BatchScheduler`
+is attached and enabled: then its loop runs the jobs, several rows decoded together.
 A job reports through ``job.emit(event)``, called on the worker thread, with:
 
 - ``("start", {"cached_tokens": n, "cached_tier": t, "queued_s": s})`` once its
@@ -137,6 +138,7 @@ class GenerationWorker:
         self.scope: Scope = prompt_scope(model, config)  # model, cache settings, weight policy
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._thread = threading.Thread(target=self._loop, name="mlxcc-generation", daemon=True)
+        self.batch = None  # a .batch.BatchScheduler, when one was attached
         self.served, self.history = ServedTokens(), StatsHistory()  # every job's prompt tokens and cached ones
         self.stats = {"jobs": 0, "cancelled": 0, "errors": 0, "busy": False, "peak_memory": 0,
                       "active_memory": 0, "queue_wait_s_total": 0.0, "queue_wait_s_max": 0.0,
@@ -169,30 +171,37 @@ class GenerationWorker:
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
+        if self.batch is not None and self.batch.enabled:
+            self.batch.run()  # many jobs at a time (.batch)
+            return
         while True:
             job = self._queue.get()
             if job is None:
                 self._flush(0)  # every deferred cache file, before the process ends
                 return
-            if job.cancelled:
-                self.stats["cancelled"] += 1
-                continue
-            self.stats["busy"] = True
-            try:
-                self._run(job)
-            except ChatCacheError as e:
-                self.stats["errors"] += 1
-                job.emit(("error", str(e)))
-            except Exception:  # logged here, never shown to the client
-                self.stats["errors"] += 1
-                log.exception("generation failed")
-                job.emit(("error", "internal error while generating; see the server log"))
-            finally:
-                self.stats.update(busy=False, jobs=self.stats["jobs"] + 1,
-                                  peak_memory=mx.get_peak_memory(), active_memory=mx.get_active_memory())  # fmt: skip
+            self._serve(job)
             # cache files are written while no request waits; at most MAX_PENDING stay behind
             self._flush(0, until=lambda: not self._queue.empty())
             self._flush(MAX_PENDING)
+
+    def _serve(self, job: Job) -> None:
+        """Run one job alone, reporting its failure to its client."""
+        if job.cancelled:
+            self.stats["cancelled"] += 1
+            return
+        self.stats["busy"] = True
+        try:
+            self._run(job)
+        except ChatCacheError as e:
+            self.stats["errors"] += 1
+            job.emit(("error", str(e)))
+        except Exception:  # logged here, never shown to the client
+            self.stats["errors"] += 1
+            log.exception("generation failed")
+            job.emit(("error", "internal error while generating; see the server log"))
+        finally:
+            self.stats.update(busy=False, jobs=self.stats["jobs"] + 1,
+                              peak_memory=mx.get_peak_memory(), active_memory=mx.get_active_memory())  # fmt: skip
 
     def _flush(self, keep: int, until=None) -> None:
         try:
@@ -306,48 +315,21 @@ class GenerationWorker:
         if index and config.seed is not None:
             config = config.updated(seed=(config.seed + index) % SEED_LIMIT)
         processors = make_logits_processors(config) + (job.processors() if job.processors else [])
-        stops = StopMatcher(job.stop)
         steps = stream_generate(self.model, self.tokenizer, job.prompt, state=state, config=config,
                                 logits_processors=processors, progress=self._progress(job))  # fmt: skip
-        n, finish, text, offset, pending = 0, "length", [], 0, []
-
-        def send(piece: str) -> None:
-            if piece or pending:
-                job.emit(("piece", Piece(index, piece, list(pending))))
-                pending.clear()
-            if piece:
-                text.append(piece)
-
+        out, finish = ChoiceOutput(self, job, index), "length"
         try:
             for r in steps:
-                if n == 0:
+                if out.n == 0:
                     self.stats["prompt_tokens_computed"] += r.prompt_tokens - r.reused_tokens
-                n = r.generation_tokens
                 timing.setdefault("first", time.perf_counter())
-                if job.logprobs and r.finish_reason != "stop":  # the stop token is no part of the reply
-                    pending.append(self._logprob(r.token, r.logprobs, job.top_logprobs, offset))
-                    offset += len(pending[-1].token)
-                piece, hit = stops.feed(r.text)
-                send(piece)
-                if hit:
-                    finish = "stop"
-                    break
-                if job.cancelled:
-                    finish = "cancelled"
-                    break
-                if r.finish_reason:
-                    finish = r.finish_reason
+                end = out.token(r.text, r.token, r.logprobs, r.finish_reason)
+                if end:
+                    finish = end
                     break
         finally:
             steps.close()
-        if finish != "cancelled":
-            send(stops.flush())
-        choice = {"index": index, "finish_reason": finish, "completion_tokens": n}
-        if job.postprocess is not None and finish != "cancelled":
-            choice["content"], choice["tool_calls"] = job.postprocess("".join(text))
-            if choice["tool_calls"]:
-                choice["finish_reason"] = "tool_calls"
-        return choice
+        return out.close(finish)
 
     def _logprob(self, token: int, logprobs: mx.array, top: int, offset: int) -> TokenLogprob:
         """``token``'s :class:`TokenLogprob` in ``logprobs`` ``(V,)``, with the ``top`` most likely tokens."""
@@ -360,3 +342,44 @@ class GenerationWorker:
         return TokenLogprob(self.tokenizer.decode([token]), token, logprobs[token].item(), best, offset)
 
 
+class ChoiceOutput:
+    """Choice ``index`` of ``job`` as its tokens come (one job alone or a batch row): its
+    logprobs, stop strings and pieces, emitted as the module docstring says."""
+
+    def __init__(self, worker: GenerationWorker, job: Job, index: int):
+        self.worker, self.job, self.index = worker, job, index
+        self.stops, self.n, self.text, self.offset, self.pending = StopMatcher(job.stop), 0, [], 0, []
+
+    def token(self, text: str, token: int, logprobs: mx.array, finish_reason: str | None) -> str | None:
+        """Take a sampled token, its text and ``logprobs`` ``(V,)``; the reason the choice ends
+        here ("stop", "length", "cancelled"), None when it goes on."""
+        self.n += 1
+        job = self.job
+        if job.logprobs and finish_reason != "stop":  # the stop token is no part of the reply
+            self.pending.append(self.worker._logprob(token, logprobs, job.top_logprobs, self.offset))
+            self.offset += len(self.pending[-1].token)
+        piece, hit = self.stops.feed(text)
+        self._send(piece)
+        if hit:
+            return "stop"
+        if job.cancelled:
+            return "cancelled"
+        return finish_reason
+
+    def close(self, finish: str) -> dict:
+        """The choice's entry of ``done["choices"]`` (text held back is sent first, unless cancelled)."""
+        if finish != "cancelled":
+            self._send(self.stops.flush())
+        choice = {"index": self.index, "finish_reason": finish, "completion_tokens": self.n}
+        if self.job.postprocess is not None and finish != "cancelled":
+            choice["content"], choice["tool_calls"] = self.job.postprocess("".join(self.text))
+            if choice["tool_calls"]:
+                choice["finish_reason"] = "tool_calls"
+        return choice
+
+    def _send(self, piece: str) -> None:
+        if piece or self.pending:
+            self.job.emit(("piece", Piece(self.index, piece, list(self.pending))))
+            self.pending.clear()
+        if piece:
+            self.text.append(piece)

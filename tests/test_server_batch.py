@@ -1,0 +1,379 @@
+"""Continuous batching in ``mlxcc serve`` (mlx_chatcache/server/batch.py, generation/batch.py).
+
+Invariants: a job decoded in a batch gives the tokens, text, events and store entry it
+gives alone (greedy; the tiny model's batched products round like one row's, checked
+here token for token); a cancelled row leaves without changing the others; a model whose
+cache cannot be batched runs jobs one at a time and /health says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from cli_helpers import mlxcc, one_error_line
+from mlx_chatcache.config import DEFAULTS
+from mlx_chatcache.models.loading import load
+from mlx_chatcache.server.batch import BatchScheduler
+from mlx_chatcache.server.worker import GenerationWorker, Job
+from mlx_chatcache.store.store import PromptStore
+from mlx_chatcache.store.tiers import MemoryTier
+
+TIMEOUT = 120
+TEXTS = ["The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat.",
+         "Once upon a time",
+         "A list of things to buy: apples, bread, milk, eggs, butter, cheese, rice, beans and tea for the week ahead.",
+         "Hello there, how are you?"]  # fmt: skip
+
+
+def cfg(**changes):
+    return dataclasses.replace(DEFAULTS, **{"temp": 0.0, "max_tokens": 12, "prefill_step_size": 8, **changes})
+
+
+def make_worker(model, tok, config, max_batch):
+    """A worker with its scheduler; ``scheduler.widths`` records the rows of every batched model call."""
+    worker = GenerationWorker(model, tok, PromptStore([MemoryTier(1 << 30)]), config, max_queue=16)
+    scheduler = BatchScheduler(worker, max_batch)
+    step, scheduler.widths = scheduler.decode.step, []
+
+    def recorded():
+        scheduler.widths.append(len(scheduler.decode))
+        return step()
+
+    scheduler.decode.step = recorded
+    return worker, scheduler
+
+
+class Recorder:
+    """A job's events; ``done`` is set on its last one (or when it is cancelled, by the test)."""
+
+    def __init__(self, cancel_after: int | None = None):
+        self.events, self.done, self.cancel_after, self.job = [], threading.Event(), cancel_after, None
+
+    def __call__(self, event):
+        self.events.append(event)
+        if event[0] in ("done", "error"):
+            self.done.set()
+        elif event[0] == "piece" and self.cancel_after is not None and len(self.ids()) >= self.cancel_after:
+            self.job.cancel()
+            self.done.set()
+
+    def ids(self, index=0):
+        return [lp.id for kind, p in self.events if kind == "piece" and p.index == index for lp in p.logprobs]
+
+    def text(self):
+        return "".join(p.text for kind, p in self.events if kind == "piece")
+
+    def last(self):
+        return self.events[-1]
+
+
+def job_for(prompt, config, rec, key=None, n=1, processors=None):
+    rec.job = Job(prompt=list(prompt), config=config, emit=rec, logprobs=True, key=key, n=n, processors=processors)
+    return rec.job
+
+
+def solo(model, tok, prompt, config, worker=None, key=None):
+    """``prompt`` run alone (today's one-at-a-time path): (recorder, worker)."""
+    worker = worker or make_worker(model, tok, config, 1)[0]
+    rec = Recorder()
+    worker._run(job_for(prompt, config, rec, key))
+    assert rec.last()[0] == "done", rec.last()
+    return rec, worker
+
+
+def batched(worker, jobs):
+    """Submit every (prompt, config, recorder, key) at once (before the worker starts,
+    when it has not) and wait for all."""
+    for prompt, config, rec, key in jobs:
+        worker.submit(job_for(prompt, config, rec, key))
+    if not worker._thread.is_alive():
+        worker.start()
+    for *_, rec, _ in jobs:
+        assert rec.done.wait(TIMEOUT), "a batched job did not finish"
+
+
+@pytest.fixture
+def llama(llama_model):
+    model, tok = llama_model
+    prompts = [tok.encode(t, add_special_tokens=False) for t in TEXTS]
+    assert len({len(p) for p in prompts}) == len(prompts) and max(len(p) for p in prompts) > 3 * 8
+    return model, tok, prompts
+
+
+def test_four_concurrent_greedy_jobs_give_their_solo_tokens(llama):
+    model, tok, prompts = llama
+    config = cfg(max_tokens=30)  # the first rows still decode when the longest prompt joins
+    alone = [solo(model, tok, p, config)[0] for p in prompts]
+    worker, sched = make_worker(model, tok, config, 4)
+    assert sched.enabled and sched.reason is None
+    try:
+        recs = [Recorder() for _ in prompts]
+        batched(worker, [(p, config, r, None) for p, r in zip(prompts, recs)])
+        rows_seen = sched.report()
+    finally:
+        worker.stop()
+    for a, b in zip(alone, recs):
+        assert b.events[0][0] == "start" and b.events[0][1]["cached_tokens"] == 0
+        assert b.ids() == a.ids() and len(b.ids()) == config.max_tokens
+        assert b.text() == a.text()
+        da, db = a.last()[1], b.last()[1]
+        for k in ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "choices"):
+            assert db[k] == da[k], k
+        lp_a = [lp.logprob for kind, p in a.events if kind == "piece" for lp in p.logprobs]
+        lp_b = [lp.logprob for kind, p in b.events if kind == "piece" for lp in p.logprobs]
+        assert lp_b == pytest.approx(lp_a, abs=1e-4)
+    assert worker.stats["jobs"] == len(prompts) and worker.stats["errors"] == 0
+    assert rows_seen["active_rows"] == 0 and rows_seen["decode_tok_s"] > 0
+    assert max(sched.widths) == 4  # the four rows did decode together
+    assert sched.widths[0] == 1  # and the first decoded while the others' prompts were being fed
+    # every prompt token was computed once: all but the last by prefill, the last in the batch
+    assert worker.stats["prompt_tokens_computed"] == sum(len(p) for p in prompts)
+
+
+def test_a_batched_jobs_store_entry_is_the_solo_ones_and_the_next_turn_continues_alike(llama):
+    model, tok, prompts = llama
+    config = cfg()
+    worker, sched = make_worker(model, tok, config, 4)
+    try:
+        recs = [Recorder() for _ in prompts]
+        batched(worker, [(p, config, r, f"key{i}") for i, (p, r) in enumerate(zip(prompts, recs))])
+        for i, (p, rec) in enumerate(zip(prompts, recs)):
+            a, solo_worker = solo(model, tok, p, config, key=f"key{i}")
+            reply = rec.ids()
+            assert reply == a.ids()
+            follow = p + reply + tok.encode(" And then?", add_special_tokens=False)
+            for w in (worker, solo_worker):  # the entry each put: prompt + reply but its last token
+                state, tier = w.store.checkout(w.scope, model, follow, config.shape, f"key{i}")
+                assert tier == "memory" and state.tokens == p + reply[:-1]
+                assert state.cache[0].offset == len(state.tokens)
+            nxt_batch = Recorder()
+            batched(worker, [(follow, config, nxt_batch, f"key{i}")])
+            nxt_solo, _ = solo(model, tok, follow, config, worker=solo_worker, key=f"key{i}")
+            cached = [nxt_batch.events[0][1]["cached_tokens"], nxt_solo.events[0][1]["cached_tokens"]]
+            assert cached == [len(p + reply) - 1] * 2
+            assert nxt_batch.ids() == nxt_solo.ids()
+    finally:
+        worker.stop()
+
+
+def test_cancelling_one_of_three_streams_mid_decode_leaves_the_others_their_solo_tokens(llama):
+    model, tok, prompts = llama
+    config = cfg(max_tokens=20)
+    prompts = [prompts[1], prompts[3], prompts[0]]  # the longest last: it joins while the others decode
+    alone = [solo(model, tok, p, config)[0] for p in prompts]
+    worker, sched = make_worker(model, tok, config, 4)
+    try:
+        recs = [Recorder(), Recorder(cancel_after=10), Recorder()]
+        batched(worker, [(p, config, r, "k") for p, r in zip(prompts, recs)])
+        for r in (recs[0], recs[2]):
+            assert r.done.wait(TIMEOUT)
+        for _ in range(100):  # the cancelled row leaves at the next token
+            if worker.stats["cancelled"] == 1 and not sched.report()["active_rows"]:
+                break
+            threading.Event().wait(0.05)
+    finally:
+        worker.stop()
+    assert worker.stats["cancelled"] == 1 and worker.stats["errors"] == 0 and max(sched.widths) == 3
+    assert recs[0].ids() == alone[0].ids() and recs[2].ids() == alone[2].ids()
+    assert recs[0].last()[0] == recs[2].last()[0] == "done"
+    cut = recs[1]
+    assert not any(kind in ("done", "error") for kind, _ in cut.events)
+    assert 10 <= len(cut.ids()) < config.max_tokens and cut.ids() == alone[1].ids()[: len(cut.ids())]
+
+
+def test_stop_strings_and_top_logprobs_in_a_batch_are_the_solo_ones(llama):
+    model, tok, prompts = llama
+    config = cfg(max_tokens=16)
+    plain = [solo(model, tok, p, config)[0] for p in prompts[1:4:2]]
+    stops = [[a.text()[5:8]] for a in plain]  # cut each reply after a few characters
+
+    def events_of(worker, run_alone):
+        recs = []
+        for p, stop in zip(prompts[1:4:2], stops):
+            rec = Recorder()
+            rec.job = Job(prompt=list(p), config=config, emit=rec, logprobs=True, top_logprobs=3, stop=stop, key="s")
+            recs.append(rec)
+            if run_alone:
+                worker._run(rec.job)
+            else:
+                worker.submit(rec.job)
+        if not run_alone:
+            worker.start()
+            assert all(r.done.wait(TIMEOUT) for r in recs)
+        return recs
+
+    alone = events_of(make_worker(model, tok, config, 1)[0], True)
+    worker, sched = make_worker(model, tok, config, 4)
+    try:
+        together = events_of(worker, False)
+    finally:
+        worker.stop()
+    assert max(sched.widths) == 2
+    for a, b in zip(alone, together):
+        assert b.last()[1]["finish_reason"] == a.last()[1]["finish_reason"] == "stop"
+        assert b.text() == a.text() and b.ids() == a.ids()
+        tops_a = [[t[1] for t in lp.top] for k, p in a.events if k == "piece" for lp in p.logprobs]
+        tops_b = [[t[1] for t in lp.top] for k, p in b.events if k == "piece" for lp in p.logprobs]
+        assert tops_b == tops_a and all(len(t) == 3 for t in tops_a)
+
+
+def test_n_choices_are_rows_of_one_prefill_and_give_the_solo_choices(llama):
+    model, tok, prompts = llama
+    config = cfg(max_tokens=16)
+    worker1 = make_worker(model, tok, config, 1)[0]
+    alone = Recorder()
+    worker1._run(job_for(prompts[0], config, alone, n=3))
+    other_alone = solo(model, tok, prompts[1], config)[0]
+    worker, sched = make_worker(model, tok, config, 4)
+    try:
+        many, other = Recorder(), Recorder()
+        for p, r, n in ((prompts[0], many, 3), (prompts[1], other, 1)):
+            worker.submit(job_for(p, config, r, n=n))
+        worker.start()
+        assert many.done.wait(TIMEOUT) and other.done.wait(TIMEOUT)
+    finally:
+        worker.stop()
+    assert max(sched.widths) == 4  # three choices and the other job in one call
+    for i in range(3):
+        assert many.ids(i) == alone.ids(i) and len(many.ids(i)) == 16
+    assert many.last()[1]["choices"] == alone.last()[1]["choices"]
+    assert many.last()[1]["completion_tokens"] == alone.last()[1]["completion_tokens"] == 48
+    assert other.ids() == other_alone.ids()
+    # the prompt was fed once, its last token once per choice (as alone)
+    assert worker.stats["prompt_tokens_computed"] == worker1.stats["prompt_tokens_computed"] + len(prompts[1])
+
+
+def test_a_seeded_sampled_job_and_too_many_choices_run_alone_with_their_solo_tokens(llama):
+    model, tok, prompts = llama
+    seeded = cfg(temp=0.8, seed=7, max_tokens=10)
+    worker1 = make_worker(model, tok, seeded, 1)[0]
+    alone, wide_alone = Recorder(), Recorder()
+    worker1._run(job_for(prompts[1], seeded, alone))
+    worker1._run(job_for(prompts[3], cfg(max_tokens=6), wide_alone, n=3))
+    worker, sched = make_worker(model, tok, seeded, 2)
+    try:
+        recs = [Recorder(), Recorder(), Recorder()]
+        worker.submit(job_for(prompts[0], cfg(), recs[0]))
+        worker.submit(job_for(prompts[1], seeded, recs[1]))
+        worker.submit(job_for(prompts[3], cfg(max_tokens=6), recs[2], n=3))  # more choices than max_batch
+        worker.start()
+        assert all(r.done.wait(TIMEOUT) for r in recs)
+    finally:
+        worker.stop()
+    assert recs[1].ids() == alone.ids() and len(alone.ids()) == 10
+    assert [recs[2].ids(i) for i in range(3)] == [wide_alone.ids(i) for i in range(3)]
+    assert max(sched.widths) == 1 and worker.stats["jobs"] == 3 and worker.stats["errors"] == 0
+
+
+def test_a_row_whose_processor_raises_fails_alone(llama):
+    model, tok, prompts = llama
+    config = cfg(max_tokens=20)
+    alone = [solo(model, tok, p, config)[0] for p in prompts[1:3]]
+
+    def breaks_at_twelve():
+        def process(context, logits):
+            if len(context) >= len(prompts[3]) + 12:
+                raise RuntimeError("a broken processor")
+            return logits
+
+        return [process]
+
+    worker, sched = make_worker(model, tok, config, 4)
+    try:
+        recs = [Recorder(), Recorder(), Recorder()]
+        worker.submit(job_for(prompts[1], config, recs[0]))
+        worker.submit(job_for(prompts[3], config, recs[1], key="broken", n=2, processors=breaks_at_twelve))
+        worker.submit(job_for(prompts[2], config, recs[2]))
+        worker.start()
+        assert all(r.done.wait(TIMEOUT) for r in recs)
+    finally:
+        worker.stop()
+    assert recs[1].last() == ("error", "internal error while generating; see the server log")
+    assert [kind for kind, _ in recs[1].events].count("error") == 1 and max(sched.widths) == 4
+    assert recs[0].ids() == alone[0].ids() and recs[2].ids() == alone[1].ids()
+    assert worker.stats["errors"] == 1 and worker.stats["jobs"] == 3
+    state, tier = worker.store.checkout(worker.scope, model, prompts[3] + [5, 6], config.shape, "broken")
+    assert tier is None  # nothing of a failed job is stored
+
+
+def test_the_queue_holds_the_jobs_past_the_batchs_rows(llama):
+    from mlx_chatcache.server.worker import QueueFull
+
+    model, tok, prompts = llama
+    config = cfg(max_tokens=100000)
+    worker = GenerationWorker(model, tok, PromptStore([MemoryTier(1 << 30)]), config, max_queue=1)
+    sched = BatchScheduler(worker, 2)
+    recs = [Recorder() for _ in range(4)]
+    worker.start()
+    try:
+        for p, r in zip(prompts[:2], recs):
+            worker.submit(job_for(p, config, r))
+            for _ in range(200):  # admitted: the queue is free again
+                if not worker.waiting():
+                    break
+                threading.Event().wait(0.05)
+        for _ in range(200):
+            if sched.report()["active_rows"] == 2:
+                break
+            threading.Event().wait(0.05)
+        assert sched.report()["active_rows"] == 2
+        worker.submit(job_for(prompts[2], config, recs[2]))  # waits in the queue
+        with pytest.raises(QueueFull):
+            worker.submit(job_for(prompts[3], config, recs[3]))
+        assert sched.report()["waiting"] == 1
+    finally:
+        for r in recs[:3]:
+            r.job.cancel()
+        worker.stop()
+
+
+def test_a_rotating_window_falls_back_to_one_at_a_time_and_health_says_why(llama_model, tiny_model_dirs, caplog):
+    import logging
+
+    from starlette.testclient import TestClient
+
+    from mlx_chatcache.server.app import create_app
+    from mlx_chatcache.server.service import Service
+
+    model, tok = llama_model
+    window = cfg(max_kv_size=64)
+    with caplog.at_level(logging.INFO, logger="mlxcc.serve"):
+        worker, sched = make_worker(model, tok, window, 4)
+    assert not sched.enabled and "rotating window" in sched.reason
+    assert [r.getMessage() for r in caplog.records] == [f"requests are generated one at a time: {sched.reason}"]
+    sliding, stok = load(str(tiny_model_dirs["sliding"]))
+    service = Service(sliding, stok, str(tiny_model_dirs["sliding"]), PromptStore([MemoryTier(1 << 30)]), cfg(),
+                      max_queue=4, max_batch=4)  # fmt: skip
+    with TestClient(create_app(service)) as client:
+        batch = client.get("/health").json()["batch"]
+        assert batch["enabled"] is False and "RotatingKVCache" in batch["reason"] and batch["max_batch"] == 4
+        r = client.post("/v1/completions", json={"prompt": TEXTS[1], "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    one = make_worker(model, tok, cfg(), 1)[1]
+    assert not one.enabled and "--max-batch is 1" in one.reason
+
+
+def test_health_reports_an_enabled_batch(llama_model, tiny_model_dirs):
+    from starlette.testclient import TestClient
+
+    from mlx_chatcache.server.app import create_app
+    from mlx_chatcache.server.service import Service
+
+    model, tok = llama_model
+    service = Service(model, tok, str(tiny_model_dirs["llama"]), PromptStore([MemoryTier(1 << 30)]), cfg(),
+                      max_queue=4, max_batch=3)  # fmt: skip
+    with TestClient(create_app(service)) as client:
+        r = client.post("/v1/completions", json={"prompt": TEXTS[1], "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        batch = client.get("/health").json()["batch"]
+    assert batch["enabled"] is True and batch["reason"] is None and batch["max_batch"] == 3
+    assert {"active_rows", "prefilling", "waiting", "decode_tok_s"} <= set(batch)
+
+
+@pytest.mark.parametrize("value", ["0", "65", "x"])
+def test_max_batch_out_of_range_is_one_line(value):
+    line = one_error_line(mlxcc("serve", "--max-batch", value))
+    assert "--max-batch" in line and (value in line)
