@@ -58,6 +58,8 @@ TURNS = [
     ["I want to use the 3D printer.", "When is the class?", "How long is it?", "Perfect."],
     ["Can I book a quiet room for tomorrow?", "For how long?", "How far ahead?", "Thank you."],
     ["What happens if I return a book late?", "What about children's books?", "Is there a cap?", "OK."],
+    ["Do you have books in Spanish?", "Where are they?", "Can I order more?", "Thanks a lot."],
+    ["Is there parking near the library?", "Is it free on weekends?", "What about bikes?", "Good to know."],
 ]
 
 
@@ -136,6 +138,8 @@ def run_turn(base_url: str, model: str, messages: list[dict], max_new: int, dead
     details = getattr(usage, "prompt_tokens_details", None) if usage else None
     return {"ttft": ttft if ttft is not None else time.perf_counter() - start, "text": "".join(text),
             "prompt_tokens": usage.prompt_tokens if usage else None,
+            "completion_tokens": usage.completion_tokens if usage else None,
+            "total_s": time.perf_counter() - start,
             "cached_tokens": getattr(details, "cached_tokens", None) if details else None,
             "server_first_s": timing["first_token_s"] if timing else None,
             "queued_s": timing["queued_s"] if timing else None}  # fmt: skip
@@ -316,7 +320,7 @@ def _mb(v) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny random model (smoke run)")
-    ap.add_argument("--clients", type=int, default=2, help="concurrent clients (max 6)")
+    ap.add_argument("--clients", type=int, default=2, help="concurrent clients (max 8)")
     ap.add_argument("--turns", type=int, default=2, help="turns before the restart (max 3)")
     ap.add_argument("--max-new", type=int, default=8, help="new tokens per reply at most")
     ap.add_argument("--cache-bytes", type=int, default=256_000_000, help="mlxcc memory tier budget")
