@@ -139,3 +139,26 @@ def test_mlxcc_chat_prints_one_error_line(tiny_model_dirs, tmp_path, monkeypatch
 def _wrapped(loaded):
     model, tokenizer = loaded
     return CacheIgnoringModel(model), tokenizer
+
+
+def test_a_batch_call_is_checked_like_one_row(make_tiny_model):
+    """Rows of mlx-lm's batch caches go through the same door: their ids are checked and
+    a layer that did not take the batch's tokens is named."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlx_chatcache.errors import TokenIdError
+
+    model, _ = make_tiny_model("llama", seed=0)
+    rows = []
+    for prompt in ([1, 2, 3], [4, 5, 6, 7, 8]):
+        state = PromptCache.new(model)
+        call_model(model, prompt, state.cache)
+        rows.append(state.cache)
+    batch = [BatchKVCache.merge([r[i] for r in rows]) for i in range(len(model.layers))]
+    out = call_model(model, mx.array([[9], [10]], dtype=mx.uint32), batch)  # (B, 1)
+    assert out.shape[:2] == (2, 1) and all(layer._idx == 6 for layer in batch)
+    with pytest.raises(TokenIdError):
+        call_model(model, mx.array([[9], [10**6]], dtype=mx.uint32), batch)
+    assert all(layer._idx == 6 for layer in batch)  # nothing fed
+    with pytest.raises(CacheNotUpdatedError, match=r"layer 0's cache \(BatchKVCache, offset still 6\)"):
+        call_model(CacheIgnoringModel(model, skip={0}), mx.array([[9], [10]], dtype=mx.uint32), batch)

@@ -40,6 +40,7 @@ from ..cache import KVCache, make_prompt_cache
 from ..config import GenerationConfig
 from ..files.prompt_cache import PromptCache
 from .loop import sample_token
+from .model_call import call_model
 from .sample import LogitsProcessor, Sampler
 
 
@@ -95,10 +96,7 @@ class DecodeBatch:
         or the exception its logits processors or sampler raised (the row's state then holds its
         fed tokens, and the row should leave)."""
         inputs = mx.array([r.next_token for r in self.rows], dtype=mx.uint32)[:, None]  # (B, 1)
-        before = [layer._idx for layer in self._layers]
-        logits = self.model(inputs, cache=self._layers)[:, -1, :]  # (B, V)
-        if any(layer._idx != b + 1 for layer, b in zip(self._layers, before)):
-            raise RuntimeError("the model did not store the batch's tokens in every layer's cache")
+        logits = call_model(self.model, inputs, self._layers, sampled=True)[:, -1, :]  # (B, V)
         out: list = []
         for i, r in enumerate(self.rows):
             r.state.tokens.append(r.next_token)

@@ -4,7 +4,7 @@ that every layer's cache took the tokens it was handed.
 Contract of :func:`call_model` ``(model, tokens, cache, *, sampled=False) -> model output``:
 
 - ``tokens`` are token ids: a host sequence (fed as a ``(1, T)`` uint32
-  array) or an array ``(1, T)``;
+  array) or an array ``(B, T)`` (``B`` > 1: rows of mlx-lm's batch caches);
 - before anything else, every id is checked to be below the model's
   embedding rows (:mod:`.token_ids`), so a bad id raises
   :class:`~mlx_chatcache.errors.TokenIdError` and the cache is untouched: a
@@ -64,9 +64,15 @@ def _where(cache: list[BaseCache], leaf: BaseCache) -> str:
     return "a layer"
 
 
+def _progress(c: BaseCache) -> int:
+    """How far ``c`` has taken tokens: its ``offset``; for mlx-lm's batch caches (a
+    per-row offset array) the batch's write position."""
+    return c.offset if isinstance(c.offset, int) else c._idx
+
+
 def _took_tokens(c: BaseCache, offset: int, slots) -> bool:
     """Whether ``c`` moved past ``offset`` or (an ArraysCache) replaced its ``slots``."""
-    if c.offset != offset:
+    if _progress(c) != offset:
         return True
     if slots is None:
         return False
@@ -101,7 +107,7 @@ def call_model(model, tokens: Sequence[int] | mx.array, cache: list[BaseCache], 
     n = inputs.shape[-1]
     leaves = _leaves(cache)
     # (offset, the slot arrays of an ArraysCache): ints and references, nothing evaluated
-    before = [(c.offset, tuple(c.cache) if isinstance(c, ArraysCache) else None) for c in leaves]
+    before = [(_progress(c), tuple(c.cache) if isinstance(c, ArraysCache) else None) for c in leaves]
     out = model(inputs, cache=cache)
     if isinstance(out, mx.array) and out.ndim == 3:
         note_logits_width(model, out.shape[-1])
@@ -111,11 +117,11 @@ def call_model(model, tokens: Sequence[int] | mx.array, cache: list[BaseCache], 
         if not _took_tokens(c, offset, slots):
             raise CacheNotUpdatedError(
                 f"the {model_type(model)} model was given {n} token(s) but did not store them in "
-                f"{_where(cache, c)}'s cache ({type(c).__name__}, offset still {c.offset}), so its replies "
+                f"{_where(cache, c)}'s cache ({type(c).__name__}, offset still {offset}), so its replies "
                 "would be wrong; this architecture does not work with mlx_chatcache's caches yet: "
                 "use mlx-lm for it and report the model type"
             )
-        if c.offset == offset:  # an ArraysCache whose slots the model replaced without advance()
+        if slots is not None and c.offset == offset:  # an ArraysCache whose slots were replaced without advance()
             c.offset += n
     return out
 
