@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_chatcache.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_chatcache.cache import KVCache, copy_prompt_cache, QuantizedKVCache, RotatingKVCache
 from mlx_chatcache.models.fingerprint import ModelFingerprint
 from mlx_chatcache.store.blocks import assemble, split, splittable
 from mlx_chatcache.store.chain import Chain
@@ -123,6 +123,11 @@ def test_split_then_assemble_is_bit_identical(n):
     assert [c.meta_state for c in got] == [c.meta_state for c in cache]
     for x, y in zip(arrays(got), arrays(cache)):
         np.testing.assert_array_equal(x, y)
+    # it carries the room it grows into, and continues like the cache it came from
+    assert all(c.keys.shape[2] == KVCache.grown_slots(n) for c in got)
+    one = mx.ones((1, HEADS, 1, DIM))
+    for a, b in zip(got, copy_prompt_cache(cache)):
+        np.testing.assert_array_equal(np.array(a.update_and_fetch(one, one)[0]), np.array(b.update_and_fetch(one, one)[0]))
 
 
 def test_quantized_layers_split_and_assemble_exactly():

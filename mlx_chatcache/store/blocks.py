@@ -14,7 +14,8 @@ Contract
   ``meta_state`` and the tail (the tokens after the last full block).
 - :func:`assemble` ``(blocked, values)``: the cache again, from the values of
   the entry's blocks in order; one concatenate (one copy) per array, so the
-  caller owns it and the stored blocks never change.
+  caller owns it and the stored blocks never change (the copy includes the
+  room the cache grows into, so feeding it does not copy it again).
 - :func:`nbytes` ``(arrays)``: the bytes of a block value or a tail.
 
 A block is named by its chain hash (:class:`~.chain.Chain`), which covers the
@@ -85,11 +86,20 @@ def split(cache: Sequence[BaseCache], chain: Chain, have: Callable[[str], bool]
 
 
 def assemble(blocked: Blocked, values: Sequence[Sequence[mx.array]]) -> list[BaseCache]:
-    """See the module doc."""
-    arrays = [mx.concatenate([v[j] for v in values] + [t], axis=2) for j, t in enumerate(blocked.tail)]
+    """See the module doc. Each array also gets the room a growing cache takes
+    (``grown_slots``) in the same concatenate, so the first tokens fed after a
+    checkout are written in place rather than copying the cache again."""
     out, at = [], 0
     for kind, meta, count in zip(blocked.kinds, blocked.metas, blocked.counts):
-        out.append(kind.from_flat_state(arrays[at : at + count], meta))
+        arrays = []
+        for t in blocked.tail[at : at + count]:
+            parts = [v[len(arrays) + at] for v in values] + [t]
+            held = sum(p.shape[2] for p in parts)
+            room = kind.grown_slots(held) - held
+            if room:
+                parts.append(mx.zeros((*t.shape[:2], room, t.shape[3]), dtype=t.dtype))
+            arrays.append(mx.concatenate(parts, axis=2))
+        out.append(kind.from_flat_state(arrays, meta))
         at += count
     return out
 
