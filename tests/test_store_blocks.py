@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_chatcache.cache import KVCache, copy_prompt_cache, QuantizedKVCache, RotatingKVCache
+from mlx_chatcache.cache import KVCache, QuantizedKVCache, RotatingKVCache, copy_prompt_cache
 from mlx_chatcache.models.fingerprint import ModelFingerprint
 from mlx_chatcache.store.blocks import assemble, split, splittable
 from mlx_chatcache.store.chain import Chain
