@@ -239,6 +239,16 @@ def _tier_bytes(name: str, tier, redis) -> int | None:
     return sum(r.memory_usage(k, samples=0) or 0 for k in r.scan_iter(count=1000))
 
 
+def _verdict(rows, times) -> str:
+    """The block tier against the targets: bytes at the largest N, checkout + first token."""
+    last = rows[-1]
+    fed = {r[0]: r[2] for r in times}
+    ratio = float(fed["blocks"]) / float(fed["memory"]) if fed.get("blocks") and fed.get("memory") else None
+    out = f"\nBlock tier: {last[5]} the unique K/V at N = {last[0]} (target 1.25x)"
+    out += f"; checkout + first token {ratio:.2f}x the whole entry's (target 1.2x).\n" if ratio else ".\n"
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny random llama instead of the demo model")
@@ -280,6 +290,7 @@ def main(argv=None) -> int:
              "which whole-entry tiers cannot meet (every entry holds the shared prompt): the block memory tier "
              "is built for it, disk and Redis are not yet; a block checkout within 1.2x of a whole entry's, "
              "counted to the first token fed (both then hold one copy).\n")
+    text += _verdict(rows, times)
     text += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
     print(text)
     if args.write_results:

@@ -155,7 +155,7 @@ def test_a_rotating_layer_keeps_the_entry_whole():
 # ---------------------------------------------------------------- the tier
 def test_fifty_conversations_sharing_a_prompt_store_it_once():
     shared = list(range(1, 1001))
-    tier = MemoryTier(1 << 40, block_tokens=32)
+    tier = MemoryTier(1 << 40)  # the default block size
     per_token = LAYERS * 2 * HEADS * DIM * 4
     for i in range(50):
         tokens = shared + [2000 + 200 * i + j for j in range(200)]
