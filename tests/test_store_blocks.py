@@ -132,7 +132,8 @@ def test_split_then_assemble_is_bit_identical(n):
     assert all(c.keys.shape[2] == KVCache.grown_slots(n) for c in got)
     one = mx.ones((1, HEADS, 1, DIM))
     for a, b in zip(got, copy_prompt_cache(cache)):
-        np.testing.assert_array_equal(np.array(a.update_and_fetch(one, one)[0]), np.array(b.update_and_fetch(one, one)[0]))
+        fed, want = a.update_and_fetch(one, one)[0], b.update_and_fetch(one, one)[0]
+        np.testing.assert_array_equal(np.array(fed), np.array(want))
 
 
 def test_quantized_layers_split_and_assemble_exactly():
