@@ -165,11 +165,11 @@ def main(argv=None) -> int:
             lm = [sys.executable, "-m", "mlx_lm", "server", "--model", str(folder), "--host", "127.0.0.1",
                   "--port", "{port}", "--log-level", "WARNING"]  # fmt: skip
             engines.append(("mlx-lm server", lm, str(folder)))
-        for name, argv_, model_id in engines:
-            for n in counts:
-                if time.monotonic() > deadline:
-                    break
-                runs.append(one_run(name, argv_, env, model_id, n, args, deadline))
+        for n in counts:  # engines interleaved: each client count compares runs close in time
+            for name, argv_, model_id in engines:
+                if time.monotonic() < deadline:
+                    runs.append(one_run(name, argv_, env, model_id, n, args, deadline))
+        runs.sort(key=lambda r: [e[0] for e in engines].index(r["name"]))  # the table: by engine
         text = report(runs, args, desc, time.monotonic() - t0)
     print(text)
     plot(runs, args.plot)
