@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_chatcache import save_prompt_cache
+from mlx_chatcache import load_prompt_cache, save_prompt_cache
 from mlx_chatcache.cache import (
     ArraysCache,
     BatchKVCache,
@@ -228,14 +228,22 @@ def test_arrays_cache_padding_masks_and_counts_only_real_tokens():
     assert [c.extract(i).offset for i in range(3)] == [6, 3, 3]
 
 
-def test_a_batch_has_no_one_sequence_file_state(tmp_path):
+def test_a_batch_has_no_one_sequence_file_state_and_saves_in_mlx_lms_layout(tmp_path):
     rng = np.random.default_rng(6)
-    batch = ArraysCache.merge([_arrays_row(rng, 2), _arrays_row(rng, 3)])
+    batch = ArraysCache.merge([_arrays_row(rng, 2), _arrays_row(rng, 3), ArraysCache(2)])
+    batch.prepare(lengths=[4, 2, 3], left_padding=[0, 1, 0])
     with pytest.raises(UnsupportedCacheError, match="extract its rows"):
-        save_prompt_cache(str(tmp_path / "b.safetensors"), [batch])
+        batch.meta_state
     with pytest.raises(UnsupportedCacheError, match="extract its rows"):
         CacheList.merge([CacheList(_arrays_row(rng, 2)), CacheList(_arrays_row(rng, 3))]).meta_state
-    assert not (tmp_path / "b.safetensors").exists()
+    path = str(tmp_path / "b.safetensors")
+    with pytest.raises(UnsupportedCacheError, match="tokens"):  # mlx-lm's layout holds no tokens
+        save_prompt_cache(path, [batch], tokens=[1, 2])
+    save_prompt_cache(path, [batch])
+    (back,) = load_prompt_cache(path)
+    assert type(back) is ArraysCache and back.batched()
+    assert back.left_padding.tolist() == [0, 1, 0] and back.lengths.tolist() == [4, 2, 3]
+    assert all(mx.array_equal(x, y) for x, y in zip(back.cache, batch.cache))
 
 
 # ------------------------------------------------------------------ CacheList batches
