@@ -12,6 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlx_chatcache import load_prompt_cache, save_prompt_cache
 from mlx_chatcache.cache import (
@@ -266,3 +268,49 @@ def test_cache_list_batch_round_trip():
         assert row.meta_state == r.meta_state
     batch.filter([2])
     assert batch.extract(0)[1].offset == 6
+
+
+# ------------------------------------------------------------------ random batch histories
+_ROW = st.tuples(st.integers(0, 50), st.booleans())  # (tokens seen, holds a state)
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("filter"), st.lists(st.integers(0, 7), max_size=6)),
+        st.tuples(st.just("extend"), st.lists(_ROW, min_size=1, max_size=3)),
+    ),
+    max_size=6,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(first=st.lists(_ROW, min_size=1, max_size=4), ops=_OPS)
+def test_arrays_cache_rows_survive_any_merge_filter_extend_history(first, ops):
+    """After any history of merge/filter/extend, row ``i`` extracts as the one-sequence
+    cache it started as (a row with no state: zeros, when others have one)."""
+    counter = iter(range(10_000))
+
+    def make(offset: int, held: bool) -> ArraysCache:
+        c = ArraysCache(1)
+        if held:
+            c[0] = mx.full((1, 3), float(next(counter) + 1))
+        c.offset = offset
+        return c
+
+    rows = [make(*r) for r in first]
+    batch = ArraysCache.merge(rows)
+    for op, arg in ops:
+        if op == "filter":
+            keep = [i for i in dict.fromkeys(arg) if i < len(rows)]
+            batch.filter(keep)
+            rows = [rows[i] for i in keep]
+        else:
+            new = [make(*r) for r in arg]
+            batch.extend(new[0] if len(new) == 1 else ArraysCache.merge(new))
+            rows += new
+    assert batch.batch_size == len(rows) or batch[0] is None
+    for i, want in enumerate(rows):
+        got = batch.extract(i)
+        assert type(got) is ArraysCache and got.offset == want.offset and not got.batched()
+        if want[0] is not None:
+            assert mx.array_equal(got[0], want[0])
+        else:
+            assert got[0] is None or not mx.any(got[0]).item()

@@ -7,7 +7,7 @@ caches. What differs: ``extract(i)`` returns OUR single-sequence class
 (``KVCache`` / ``RotatingKVCache``) holding exactly row ``i``'s live tokens and
 its offset, so it continues like the cache it was merged from, and saves as one.
 
-Contract of ``merge(caches)``: row ``i`` of the batch is ``caches[i]``'s live
+``BaseCache.merge`` finds the batch class here (``BATCH_CLASSES``). Contract of ``merge(caches)``: row ``i`` of the batch is ``caches[i]``'s live
 tokens, right-aligned (left padding before them); all-empty caches give an empty
 batch of ``len(caches)`` rows. A window cache merges only without pinned tokens
 (``keep == 0``: mlx-lm's batch window has none) and only with others of the same
@@ -22,26 +22,10 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_lm_cache
 
-from .cache_base import BATCH_ONLY_METHODS
+from .cache_base import BATCH_CLASSES
+from .cache_kv import KVCache
+from .cache_rotating import RotatingKVCache
 from ..errors import UnsupportedCacheError
-
-
-def merge_kv(caches: Sequence):
-    """The batch of K/V ``caches`` (one class, ours or mlx-lm's): a ``BatchKVCache``
-    of ``KVCache`` rows, a ``BatchRotatingKVCache`` of ``RotatingKVCache`` rows."""
-    from .cache_kv import KVCache
-    from .cache_rotating import RotatingKVCache
-
-    kinds = {type(c) for c in caches}
-    if len(kinds) > 1:
-        names = ", ".join(sorted(k.__name__ for k in kinds))
-        raise UnsupportedCacheError(f"caches of different classes ({names}) cannot share a batch")
-    kind = kinds.pop() if kinds else KVCache
-    if kind in (KVCache, mlx_lm_cache.KVCache):
-        return BatchKVCache.merge(caches)
-    if kind in (RotatingKVCache, mlx_lm_cache.RotatingKVCache):
-        return BatchRotatingKVCache.merge(caches)
-    raise UnsupportedCacheError(f"{kind.__name__}.merge is not supported: {BATCH_ONLY_METHODS['merge']}")
 
 
 class BatchKVCache(mlx_lm_cache.BatchKVCache):
@@ -58,8 +42,6 @@ class BatchKVCache(mlx_lm_cache.BatchKVCache):
 
     def extract(self, idx: int):
         """Row ``idx`` as our ``KVCache``: exactly its tokens (no padding), offset = their count."""
-        from .cache_kv import KVCache
-
         mx.eval(self.left_padding)
         start = max(0, self.left_padding.tolist()[idx])
         out = KVCache()
@@ -96,8 +78,6 @@ class BatchRotatingKVCache(mlx_lm_cache.BatchRotatingKVCache):
     def extract(self, idx: int):
         """Row ``idx`` as our ``RotatingKVCache``: its last ``min(offset, max_size)``
         tokens in temporal order, its offset."""
-        from .cache_rotating import RotatingKVCache
-
         row = super().extract(idx)  # mlx-lm's RotatingKVCache, temporal order
         out = RotatingKVCache(self.max_size)
         held = min(row.offset, self.max_size)
@@ -117,3 +97,9 @@ def _as_mlx_lm_window(c) -> mlx_lm_cache.RotatingKVCache:
         keys, values = c.state
         out.keys, out.values, out.offset, out._idx = keys, values, c.offset, keys.shape[2]
     return out
+
+
+BATCH_CLASSES.update({
+    KVCache: BatchKVCache, mlx_lm_cache.KVCache: BatchKVCache,
+    RotatingKVCache: BatchRotatingKVCache, mlx_lm_cache.RotatingKVCache: BatchRotatingKVCache,
+})  # fmt: skip

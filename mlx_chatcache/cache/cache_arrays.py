@@ -137,7 +137,7 @@ class ArraysCache(BaseCache, mlx_lm_cache.ArraysCache):
         if len(sizes) > 1 or any(getattr(c, "_rows", None) for c in caches):
             raise UnsupportedCacheError("ArraysCache.merge takes one-sequence caches with the same slots")
         out = cls(sizes.pop())
-        out._rows = [c.offset for c in caches]
+        out._rows = [getattr(c, "offset", 0) for c in caches]  # mlx-lm's own counts none
         out.offset = max(out._rows)
         if all(c.empty() for c in caches):
             out._left = [0] * len(caches)
@@ -175,12 +175,12 @@ class ArraysCache(BaseCache, mlx_lm_cache.ArraysCache):
                 x = mx.zeros((a, *like.shape[1:]), like.dtype) if x is None else x
                 y = mx.zeros((b, *like.shape[1:]), like.dtype) if y is None else y
                 self.cache[e] = mx.concatenate([x, y])
-        for name, missing in (("_left", 0), ("_lengths", NO_LIMIT)):
-            mine, theirs = getattr(self, name), getattr(other, name)
+        for name, public, missing in (("_left", "left_padding", 0), ("_lengths", "lengths", NO_LIMIT)):
+            mine, theirs = getattr(self, name), _ints(getattr(other, public))
             if mine is not None or theirs is not None:
                 setattr(self, name, (mine or [missing] * a) + (theirs or [missing] * b))
         mine = self._rows or [self.offset] * a
-        self._rows = mine + (other._rows or [other.offset] * b)
+        self._rows = mine + (getattr(other, "_rows", None) or [getattr(other, "offset", 0)] * b)
         self.offset = max(self._rows)
 
     def prepare(self, lengths: Sequence[int] | None = None, *, left_padding: Sequence[int] | None = None,

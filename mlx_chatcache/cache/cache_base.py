@@ -70,9 +70,26 @@ BATCH_ONLY_METHODS["merge"] = (
 )
 
 
+BATCH_CLASSES: dict[type, type] = {}
+"""One-sequence cache class -> the batch class its ``merge`` makes (filled by ``batch.py``)."""
+
+
+def merge_batch(cls: type, caches: Sequence):
+    """``cls.merge(caches)`` of a class without its own: the batch class registered
+    for the caches' one class (:data:`BATCH_CLASSES`), else UnsupportedCacheError."""
+    kinds = {type(c) for c in caches}
+    if len(kinds) > 1:
+        names = ", ".join(sorted(k.__name__ for k in kinds))
+        raise UnsupportedCacheError(f"caches of different classes ({names}) cannot share a batch")
+    kind = kinds.pop() if kinds else cls
+    if kind not in BATCH_CLASSES:
+        raise UnsupportedCacheError(f"{kind.__name__}.merge is not supported: {BATCH_ONLY_METHODS['merge']}")
+    return BATCH_CLASSES[kind].merge(caches)
+
+
 def batch_only(name: str):
-    """A method (``merge``: a classmethod) that raises UnsupportedCacheError with
-    the reason in :data:`BATCH_ONLY_METHODS`."""
+    """A method that raises UnsupportedCacheError with the reason in
+    :data:`BATCH_ONLY_METHODS` (``merge``: a classmethod)."""
 
     def refuse(self, *args, **kwargs):
         cls = self if isinstance(self, type) else type(self)
@@ -191,7 +208,11 @@ class BaseCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.eval_arrays())
 
-    merge = batch_only("merge")
+    @classmethod
+    def merge(cls, caches: Sequence):
+        """One batch cache of one-sequence ``caches`` of one class (see :func:`merge_batch`)."""
+        return merge_batch(cls, caches)
+
     extract = batch_only("extract")
     filter = batch_only("filter")
     extend = batch_only("extend")

@@ -105,13 +105,6 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return standard_mask(N, self.offset, window_size, return_array)
 
-    @classmethod
-    def merge(cls, caches: Sequence):
-        """One batch cache of ``caches`` (see :mod:`.batch`): rows extract back as this class."""
-        from .batch import merge_kv
-
-        return merge_kv(caches)
-
     # ----------------------------------------------------------- contract
     @property
     def state(self) -> list:
