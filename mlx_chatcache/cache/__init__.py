@@ -7,8 +7,11 @@ prompt-cache helpers (a prompt cache is a list with one cache per layer).
 - :data:`CACHE_CLASSES` is the explicit registry used to rebuild caches from
   files: names read from a file are looked up here and nowhere else.
 - :data:`UNSUPPORTED` lists mlx-lm cache classes we knowingly do not mirror,
-  each with the reason; :data:`UNSUPPORTED_METHODS` the methods of mlx-lm's
-  caches ours refuse (batched generation), each with the reason.
+  each with the reason; :data:`UNSUPPORTED_METHODS` the batch methods that a
+  class without them refuses, each with the reason.
+- Batches (mlx-lm's batched generation): ``merge`` of one-sequence caches,
+  ``extract`` of a row back (see ``batch.py``, ``cache_arrays.py`` and
+  :class:`CacheList`).
 
 Every class here is also a subclass of mlx-lm's class of the same name, so
 mlx-lm's models and generate loop treat it as theirs (mamba stores its state
