@@ -216,6 +216,13 @@ def test_arrays_cache_batch_round_trip():
     assert [batch.extract(i).offset for i in range(5)] == [9, 4, 6, 0, 0]
 
 
+def test_arrays_cache_made_with_left_padding_is_a_batch():
+    for pads in ([2, 0], mx.array([2, 0])):
+        c = ArraysCache(1, left_padding=pads)
+        assert c.batched() and c.batch_size == 2 and c.make_mask(3).tolist() == [[False, False, True], [True] * 3]
+    assert not ArraysCache(1).batched() and not ArraysCache(1, left_padding=[]).batched()
+
+
 def test_arrays_cache_padding_masks_and_counts_only_real_tokens():
     c = ArraysCache.merge([ArraysCache(1), ArraysCache(1), ArraysCache(1)])
     c.prepare(lengths=[6, 3, 5], left_padding=[0, 0, 2])

@@ -52,7 +52,7 @@ class ArraysCache(BaseCache, mlx_lm_cache.ArraysCache):
     def __init__(self, size: int, left_padding: Sequence[int] | None = None):
         self._init_empty()
         self.cache = [None] * size
-        if left_padding:
+        if left_padding is not None and len(left_padding):  # a list or an array
             self._left = _ints(left_padding)
             self._rows = [0] * len(self._left)
 
