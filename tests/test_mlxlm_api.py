@@ -3,8 +3,8 @@
 - ``save_prompt_cache(file_name, cache, metadata)`` / ``load_prompt_cache(file_name,
   return_metadata)`` take mlx-lm's arguments with its meaning (metadata positional, the
   metadata dict back); our extras are keyword-only after them.
-- A cache of mlx-lm's own classes that we have no equivalent of (``BatchKVCache``,
-  ``BatchRotatingKVCache``) saves in mlx-lm's layout and loads back as those classes.
+- A cache of mlx-lm's batch classes (``BatchKVCache``, ``BatchRotatingKVCache``) saves in
+  mlx-lm's layout and loads back as those classes (ours, subclasses of mlx-lm's).
 - ``generate_step``/``stream_generate``/``generate`` take mlx-lm's keywords: each gives the
   tokens the equivalent ``config=`` gives, an explicit value wins over ``config``, and a
   ``prompt_cache`` list has mlx-lm's meaning (what it holds is kept, every yielded token is
@@ -26,7 +26,7 @@ from mlx_lm.generate import stream_generate as lm_stream_generate
 from mlx_lm.models import cache as lm
 
 from mlx_chatcache import load_prompt_cache, save_prompt_cache
-from mlx_chatcache.cache import KVCache, cache_offset, make_prompt_cache
+from mlx_chatcache.cache import KVCache, RotatingKVCache, cache_offset, make_prompt_cache
 from mlx_chatcache.config import DEFAULTS, CacheShape
 from mlx_chatcache.errors import CacheFormatError, ChatCacheError, UnsupportedCacheError, UsageError
 from mlx_chatcache.files.mlxcc_format import load_cache_file
@@ -121,13 +121,18 @@ def batch_caches():
     return [kv, rot]
 
 
-def test_batch_caches_of_mlx_lm_save_and_load_as_their_own_classes(tmp_path):
+def test_batch_caches_of_mlx_lm_save_and_load_as_their_classes_with_our_rows(tmp_path):
+    from mlx_chatcache.cache import BatchKVCache, BatchRotatingKVCache
+
     cache = batch_caches() + filled_kv(1, 5)
     path = tmp_path / "b.safetensors"
     save_prompt_cache(path, cache, {"k": "v"})
     back, meta = load_prompt_cache(path, return_metadata=True)
     assert meta == {"k": "v"}
-    assert [type(c) for c in back] == [lm.BatchKVCache, lm.BatchRotatingKVCache, KVCache]
+    # mlx-lm's batch classes (ours subclass them), whose rows extract as our classes
+    assert [type(c) for c in back] == [BatchKVCache, BatchRotatingKVCache, KVCache]
+    assert isinstance(back[0], lm.BatchKVCache) and isinstance(back[1], lm.BatchRotatingKVCache)
+    assert type(back[0].extract(1)) is KVCache and type(back[1].extract(1)) is RotatingKVCache
     assert all(same_state(x, y) for x, y in zip(cache, back))
     x = mx.random.normal((2, 2, 1, 8))  # they go on as the originals do
     for a, b in zip(cache[:2], back[:2]):

@@ -135,8 +135,8 @@ MLX_LM_TWIN = {
     ArraysCache: lm.ArraysCache,
     CacheList: lm.CacheList,
 }
-# mlx-lm methods our classes may inherit: read-only and right for one sequence
-HARMLESS = {"batch_size"}
+# mlx-lm methods our classes may inherit (none: ArraysCache.batch_size is ours, right for batches)
+HARMLESS: set[str] = set()
 
 
 def test_every_class_is_an_instance_of_its_mlx_lm_twin():
@@ -172,18 +172,31 @@ def test_to_quantized_exists_where_mlx_lm_has_it():
         assert hasattr(theirs, "to_quantized") and hasattr(c, "to_quantized")
 
 
+# the batch methods each class refuses: one-sequence K/V caches have no row methods, and the
+# classes mlx-lm has no batch form of do not merge
+ROW_METHODS = {"extract", "filter", "extend", "prepare", "finalize"}
+REFUSED = {"KVCache": ROW_METHODS, "RotatingKVCache": ROW_METHODS,
+           "QuantizedKVCache": ROW_METHODS | {"merge"}, "QuantizedRotatingKVCache": ROW_METHODS | {"merge"},
+           "ChunkedKVCache": ROW_METHODS | {"merge"}, "ArraysCache": set(), "CacheList": set()}  # fmt: skip
+
+
 @pytest.mark.parametrize("method", sorted(UNSUPPORTED_METHODS))
-def test_batch_only_methods_refuse_with_the_reason(method):
+def test_batch_methods_a_class_lacks_refuse_with_the_reason(method):
+    assert set(UNSUPPORTED_METHODS) == ROW_METHODS | {"merge"}
     for c in _instances():
-        with pytest.raises(UnsupportedCacheError, match=f"{type(c).__name__}.{method} is not supported.*batch"):
+        if method not in REFUSED[type(c).__name__]:
+            continue
+        with pytest.raises(UnsupportedCacheError, match=f"{type(c).__name__}.{method} is not supported: .*"):
             getattr(c, method)([c] if method == "merge" else [0])
 
 
-def test_mlx_lm_batch_generator_merge_refuses_our_caches():
+def test_mlx_lm_batch_generator_merges_our_caches_and_refuses_quantized_ones():
     from mlx_lm.generate import _merge_caches
 
-    with pytest.raises(UnsupportedCacheError, match="merge is not supported"):
-        _merge_caches([[KVCache()], [KVCache()]])
+    batch = _merge_caches([[KVCache(), RotatingKVCache(8)], [KVCache(), RotatingKVCache(8)]])
+    assert isinstance(batch[0], lm.BatchKVCache) and isinstance(batch[1], lm.BatchRotatingKVCache)
+    with pytest.raises(UnsupportedCacheError, match="QuantizedKVCache.merge is not supported"):
+        _merge_caches([[QuantizedKVCache(32, 8)], [QuantizedKVCache(32, 8)]])
 
 
 # ------------------------------------------------------------------ keys_and_values, masks

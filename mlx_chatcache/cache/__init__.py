@@ -7,8 +7,11 @@ prompt-cache helpers (a prompt cache is a list with one cache per layer).
 - :data:`CACHE_CLASSES` is the explicit registry used to rebuild caches from
   files: names read from a file are looked up here and nowhere else.
 - :data:`UNSUPPORTED` lists mlx-lm cache classes we knowingly do not mirror,
-  each with the reason; :data:`UNSUPPORTED_METHODS` the methods of mlx-lm's
-  caches ours refuse (batched generation), each with the reason.
+  each with the reason; :data:`UNSUPPORTED_METHODS` the batch methods that a
+  class without them refuses, each with the reason.
+- Batches (mlx-lm's batched generation): ``merge`` of one-sequence caches,
+  ``extract`` of a row back (see ``batch.py``, ``cache_arrays.py`` and
+  :class:`CacheList`).
 
 Every class here is also a subclass of mlx-lm's class of the same name, so
 mlx-lm's models and generate loop treat it as theirs (mamba stores its state
@@ -23,78 +26,13 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_lm_cache
 
-from .cache_base import BATCH_ONLY_METHODS, BaseCache, check_arrays, parse_ints
+from .batch import BatchKVCache, BatchRotatingKVCache
+from .cache_arrays import ArraysCache
+from .cache_base import BATCH_ONLY_METHODS, BaseCache, check_arrays, parse_ints, tree_arrays
 from .cache_kv import ChunkedKVCache, KVCache, QuantizedKVCache
 from .cache_rotating import QuantizedRotatingKVCache, RotatingKVCache
 from ..config import DEFAULTS
-from ..errors import CacheFormatError, UnsupportedCacheError, UsageError, clipped, shown
-
-
-class ArraysCache(BaseCache, mlx_lm_cache.ArraysCache):
-    """Fixed-size state slots (SSM / convolution layers). Not trimmable:
-    the state after n tokens cannot be rolled back to n - k.
-
-    ``offset`` counts tokens seen: models call ``advance(n)``, and for those
-    that only replace the slots (mamba), :func:`~mlx_chatcache.generation.model_call.call_model`
-    advances it."""
-
-    def __init__(self, size: int, left_padding=None):
-        self._init_empty()
-        self.cache = [None] * size
-
-    def _init_empty(self) -> None:
-        self.cache: list = []
-        self.offset = 0
-        self.left_padding = None  # batch padding: unused in single-stream work
-        self.lengths = None
-        self._present = None  # slot flags read from meta_state, until state is set
-
-    def __getitem__(self, i):
-        return self.cache[i]
-
-    def __setitem__(self, i, value) -> None:
-        self.cache[i] = value
-
-    def advance(self, n: int) -> None:
-        self.offset += n
-
-    def make_mask(self, N: int, **_ignored):
-        return None
-
-    @property
-    def state(self) -> list[mx.array]:
-        return [a for a in self.cache if a is not None]
-
-    @state.setter
-    def state(self, v: Sequence[mx.array]) -> None:
-        flags = self._present if self._present is not None else [a is not None for a in self.cache]
-        slots = [i for i, p in enumerate(flags) if p]
-        check_arrays("ArraysCache", v, len(slots))
-        self.cache = [None] * len(flags)
-        for i, a in zip(slots, v):
-            self.cache[i] = a
-
-    @property
-    def meta_state(self) -> tuple[str, ...]:
-        present = "".join("1" if a is not None else "0" for a in self.cache)
-        return (str(self.offset), present or "-")
-
-    @meta_state.setter
-    def meta_state(self, v: Sequence[str]) -> None:
-        if len(v) != 2:
-            raise CacheFormatError(f"ArraysCache meta state needs 2 values, got {len(v)}")
-        (self.offset,) = parse_ints("ArraysCache", v[:1], ["offset"])
-        flags = "" if v[1] == "-" else v[1]
-        if not isinstance(flags, str) or len(flags) > 64 or set(flags) - {"0", "1"}:
-            raise CacheFormatError(f"ArraysCache slot flags must be 0/1 digits, got {shown(v[1])}")
-        self._present = [c == "1" for c in flags]
-        self.cache = [None] * len(flags)
-
-    def size(self) -> int:
-        return self.offset
-
-    def empty(self) -> bool:
-        return all(a is None for a in self.cache)
+from ..errors import CacheFormatError, UnsupportedCacheError, UsageError, clipped
 
 
 class CacheList(BaseCache, mlx_lm_cache.CacheList):
@@ -116,8 +54,9 @@ class CacheList(BaseCache, mlx_lm_cache.CacheList):
 
     @property
     def state(self) -> list[mx.array]:
-        """Every child's ``flat_state()``, in order, as one flat list."""
-        return [a for c in self.caches for a in c.flat_state()]
+        """Every child's ``flat_state()``, in order, as one flat list (of a batch:
+        every array its children hold)."""
+        return [a for c in self.caches for a in _arrays_of(c, "flat_state")]
 
     @state.setter
     def state(self, v: Sequence[mx.array]) -> None:
@@ -130,6 +69,11 @@ class CacheList(BaseCache, mlx_lm_cache.CacheList):
 
     @property
     def meta_state(self) -> tuple[str, ...]:
+        if self.batched():
+            raise UnsupportedCacheError(
+                "a CacheList batch has no one-sequence file state: extract its rows (extract(i)) "
+                "or save it with format='mlx-lm'"
+            )
         out = [str(len(self.caches))]
         for c in self.caches:
             out += [type(c).__name__, json.dumps(list(c.meta_state)), str(len(c.flat_state()))]
@@ -152,7 +96,39 @@ class CacheList(BaseCache, mlx_lm_cache.CacheList):
             self._spec.append((name, tuple(meta), count))
 
     def eval_arrays(self) -> list[mx.array]:
-        return [a for c in self.caches for a in c.eval_arrays()]
+        return [a for c in self.caches for a in _arrays_of(c, "eval_arrays")]
+
+    # ----------------------------------------------------------- batches
+    def batched(self) -> bool:
+        """Whether the children are batches (made by ``merge``)."""
+        return any(not hasattr(c, "flat_state") or getattr(c, "batched", lambda: False)() for c in self.caches)
+
+    @classmethod
+    def merge(cls, caches: Sequence["CacheList"]) -> "CacheList":
+        """A batch of one-sequence lists: child ``j`` is the merge of every list's child ``j``."""
+        if not caches or len({len(c.caches) for c in caches}) > 1:
+            raise UnsupportedCacheError("CacheList.merge takes one or more lists with the same number of caches")
+        return cls(*(type(kids[0]).merge(list(kids)) for kids in zip(*(c.caches for c in caches))))
+
+    def extract(self, idx: int) -> "CacheList":
+        """Row ``idx`` as a one-sequence list (each child's row, our classes)."""
+        return CacheList(*(c.extract(idx) for c in self.caches))
+
+    def filter(self, batch_indices) -> None:
+        for c in self.caches:
+            c.filter(batch_indices)
+
+    def extend(self, other: "CacheList") -> None:
+        for c, o in zip(self.caches, other.caches, strict=True):
+            c.extend(o)
+
+    def prepare(self, lengths=None, *, left_padding=None, right_padding=None) -> None:
+        for c in self.caches:
+            c.prepare(lengths=lengths, left_padding=left_padding, right_padding=right_padding)
+
+    def finalize(self) -> None:
+        for c in self.caches:
+            c.finalize()
 
     def is_trimmable(self) -> bool:
         return all(c.is_trimmable() for c in self.caches)
@@ -175,6 +151,13 @@ class CacheList(BaseCache, mlx_lm_cache.CacheList):
         return all(c.empty() for c in self.caches)
 
 
+def _arrays_of(c, method: str) -> list[mx.array]:
+    """``c.<method>()`` of our cache; of a batch cache (mlx-lm's state), the arrays in its state."""
+    if hasattr(c, method):
+        return getattr(c, method)()
+    return [a for a in tree_arrays(c.state) if isinstance(a, mx.array)]
+
+
 # ------------------------------------------------------------------ registry
 CACHE_CLASSES: dict[str, type[BaseCache]] = {
     cls.__name__: cls
@@ -192,9 +175,10 @@ CACHE_CLASSES: dict[str, type[BaseCache]] = {
 UNSUPPORTED: dict[str, str] = {
     "LayerCache": "deepseek_v41's compressed-attention cache keeps pending compressor "
     "state with its own update protocol; generate with mlx-lm for that model",
-    "BatchKVCache": "batched (multi-sequence) generation only; single-stream work uses KVCache",
-    "BatchRotatingKVCache": "batched (multi-sequence) generation only; single-stream work "
-    "uses RotatingKVCache",
+    "BatchKVCache": "a batch of sequences has no one-sequence file state: extract its rows "
+    "(KVCache) or save it with format='mlx-lm'",
+    "BatchRotatingKVCache": "a batch of sequences has no one-sequence file state: extract its rows "
+    "(RotatingKVCache) or save it with format='mlx-lm'",
 }
 
 UNSUPPORTED_METHODS: dict[str, str] = dict(BATCH_ONLY_METHODS)
@@ -350,6 +334,8 @@ __all__ = [
     "ChunkedKVCache",
     "ArraysCache",
     "CacheList",
+    "BatchKVCache",
+    "BatchRotatingKVCache",
     "CACHE_CLASSES",
     "UNSUPPORTED",
     "UNSUPPORTED_METHODS",

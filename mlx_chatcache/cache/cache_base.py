@@ -31,9 +31,13 @@ chat session rely on):
   ``always_trimmable()``: at every fill, ``trim`` reaches every shorter length it has
   held (plain and quantized K/V caches, and lists of them: their rollbacks need no
   copy); when True, ``can_take_back(n)`` is True for every ``n``.
-- mlx-lm's batch-only methods (:data:`BATCH_ONLY_METHODS`: ``merge``,
-  ``extract``, ``filter``, ``extend``, ``prepare``, ``finalize``) raise
-  :class:`UnsupportedCacheError`: our caches serve one sequence each.
+- Batches (mlx-lm's batched generation): ``merge(caches)`` makes one batch
+  cache of several single-sequence caches (``KVCache`` -> ``BatchKVCache``,
+  ``RotatingKVCache`` -> ``BatchRotatingKVCache``, see ``batch.py``; an
+  ``ArraysCache`` or ``CacheList`` merges into its own class); a batch's
+  ``extract(i)`` gives back row ``i`` as our single-sequence class holding
+  exactly its tokens. The batch methods a class lacks (:data:`BATCH_ONLY_METHODS`)
+  raise :class:`UnsupportedCacheError` with the reason.
 
 Each concrete class also subclasses its mlx-lm counterpart, so that mlx-lm's
 models and generate loop, which look at a cache's class, treat it as theirs
@@ -55,20 +59,44 @@ from mlx.utils import tree_flatten, tree_map
 from ..errors import CacheFormatError, UnsupportedCacheError, shown
 
 BATCH_ONLY_METHODS: dict[str, str] = {
-    name: "mlx-lm's batched generation (BatchGenerator, batch_generate) only; mlx_chatcache caches "
-    "serve one sequence each (a server queues requests on one worker), so use mlx-lm's own "
-    "caches for batched generation"
-    for name in ("merge", "extract", "filter", "extend", "prepare", "finalize")
+    name: "it is a method of a batch of sequences, and this cache holds one sequence: "
+    "merge single-sequence caches first (KVCache.merge, RotatingKVCache.merge, ArraysCache.merge, "
+    "CacheList.merge)"
+    for name in ("extract", "filter", "extend", "prepare", "finalize")
 }
+BATCH_ONLY_METHODS["merge"] = (
+    "mlx-lm has no batch form of this cache (only of KVCache, RotatingKVCache without pinned "
+    "tokens, ArraysCache and lists of them); generate it alone"
+)
 
 
-def _batch_only(name: str):
+BATCH_CLASSES: dict[type, type] = {}
+"""One-sequence cache class -> the batch class its ``merge`` makes (filled by ``batch.py``)."""
+
+
+def merge_batch(cls: type, caches: Sequence):
+    """``cls.merge(caches)`` of a class without its own: the batch class registered
+    for the caches' one class (:data:`BATCH_CLASSES`), else UnsupportedCacheError."""
+    kinds = {type(c) for c in caches}
+    if len(kinds) > 1:
+        names = ", ".join(sorted(k.__name__ for k in kinds))
+        raise UnsupportedCacheError(f"caches of different classes ({names}) cannot share a batch")
+    kind = kinds.pop() if kinds else cls
+    if kind not in BATCH_CLASSES:
+        raise UnsupportedCacheError(f"{kind.__name__}.merge is not supported: {BATCH_ONLY_METHODS['merge']}")
+    return BATCH_CLASSES[kind].merge(caches)
+
+
+def batch_only(name: str):
+    """A method that raises UnsupportedCacheError with the reason in
+    :data:`BATCH_ONLY_METHODS` (``merge``: a classmethod)."""
+
     def refuse(self, *args, **kwargs):
         cls = self if isinstance(self, type) else type(self)
         raise UnsupportedCacheError(f"{cls.__name__}.{name} is not supported: {BATCH_ONLY_METHODS[name]}")
 
     refuse.__name__ = name
-    return refuse
+    return classmethod(refuse) if name == "merge" else refuse
 
 
 class Absent:
@@ -180,12 +208,16 @@ class BaseCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.eval_arrays())
 
-    merge = classmethod(_batch_only("merge"))
-    extract = _batch_only("extract")
-    filter = _batch_only("filter")
-    extend = _batch_only("extend")
-    prepare = _batch_only("prepare")
-    finalize = _batch_only("finalize")
+    @classmethod
+    def merge(cls, caches: Sequence):
+        """One batch cache of one-sequence ``caches`` of one class (see :func:`merge_batch`)."""
+        return merge_batch(cls, caches)
+
+    extract = batch_only("extract")
+    filter = batch_only("filter")
+    extend = batch_only("extend")
+    prepare = batch_only("prepare")
+    finalize = batch_only("finalize")
 
 
 # ---------------------------------------------------------------- meta parsing

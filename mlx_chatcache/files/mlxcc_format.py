@@ -87,9 +87,9 @@ def save_prompt_cache(
     ``model``: the fingerprint of the model that made it; ``messages``: the chat it
     holds; ``text``: the raw text it holds (no chat template); ``settings``:
     JSON-able shape/sampling settings; ``snapshots``: copies of some layers at
-    earlier points (None for a layer not copied), see the module doc. A cache with layers that are not ours
-    (mlx-lm's own classes, e.g. its ``BatchKVCache``) is written in mlx-lm's
-    layout, whatever ``format`` says (see :mod:`.mlxlm`).
+    earlier points (None for a layer not copied), see the module doc. A cache with layers that are not
+    our one-sequence caches (a batch, e.g. a ``BatchKVCache``, or mlx-lm's own classes) is written in
+    mlx-lm's layout, whatever ``format`` says (see :mod:`.mlxlm`).
     """
     foreign = next((type(c).__name__ for c in cache if not _is_ours(c)), None)
     if format != "mlxcc" or foreign:
@@ -112,8 +112,9 @@ def save_prompt_cache(
 
 
 def _is_ours(layer) -> bool:
-    """Whether ``layer`` is one of our cache classes (they alone have ``flat_state``)."""
-    return hasattr(layer, "flat_state")
+    """Whether ``layer`` is one of our one-sequence caches (our classes alone have
+    ``flat_state``; a batch of ours, see ``batched``, is written in mlx-lm's layout)."""
+    return hasattr(layer, "flat_state") and not getattr(layer, "batched", lambda: False)()
 
 
 def prompt_cache_bytes(

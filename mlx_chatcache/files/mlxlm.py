@@ -228,16 +228,16 @@ def _from_032(name: str, s: list) -> BaseCache:
         c.start_position = _int(start)
         return _kv_cache(c, *_kv(keys, values, _int(offset), _int(start)), _int(offset))
     if name == "ArraysCache":
-        return _arrays(s[0] if s else [])
+        return _arrays(s[0] if s else [], *s[1:3])
     if name == "CacheList":
         return CacheList(*(_from_032(child[1], _as_list(child[0])) for child in s))
     if name in _KEPT_AS_MLX_LM:
-        from mlx_lm.models import cache as lm
+        from ..cache import BatchKVCache, BatchRotatingKVCache
 
         state = _batch_state(name, s)
         # made by its __init__, then its state setter: mlx-lm's from_state skips __init__, and the
         # attributes only __init__ sets (_lengths, _right_padding) would be missing on the next update
-        c = lm.BatchKVCache([0]) if name == "BatchKVCache" else lm.BatchRotatingKVCache(state[4], [0])
+        c = BatchKVCache([0]) if name == "BatchKVCache" else BatchRotatingKVCache(state[4], [0])
         c.state = state
         return c
     raise UnsupportedCacheError(f"mlx-lm cache class {_shown(name)} is not supported")
@@ -344,7 +344,9 @@ def _rotating(keys, values, offset: int, keep: int, max_size: int, idx: int) -> 
     return RotatingKVCache.from_state([k, v], meta)
 
 
-def _arrays(slots) -> ArraysCache:
+def _arrays(slots, left_padding=None, lengths=None) -> ArraysCache:
+    """Our ``ArraysCache`` of ``slots``; with a batch's ``left_padding``/``lengths``
+    (1-D integer arrays, one per row), a batch."""
     import mlx.core as mx
 
     from ..cache import ArraysCache
@@ -352,6 +354,11 @@ def _arrays(slots) -> ArraysCache:
     slots = slots if isinstance(slots, list) else [slots]
     c = ArraysCache(len(slots))
     c.cache = [a if isinstance(a, mx.array) else None for a in slots]
+    pads = [p for p in (left_padding, lengths) if p is not None]
+    if not all(isinstance(p, mx.array) and p.ndim == 1 and mx.issubdtype(p.dtype, mx.integer) for p in pads):
+        raise CacheFormatError("mlx-lm ArraysCache left_padding/lengths are not one integer per sequence")
+    if pads:
+        c.prepare(lengths=lengths, left_padding=left_padding)
     return c
 
 
@@ -360,8 +367,11 @@ def _to_mlx_lm(c: BaseCache):
     from mlx_lm.models import cache as lm
 
     name = type(c).__name__
-    if not hasattr(c, "flat_state"):  # not ours: mlx-lm's own object, saved as it is
-        if name not in _MLX_LM_CLASSES | set(_KEPT_AS_MLX_LM) or not type(c).__module__.startswith("mlx_lm."):
+    if not hasattr(c, "flat_state"):  # a batch (ours: mlx-lm's class) or mlx-lm's own object, saved as it is
+        from ..cache import BatchKVCache, BatchRotatingKVCache
+
+        theirs = type(c).__module__.startswith("mlx_lm.") or isinstance(c, (BatchKVCache, BatchRotatingKVCache))
+        if name not in _MLX_LM_CLASSES | set(_KEPT_AS_MLX_LM) or not theirs:
             raise UnsupportedCacheError(
                 f"cannot save a layer of class {_shown(name)}: it is neither an mlx_chatcache cache "
                 "nor one of mlx-lm's cache classes"
@@ -387,6 +397,7 @@ def _to_mlx_lm(c: BaseCache):
     elif name == "ArraysCache":
         out = lm.ArraysCache(len(c.cache))
         out.cache = list(c.cache)
+        out.left_padding, out.lengths = c.left_padding, c.lengths
     elif name == "CacheList":
         out = lm.CacheList(*(_to_mlx_lm(x) for x in c.caches))
     else:
