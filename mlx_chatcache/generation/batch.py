@@ -13,7 +13,7 @@ the last token (by :func:`~mlx_chatcache.generation.loop.prefill`), the token to
 feed next, and its own sampler and logits processors.
 
 - :meth:`DecodeBatch.join` adds a row; its layers move into the batch's mlx-lm
-  ``BatchKVCache`` layers (the row's state holds none while it is in the batch);
+  ``BatchKVCache`` layers (``KVCache.merge``; the row's state holds none while it is in the batch);
 - :meth:`DecodeBatch.step` makes one model call ``(B, 1)`` for every row, records
   each row's fed token in its ``state.tokens``, and samples each row's next token
   with its processors (which see its own tokens as the context) and sampler, as
@@ -72,16 +72,14 @@ class DecodeBatch:
     def __init__(self, model):
         self.model = model
         self.rows: list[BatchRow] = []
-        self._layers: list | None = None  # mlx-lm BatchKVCache per model layer
+        self._layers: list | None = None  # a BatchKVCache (cache/batch.py) per model layer
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def join(self, row: BatchRow) -> BatchRow:
         """Move ``row``'s layers into the batch (see the module docstring)."""
-        from mlx_lm.models.cache import BatchKVCache
-
-        merged = [BatchKVCache.merge([c]) for c in row.state.cache]
+        merged = [KVCache.merge([c]) for c in row.state.cache]
         if self._layers is None:
             self._layers = merged
         else:
@@ -137,11 +135,11 @@ class DecodeBatch:
 
 
 def _own_layer(layer, row: int, n: int) -> KVCache:
-    """Row ``row`` of a BatchKVCache ``layer`` as our KVCache of its ``n`` tokens."""
+    """Row ``row`` of a batch ``layer``: our KVCache holding its ``n`` tokens."""
     one = layer.extract(row)
     if one.offset != n:
         raise RuntimeError(f"a batch row holds {one.offset} tokens but recorded {n}")
-    return KVCache.from_state([one.keys, one.values], (str(n),))
+    return one
 
 
 __all__ = ["batch_refusal", "BatchRow", "DecodeBatch"]
