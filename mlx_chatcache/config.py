@@ -58,11 +58,13 @@ class CacheShape:
 
     def recording(self, settings: dict, config: "GenerationConfig | None" = None) -> dict:
         """The settings a cache file records for a cache of this shape: ``settings`` (what
-        the file recorded before, the weight policy), this window and, when ``config``
-        runs the cache, the KV quantization it runs with (then every key of :data:`SHAPE_KEYS`)."""
+        the file recorded before, the weight policy), this window and K/V dtype and, when
+        ``config`` runs the cache, the KV quantization it runs with (then every key of
+        :data:`SHAPE_KEYS`)."""
+        held = {"max_kv_size": self.max_kv_size, "keep": self.keep, "kv_dtype": self.kv_dtype}
         if config is None:
-            return {**settings, "max_kv_size": self.max_kv_size, "keep": self.keep}
-        return {**settings, **config.windowed(self).shape.settings()}
+            return {**settings, **held}
+        return {**settings, **config.windowed(self).shape.settings(), **held}
 
     def adopted(self, flags: dict) -> "CacheShape | None":
         """This recorded shape with the settings ``flags`` give (shape keys set by the
