@@ -153,3 +153,35 @@ def test_a_bad_kv_dtype_flag_is_one_line(command):
     p = mlxcc(command, "--kv-dtype", "float8")
     line = one_error_line(p)
     assert p.returncode == 2 and "--kv-dtype" in line and ", ".join(KV_DTYPES) in line and "'float8'" in line
+
+
+def run_main(capsys, *argv):
+    from mlx_chatcache.cli.main import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("kind", ["llama", "hybrid"])
+def test_cache_prompt_and_generate_with_kv_dtype(kind, tiny_model_dirs, tmp_path, capsys):
+    d, f = str(tiny_model_dirs[kind]), str(tmp_path / "sys.safetensors")
+    system = "You are a terse assistant who answers about rivers."
+    code, _, _ = run_main(capsys, "cache-prompt", "--model", d, "--system-prompt", system,
+                          "--prompt-cache-file", f, "--kv-dtype", "float16")  # fmt: skip
+    assert code == 0 and read_cache_info(f).settings["kv_dtype"] == "float16"
+    from mlx_chatcache.files.mlxcc_format import load_prompt_cache
+
+    cache = load_prompt_cache(f)
+    assert kv_dtypes(cache) == {mx.float16}
+    if kind == "hybrid":  # SSM state is not cast
+        assert any(a.dtype == mx.float32 for c in cache if not isinstance(c, KVCache) for a in c.flat_state())
+    ask = ("generate", "--model", d, "-p", "Name a river.", "-m", "8")
+    code, cached, _ = run_main(capsys, *ask, "--prompt-cache-file", f)  # the file's kv_dtype is used
+    assert code == 0
+    code, uncached, _ = run_main(capsys, *ask, "--system-prompt", system, "--kv-dtype", "float16")
+    assert code == 0 and cached == uncached
+    before = open(f, "rb").read()
+    code, out, err = run_main(capsys, *ask, "--prompt-cache-file", f, "--kv-dtype", "bfloat16")
+    assert code != 0 and out == "" and err.strip().count("\n") == 0
+    assert "kv_dtype=float16 but kv_dtype=bfloat16" in err and open(f, "rb").read() == before
