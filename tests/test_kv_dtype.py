@@ -185,3 +185,14 @@ def test_cache_prompt_and_generate_with_kv_dtype(kind, tiny_model_dirs, tmp_path
     code, out, err = run_main(capsys, *ask, "--prompt-cache-file", f, "--kv-dtype", "bfloat16")
     assert code != 0 and out == "" and err.strip().count("\n") == 0
     assert "kv_dtype=float16 but kv_dtype=bfloat16" in err and open(f, "rb").read() == before
+
+
+def test_a_copied_cache_keeps_its_kv_dtype_through_a_wrap():
+    from mlx_chatcache.cache import copy_prompt_cache
+
+    cache = RotatingKVCache(8, keep=2)
+    cache.kv_dtype = mx.float16
+    cache.update_and_fetch(*(mx.random.normal((1, 2, 6, 8)),) * 2)
+    (copy,) = copy_prompt_cache([cache])  # a chat checkpoint, a memory-tier entry
+    k, v = copy.update_and_fetch(*(mx.random.normal((1, 2, 5, 8)),) * 2)  # past the window: concatenated
+    assert k.dtype == v.dtype == mx.float16 and kv_dtypes([copy]) == {mx.float16}

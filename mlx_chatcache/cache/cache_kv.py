@@ -131,6 +131,8 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
         # own objects: update_and_fetch writes into them in place
         self.keys, self.values = (self._pack([a[...] for a in tree_arrays(x)]) for x in v)
         flat = tree_arrays([self.keys, self.values])
+        # a copy or a loaded cache holds what it is fed next as it holds its K/V (hold_kv_in may say otherwise)
+        self.kv_dtype = next((a.dtype for a in flat if a.dtype != mx.uint32), None)
         slots = flat[0].shape[2] if flat[0].ndim == 4 else -1
         if slots not in (self._held(), self.grown_slots(self._held())):
             slots = -1
