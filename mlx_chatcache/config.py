@@ -58,13 +58,12 @@ class CacheShape:
 
     def recording(self, settings: dict, config: "GenerationConfig | None" = None) -> dict:
         """The settings a cache file records for a cache of this shape: ``settings`` (what
-        the file recorded before, the weight policy), this window and K/V dtype and, when
-        ``config`` runs the cache, the KV quantization it runs with (then every key of
-        :data:`SHAPE_KEYS`)."""
-        held = {"max_kv_size": self.max_kv_size, "keep": self.keep, "kv_dtype": self.kv_dtype}
+        the file recorded before, the weight policy), this window and K/V dtype or, when
+        ``config`` runs the cache, this window and the KV settings it runs with (then every
+        key of :data:`SHAPE_KEYS`; a run's K/V dtype is the cache's, else it is refused)."""
         if config is None:
-            return {**settings, **held}
-        return {**settings, **config.windowed(self).shape.settings(), **held}
+            return {**settings, "max_kv_size": self.max_kv_size, "keep": self.keep, "kv_dtype": self.kv_dtype}
+        return {**settings, **config.windowed(self).shape.settings()}
 
     def adopted(self, flags: dict) -> "CacheShape | None":
         """This recorded shape with the settings ``flags`` give (shape keys set by the
