@@ -160,7 +160,7 @@ def main(argv=None) -> int:
             "interleaved per prompt. 'first divergence' = reply position of the first token that differs "
             "(min / median over the diverging replies); 'max abs logit diff' teacher-forced along float32's "
             "replies; decode tok/s = median over the prompts (first token excluded).\n\n")
-    out += md_table(["kv_dtype", "replies identical to float32", "first divergence", "max |logit diff|",
+    out += md_table(["kv_dtype", "replies identical to float32", "first divergence", "max abs logit diff",
                      "decode tok/s"], rows)
     out += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
     print(out)

@@ -172,7 +172,8 @@ SEED_LIMIT = 2**64  # mx.random.seed takes 0 <= seed < 2**64
 TOKEN_COUNT_MAX = 2**31 - 1  # token counts past this are never meant (and overflow int32 arrays)
 
 # the dtypes a cache may hold its K/V in (CacheShape.kv_dtype); "auto": the activation dtype
-# (on the float32 weight policy, float32), chosen by benchmarks/kv_dtype.py (benchmarks/RESULTS.md)
+# (on the float32 weight policy, float32): float16 kept the demo model's greedy replies but
+# decoded no faster on CPU (benchmarks/kv_dtype.py, benchmarks/RESULTS.md), so auto does not cast
 KV_DTYPES: tuple[str, ...] = ("auto", "float16", "bfloat16", "float32")
 
 # the values each GenerationConfig field takes, checked where a value enters (flags, /set,
