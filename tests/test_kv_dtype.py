@@ -196,3 +196,25 @@ def test_a_copied_cache_keeps_its_kv_dtype_through_a_wrap():
     (copy,) = copy_prompt_cache([cache])  # a chat checkpoint, a memory-tier entry
     k, v = copy.update_and_fetch(*(mx.random.normal((1, 2, 5, 8)),) * 2)  # past the window: concatenated
     assert k.dtype == v.dtype == mx.float16 and kv_dtypes([copy]) == {mx.float16}
+
+
+def test_a_file_from_before_kv_dtype_serves_auto_and_is_refused_for_float16(llama_model, tmp_path, capsys):
+    from mlx_chatcache.files.mlxcc_format import save_prompt_cache
+
+    model, tokenizer = llama_model
+    state = PromptCache.new(model)
+    feed_all(model, state, tokens_of(12), 2048)
+    f = tmp_path / "old.safetensors"
+    save_prompt_cache(f, state.cache, tokens=state.tokens, model=model.fingerprint, text="x",
+                      settings={"max_kv_size": None, "keep": 4})  # fmt: skip
+    assert "kv_dtype" not in read_cache_info(f).settings
+    back = PromptCache.load(f, model)
+    assert back.shape.kv_dtype == "auto" and all(c.kv_dtype is None for c in back.cache)
+    from mlx_chatcache.store.named_file import CacheFileTier
+
+    store = PromptStore([CacheFileTier(f, None)])
+    f16 = DEFAULTS.updated(kv_dtype="float16")
+    with pytest.raises(UsageError, match="was made with kv_dtype=auto but kv_dtype=float16 was asked"):
+        store.checkout(prompt_scope(model, f16), model, state.tokens + [1], f16.shape)
+    got, where = store.checkout(prompt_scope(model, DEFAULTS), model, state.tokens + [1], DEFAULTS.shape)
+    assert where is not None and got.tokens == state.tokens
