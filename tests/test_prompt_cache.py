@@ -72,12 +72,13 @@ def test_flat_api_names_are_the_library_functions():
 
 
 windows = st.one_of(st.none(), st.integers(1, 40))
+dtypes = st.sampled_from(["auto", "float16", "bfloat16", "float32"])
 shapes = st.builds(CacheShape, windows, st.integers(0, 6), st.sampled_from([None, 4, 8]), st.sampled_from([32, 64]),
-                   st.integers(0, 3))  # fmt: skip
-configs = st.builds(lambda w, k, b, g, s: DEFAULTS.updated(max_kv_size=w, keep=k, kv_bits=b, kv_group_size=g,
-                                                             quantized_kv_start=s),
+                   st.integers(0, 3), dtypes)  # fmt: skip
+configs = st.builds(lambda w, k, b, g, s, d: DEFAULTS.updated(max_kv_size=w, keep=k, kv_bits=b, kv_group_size=g,
+                                                                quantized_kv_start=s, kv_dtype=d),
                     windows, st.integers(0, 6), st.sampled_from([None, 4, 8]), st.sampled_from([32, 64]),
-                    st.integers(0, 3))  # fmt: skip
+                    st.integers(0, 3), dtypes)  # fmt: skip
 
 
 @settings(max_examples=200, deadline=None)
@@ -105,12 +106,13 @@ def test_one_rule_says_whether_a_cache_window_agrees(made, config):
 def test_a_file_records_the_window_it_was_made_with_and_the_kv_it_runs_with(made, config, note):
     """The settings a file records (CacheShape.recording: PromptCache.save, mlxcc generate,
     cache-prompt, session files) read back as the shape a run of ``config`` on the cache has."""
+    config = config.updated(kv_dtype=made.kv_dtype)  # a run on a cache holds its K/V dtype (another is refused)
     before = {"note": note, "weights": "bf16", "max_kv_size": 999}
     run = made.recording(before, config)
     assert CacheShape.recorded(run, "f") == config.windowed(made).shape
     assert (run["note"], run["weights"]) == (note, "bf16")
-    saved = made.recording(before)  # no run: the window alone, nothing else changed
-    assert saved == {**before, "max_kv_size": made.max_kv_size, "keep": made.keep}
+    saved = made.recording(before)  # no run: the window and K/V dtype alone, nothing else changed
+    assert saved == {**before, "max_kv_size": made.max_kv_size, "keep": made.keep, "kv_dtype": made.kv_dtype}
     assert made.recording(run) == run and made.recording(run, config) == run
 
 

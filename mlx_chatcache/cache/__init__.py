@@ -29,7 +29,7 @@ from mlx_lm.models import cache as mlx_lm_cache
 from .batch import BatchKVCache, BatchRotatingKVCache
 from .cache_arrays import ArraysCache
 from .cache_base import BATCH_ONLY_METHODS, BaseCache, check_arrays, parse_ints, tree_arrays
-from .cache_kv import ChunkedKVCache, KVCache, QuantizedKVCache
+from .cache_kv import ChunkedKVCache, KVCache, QuantizedKVCache, hold_kv_in
 from .cache_rotating import QuantizedRotatingKVCache, RotatingKVCache
 from ..config import DEFAULTS
 from ..errors import CacheFormatError, UnsupportedCacheError, UsageError, clipped
@@ -221,18 +221,22 @@ def mirror_cache(c: Any) -> BaseCache:
 
 
 # ------------------------------------------------------------------ prompt caches
-def make_prompt_cache(model, max_kv_size: int | None = None, keep: int | None = None) -> list[BaseCache]:
+def make_prompt_cache(
+    model, max_kv_size: int | None = None, keep: int | None = None, kv_dtype: str = DEFAULTS.kv_dtype
+) -> list[BaseCache]:
     """One cache per layer, mirroring ``model.make_cache()`` when it exists.
 
     With ``max_kv_size``, full-attention ``KVCache`` layers become
     ``RotatingKVCache(max_kv_size, keep)`` (``keep`` defaults to DEFAULTS.keep).
+    K/V layers hold their keys/values in ``kv_dtype`` (config.KV_DTYPES; "auto":
+    as the model computes them); SSM state (ArraysCache) is never cast.
     """
     if hasattr(model, "make_cache"):
         cache = [mirror_cache(c) for c in model.make_cache()]
     else:
         cache = [KVCache() for _ in model.layers]
     if max_kv_size is None:
-        return cache
+        return hold_kv_in(cache, kv_dtype)
     keep = DEFAULTS.keep if keep is None else keep
     keep = min(keep, max_kv_size - 1)
 
@@ -243,7 +247,7 @@ def make_prompt_cache(model, max_kv_size: int | None = None, keep: int | None = 
             return CacheList(*(bound(x) for x in c.caches))
         return c
 
-    return [bound(c) for c in cache]
+    return hold_kv_in([bound(c) for c in cache], kv_dtype)
 
 
 def can_trim_prompt_cache(cache: Sequence[BaseCache]) -> bool:

@@ -36,13 +36,15 @@ from .cache_base import (
     standard_mask,
     tree_arrays,
 )
-from ..errors import CacheFormatError
+from ..config import KV_DTYPES
+from ..errors import CacheFormatError, UsageError
 
 
 class KVCache(BaseCache, mlx_lm_cache.KVCache):
     """Full-attention cache: every token stays. Trimmable."""
 
     step = 256
+    kv_dtype: mx.Dtype | None = None  # the dtype K/V are held in (set by hold_kv_in); None: as computed
 
     def __init__(self):
         self._init_empty()
@@ -54,8 +56,10 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
 
     # ----------------------------------------------------------- storage hooks
     def _encode(self, x: mx.array):
-        """How new keys/values are stored (identity for float caches)."""
-        return x
+        """How new keys/values are stored: in ``kv_dtype`` when set, else as computed.
+        The one place K/V are cast: every path (prefill, decode, a rotating window's
+        wrap, quantizing) stores what this returns."""
+        return x if self.kv_dtype is None or x.dtype == self.kv_dtype else x.astype(self.kv_dtype)
 
     @property
     def _start(self) -> int:
@@ -127,6 +131,8 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
         # own objects: update_and_fetch writes into them in place
         self.keys, self.values = (self._pack([a[...] for a in tree_arrays(x)]) for x in v)
         flat = tree_arrays([self.keys, self.values])
+        # a copy or a loaded cache holds what it is fed next as it holds its K/V (hold_kv_in may say otherwise)
+        self.kv_dtype = next((a.dtype for a in flat if a.dtype != mx.uint32), None)
         slots = flat[0].shape[2] if flat[0].ndim == 4 else -1
         if slots not in (self._held(), self.grown_slots(self._held())):
             slots = -1
@@ -193,7 +199,7 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedKVCache":
         """A quantized copy holding the same tokens (mlx-lm's defaults)."""
         q = QuantizedKVCache(group_size=group_size, bits=bits)
-        q.offset = self.offset
+        q.offset, q.kv_dtype = self.offset, self.kv_dtype
         if self.keys is not None:
             k, v = self._fetch()
             q.keys, q.values = q._encode(k), q._encode(v)
@@ -212,7 +218,8 @@ class QuantizedKVCache(KVCache, mlx_lm_cache.QuantizedKVCache):
         self.group_size, self.bits = group_size, bits
 
     def _encode(self, x: mx.array):
-        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+        """Cast to ``kv_dtype`` (KVCache._encode), then quantized: scales and biases take that dtype."""
+        return tuple(mx.quantize(KVCache._encode(self, x), group_size=self.group_size, bits=self.bits))
 
     def _state_form(self):
         return [("keys", "key_scales", "key_biases"), ("values", "value_scales", "value_biases")]
@@ -232,6 +239,25 @@ class QuantizedKVCache(KVCache, mlx_lm_cache.QuantizedKVCache):
         )
         check_quant_params(type(self).__name__, self.group_size, self.bits)
 
+
+def hold_kv_in(cache: list, kv_dtype: str) -> list:
+    """``cache`` (one cache per layer) with every K/V layer, inside a CacheList too,
+    holding its keys/values in ``kv_dtype`` (one of config.KV_DTYPES; "auto": as
+    the model computes them) from now on. Other layers (ArraysCache: SSM state) are
+    left as they are."""
+    if kv_dtype not in KV_DTYPES:
+        raise UsageError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    dtype = None if kv_dtype == "auto" else getattr(mx, kv_dtype)
+
+    def hold(c):
+        if isinstance(c, KVCache):
+            c.kv_dtype = dtype
+        for inner in getattr(c, "caches", ()):
+            hold(inner)
+
+    for c in cache:
+        hold(c)
+    return cache
 
 
 def check_quant_params(name: str, group_size: int, bits: int) -> None:

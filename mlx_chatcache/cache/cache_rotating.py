@@ -264,7 +264,7 @@ class RotatingKVCache(KVCache, mlx_lm_cache.RotatingKVCache):
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedRotatingKVCache":
         q = QuantizedRotatingKVCache(self.max_size, self.keep, group_size=group_size, bits=bits)
-        q.offset, q._idx = self.offset, self._ring_idx()
+        q.offset, q._idx, q.kv_dtype = self.offset, self._ring_idx(), self.kv_dtype
         if self.keys is not None:  # same slot order: wrapped, the whole ring; else the held tokens
             k, v = (self.keys, self.values) if self._wrapped() else self._temporal()
             q.keys, q.values = q._encode(k), q._encode(v)

@@ -244,6 +244,7 @@ def _parse_config(path, raw, notes: list[str]) -> GenerationConfig:
         default = getattr(DEFAULTS, k)
         ok = v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
         ok = ok or (k in RANGES and RANGES[k].token_map and isinstance(v, list))  # JSON's (id, number) pairs
+        ok = ok or (isinstance(default, str) and isinstance(v, str))  # a name (kv_dtype)
         if not ok or (v is None and default is not None and k not in ("seed",)):
             raise CacheFileError(f"{path}: session setting {k}={v!r} is invalid; the file is damaged")
         if isinstance(default, int) and not isinstance(default, bool) and isinstance(v, float):

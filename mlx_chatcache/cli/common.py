@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..config import DEFAULTS, RANGES, WEIGHTS, SHAPE_KEYS, GenerationConfig, SettingError, check_setting, check_window
+from ..config import DEFAULTS, KV_DTYPES, RANGES, WEIGHTS, SHAPE_KEYS, GenerationConfig, SettingError, check_setting, check_window
 from ..errors import UsageError
 
 D = DEFAULTS
@@ -44,6 +44,8 @@ def setting_value(name: str, text: str):
     r = RANGES[name]
     if r.optional and text.strip().lower() in ("none", "off"):
         return None
+    if r.choices and isinstance(r.choices[0], str):  # a name (kv_dtype)
+        return check_setting(name, text.strip())
     try:
         v = int(text) if r.integer else float(text)
     except ValueError:
@@ -151,6 +153,11 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    f"{D.keep}, a cache file's recorded keep, or a chat's system prompt)")
     p.add_argument("--kv-bits", type=setting_type("kv_bits"), help="quantize the KV cache to this many bits (default off)")
     p.add_argument("--kv-group-size", type=setting_type("kv_group_size"), help=f"KV quantization group size (default {D.kv_group_size})")
+    p.add_argument(
+        "--kv-dtype", type=setting_type("kv_dtype"), metavar="{" + ",".join(KV_DTYPES) + "}",
+        help="dtype the KV cache holds keys/values in, in memory and in files; auto: the model's "
+        "activation dtype (default auto)",
+    )
     p.add_argument(
         "--quantized-kv-start", type=setting_type("quantized_kv_start"),
         help=f"quantize the KV cache once it holds this many tokens (default {D.quantized_kv_start})",

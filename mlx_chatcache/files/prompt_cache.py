@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..cache import BaseCache, make_prompt_cache
+from ..cache.cache_kv import hold_kv_in
 from ..config import CacheShape, SettingError, check_setting, check_window
 from ..errors import CacheFormatError, UsageError
 from ..models.fingerprint import ModelFingerprint
@@ -67,7 +68,7 @@ class PromptCache:
                 check_window(check_setting("max_kv_size", max_kv_size), keep)
             except SettingError as e:
                 raise UsageError(e.named) from None
-        cache = make_prompt_cache(model, max_kv_size, keep)
+        cache = make_prompt_cache(model, max_kv_size, keep, shape.kv_dtype)
         return cls(cache, [], shape, getattr(model, "fingerprint", None), settings=_policy(model))
 
     @property
@@ -76,7 +77,7 @@ class PromptCache:
 
     def reset(self, model) -> None:
         """Drop the cache and its tokens: a fresh empty cache of the same shape."""
-        self.cache[:] = make_prompt_cache(model, self.shape.max_kv_size, self.shape.keep)
+        self.cache[:] = make_prompt_cache(model, self.shape.max_kv_size, self.shape.keep, self.shape.kv_dtype)
         del self.tokens[:]
 
     # ------------------------------------------------------------ files
@@ -108,8 +109,10 @@ class PromptCache:
     @classmethod
     def fitted(cls, model, cache, tokens, shape: CacheShape, path) -> "PromptCache":
         """A cache loaded from ``path`` and its ``tokens`` as a prompt cache of ``shape``;
-        ModelMismatchError when its layers are not the kinds ``model`` makes."""
+        ModelMismatchError when its layers are not the kinds ``model`` makes; its K/V
+        layers hold what they are fed from now on in ``shape.kv_dtype``."""
         check_cache_fits_model(cache, make_prompt_cache(model, shape.max_kv_size, shape.keep), path)
+        hold_kv_in(cache, shape.kv_dtype)
         return cls(cache, list(tokens), shape, getattr(model, "fingerprint", None), settings=_policy(model))
 
 

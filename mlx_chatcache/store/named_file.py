@@ -165,8 +165,10 @@ class CacheFileTier(Tier):
 def recorded_shape(info: CacheFileInfo) -> dict:
     """The settings that shaped the cache of the file ``info`` describes: those it
     records and, for a file that does not record ``kv_bits`` (written before it
-    was), the KV quantization its quantized layers show (a float file leaves it open)."""
+    was), the KV quantization its quantized layers show (a float file leaves it open);
+    a file that does not record ``kv_dtype`` held its K/V as computed: "auto"."""
     shape = shape_settings(info.settings)
+    shape.setdefault("kv_dtype", "auto")  # a file from before kv_dtype holds K/V as they were computed
     if "kv_bits" not in shape:
         found = _header_quantization(info)
         if found is not None:

@@ -52,6 +52,7 @@ from collections import deque
 from typing import Callable, Sequence
 
 from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache
+from ..cache.cache_kv import hold_kv_in
 from ..config import CacheShape
 from ..errors import ChatCacheError
 from ..files.prompt_cache import PromptCache
@@ -81,8 +82,8 @@ class PromptStore:
             tier, entry, _ = best
             # a deferred write not done yet: its cache is at hand
             cache = copy_prompt_cache(entry.payload) if tier is None else tier.fetch(entry, scope, state.cache)
-            if cache is not None:
-                state.cache[:], state.tokens[:] = cache, entry.tokens
+            if cache is not None:  # holding what it is fed next in the shape's K/V dtype
+                state.cache[:], state.tokens[:] = hold_kv_in(cache, state.shape.kv_dtype), entry.tokens
                 return state, "pending" if tier is None else tier.name
             tried += 1
         self.misses += 1
