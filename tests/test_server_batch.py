@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import mlx.core as mx
 import pytest
 
 from cli_helpers import mlxcc, one_error_line
@@ -377,3 +378,45 @@ def test_health_reports_an_enabled_batch(llama_model, tiny_model_dirs):
 def test_max_batch_out_of_range_is_one_line(value):
     line = one_error_line(mlxcc("serve", "--max-batch", value))
     assert "--max-batch" in line and (value in line)
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_every_choice_of_a_one_token_prompt_holds_the_kv_dtype_asked(llama, max_batch):
+    """The copies n choices generate on (here of an empty cache) hold K/V in the dtype asked."""
+    model, tok, prompts = llama
+    config = cfg(max_tokens=4, kv_dtype="float16")
+    worker, _ = make_worker(model, tok, config, max_batch)
+    put, dtypes = worker._put, []
+
+    def recorded(tokens, cache, key):
+        dtypes.append({a.dtype for c in cache for a in c.flat_state()})
+        put(tokens, cache, key)
+
+    worker._put = recorded
+    try:
+        rec = Recorder()
+        worker.submit(job_for(prompts[1][:1], config, rec, n=3))
+        worker.start()
+        assert rec.done.wait(TIMEOUT) and rec.last()[0] == "done", rec.last()
+    finally:
+        worker.stop()
+    assert len(dtypes) == 3 and all(d == {mx.float16} for d in dtypes), dtypes
+
+
+def test_float16_kv_rows_give_their_solo_float16_tokens(llama):
+    """A batch holds K/V in the dtype asked, as each row alone does (else its tokens drift)."""
+    model, tok, prompts = llama
+    config = cfg(max_tokens=20, kv_dtype="float16")
+    alone = [solo(model, tok, p, config)[0] for p in prompts[:3]]
+    worker, sched = make_worker(model, tok, config, 4)
+    try:
+        recs = [Recorder() for _ in alone]
+        batched(worker, [(p, config, r, None) for p, r in zip(prompts, recs)])
+    finally:
+        worker.stop()
+    assert max(sched.widths) >= 2
+    for a, b in zip(alone, recs):
+        assert b.ids() == a.ids() and len(b.ids()) == 20
+        lp_a = [lp.logprob for kind, p in a.events if kind == "piece" for lp in p.logprobs]
+        lp_b = [lp.logprob for kind, p in b.events if kind == "piece" for lp in p.logprobs]
+        assert lp_b == pytest.approx(lp_a, abs=1e-3)

@@ -29,16 +29,27 @@ from ..errors import UnsupportedCacheError
 
 
 class BatchKVCache(mlx_lm_cache.BatchKVCache):
-    """mlx-lm's ``BatchKVCache`` whose rows are extracted as our ``KVCache``."""
+    """mlx-lm's ``BatchKVCache`` whose rows are extracted as our ``KVCache``, holding
+    K/V in its rows' dtype (``kv_dtype``, as :class:`KVCache` does; None: as computed)."""
+
+    kv_dtype = None
 
     @classmethod
     def merge(cls, caches: Sequence) -> "BatchKVCache":
         """One batch of ``caches`` (our or mlx-lm's ``KVCache`` objects), row ``i`` = ``caches[i]``."""
         if not caches:
             raise UnsupportedCacheError("BatchKVCache.merge needs at least one cache")
-        if all(c.size() == 0 for c in caches):
-            return cls([0] * len(caches))
-        return super().merge(list(caches))
+        dtypes = {getattr(c, "kv_dtype", None) for c in caches}
+        if len(dtypes) > 1:
+            raise UnsupportedCacheError("caches holding K/V in different dtypes cannot share a batch")
+        out = cls([0] * len(caches)) if all(c.size() == 0 for c in caches) else super().merge(list(caches))
+        out.kv_dtype = dtypes.pop()
+        return out
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self.kv_dtype is not None:
+            keys, values = keys.astype(self.kv_dtype), values.astype(self.kv_dtype)
+        return super().update_and_fetch(keys, values)
 
     def extract(self, idx: int):
         """Row ``idx`` as our ``KVCache``: exactly its tokens (no padding), offset = their count."""
@@ -49,6 +60,7 @@ class BatchKVCache(mlx_lm_cache.BatchKVCache):
             keys = mx.contiguous(self.keys[idx : idx + 1, :, start : self._idx, :])
             values = mx.contiguous(self.values[idx : idx + 1, :, start : self._idx, :])
             out = KVCache.from_state([keys, values], (str(keys.shape[2]),))
+        out.kv_dtype = self.kv_dtype
         return out
 
 
