@@ -194,7 +194,7 @@ def test_untrimmable_entries_serve_only_their_own_prefix(tiny_model_dirs, kind):
 def test_deferred_file_writes_wait_for_flush(llama_model, tmp_path):
     model, _ = llama_model
     a, b = tokens_of(20), tokens_of(24, start=50)
-    store = PromptStore([MemoryTier(1 << 30), DiskTier(tmp_path, 1 << 30)])
+    store = PromptStore([MemoryTier(1 << 30, block_tokens=0), DiskTier(tmp_path, 1 << 30)])
     state = filled(model, a)
     want = arrays(state.cache)
     assert store.put(scope(model), a, state.cache, defer=True) == {"memory": True, "disk": None}

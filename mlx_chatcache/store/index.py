@@ -8,14 +8,21 @@ cache shape made it: entries of another namespace are never returned),
 ``tokens`` (the exact ids the cache holds), ``nbytes``, ``trimmable`` (whether
 it can serve a shorter prefix of its tokens), ``key`` (the conversation it is
 pinned to, or None) and ``payload`` (what the tier keeps: cache objects, a
-file path, ...).
+file path, ...); ``blocks`` (the shared blocks it also holds, as
+``(block id, nbytes)``: ``nbytes`` is then its own part only, the tail).
+
+A block is counted once however many entries hold it, and freed (its bytes
+leave :attr:`EntryIndex.nbytes`) when the last entry holding it is removed:
+``nbytes`` is what the tier really holds, unique blocks plus the entries' own
+parts. An entry's *size* is its own bytes plus all its blocks'.
 
 :class:`EntryIndex` keeps entries within ``budget`` bytes:
 
-- an entry larger than the budget is refused (nothing is evicted for it);
+- an entry whose size exceeds the budget is refused (nothing is evicted for it);
 - otherwise the least recently used entries are evicted until it fits, with
   **no entry evicting more than its own size's worth** of others: a victim
-  whose eviction would push the bytes freed past the new entry's size is
+  whose eviction would push the bytes freed past what the new entry adds
+  (its own bytes and the blocks not stored yet) is
   skipped; if the entry still does not fit it is refused and nothing is evicted;
 - pinned entries (``key`` not None) are evicted only to make room for another
   pinned entry, and only after every unpinned candidate;
@@ -48,7 +55,13 @@ class Entry:
     trimmable: bool
     key: str | None = None
     payload: Any = None
+    blocks: tuple[tuple[str, int], ...] = ()
     id: int = field(default=0, compare=False)
+
+    @property
+    def size(self) -> int:
+        """Its own bytes plus those of every block it holds."""
+        return self.nbytes + sum(n for _, n in self.blocks)
 
     @property
     def pinned(self) -> bool:
@@ -77,6 +90,7 @@ class EntryIndex:
         self._lru: OrderedDict[int, Entry] = OrderedDict()  # oldest first
         self._by_key: dict[str, set[int]] = {}
         self._ids = itertools.count(1)
+        self._blocks: dict[str, list[int]] = {}  # block id -> [entries holding it, nbytes]
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -107,12 +121,16 @@ class EntryIndex:
         for key, ids in list(self._by_key.items()):
             entries = [e for e in map(self._lru.get, list(ids)) if e is not None]
             if entries:
-                out[key] = Pin(len(entries), max(len(e.tokens) for e in entries), sum(e.nbytes for e in entries))
+                out[key] = Pin(len(entries), max(len(e.tokens) for e in entries), sum(e.size for e in entries))
         return out
 
     def get(self, namespace: str, tokens: Sequence[int]) -> Entry | None:
         trie = self._tries.get(namespace)
         return trie.get(tokens) if trie else None
+
+    def has_block(self, block: str) -> bool:
+        """Whether an entry holds ``block``."""
+        return block in self._blocks
 
     def touch(self, entry: Entry) -> None:
         """Mark ``entry`` most recently used."""
@@ -130,14 +148,37 @@ class EntryIndex:
         ]  # fmt: skip
 
     # ------------------------------------------------------------------ update
-    def plan(self, nbytes: int, pinned: bool, dropping: Sequence[Entry] = ()) -> list[Entry] | None:
-        """The entries to evict so that ``nbytes`` more fit (None: refused).
-        ``dropping``: entries removed anyway (superseded or replaced), which
-        free their bytes without counting as evictions."""
-        if nbytes > self.budget:
+    def plan(self, nbytes: int, pinned: bool, dropping: Sequence[Entry] = (),
+             blocks: Sequence[tuple[str, int]] = ()) -> list[Entry] | None:  # fmt: skip
+        """The entries to evict so that an entry of ``nbytes`` own bytes holding
+        ``blocks`` fits (None: refused). ``dropping``: entries removed anyway
+        (superseded or replaced), which free their bytes without counting as
+        evictions. Removing entries frees their own bytes and the blocks no
+        remaining entry (nor the new one) holds."""
+        if nbytes + sum(n for _, n in blocks) > self.budget:
             return None
-        skip = {e.id for e in dropping}
-        need = self.nbytes - sum(e.nbytes for e in dropping) + nbytes - self.budget
+        keep = {b for b, _ in blocks}
+        adds = nbytes + sum(n for b, n in blocks if b not in self._blocks)
+        held: dict[str, int] = {}  # block -> holders removed so far
+
+        def frees(e: Entry) -> int:
+            out = e.nbytes
+            for b, n in e.blocks:
+                if b not in keep and self._blocks[b][0] - held.get(b, 0) == 1:
+                    out += n
+            return out
+
+        def take(e: Entry) -> None:
+            for b, _ in e.blocks:
+                held[b] = held.get(b, 0) + 1
+
+        skip, freed_dropping = set(), 0
+        for e in dropping:
+            if e.id in self._lru and e.id not in skip:
+                freed_dropping += frees(e)
+                take(e)
+                skip.add(e.id)
+        need = self.nbytes - freed_dropping + adds - self.budget
         if need <= 0:
             return []
         victims, freed = [], 0
@@ -145,10 +186,12 @@ class EntryIndex:
         if pinned:
             candidates += [e for e in self._lru.values() if e.pinned and e.id not in skip]
         for e in candidates:
-            if freed + e.nbytes > nbytes:
-                continue  # would evict more than the new entry's size
+            gain = frees(e)
+            if freed + gain > adds:
+                continue  # would evict more than the new entry adds
             victims.append(e)
-            freed += e.nbytes
+            take(e)
+            freed += gain
             if freed >= need:
                 return victims
         return None
@@ -167,10 +210,16 @@ class EntryIndex:
         if entry.key is not None:
             self._by_key.setdefault(entry.key, set()).add(entry.id)
         self.nbytes += entry.nbytes
+        for b, n in entry.blocks:
+            count = self._blocks.setdefault(b, [0, n])
+            if count[0] == 0:
+                self.nbytes += n
+            count[0] += 1
 
-    def remove(self, entry: Entry) -> None:
+    def remove(self, entry: Entry) -> list[str]:
+        """Remove ``entry``; the blocks no entry holds any more (freed)."""
         if self._lru.pop(entry.id, None) is None:
-            return
+            return []
         trie = self._tries[entry.namespace]
         trie.remove(entry.tokens)
         if not len(trie):
@@ -181,3 +230,12 @@ class EntryIndex:
             if not ids:
                 del self._by_key[entry.key]
         self.nbytes -= entry.nbytes
+        freed = []
+        for b, n in entry.blocks:
+            count = self._blocks[b]
+            count[0] -= 1
+            if count[0] == 0:
+                del self._blocks[b]
+                self.nbytes -= n
+                freed.append(b)
+        return freed

@@ -46,6 +46,8 @@ from ..files.mlxcc_format import check_cache_fits_model, load_cache_file, save_p
 from ..config import SERVER_DEFAULTS
 from ..errors import ChatCacheError
 from ..models.fingerprint import ModelFingerprint
+from .blocks import Blocked, assemble, nbytes, split, splittable
+from .chain import Chain
 from .disk_folder import claim_folder, entry_file_name, read_entry
 from .index import Entry, EntryIndex
 
@@ -110,7 +112,7 @@ class Tier:
         """Insert ``entry`` under the budget rule, dropping what it supersedes."""
         replaced = self.index.get(entry.namespace, entry.tokens)
         dropping = self.index.superseded(entry) + ([replaced] if replaced is not None else [])
-        victims = self.index.plan(entry.nbytes, entry.pinned, dropping)
+        victims = self.index.plan(entry.nbytes, entry.pinned, dropping, entry.blocks)
         if victims is None:
             self.counters["refused"] += 1
             return False
@@ -131,26 +133,60 @@ class Tier:
 
 
 class MemoryTier(Tier):
-    """Cache objects in memory. An entry is a compact copy of the cache it was
-    given (live tokens only, in buffers of their own, so ``nbytes`` is what it
-    really holds); ``fetch`` returns a copy, so entries never change."""
+    """Cache objects in memory; ``fetch`` returns a copy, so entries never change.
+
+    With ``block_tokens`` (default ``SERVER_DEFAULTS.store_block_tokens``), a
+    cache of plain K/V layers is kept as shared blocks of that many tokens plus
+    its tail (:mod:`.blocks`): entries sharing a prefix hold its blocks once,
+    and the budget counts each block once (:class:`~.index.EntryIndex`). A cache
+    that cannot be split (see :func:`~.blocks.splittable`), or any cache when
+    ``block_tokens`` is 0, is kept whole: a compact copy (live tokens only, in
+    buffers of its own, so ``nbytes`` is what it really holds)."""
 
     name = "memory"
 
+    def __init__(self, budget: int, block_tokens: int = SERVER_DEFAULTS.store_block_tokens):
+        super().__init__(budget)
+        self.block_tokens = block_tokens
+        self._values: dict[str, list[mx.array]] = {}  # block id -> its arrays
+        self._loose: set[str] = set()  # blocks that may have lost their last entry
+
     def fetch(self, entry, scope, expected):
         self._hit(entry)
+        if isinstance(entry.payload, Blocked):
+            return assemble(entry.payload, [self._values[b] for b, _ in entry.blocks])
         return copy_prompt_cache(entry.payload)
 
     def add(self, scope, tokens, cache, key, compact: bool = False):
-        """``compact``: ``cache`` is a compact copy already, kept as it is."""
+        """``compact``: ``cache`` is a compact copy already, kept as it is when stored whole."""
         covering = self._covered(Entry(scope.namespace, tuple(tokens), 0, True, key))
         if covering is not None:
             self.index.touch(covering)
             return True
-        compact = cache if compact else compact_copy(cache)
-        entry = Entry(scope.namespace, tuple(tokens), prompt_cache_nbytes(compact),
-                      can_trim_prompt_cache(cache), key, compact)  # fmt: skip
-        return self._admit(entry)
+        trimmable = can_trim_prompt_cache(cache)
+        if self.block_tokens > 0 and splittable(cache, len(tokens)):
+            chain = Chain(scope.namespace, tokens, self.block_tokens)
+            new, blocked = split(cache, chain, self._values.__contains__)
+            self._values.update(new)
+            self._loose.update(new)
+            blocks = tuple((h, nbytes(self._values[h])) for h in chain.hashes)
+            entry = Entry(scope.namespace, tuple(tokens), blocked.nbytes, trimmable, key, blocked, blocks)
+        else:
+            compact = cache if compact else compact_copy(cache)
+            entry = Entry(scope.namespace, tuple(tokens), prompt_cache_nbytes(compact), trimmable, key, compact)
+        try:
+            return self._admit(entry)
+        finally:
+            for b in self._loose:
+                if not self.index.has_block(b):
+                    self._values.pop(b, None)
+            self._loose.clear()
+
+    def _drop(self, entry, keep_payload_of=None):
+        self._loose.update(self.index.remove(entry))
+
+    def stats(self) -> dict:
+        return {**super().stats(), "blocks": len(self._values), "block_tokens": self.block_tokens}
 
 
 def compact_copy(cache: Sequence[BaseCache]) -> list[BaseCache]:
