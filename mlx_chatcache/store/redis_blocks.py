@@ -1,7 +1,7 @@
 """Block values of the Redis tier: a cache's K/V in blocks of tokens, as bytes.
 
 A cache whose layers are all plain ``KVCache``/``QuantizedKVCache`` holding
-exactly its ``n`` tokens (:func:`splittable`) is stored as the values of its
+exactly its ``n`` tokens (:func:`splittable`, as :mod:`.blocks` says) is stored as the values of its
 full blocks plus a tail (the tokens after the last full block); any other
 cache is stored whole (:mod:`.redis_tier`).
 
@@ -31,6 +31,7 @@ import numpy as np
 
 from ..cache import BaseCache, KVCache, QuantizedKVCache
 from ..files.checksum import crc32
+from . import blocks
 from .chain import Chain
 
 _KINDS = {"KVCache": KVCache, "QuantizedKVCache": QuantizedKVCache}
@@ -44,15 +45,8 @@ def _name(dtype) -> str:
 
 
 def splittable(cache: Sequence[BaseCache], n: int) -> bool:
-    """True when every layer is a plain KVCache/QuantizedKVCache holding exactly ``n`` tokens."""
-    if n <= 0 or not cache:
-        return False
-    for c in cache:
-        if type(c).__name__ not in _KINDS or type(c) is not _KINDS[type(c).__name__] or c.offset != n:
-            return False
-        if any(a.ndim != 4 or a.shape[2] != n or _name(a.dtype) not in _DTYPES for a in c.flat_state()):
-            return False
-    return True
+    """:func:`.blocks.splittable`, with arrays of dtypes this module writes."""
+    return blocks.splittable(cache, n) and all(_name(a.dtype) in _DTYPES for c in cache for a in c.flat_state())
 
 
 @dataclass(frozen=True)

@@ -98,9 +98,8 @@ class RedisWriter:
         """Publish an entry, with the block values ``values`` its manifest lists
         (False: refused by the budget; raises Unavailable)."""
         values = values or {}
-        hashes = list(values)
-        present = self.link.run(lambda r: r.exists(*[self.keys.value(m.namespace, h) for h in hashes])) if hashes else 0
-        cost = m.nbytes + (sum(map(len, values.values())) if present < len(hashes) else 0)
+        stored = self.link.run(lambda r: self._stored(r, m.namespace, list(values)))
+        cost = m.nbytes + sum(len(v) for h, v in values.items() if h not in stored)
         whole = m.whole_bytes(self.block)
         victims = self.link.run(lambda r: self.plan(r, cost, m.key is not None, member(m.namespace, m.eid), whole))
         if victims is None:
@@ -122,6 +121,13 @@ class RedisWriter:
             if (j + 1) % 4 == 0:
                 pipe.execute()
         pipe.execute()
+
+    def _stored(self, r, ns: str, hashes: list[str]) -> set[str]:
+        """Which of ``hashes`` have a block value in Redis."""
+        pipe = r.pipeline(transaction=False)
+        for h in hashes:
+            pipe.exists(self.keys.value(ns, h))
+        return {h for h, n in zip(hashes, pipe.execute() if hashes else ()) if n}
 
     def _write_values(self, r, ns: str, values: dict[str, bytes]) -> None:
         """Write the block values not stored yet (SET NX: the first writer's stays);
