@@ -264,9 +264,10 @@ def main(argv=None) -> int:
                       "file / llama.cpp"], chat_rows)  # fmt: skip
     text += (f"\nStore: N conversations = a shared {args.shared}-token system prompt + {args.unique} unique tokens "
              f"each ({per_token} K/V bytes per token); 'unique K/V' = the K/V bytes of {args.shared} + "
-             f"{args.unique} N tokens; 'memory' stores whole entries (every entry holds its whole prefix), as do "
-             f"disk and Redis; 'blocks' is the memory tier with shared blocks of {args.block} tokens (each "
-             "entry: its blocks' references + its tail)."
+             f"{args.unique} N tokens; 'memory' stores whole entries (every entry holds its whole prefix), as does "
+             f"disk; 'blocks' is the memory tier with shared blocks of {args.block} tokens (each "
+             "entry: its blocks' references + its tail); Redis shares block values of "
+             f"{SERVER_DEFAULTS.redis_block_tokens} tokens (its default), counted with every key's overhead."
              + (f" Redis: n/a ({redis_why})." if redis_why else "") + "\n\n")  # fmt: skip
     text += md_table(["N", "unique K/V MB", "memory MB", "memory / unique", "blocks MB", "blocks / unique",
                       "disk MB", "disk / unique", "redis MB", "redis / unique"], rows)  # fmt: skip
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
     text += ("\nTargets: a saved chat within 1.05x its K/V bytes ('file / K/V') and, with float16 K/V, "
              "within 1.05x llama.cpp's ('file / llama.cpp'); the store within 1.25x the unique K/V, "
              "which whole-entry tiers cannot meet (every entry holds the shared prompt): the block memory tier "
-             "is built for it, disk and Redis are not yet; a block checkout within 1.2x of a whole entry's, "
+             "and Redis are built for it, disk is not yet; a block checkout within 1.2x of a whole entry's, "
              "counted to the first token fed (both then hold one copy).\n")
     text += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
     print(text)

@@ -8,12 +8,14 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("redis")
 
 from redis_server import redis_server  # noqa: E402,F401  (fixture)
 
-from mlx_chatcache.cache import KVCache, make_prompt_cache  # noqa: E402
+from mlx_chatcache.cache import KVCache, QuantizedKVCache, make_prompt_cache  # noqa: E402
 from mlx_chatcache.store.chain import Chain  # noqa: E402
 from mlx_chatcache.store.redis_tier import RedisTier  # noqa: E402
 from mlx_chatcache.store.store import PromptStore  # noqa: E402
@@ -181,3 +183,34 @@ def test_a_damaged_block_makes_its_entries_misses_and_others_are_served(llama_mo
     assert reader.stats()["missing"] == 1 and reader.flush(10)
     assert len(keys(client, "m")) == 1
     assert fetched(reader, model, convs[2][0]) is not None
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 90), block=st.sampled_from([1, 7, 16, 32]), quantized=st.booleans(),
+       dtype=st.sampled_from(["float16", "bfloat16", "float32"]))  # fmt: skip
+def test_block_values_round_trip_bit_exactly(n, block, quantized, dtype):
+    from mlx_chatcache.store.redis_blocks import Layout, assemble, block_ok, split, splittable
+
+    cache = []
+    for seed in range(2):
+        c = QuantizedKVCache(group_size=32, bits=4) if quantized else KVCache()
+        k, v = (mx.random.normal((1, 2, n, 64), key=mx.random.key(seed * 2 + j)).astype(getattr(mx, dtype))
+                for j in range(2))  # fmt: skip
+        c.update_and_fetch(k, v)
+        cache.append(type(c).from_flat_state([mx.contiguous(a[:, :, :n]) for a in c.flat_state()], c.meta_state))
+    assert splittable(cache, n)
+    chain = Chain("ns", list(range(n)), block)
+    values, tail, layout = split(cache, chain)
+    layout = Layout.from_json(layout.to_json())  # as the manifest carries it
+    assert len(values) == n // block and all(block_ok(v, layout, block) for v in values.values())
+    got = assemble(layout, [values[h] for h in chain.hashes], tail, block)
+    assert [type(c) for c in got] == [type(c) for c in cache]
+    for x, y in zip([a for c in got for a in c.flat_state()], [a for c in cache for a in c.flat_state()]):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert np.array_equal(np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x),
+                              np.array(y.view(mx.uint16) if y.dtype == mx.bfloat16 else y))  # fmt: skip
+    if values:  # one flipped bit anywhere in a block value is caught
+        h, v = next(iter(values.items()))
+        bad = bytearray(v)
+        bad[len(bad) - 1] ^= 0x80
+        assert not block_ok(bytes(bad), layout, block)

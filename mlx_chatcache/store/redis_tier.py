@@ -9,7 +9,7 @@ values in Redis (key layout: :mod:`.redis_layout`):
   found at multiples of ``block`` tokens and up to where the entry and the
   query diverge inside the next block; sequences shorter than one block are
   never stored.
-- ``fetch`` reads the manifest's chunks and uses the value only when every
+- ``fetch`` reads the manifest's chunks (and blocks) and uses the value only when every
   check passes: chunk count, sizes and crc32 checksums, the safetensors header
   (validated by the same parser as files), the model fingerprint, the scope's
   namespace, the token ids (manifest == header == index entry) and the layer
@@ -17,12 +17,20 @@ values in Redis (key layout: :mod:`.redis_layout`):
   deleted from Redis (if still that version); one whose chunks vanished
   (replaced, evicted) counts in ``missing``. The caller then gets a shorter hit
   or none.
-- ``add`` serializes the cache to our file format (``prompt_cache_bytes``, on
-  the calling thread: MLX work stays on the generation worker) and queues it
-  for the background writer (:mod:`.redis_writer`), which keeps the byte
-  budget and the TTL and publishes versioned manifests. It returns at once:
+- ``add`` serializes the cache (on the calling thread: MLX work stays on the
+  generation worker): a cache of plain KV layers as block values of ``block``
+  tokens, addressed by chain hash and shared by every entry (of any replica)
+  starting with those tokens, plus its tail (:mod:`.redis_blocks`); any other
+  cache (rotating windows, SSM state, ...) whole, in our file format
+  (``prompt_cache_bytes``). It queues the value for the background writer
+  (:mod:`.redis_writer`), which keeps the byte budget (each block counted
+  once) and the TTL and publishes versioned manifests. It returns at once:
   True when queued, False when the queue is full (``dropped``), the entry is
   too short, or Redis is down.
+- A block entry's ``fetch`` also checks every block value's checksum and
+  size: a damaged one counts in ``corrupt`` and is deleted with the entry
+  (other entries listing it then miss); a block gone counts in ``missing`` and
+  the entry is deleted. The cache is assembled with one copy per array.
 
 When Redis is down, slow or restarting (:mod:`.redis_link`), every call
 returns "no hit"/"not stored" at once without touching the network until the

@@ -5,17 +5,22 @@ queue drops the job and counts it in ``dropped``). Jobs:
 
 - ``publish``: keep the byte budget (:meth:`plan`: least recently used entries
   out, no entry evicting more than its own size, pinned entries last, expired
-  ones forgotten), write the chunks under the write's own version, then in one
-  MULTI/EXEC transaction set the manifest, the block index keys, the LRU score
-  and the size. A reader sees the old manifest (whose chunks stay readable for
+  ones forgotten), write the chunks under the write's own version and the
+  block values not stored yet (SET NX: one value per chain hash, whoever
+  writes it), then in one WATCH/MULTI/EXEC transaction set the manifest, the
+  block index keys, the LRU score, the size and the counts of the blocks it
+  lists (those of a manifest it replaces are released in it: a count reaching
+  0 deletes the value and takes its bytes off ``P:kbytes``). A block freed
+  between its write and the transaction is written again. A reader sees the old manifest (whose chunks stay readable for
   ``GRACE`` seconds) or the new one with all its chunks, never a mix; two
   writers of one entry each publish a complete version and the last one wins.
   Entries the new one makes redundant (trimmable prefixes of it, whose block
   keys now all point to it) are deleted.
 - ``touch``: a hit refreshes an entry's TTLs and LRU score (if it is still
   the version that was read).
-- ``discard``: delete an entry a reader found corrupt, if it is still the
-  version that was read.
+- ``discard``: delete an entry a reader found corrupt or missing a block
+  (releasing its blocks; damaged block values are deleted), if it is still
+  the version that was read.
 
 Failures (Redis down) count in ``write_errors`` and lose only that job.
 """
