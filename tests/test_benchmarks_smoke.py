@@ -144,6 +144,9 @@ def test_store_growth_smoke(tmp_path):
     store_rows = re.findall(r"^\| ([12]) +\| [\d.]+ +\| [\d.]+ +\| ([\d.]+)x", out, re.M)
     assert [n for n, _ in store_rows] == ["1", "2"]
     assert float(store_rows[1][1]) > float(store_rows[0][1])  # whole entries: the shared prompt stored twice
+    blocks = re.findall(r"^\| ([12]) +\| [\d.]+ +\| [\d.]+ +\| ([\d.]+)x +\| [\d.]+ +\| ([\d.]+)x", out, re.M)
+    assert float(blocks[1][2]) <= 1.25 < float(blocks[1][1])  # shared blocks: the shared prompt stored once
+    assert re.search(r"^\| blocks +\| [\d.]+ +\| [\d.]+ ", out, re.M)
     assert re.search(r"^\| memory +\| [\d.]+ ", out, re.M) and re.search(r"^\| disk +\| [\d.]+ ", out, re.M)
     assert "llama" in out and "- command: " in out
     assert "<!-- BEGIN store_growth -->" in results.read_text()
