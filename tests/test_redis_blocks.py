@@ -109,7 +109,7 @@ def test_replicas_share_blocks_and_checkout_matches_the_whole_entry_path(llama_m
     shared = Chain(ns, t1, BLOCK).hashes[:15]
     assert shared == Chain(ns, t2, BLOCK).hashes[:15]
     assert len(keys(client, "k")) == 15 + 2 * 3
-    assert [int(client.get(f"mlxcc:r:{ns}:{h}")) for h in shared] == [2] * 15
+    assert [int(client.hget(f"mlxcc:r:{ns}:{h}", "n")) for h in shared] == [2] * 15
     whole = tiers(prefix="whole", share_blocks=False)
     assert whole.add(scope(model), t1, c1, None) and whole.flush(10)
     from_whole = fetched(whole, model, t1)
@@ -171,6 +171,7 @@ def test_a_damaged_block_makes_its_entries_misses_and_others_are_served(llama_mo
     assert reader.stats()["corrupt"] == 1 and reader.stats()["hits"] == 0
     assert reader.flush(10)
     assert client.get(f"mlxcc:k:{ns}:{bad}") is None  # the damaged value is gone for every replica
+    assert int(client.get("mlxcc:kbytes")) == sum(client.strlen(k) for k in keys(client, "k"))
     assert reader.find(scope(model), convs[0][0] + [1], None)[0].tokens != tuple(convs[0][0])
     for tokens, cache in convs[1:]:
         got = fetched(reader, model, tokens)
@@ -189,6 +190,7 @@ def test_a_damaged_block_makes_its_entries_misses_and_others_are_served(llama_mo
 @given(n=st.integers(1, 90), block=st.sampled_from([1, 7, 16, 32]), quantized=st.booleans(),
        dtype=st.sampled_from(["float16", "bfloat16", "float32"]))  # fmt: skip
 def test_block_values_round_trip_bit_exactly(n, block, quantized, dtype):
+    from mlx_chatcache.files.checksum import crc32
     from mlx_chatcache.store.redis_blocks import Layout, assemble, block_ok, split, splittable
 
     cache = []
@@ -202,7 +204,7 @@ def test_block_values_round_trip_bit_exactly(n, block, quantized, dtype):
     chain = Chain("ns", list(range(n)), block)
     values, tail, layout = split(cache, chain)
     layout = Layout.from_json(layout.to_json())  # as the manifest carries it
-    assert len(values) == n // block and all(block_ok(v, layout, block) for v in values.values())
+    assert len(values) == n // block and all(block_ok(v, crc32(v), layout, block) for v in values.values())
     got = assemble(layout, [values[h] for h in chain.hashes], tail, block)
     assert [type(c) for c in got] == [type(c) for c in cache]
     for x, y in zip([a for c in got for a in c.flat_state()], [a for c in cache for a in c.flat_state()]):
@@ -210,7 +212,8 @@ def test_block_values_round_trip_bit_exactly(n, block, quantized, dtype):
         assert np.array_equal(np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x),
                               np.array(y.view(mx.uint16) if y.dtype == mx.bfloat16 else y))  # fmt: skip
     if values:  # one flipped bit anywhere in a block value is caught
-        h, v = next(iter(values.items()))
+        v = next(iter(values.values()))
         bad = bytearray(v)
         bad[len(bad) - 1] ^= 0x80
-        assert not block_ok(bytes(bad), layout, block)
+        assert not block_ok(bytes(bad), crc32(v), layout, block)
+        assert not block_ok(v[:-1], crc32(v[:-1]), layout, block)  # and so is a short one

@@ -5,13 +5,13 @@ exactly its ``n`` tokens (:func:`splittable`, as :mod:`.blocks` says) is stored 
 full blocks plus a tail (the tokens after the last full block); any other
 cache is stored whole (:mod:`.redis_tier`).
 
-- A block value is ``crc32(payload)`` (4 bytes, little endian) followed by the
-  payload: every layer's ``flat_state()`` arrays sliced to the block's tokens,
-  in C order, one after the other. It is named by the block's chain hash
+- A block value is every layer's ``flat_state()`` arrays sliced to the
+  block's tokens, in C order, one after the other (its crc32 is kept next to
+  its count, :mod:`.redis_layout`, so a value's size stays the arrays' own). It is named by the block's chain hash
   (:class:`~.chain.Chain`: the namespace and every token up to the block's
   end), so entries sharing the first ``i`` blocks of tokens share those values.
-- The tail is the same concatenation for the tail tokens (no checksum header:
-  the manifest's chunk checksums cover it).
+- The tail is the same concatenation for the tail tokens (the manifest's chunk
+  checksums cover it).
 - :class:`Layout` (kept in the manifest) says how to cut a payload into arrays
   and make the layers again: each layer's class, ``meta_state`` and arrays'
   dtypes and shapes without the token axis (axis 2).
@@ -22,7 +22,6 @@ cache with one copy per array into a buffer of its own.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -99,18 +98,20 @@ def split(cache: Sequence[BaseCache], chain: Chain) -> tuple[dict[str, bytes], b
     flat = [_numpy(a) for c in cache for a in c.flat_state()]
     size, values = chain.block, {}
     for i, h in enumerate(chain.hashes):
-        payload = b"".join(a[:, :, i * size : (i + 1) * size].tobytes() for a in flat)
-        values[h] = struct.pack("<I", crc32(payload)) + payload
+        values[h] = b"".join(a[:, :, i * size : (i + 1) * size].tobytes() for a in flat)
     start = len(chain.hashes) * size
     tail = b"".join(a[:, :, start:].tobytes() for a in flat)
     return values, tail, Layout.of(cache)
 
 
-def block_ok(value: bytes | None, layout: Layout, block: int) -> bool:
-    """Whether ``value`` is a whole, undamaged block value of ``layout``."""
-    if value is None or len(value) != 4 + layout.payload_bytes(block):
+def block_ok(value: bytes | None, checksum, layout: Layout, block: int) -> bool:
+    """Whether ``value`` is a whole block value of ``layout`` whose crc32 is ``checksum``."""
+    if value is None or len(value) != layout.payload_bytes(block):
         return False
-    return struct.unpack("<I", value[:4])[0] == crc32(memoryview(value)[4:])
+    try:
+        return int(checksum) == crc32(value)
+    except (TypeError, ValueError):
+        return False
 
 
 def assemble(layout: Layout, values: Sequence[bytes], tail: bytes, block: int) -> list[BaseCache] | None:
@@ -120,7 +121,7 @@ def assemble(layout: Layout, values: Sequence[bytes], tail: bytes, block: int) -
     if n_tail is None:
         return None
     n = len(values) * block + n_tail
-    parts = [(memoryview(v)[4:], block) for v in values] + [(memoryview(tail), n_tail)]
+    parts = [(memoryview(v), block) for v in values] + [(memoryview(tail), n_tail)]
     offsets = [0] * len(parts)
     out = []
     for kind, meta, arrays in layout.layers:

@@ -15,7 +15,8 @@ cache settings, so entries of another model or cache shape are never found):
   whole; for an entry stored in blocks, its tail (:mod:`.redis_blocks`).
 - ``P:k:{ns}:{h_i}`` -> block value (:mod:`.redis_blocks`): the K/V of the
   ``i``-th block of tokens whose chain hash is ``h_i``, one value however many
-  entries (of any replica) hold it; ``P:r:{ns}:{h_i}`` -> how many manifests
+  entries (of any replica) hold it; ``P:r:{ns}:{h_i}`` (hash) -> ``crc``: the
+  value's crc32 (set with it in one transaction) and ``n``: how many manifests
   list it (changed in the transaction that publishes or deletes a manifest; the
   value is deleted when it reaches 0). Both expire with the last entry using them.
 - ``P:lru`` (sorted set) ``"{ns}:{eid}"`` -> last use (unix time), and
@@ -122,7 +123,7 @@ class Manifest:
 
     def whole_bytes(self, block: int) -> int:
         """Its size with its blocks of ``block`` tokens."""
-        return self.nbytes + (len(self.blocks) * (4 + self.layout.payload_bytes(block)) if self.layout else 0)
+        return self.nbytes + (len(self.blocks) * self.layout.payload_bytes(block) if self.layout else 0)
 
     def encode(self) -> bytes:
         return json.dumps({

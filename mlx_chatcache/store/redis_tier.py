@@ -155,6 +155,7 @@ class RedisTier(Tier):
             parts = []
             for g in range(0, len(names), _FETCH_GROUP):
                 parts += self.link.run(lambda r: r.mget(names[g : g + _FETCH_GROUP]))
+            checksums = self.link.run(lambda r: self._checksums(r, m)) if m.blocks else []
         except Unavailable:
             self.counters["lookup_errors"] += 1
             return None
@@ -165,7 +166,7 @@ class RedisTier(Tier):
             if any(v is None for v in values):  # a block it needs is gone: it can never be served
                 self.writer.submit(lambda: self.writer.discard(m))
             return None
-        damaged = tuple(h for h, v in zip(m.blocks, values) if not block_ok(v, m.layout, self.block))
+        damaged = tuple(h for h, v, c in zip(m.blocks, values, checksums) if not block_ok(v, c, m.layout, self.block))
         cache = None if damaged else self._verified(m, parts, values, scope, expected)
         if cache is None:
             self.counters["corrupt"] += 1
@@ -177,6 +178,12 @@ class RedisTier(Tier):
         self._remember(m.eid)
         self.writer.submit(lambda: self.writer.touch(m))
         return cache
+
+    def _checksums(self, r, m: Manifest) -> list:
+        pipe = r.pipeline(transaction=False)
+        for h in m.blocks:
+            pipe.hget(self.keys.refs(m.namespace, h), "crc")
+        return pipe.execute()
 
     def _verified(self, m: Manifest, parts: list[bytes], values: list[bytes], scope, expected):
         sizes = tuple(len(p) for p in parts)

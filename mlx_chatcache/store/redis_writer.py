@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Callable
 
+from ..files.checksum import crc32
 from .redis_layout import Chain, Keys, Manifest, decode_manifest, index_value, member, parse_index_value, split_member
 from .redis_link import RedisLink, Unavailable, redis_module
 
@@ -135,14 +136,18 @@ class RedisWriter:
         return {h for h, n in zip(hashes, pipe.execute() if hashes else ()) if n}
 
     def _write_values(self, r, ns: str, values: dict[str, bytes]) -> None:
-        """Write the block values not stored yet (SET NX: the first writer's stays);
-        the bytes of those written count in ``P:kbytes``."""
+        """Write the block values not stored yet, each with its crc32 in one
+        transaction (SET NX: the first writer's stays); the bytes of those
+        written count in ``P:kbytes``."""
         items = list(values.items())
         for g in range(0, len(items), 4):
-            pipe = r.pipeline(transaction=False)
+            pipe = r.pipeline(transaction=True)
             for h, v in items[g : g + 4]:
                 pipe.set(self.keys.value(ns, h), v, ex=self.ttl + GRACE, nx=True)
-            made = sum(len(v) for (h, v), ok in zip(items[g : g + 4], pipe.execute()) if ok)
+                pipe.hsetnx(self.keys.refs(ns, h), "crc", crc32(v))
+                pipe.expire(self.keys.refs(ns, h), self.ttl + GRACE)
+            done = pipe.execute()[::3]
+            made = sum(len(v) for (h, v), ok in zip(items[g : g + 4], done) if ok)
             if made:
                 r.incrby(self.keys.block_bytes, made)
 
@@ -162,7 +167,7 @@ class RedisWriter:
                     if not all(pipe.exists(self.keys.value(ns, h)) for h in m.blocks):
                         continue  # a value was freed meanwhile: write it again
                     dropped = [h for h in (old.blocks if old else ()) if h not in set(m.blocks)]
-                    release = self._releasing(pipe, ns, dropped)
+                    release, _ = self._releasing(pipe, ns, dropped)
                     pipe.multi()
                     pipe.set(mkey, m.encode(), ex=self.ttl, get=True)
                     for k in index:
@@ -170,7 +175,7 @@ class RedisWriter:
                     pipe.zadd(self.keys.lru, {name: time.time()})
                     pipe.hset(self.keys.meta, name, meta)
                     for h in [h for h in m.blocks if h not in set(old.blocks if old else ())]:
-                        pipe.incr(self.keys.refs(ns, h))
+                        pipe.hincrby(self.keys.refs(ns, h), "n", 1)
                     for h in m.blocks:
                         pipe.expire(self.keys.refs(ns, h), self.ttl + GRACE)
                         pipe.expire(self.keys.value(ns, h), self.ttl + GRACE)
@@ -180,26 +185,26 @@ class RedisWriter:
                     continue
         raise Unavailable("the Redis tier could not publish an entry: its blocks kept changing")
 
-    def _releasing(self, pipe, ns: str, hashes) -> Callable:
+    def _releasing(self, pipe, ns: str, hashes) -> tuple[Callable, dict[str, int]]:
         """(Watching ``hashes``' keys) what to queue in the transaction that drops one
         holder of each: its count goes down, and at 0 the value is deleted and its
-        bytes leave ``P:kbytes``."""
+        bytes leave ``P:kbytes``; and those last holders' ``{hash: bytes}``."""
         hashes = list(hashes)
         if not hashes:
-            return lambda p: None
+            return lambda p: None, {}
         pipe.watch(*[k for h in hashes for k in (self.keys.value(ns, h), self.keys.refs(ns, h))])
-        last = {h: pipe.strlen(self.keys.value(ns, h)) for h in hashes if int(pipe.get(self.keys.refs(ns, h)) or 0) <= 1}
+        last = {h: pipe.strlen(self.keys.value(ns, h)) for h in hashes if int(pipe.hget(self.keys.refs(ns, h), "n") or 0) <= 1}
 
         def queue(p):
             for h in hashes:
                 if h in last:
                     p.delete(self.keys.refs(ns, h), self.keys.value(ns, h))
                 else:
-                    p.decr(self.keys.refs(ns, h))
+                    p.hincrby(self.keys.refs(ns, h), "n", -1)
             if sum(last.values()):
                 p.decrby(self.keys.block_bytes, sum(last.values()))
 
-        return queue
+        return queue, last
 
     def _clean_up(self, r, m: Manifest, chain: Chain, replaced: list, victims: list[str]) -> None:
         old = decode_manifest(replaced[0], m.namespace, m.eid) if replaced[0] else None
@@ -232,8 +237,9 @@ class RedisWriter:
                     m = _manifest(pipe.get(mkey), *parts)
                     if version is not None and (m is None or m.version != version):
                         return
-                    release = self._releasing(pipe, ns, m.blocks if m else ())
-                    bad = {h: pipe.strlen(self.keys.value(ns, h)) for h in damaged if m and h in m.blocks}
+                    release, freed = self._releasing(pipe, ns, m.blocks if m else ())
+                    bad = {h: pipe.strlen(self.keys.value(ns, h)) for h in damaged if m and h in m.blocks
+                           and h not in freed}  # fmt: skip
                     pipe.multi()
                     pipe.delete(mkey)
                     pipe.zrem(self.keys.lru, name)
@@ -242,7 +248,9 @@ class RedisWriter:
                         pipe.expire(k, GRACE)
                     release(pipe)
                     for h in bad:
-                        pipe.delete(self.keys.value(ns, h))
+                        pipe.delete(self.keys.value(ns, h), self.keys.refs(ns, h))
+                    if sum(bad.values()):
+                        pipe.decrby(self.keys.block_bytes, sum(bad.values()))
                     pipe.execute()
                     return
                 except self._watch_error:
