@@ -62,7 +62,7 @@ from .tiers import Tier
 
 _CANDIDATES = 3  # manifests read at most per lookup
 _RECENT = 1024  # entries this process knows are in Redis (not serialized again)
-_FETCH_GROUP = 4  # chunks per MGET
+_FETCH_GROUP = 4  # one MGET reads at most this many chunks' worth of bytes
 
 
 class RedisTier(Tier):
@@ -151,10 +151,11 @@ class RedisTier(Tier):
     def fetch(self, entry, scope, expected):
         m: Manifest = entry.payload
         names = self.keys.chunks(m) + [self.keys.value(m.namespace, h) for h in m.blocks]
+        sizes = list(m.chunk_sizes) + [m.layout.payload_bytes(self.block)] * len(m.blocks) if m.blocks else []
         try:
             parts = []
-            for g in range(0, len(names), _FETCH_GROUP):
-                parts += self.link.run(lambda r: r.mget(names[g : g + _FETCH_GROUP]))
+            for group in _groups(names, sizes, _FETCH_GROUP * self.chunk_bytes):
+                parts += self.link.run(lambda r: r.mget(group))
             checksums = self.link.run(lambda r: self._checksums(r, m)) if m.blocks else []
         except Unavailable:
             self.counters["lookup_errors"] += 1
@@ -272,6 +273,21 @@ class RedisTier(Tier):
         self.writer.flush(5.0)
         self.writer.close()
         self.link.close()
+
+
+def _groups(names: list[str], sizes: list[int], limit: int) -> list[list[str]]:
+    """``names`` in runs of at most ``limit`` bytes (by ``sizes``; at least one
+    name each); without sizes, runs of ``_FETCH_GROUP`` names."""
+    if not sizes:
+        return [names[g : g + _FETCH_GROUP] for g in range(0, len(names), _FETCH_GROUP)]
+    out, run, total = [], [], 0
+    for name, size in zip(names, sizes):
+        if run and total + size > limit:
+            out.append(run)
+            run, total = [], 0
+        run.append(name)
+        total += size
+    return out + [run] if run else out
 
 
 __all__ = ["RedisTier"]
