@@ -214,14 +214,14 @@ class RedisTier(Tier):
         tokens = tuple(int(t) for t in tokens)
         if len(tokens) < self.block or not self.link.available():
             return False
-        eid = Chain(scope.namespace, tokens, self.block).entry_id(len(tokens))  # (the chain is cheap next to K/V)
+        chain = Chain(scope.namespace, tokens, self.block)
+        eid = chain.entry_id(len(tokens))
         if self._known(eid):
             return self.writer.submit(lambda: self._touch_known(scope.namespace, eid))
         if not self.writer.has_room():
             self.counters["dropped"] += 1
             return False
         version = secrets.token_hex(8)
-        chain = Chain(scope.namespace, tokens, self.block)
         if self.share_blocks and splittable(cache, len(tokens)):
             values, tail, layout = split(cache, chain)
             m, chunks = Manifest.for_value(scope.namespace, eid, version, tail, self.chunk_bytes, tokens, True, key,
