@@ -309,7 +309,7 @@ class ServerConfig:
     memory_cache_bytes: int = 2_000_000_000  # memory tier budget (0: no memory tier)
     disk_cache_bytes: int = 16_000_000_000  # disk tier budget (0: no disk tier)
     cache_dir_name: str = "server-cache"  # under mlxcc_home() unless --cache-dir is given
-    store_block_tokens: int = 32  # the memory tier shares K/V in blocks of this many tokens (0: whole entries)
+    store_block_tokens: int = 64  # the memory tier shares K/V in blocks of this many tokens (0: whole entries)
     disk_rescan_seconds: float = 1.0  # a disk tier looks for entries other processes added at most this often
     max_queue: int = 64  # requests waiting for the generation worker; more get HTTP 503
     max_stop_sequences: int = 4  # as OpenAI's API

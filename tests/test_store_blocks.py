@@ -11,7 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from loop_helpers import forward
+from store_helpers import checked_out, scope, tokens_of
+
 from mlx_chatcache.cache import KVCache, QuantizedKVCache, RotatingKVCache, copy_prompt_cache
+from mlx_chatcache.files.prompt_cache import PromptCache
+from mlx_chatcache.generation.prompt import reuse_prefix
 from mlx_chatcache.models.fingerprint import ModelFingerprint
 from mlx_chatcache.store.blocks import assemble, split, splittable
 from mlx_chatcache.store.chain import Chain
@@ -127,7 +132,8 @@ def test_split_then_assemble_is_bit_identical(n):
     assert all(c.keys.shape[2] == KVCache.grown_slots(n) for c in got)
     one = mx.ones((1, HEADS, 1, DIM))
     for a, b in zip(got, copy_prompt_cache(cache)):
-        np.testing.assert_array_equal(np.array(a.update_and_fetch(one, one)[0]), np.array(b.update_and_fetch(one, one)[0]))
+        fed, want = a.update_and_fetch(one, one)[0], b.update_and_fetch(one, one)[0]
+        np.testing.assert_array_equal(np.array(fed), np.array(want))
 
 
 def test_quantized_layers_split_and_assemble_exactly():
@@ -155,7 +161,7 @@ def test_a_rotating_layer_keeps_the_entry_whole():
 # ---------------------------------------------------------------- the tier
 def test_fifty_conversations_sharing_a_prompt_store_it_once():
     shared = list(range(1, 1001))
-    tier = MemoryTier(1 << 40, block_tokens=32)
+    tier = MemoryTier(1 << 40)  # the default block size
     per_token = LAYERS * 2 * HEADS * DIM * 4
     for i in range(50):
         tokens = shared + [2000 + 200 * i + j for j in range(200)]
@@ -209,3 +215,29 @@ def _checkout(store, prompt):
         return None, (), []
     tier, entry, _ = best
     return tier.name, entry.tokens, arrays(tier.fetch(entry, SCOPE, []))
+
+
+def test_real_model_turns_get_the_same_hits_and_arrays_from_blocks_and_whole_entries(llama_model):
+    """Conversations sharing a system prompt, turn after turn as a server runs them
+    (checkout, reuse the prefix, feed the rest, put): both tiers serve the same."""
+    model, _ = llama_model
+    sc = scope(model)
+    system = tokens_of(70)
+    stores = [PromptStore([MemoryTier(1 << 30, block_tokens=0)]), PromptStore([MemoryTier(1 << 30, block_tokens=16)])]
+    turns = [system + tokens_of(9, start=200 + 31 * c) + tokens_of(5 * t, start=400 + c) for c in range(3)
+             for t in range(1, 3)]  # fmt: skip
+    for prompt in turns + turns[:2]:
+        got = [checked_out(s, sc, model, prompt) for s in stores]
+        whole, blocks = ((g.tier, g.served, g.tokens) if g else None for g in got)
+        assert whole == blocks
+        if got[0] is not None:
+            for x, y in zip(arrays(got[0].cache), arrays(got[1].cache)):
+                np.testing.assert_array_equal(x, y)
+        for s, g in zip(stores, got):
+            state = g.state if g else PromptCache.new(model)
+            reused = reuse_prefix(state, prompt, model)
+            forward(model, state.cache, prompt[reused:])
+            state.tokens[:] = list(prompt)
+            s.put(sc, state.tokens, state.cache)
+    assert stores[0].stats()["memory"]["hits"] == stores[1].stats()["memory"]["hits"] >= 5
+    assert stores[1].tiers[0].index.nbytes < stores[0].tiers[0].index.nbytes

@@ -18,8 +18,8 @@ Contract
   The cache may hold more tokens than the prefix it serves; the caller trims
   it (``reuse_prefix``), which is what makes the hit length exact.
 - :meth:`PromptStore.put` ``(scope, tokens, cache, key)`` stores a cache
-  holding ``tokens`` in every tier: the memory tier keeps a compact copy,
-  file tiers write a file; ``cache`` stays the caller's. With ``defer=True``
+  holding ``tokens`` in every tier: the memory tier keeps a copy (shared
+  blocks and a tail, or a compact copy), file tiers write a file; ``cache`` stays the caller's. With ``defer=True``
   the file writes wait in :attr:`PromptStore.pending` (sharing the memory
   tier's copy) until :meth:`PromptStore.flush`, so a server writes when it
   has nothing else to do (and before it exits). A trimmable entry replaces the stored entries

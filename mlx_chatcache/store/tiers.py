@@ -11,8 +11,9 @@ Contract of a tier (:class:`Tier`)
   ``stats()["corrupt"]``, unless its disk file was simply gone); ``expected`` is an empty cache the model makes, to
   check layer kinds against;
 - ``add(scope, tokens, cache, key) -> bool``: store a cache holding ``tokens``
-  (False: refused by the budget rule). The memory tier keeps a compact copy,
-  the disk tier writes a file; ``cache`` stays the caller's;
+  (False: refused by the budget rule). The memory tier keeps shared blocks
+  and a tail, or a compact copy (:class:`MemoryTier`), the disk tier writes a
+  file; ``cache`` stays the caller's;
 - ``stats() -> dict``: entries, bytes, budget and counters;
 - ``close()``: at shutdown (a no-op but for the Redis tier).
 
