@@ -115,7 +115,7 @@ class RedisWriter:
         chain = Chain(m.namespace, m.tokens, self.block)
         index = [self.keys.block(m.namespace, h) for h in chain.hashes] if m.trimmable else \
             [self.keys.end(m.namespace, chain.hashes[-1])]  # fmt: skip
-        replaced = self.link.run(lambda r: self._publish(r, m, index, values))
+        replaced = self.link.run(lambda r: self._publish(r, m, index, values, stored))
         self._count("added", 1)
         self.link.run(lambda r: self._clean_up(r, m, chain, replaced, victims))
         return True
@@ -145,27 +145,31 @@ class RedisWriter:
             for h, v in items[g : g + 4]:
                 pipe.set(self.keys.value(ns, h), v, ex=self.ttl + GRACE, nx=True)
                 pipe.hsetnx(self.keys.refs(ns, h), "crc", crc32(v))
-                pipe.expire(self.keys.refs(ns, h), self.ttl + GRACE)
-            done = pipe.execute()[::3]
-            made = sum(len(v) for (h, v), ok in zip(items[g : g + 4], done) if ok)
-            if made:
-                r.incrby(self.keys.block_bytes, made)
+            made = [(h, v) for (h, v), ok in zip(items[g : g + 4], pipe.execute()[::2]) if ok]
+            if made:  # (a key left as it was does not disturb other writers' WATCH)
+                pipe = r.pipeline(transaction=False)
+                for h, _ in made:
+                    pipe.expire(self.keys.refs(ns, h), self.ttl + GRACE)
+                pipe.incrby(self.keys.block_bytes, sum(len(v) for _, v in made))
+                pipe.execute()
 
-    def _publish(self, r, m: Manifest, index: list[str], values: dict[str, bytes]) -> list:
+    def _publish(self, r, m: Manifest, index: list[str], values: dict[str, bytes], stored: set[str]) -> list:
         """Set the manifest, its index keys, LRU score, size and its blocks' counts
         in one transaction (the blocks it replaces are released in it too)."""
         name, value = member(m.namespace, m.eid), index_value(len(m.tokens), m.eid)
         mkey, ns = self.keys.manifest(m.namespace, m.eid), m.namespace
         watched = [mkey] + [k for h in m.blocks for k in (self.keys.value(ns, h), self.keys.refs(ns, h))]
         meta = f"{m.nbytes}:{int(m.key is not None)}:{m.whole_bytes(self.block)}"
+        todo = {h: v for h, v in values.items() if h not in stored}
         for _ in range(_RETRIES):
-            self._write_values(r, ns, values)
+            self._write_values(r, ns, todo)
             with r.pipeline(transaction=True) as pipe:
                 try:
                     pipe.watch(*watched)
                     old = _manifest(pipe.get(mkey), m.namespace, m.eid)
-                    if not all(pipe.exists(self.keys.value(ns, h)) for h in m.blocks):
-                        continue  # a value was freed meanwhile: write it again
+                    todo = {h: values[h] for h in m.blocks if not pipe.exists(self.keys.value(ns, h))}
+                    if todo:
+                        continue  # freed meanwhile: write them again
                     dropped = [h for h in (old.blocks if old else ()) if h not in set(m.blocks)]
                     release, _ = self._releasing(pipe, ns, dropped)
                     pipe.multi()
