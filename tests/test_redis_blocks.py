@@ -217,3 +217,31 @@ def test_block_values_round_trip_bit_exactly(n, block, quantized, dtype):
         bad[len(bad) - 1] ^= 0x80
         assert not block_ok(bytes(bad), crc32(v), layout, block)
         assert not block_ok(v[:-1], crc32(v[:-1]), layout, block)  # and so is a short one
+
+
+def test_counts_stay_exact_when_replicas_write_and_delete_at_once(llama_model, tiers, redis_server):  # noqa: F811
+    import json
+
+    model, _ = llama_model
+    kv, client = KV(model), redis_server.client()
+    ns = scope(model).namespace
+    replicas = [tiers(queue_size=16) for _ in range(3)]
+    convs = [kv.conversation(i, unique=40) for i in range(12)]
+    for i, (tokens, cache) in enumerate(convs):  # queued on three writer threads, published concurrently
+        assert replicas[i % 3].add(scope(model), tokens, cache, None)
+    assert all(t.flush(60) for t in replicas)
+    for i in range(0, 12, 3):  # deletes racing each other and the publishes of a second round
+        m = replicas[0].find(scope(model), convs[i][0] + [1], None)[0].payload
+        replicas[i % 3].writer.submit(lambda m=m: replicas[0].writer.discard(m))
+        t, c = kv.conversation(100 + i, unique=40)
+        replicas[(i + 1) % 3].add(scope(model), t, c, None)
+    assert all(t.flush(60) for t in replicas)
+    assert sum(t.stats()["write_errors"] for t in replicas) == 0
+    listed: dict[str, int] = {}
+    for k in keys(client, "m"):
+        for h in json.loads(client.get(k))["blocks"]:
+            listed[h] = listed.get(h, 0) + 1
+    assert len(keys(client, "m")) == 12
+    assert {k.rsplit(":", 1)[1] for k in keys(client, "k")} == set(listed)
+    assert {h: int(client.hget(f"mlxcc:r:{ns}:{h}", "n")) for h in listed} == listed
+    assert int(client.get("mlxcc:kbytes")) == sum(client.strlen(k) for k in keys(client, "k"))
