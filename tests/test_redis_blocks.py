@@ -82,9 +82,9 @@ def test_ten_conversations_store_their_shared_prefix_once(llama_model, tiers, re
     model, _ = llama_model
     kv, tier, client = KV(model), tiers(), redis_server.client()
     convs = [kv.conversation(i) for i in range(10)]
-    for tokens, cache in convs:
-        assert tier.add(scope(model), tokens, cache, f"conv{i}" if (i := len(tokens)) else None)
-    assert tier.flush(30) and tier.stats()["added"] == 10
+    for i, (tokens, cache) in enumerate(convs):
+        assert tier.add(scope(model), tokens, cache, f"conv{i}") and tier.flush(30)
+    assert tier.stats()["added"] == 10
     unique = (len(PREFIX) + 10 * 200) * kv.token_bytes()
     stored = value_bytes(client)
     assert stored <= 1.25 * unique, (stored, unique)
@@ -159,8 +159,7 @@ def test_a_damaged_block_makes_its_entries_misses_and_others_are_served(llama_mo
     writer = tiers()
     convs = [kv.conversation(i) for i in range(3)]
     for tokens, cache in convs:
-        assert writer.add(scope(model), tokens, cache, None)
-    assert writer.flush(30)
+        assert writer.add(scope(model), tokens, cache, None) and writer.flush(30)
     bad = Chain(ns, convs[0][0], BLOCK).hashes[16]  # a block only the first conversation holds
     value = bytearray(client.get(f"mlxcc:k:{ns}:{bad}"))
     value[len(value) // 2] ^= 0x01
