@@ -164,7 +164,7 @@ def store_growth(model, fingerprint, counts, shared: int, unique: int, repeats: 
     if redis is not None:
         from mlx_chatcache.store.redis_tier import RedisTier
 
-        tiers["redis"] = RedisTier(redis.url, 1 << 50)
+        tiers["redis"] = RedisTier(redis.url, 1 << 50, block=block)
     rows, convs = [], []
     for i in range(max(counts)):
         tokens = shared_ids + rng.integers(1000, 2000, unique).tolist()
@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     ap.add_argument("--unique", type=int, default=200, help="unique tokens per conversation (default 200)")
     ap.add_argument("--repeats", type=int, default=5, help="checkouts timed per tier (median)")
     ap.add_argument("--block", type=int, default=SERVER_DEFAULTS.store_block_tokens,
-                    help="the block tier's tokens per block (default: the memory tier's)")
+                    help="the block and Redis tiers' tokens per block (default: the memory tier's)")
     ap.add_argument("--write-results", action="store_true", help="update benchmarks/RESULTS.md")
     ap.add_argument("--results", type=Path, default=RESULTS, help="RESULTS.md to update")
     args = ap.parse_args(argv)
@@ -276,9 +276,10 @@ def main(argv=None) -> int:
                       "file / llama.cpp"], chat_rows)  # fmt: skip
     text += (f"\nStore: N conversations = a shared {args.shared}-token system prompt + {args.unique} unique tokens "
              f"each ({per_token} K/V bytes per token); 'unique K/V' = the K/V bytes of {args.shared} + "
-             f"{args.unique} N tokens; 'memory' stores whole entries (every entry holds its whole prefix), as do "
-             f"disk and Redis; 'blocks' is the memory tier with shared blocks of {args.block} tokens (each "
-             "entry: its blocks' references + its tail)."
+             f"{args.unique} N tokens; 'memory' stores whole entries (every entry holds its whole prefix), as does "
+             f"disk; 'blocks' is the memory tier with shared blocks of {args.block} tokens (each "
+             "entry: its blocks' references + its tail); Redis shares block values of the same size "
+             "(`--block`), counted with every key's overhead (`MEMORY USAGE`)."
              + (f" Redis: n/a ({redis_why})." if redis_why else "") + "\n\n")  # fmt: skip
     text += md_table(["N", "unique K/V MB", "memory MB", "memory / unique", "blocks MB", "blocks / unique",
                       "disk MB", "disk / unique", "redis MB", "redis / unique"], rows)  # fmt: skip
@@ -286,12 +287,13 @@ def main(argv=None) -> int:
              "the tiers taking turns). "
              "The whole-entry memory tier returns views of its entry (the copy is made by the cache's first "
              "update: '+ first token'), the block tier makes its one copy at checkout (with the room the cache "
-             "grows into, so the first token is written in place), disk and Redis read the whole entry:\n\n")
+             "grows into, so the first token is written in place), disk reads the whole entry, Redis its "
+             "blocks and tail:\n\n")
     text += md_table(["tier", "checkout ms", "+ first token ms", "note"], times)
     text += ("\nTargets: a saved chat within 1.05x its K/V bytes ('file / K/V') and, with float16 K/V, "
              "within 1.05x llama.cpp's ('file / llama.cpp'); the store within 1.25x the unique K/V, "
              "which whole-entry tiers cannot meet (every entry holds the shared prompt): the block memory tier "
-             "is built for it, disk and Redis are not yet; a block checkout within 1.2x of a whole entry's, "
+             "and Redis are built for it, disk is not yet; a block checkout within 1.2x of a whole entry's, "
              "counted to the first token fed (both then hold one copy).\n")
     text += _verdict(rows, times)
     text += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"

@@ -361,6 +361,7 @@ class ServerConfig:
     redis_ttl_seconds: int = 24 * 3600  # an entry unused this long expires
     redis_chunk_bytes: int = 16 << 20  # values are split in chunks of this size (Redis caps one at 512 MiB)
     redis_block_tokens: int = 64  # the hash chain's block: prefixes are found at multiples of it
+    redis_share_blocks: bool = True  # plain KV caches are stored as block values entries share
     redis_key_prefix: str = "mlxcc"
     redis_write_queue: int = 8  # entries waiting for the background writer; more are dropped (counted)
     redis_socket_timeout: float = 1.0  # seconds per Redis operation before the tier counts Redis as down

@@ -39,7 +39,7 @@ def test_round_trip_in_chunks_between_two_tiers(llama_model, tiers, redis_server
     model, _ = llama_model
     sc = make_scope(model.fingerprint, SETTINGS)
     base = tokens_of(200)
-    a, b = tiers(chunk_bytes=200_000), tiers()
+    a, b = tiers(chunk_bytes=200_000, share_blocks=False), tiers()
     assert a.add(sc, base, filled(model, base), "conv") and a.flush(10)
     assert len(redis_server.client().keys("mlxcc:c:*")) > 1
     got = checked_out(PromptStore([b]), sc, model, base[:150] + [1, 2])

@@ -89,7 +89,7 @@ def test_a_second_instance_continues_from_the_first_ones_entry(llama_model, make
 def test_values_are_chunked_and_round_trip_exactly(llama_model, make_tier, raw):
     model, _ = llama_model
     base = tokens_of(300)
-    tier = make_tier(chunk_bytes=100_000)
+    tier = make_tier(chunk_bytes=100_000, share_blocks=False)  # a whole value (what untrimmable caches get)
     put(tier, model, base)
     data = prompt_cache_bytes(filled(model, base), tokens=base, model=model.fingerprint, settings=SETTINGS,
                               metadata={"store.namespace": scope(model).namespace, "store.trimmable": "1"})  # fmt: skip
@@ -104,7 +104,7 @@ def test_values_are_chunked_and_round_trip_exactly(llama_model, make_tier, raw):
 def test_a_corrupted_chunk_is_rejected_counted_and_deleted(llama_model, make_tier, raw):
     model, _ = llama_model
     base = tokens_of(80)
-    put(make_tier(), model, base)
+    put(make_tier(share_blocks=False), model, base)
     chunk = keys(raw, "c")[0]
     value = bytearray(raw.get(chunk))
     value[len(value) // 2] ^= 0xFF
@@ -177,7 +177,7 @@ def test_two_writers_of_one_entry_never_mix_versions(llama_model, make_tier, raw
 def test_interleaved_writes_publish_one_complete_version(llama_model, make_tier, raw):
     model, _ = llama_model
     base = tokens_of(90)
-    a, b = make_tier(chunk_bytes=40_000), make_tier(chunk_bytes=90_000)
+    a, b = make_tier(chunk_bytes=40_000, share_blocks=False), make_tier(chunk_bytes=90_000, share_blocks=False)
     gate, entered = threading.Event(), threading.Event()
     real = a.writer._write_chunks
 

@@ -11,9 +11,19 @@ cache settings, so entries of another model or cache shape are never found):
 - ``P:m:{ns}:{eid}`` -> manifest (JSON, :class:`Manifest`): which version's
   chunks make the value, their sizes and checksums, the token ids.
 - ``P:c:{ns}:{eid}:{version}:{j}`` -> chunk ``j`` of the value: one cache file
-  in our format (``mlxcc_format.prompt_cache_bytes``).
+  in our format (``mlxcc_format.prompt_cache_bytes``) for an entry stored
+  whole; for an entry stored in blocks, its tail (:mod:`.redis_blocks`).
+- ``P:k:{ns}:{h_i}`` -> block value (:mod:`.redis_blocks`): the K/V of the
+  ``i``-th block of tokens whose chain hash is ``h_i``, one value however many
+  entries (of any replica) hold it; ``P:r:{ns}:{h_i}`` (hash) -> ``crc``: the
+  value's crc32 (set with it in one transaction) and ``n``: how many manifests
+  list it (changed in the transaction that publishes or deletes a manifest; the
+  value is deleted when it reaches 0). Both expire with the last entry using them.
 - ``P:lru`` (sorted set) ``"{ns}:{eid}"`` -> last use (unix time), and
-  ``P:meta`` (hash) ``"{ns}:{eid}"`` -> ``"{nbytes}:{pinned}"``: the byte budget.
+  ``P:meta`` (hash) ``"{ns}:{eid}"`` -> ``"{own}:{pinned}:{whole}"``: the bytes
+  the entry holds alone (a whole value, or a tail), whether it is pinned and
+  its size with its blocks; ``P:kbytes`` -> the bytes of all block values,
+  each counted once. The byte budget counts the owns plus ``P:kbytes``.
 
 Hash chain over token-id blocks of ``B`` tokens (uint32 little endian):
 ``h_0 = sha256("mlxcc-chain" ns)``, ``h_i = sha256(h_{i-1} || block_i)``; an
@@ -29,6 +39,7 @@ from dataclasses import dataclass
 
 from ..files.checksum import crc32
 from .chain import Chain
+from .redis_blocks import Layout
 
 MANIFEST_FORMAT = 1
 
@@ -51,6 +62,16 @@ class Keys:
 
     def chunks(self, m: "Manifest") -> list[str]:
         return [self.chunk(m.namespace, m.eid, m.version, j) for j in range(len(m.chunk_sizes))]
+
+    def value(self, ns: str, h: str) -> str:
+        return f"{self.prefix}:k:{ns}:{h}"
+
+    def refs(self, ns: str, h: str) -> str:
+        return f"{self.prefix}:r:{ns}:{h}"
+
+    @property
+    def block_bytes(self) -> str:
+        return f"{self.prefix}:kbytes"
 
     @property
     def lru(self) -> str:
@@ -92,24 +113,34 @@ class Manifest:
     tokens: tuple[int, ...]
     trimmable: bool
     key: str | None
+    blocks: tuple[str, ...] = ()  # chain hashes of its block values (empty: stored whole)
+    layout: Layout | None = None  # how its blocks and tail make the cache (None: stored whole)
 
     @property
     def nbytes(self) -> int:
+        """Bytes this entry holds alone (its value, or its tail)."""
         return sum(self.chunk_sizes)
+
+    def whole_bytes(self, block: int) -> int:
+        """Its size with its blocks of ``block`` tokens."""
+        return self.nbytes + (len(self.blocks) * self.layout.payload_bytes(block) if self.layout else 0)
 
     def encode(self) -> bytes:
         return json.dumps({
             "format": MANIFEST_FORMAT, "namespace": self.namespace, "eid": self.eid, "version": self.version,
             "chunk_sizes": list(self.chunk_sizes), "checksums": list(self.checksums),
             "tokens": list(self.tokens), "trimmable": self.trimmable, "key": self.key,
+            **({"blocks": list(self.blocks), "layout": self.layout.to_json()} if self.layout else {}),
         }).encode()  # fmt: skip
 
     @classmethod
-    def for_value(cls, namespace, eid, version, data: bytes, chunk_bytes: int, tokens, trimmable, key):
-        """The manifest of ``data`` cut into chunks of ``chunk_bytes``; also returns the chunks."""
+    def for_value(cls, namespace, eid, version, data: bytes, chunk_bytes: int, tokens, trimmable, key,
+                  blocks: tuple[str, ...] = (), layout: Layout | None = None):  # fmt: skip
+        """The manifest of ``data`` (a whole value, or the tail of ``blocks``) cut
+        into chunks of ``chunk_bytes``; also returns the chunks."""
         chunks = [data[i : i + chunk_bytes] for i in range(0, len(data), chunk_bytes)] or [b""]
         m = cls(namespace, eid, version, tuple(len(c) for c in chunks), tuple(crc32(c) for c in chunks),
-                tuple(int(t) for t in tokens), bool(trimmable), key)  # fmt: skip
+                tuple(int(t) for t in tokens), bool(trimmable), key, tuple(blocks), layout)  # fmt: skip
         return m, chunks
 
 
@@ -120,16 +151,20 @@ def decode_manifest(raw, namespace: str, eid: str) -> Manifest | None:
         d = json.loads(raw)
         m = Manifest(
             d["namespace"], d["eid"], d["version"], tuple(d["chunk_sizes"]), tuple(d["checksums"]),
-            tuple(d["tokens"]), d["trimmable"], d["key"],
+            tuple(d["tokens"]), d["trimmable"], d["key"], tuple(d.get("blocks", ())),
+            Layout.from_json(d["layout"]) if "layout" in d else None,
         )  # fmt: skip
     except (TypeError, ValueError, KeyError, RecursionError, UnicodeDecodeError):
         return None
+    if ("layout" in d) != (m.layout is not None) or (m.layout is not None) != bool(m.blocks):
+        return None  # a damaged layout, or blocks without one
     ints = [*m.chunk_sizes, *m.checksums, *m.tokens]
     ok = (
         d.get("format") == MANIFEST_FORMAT and (m.namespace, m.eid) == (namespace, eid)
         and isinstance(m.version, str) and m.version.isalnum() and len(m.chunk_sizes) == len(m.checksums) > 0
         and all(type(v) is int and v >= 0 for v in ints) and type(m.trimmable) is bool
         and (m.key is None or isinstance(m.key, str)) and m.tokens
+        and all(isinstance(h, str) and len(h) == 32 and h.isalnum() for h in m.blocks)
     )  # fmt: skip
     return m if ok else None
 

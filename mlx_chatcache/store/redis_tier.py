@@ -9,7 +9,7 @@ values in Redis (key layout: :mod:`.redis_layout`):
   found at multiples of ``block`` tokens and up to where the entry and the
   query diverge inside the next block; sequences shorter than one block are
   never stored.
-- ``fetch`` reads the manifest's chunks and uses the value only when every
+- ``fetch`` reads the manifest's chunks (and blocks) and uses the value only when every
   check passes: chunk count, sizes and crc32 checksums, the safetensors header
   (validated by the same parser as files), the model fingerprint, the scope's
   namespace, the token ids (manifest == header == index entry) and the layer
@@ -17,12 +17,20 @@ values in Redis (key layout: :mod:`.redis_layout`):
   deleted from Redis (if still that version); one whose chunks vanished
   (replaced, evicted) counts in ``missing``. The caller then gets a shorter hit
   or none.
-- ``add`` serializes the cache to our file format (``prompt_cache_bytes``, on
-  the calling thread: MLX work stays on the generation worker) and queues it
-  for the background writer (:mod:`.redis_writer`), which keeps the byte
-  budget and the TTL and publishes versioned manifests. It returns at once:
+- ``add`` serializes the cache (on the calling thread: MLX work stays on the
+  generation worker): a cache of plain KV layers as block values of ``block``
+  tokens, addressed by chain hash and shared by every entry (of any replica)
+  starting with those tokens, plus its tail (:mod:`.redis_blocks`); any other
+  cache (rotating windows, SSM state, ...) whole, in our file format
+  (``prompt_cache_bytes``). It queues the value for the background writer
+  (:mod:`.redis_writer`), which keeps the byte budget (each block counted
+  once) and the TTL and publishes versioned manifests. It returns at once:
   True when queued, False when the queue is full (``dropped``), the entry is
   too short, or Redis is down.
+- A block entry's ``fetch`` also checks every block value's checksum and
+  size: a damaged one counts in ``corrupt`` and is deleted with the entry
+  (other entries listing it then miss); a block gone counts in ``missing`` and
+  the entry is deleted. The cache is assembled with one copy per array.
 
 When Redis is down, slow or restarting (:mod:`.redis_link`), every call
 returns "no hit"/"not stored" at once without touching the network until the
@@ -46,6 +54,7 @@ from ..files.mlxcc_format import check_cache_fits_model, load_prompt_cache_bytes
 from ..config import SERVER_DEFAULTS
 from ..errors import ChatCacheError
 from .index import Entry
+from .redis_blocks import assemble, block_ok, split, splittable
 from .redis_layout import Chain, Keys, Manifest, decode_manifest, parse_index_value
 from .redis_link import RedisLink, Unavailable, connect
 from .redis_writer import RedisWriter
@@ -53,7 +62,7 @@ from .tiers import Tier
 
 _CANDIDATES = 3  # manifests read at most per lookup
 _RECENT = 1024  # entries this process knows are in Redis (not serialized again)
-_FETCH_GROUP = 4  # chunks per MGET
+_FETCH_GROUP = 4  # one MGET reads at most this many chunks' worth of bytes
 
 
 class RedisTier(Tier):
@@ -62,7 +71,8 @@ class RedisTier(Tier):
     def __init__(self, url: str, budget: int | None = None, *, ttl: int | None = None,
                  chunk_bytes: int | None = None, block: int | None = None, prefix: str | None = None,
                  queue_size: int | None = None, socket_timeout: float | None = None,
-                 backoff: tuple[float, float] | None = None, client=None):  # fmt: skip
+                 backoff: tuple[float, float] | None = None, share_blocks: bool | None = None,
+                 client=None):  # fmt: skip
         d = SERVER_DEFAULTS
         super().__init__(d.redis_cache_bytes if budget is None else budget)
         self.counters.update({"missing": 0, "dropped": 0, "write_errors": 0, "lookup_errors": 0})
@@ -71,6 +81,7 @@ class RedisTier(Tier):
         self.chunk_bytes = int(chunk_bytes or d.redis_chunk_bytes)
         self.block = int(block or d.redis_block_tokens)
         self.keys = Keys(prefix or d.redis_key_prefix)
+        self.share_blocks = d.redis_share_blocks if share_blocks is None else share_blocks
         if client is None:
             timeout = d.redis_socket_timeout if socket_timeout is None else socket_timeout
             client = connect(url, timeout, min(timeout, d.redis_connect_timeout))
@@ -126,7 +137,8 @@ class RedisTier(Tier):
         if raw is None:
             return None  # evicted or expired; its index keys expire too
         m = decode_manifest(raw, scope.namespace, eid)
-        if m is None or Chain(scope.namespace, m.tokens, self.block).entry_id(len(m.tokens)) != eid:
+        chain = Chain(scope.namespace, m.tokens, self.block) if m is not None else None
+        if m is None or chain.entry_id(len(m.tokens)) != eid or (m.blocks and m.blocks != tuple(chain.hashes)):
             self.counters["corrupt"] += 1
             return None
         if (eid, m.version) in self._bad:
@@ -138,23 +150,29 @@ class RedisTier(Tier):
     # ------------------------------------------------------------------ fetch
     def fetch(self, entry, scope, expected):
         m: Manifest = entry.payload
-        names = self.keys.chunks(m)
+        names = self.keys.chunks(m) + [self.keys.value(m.namespace, h) for h in m.blocks]
+        sizes = list(m.chunk_sizes) + [m.layout.payload_bytes(self.block)] * len(m.blocks) if m.blocks else []
         try:
             parts = []
-            for g in range(0, len(names), _FETCH_GROUP):
-                parts += self.link.run(lambda r: r.mget(names[g : g + _FETCH_GROUP]))
+            for group in _groups(names, sizes, _FETCH_GROUP * self.chunk_bytes):
+                parts += self.link.run(lambda r: r.mget(group))
+            checksums = self.link.run(lambda r: self._checksums(r, m)) if m.blocks else []
         except Unavailable:
             self.counters["lookup_errors"] += 1
             return None
-        if any(p is None for p in parts):
+        parts, values = parts[: len(m.chunk_sizes)], parts[len(m.chunk_sizes) :]
+        if any(p is None for p in parts + values):
             self.counters["missing"] += 1  # replaced or evicted since the manifest was read
             self._bad.add((m.eid, m.version))
+            if any(v is None for v in values):  # a block it needs is gone: it can never be served
+                self.writer.submit(lambda: self.writer.discard(m))
             return None
-        cache = self._verified(m, parts, scope, expected)
+        damaged = tuple(h for h, v, c in zip(m.blocks, values, checksums) if not block_ok(v, c, m.layout, self.block))
+        cache = None if damaged else self._verified(m, parts, values, scope, expected)
         if cache is None:
             self.counters["corrupt"] += 1
             self._bad.add((m.eid, m.version))
-            self.writer.submit(lambda: self.writer.discard(m))
+            self.writer.submit(lambda: self.writer.discard(m, damaged))
             return None
         self.counters["hits"] += 1
         self.counters["hit_tokens"] += len(m.tokens)
@@ -162,11 +180,26 @@ class RedisTier(Tier):
         self.writer.submit(lambda: self.writer.touch(m))
         return cache
 
-    def _verified(self, m: Manifest, parts: list[bytes], scope, expected):
+    def _checksums(self, r, m: Manifest) -> list:
+        pipe = r.pipeline(transaction=False)
+        for h in m.blocks:
+            pipe.hget(self.keys.refs(m.namespace, h), "crc")
+        return pipe.execute()
+
+    def _verified(self, m: Manifest, parts: list[bytes], values: list[bytes], scope, expected):
         sizes = tuple(len(p) for p in parts)
         if sizes != m.chunk_sizes or tuple(crc32(p) for p in parts) != m.checksums:
             return None
         name = f"redis:{self.keys.manifest(m.namespace, m.eid)}"
+        if m.layout is not None:  # blocks (checked) and a tail
+            cache = assemble(m.layout, values, b"".join(parts), self.block)
+            if cache is None or cache[0].offset != len(m.tokens):
+                return None
+            try:
+                check_cache_fits_model(cache, expected, name)
+            except ChatCacheError:
+                return None
+            return cache
         try:
             cache, info = load_prompt_cache_bytes(b"".join(parts), name, model=scope.fingerprint)
             check_cache_fits_model(cache, expected, name)
@@ -181,18 +214,25 @@ class RedisTier(Tier):
         tokens = tuple(int(t) for t in tokens)
         if len(tokens) < self.block or not self.link.available():
             return False
-        eid = Chain(scope.namespace, tokens, self.block).entry_id(len(tokens))
+        chain = Chain(scope.namespace, tokens, self.block)
+        eid = chain.entry_id(len(tokens))
         if self._known(eid):
             return self.writer.submit(lambda: self._touch_known(scope.namespace, eid))
         if not self.writer.has_room():
             self.counters["dropped"] += 1
             return False
+        version = secrets.token_hex(8)
+        if self.share_blocks and splittable(cache, len(tokens)):
+            values, tail, layout = split(cache, chain)
+            m, chunks = Manifest.for_value(scope.namespace, eid, version, tail, self.chunk_bytes, tokens, True, key,
+                                           tuple(chain.hashes), layout)  # fmt: skip
+            return self.writer.submit(lambda: self.writer.publish(m, chunks, values) and self._remember(eid))
         trimmable = can_trim_prompt_cache(cache)
         meta = {"store.namespace": scope.namespace, "store.trimmable": "1" if trimmable else "0"}
         if key is not None:
             meta["store.key"] = key
         data = prompt_cache_bytes(cache, tokens=tokens, model=scope.fingerprint, settings=scope.settings, metadata=meta)
-        m, chunks = Manifest.for_value(scope.namespace, eid, secrets.token_hex(8), data, self.chunk_bytes,
+        m, chunks = Manifest.for_value(scope.namespace, eid, version, data, self.chunk_bytes,
                                        tokens, trimmable, key)  # fmt: skip
         return self.writer.submit(lambda: self.writer.publish(m, chunks) and self._remember(eid))
 
@@ -233,6 +273,21 @@ class RedisTier(Tier):
         self.writer.flush(5.0)
         self.writer.close()
         self.link.close()
+
+
+def _groups(names: list[str], sizes: list[int], limit: int) -> list[list[str]]:
+    """``names`` in runs of at most ``limit`` bytes (by ``sizes``; at least one
+    name each); without sizes, runs of ``_FETCH_GROUP`` names."""
+    if not sizes:
+        return [names[g : g + _FETCH_GROUP] for g in range(0, len(names), _FETCH_GROUP)]
+    out, run, total = [], [], 0
+    for name, size in zip(names, sizes):
+        if run and total + size > limit:
+            out.append(run)
+            run, total = [], 0
+        run.append(name)
+        total += size
+    return out + [run] if run else out
 
 
 __all__ = ["RedisTier"]

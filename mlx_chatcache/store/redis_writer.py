@@ -5,17 +5,22 @@ queue drops the job and counts it in ``dropped``). Jobs:
 
 - ``publish``: keep the byte budget (:meth:`plan`: least recently used entries
   out, no entry evicting more than its own size, pinned entries last, expired
-  ones forgotten), write the chunks under the write's own version, then in one
-  MULTI/EXEC transaction set the manifest, the block index keys, the LRU score
-  and the size. A reader sees the old manifest (whose chunks stay readable for
+  ones forgotten), write the chunks under the write's own version and the
+  block values not stored yet (SET NX: one value per chain hash, whoever
+  writes it), then in one WATCH/MULTI/EXEC transaction set the manifest, the
+  block index keys, the LRU score, the size and the counts of the blocks it
+  lists (those of a manifest it replaces are released in it: a count reaching
+  0 deletes the value and takes its bytes off ``P:kbytes``). A block freed
+  between its write and the transaction is written again. A reader sees the old manifest (whose chunks stay readable for
   ``GRACE`` seconds) or the new one with all its chunks, never a mix; two
   writers of one entry each publish a complete version and the last one wins.
   Entries the new one makes redundant (trimmable prefixes of it, whose block
   keys now all point to it) are deleted.
 - ``touch``: a hit refreshes an entry's TTLs and LRU score (if it is still
   the version that was read).
-- ``discard``: delete an entry a reader found corrupt, if it is still the
-  version that was read.
+- ``discard``: delete an entry a reader found corrupt or missing a block
+  (releasing its blocks; damaged block values are deleted), if it is still
+  the version that was read.
 
 Failures (Redis down) count in ``write_errors`` and lose only that job.
 """
@@ -28,10 +33,12 @@ import threading
 import time
 from typing import Callable
 
+from ..files.checksum import crc32
 from .redis_layout import Chain, Keys, Manifest, decode_manifest, index_value, member, parse_index_value, split_member
-from .redis_link import RedisLink, Unavailable
+from .redis_link import RedisLink, Unavailable, redis_module
 
 log = logging.getLogger("mlx_chatcache.store.redis")
+_RETRIES = 64  # a transaction whose watched keys changed is tried again this often
 GRACE = 60  # seconds a replaced or deleted version's chunks stay readable for readers in flight
 _STOP = object()
 
@@ -41,6 +48,7 @@ class RedisWriter:
                  count: Callable[[str, int], None]):  # fmt: skip
         self.link, self.keys, self.budget, self.ttl, self.block = link, keys, budget, ttl, block
         self._count = count
+        self._watch_error = redis_module().WatchError
         self.known_bytes = 0  # the budget's total at the last publish
         self.known_entries = 0
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
@@ -92,9 +100,14 @@ class RedisWriter:
                 self._queue.task_done()
 
     # ------------------------------------------------------------------ jobs
-    def publish(self, m: Manifest, chunks: list[bytes]) -> bool:
-        """Publish an entry (False: refused by the budget; raises Unavailable)."""
-        victims = self.link.run(lambda r: self.plan(r, m.nbytes, m.key is not None, member(m.namespace, m.eid)))
+    def publish(self, m: Manifest, chunks: list[bytes], values: dict[str, bytes] | None = None) -> bool:
+        """Publish an entry, with the block values ``values`` its manifest lists
+        (False: refused by the budget; raises Unavailable)."""
+        values = values or {}
+        stored = self.link.run(lambda r: self._stored(r, m.namespace, list(values)))
+        cost = m.nbytes + sum(len(v) for h, v in values.items() if h not in stored)
+        whole = m.whole_bytes(self.block)
+        victims = self.link.run(lambda r: self.plan(r, cost, m.key is not None, member(m.namespace, m.eid), whole))
         if victims is None:
             self._count("refused", 1)
             return False
@@ -102,7 +115,7 @@ class RedisWriter:
         chain = Chain(m.namespace, m.tokens, self.block)
         index = [self.keys.block(m.namespace, h) for h in chain.hashes] if m.trimmable else \
             [self.keys.end(m.namespace, chain.hashes[-1])]  # fmt: skip
-        replaced = self.link.run(lambda r: self._publish(r, m, index))
+        replaced = self.link.run(lambda r: self._publish(r, m, index, values, stored))
         self._count("added", 1)
         self.link.run(lambda r: self._clean_up(r, m, chain, replaced, victims))
         return True
@@ -115,15 +128,87 @@ class RedisWriter:
                 pipe.execute()
         pipe.execute()
 
-    def _publish(self, r, m: Manifest, index: list[str]) -> list:
+    def _stored(self, r, ns: str, hashes: list[str]) -> set[str]:
+        """Which of ``hashes`` have a block value in Redis."""
+        pipe = r.pipeline(transaction=False)
+        for h in hashes:
+            pipe.exists(self.keys.value(ns, h))
+        return {h for h, n in zip(hashes, pipe.execute() if hashes else ()) if n}
+
+    def _write_values(self, r, ns: str, values: dict[str, bytes]) -> None:
+        """Write the block values not stored yet, each with its crc32 in one
+        transaction (SET NX: the first writer's stays); the bytes of those
+        written count in ``P:kbytes``."""
+        items = list(values.items())
+        for g in range(0, len(items), 4):
+            pipe = r.pipeline(transaction=True)
+            for h, v in items[g : g + 4]:
+                pipe.set(self.keys.value(ns, h), v, ex=self.ttl + GRACE, nx=True)
+                pipe.hsetnx(self.keys.refs(ns, h), "crc", crc32(v))
+            made = [(h, v) for (h, v), ok in zip(items[g : g + 4], pipe.execute()[::2]) if ok]
+            if made:  # (a key left as it was does not disturb other writers' WATCH)
+                pipe = r.pipeline(transaction=False)
+                for h, _ in made:
+                    pipe.expire(self.keys.refs(ns, h), self.ttl + GRACE)
+                pipe.incrby(self.keys.block_bytes, sum(len(v) for _, v in made))
+                pipe.execute()
+
+    def _publish(self, r, m: Manifest, index: list[str], values: dict[str, bytes], stored: set[str]) -> list:
+        """Set the manifest, its index keys, LRU score, size and its blocks' counts
+        in one transaction (the blocks it replaces are released in it too)."""
         name, value = member(m.namespace, m.eid), index_value(len(m.tokens), m.eid)
-        pipe = r.pipeline(transaction=True)
-        pipe.set(self.keys.manifest(m.namespace, m.eid), m.encode(), ex=self.ttl, get=True)
-        for k in index:
-            pipe.set(k, value, ex=self.ttl, get=True)
-        pipe.zadd(self.keys.lru, {name: time.time()})
-        pipe.hset(self.keys.meta, name, f"{m.nbytes}:{int(m.key is not None)}")
-        return pipe.execute()[: 1 + len(index)]
+        mkey, ns = self.keys.manifest(m.namespace, m.eid), m.namespace
+        watched = [mkey] + [k for h in m.blocks for k in (self.keys.value(ns, h), self.keys.refs(ns, h))]
+        meta = f"{m.nbytes}:{int(m.key is not None)}:{m.whole_bytes(self.block)}"
+        todo = {h: v for h, v in values.items() if h not in stored}
+        for _ in range(_RETRIES):
+            self._write_values(r, ns, todo)
+            with r.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(*watched)
+                    old = _manifest(pipe.get(mkey), m.namespace, m.eid)
+                    todo = {h: values[h] for h in m.blocks if not pipe.exists(self.keys.value(ns, h))}
+                    if todo:
+                        continue  # freed meanwhile: write them again
+                    dropped = [h for h in (old.blocks if old else ()) if h not in set(m.blocks)]
+                    release, _ = self._releasing(pipe, ns, dropped)
+                    pipe.multi()
+                    pipe.set(mkey, m.encode(), ex=self.ttl, get=True)
+                    for k in index:
+                        pipe.set(k, value, ex=self.ttl, get=True)
+                    pipe.zadd(self.keys.lru, {name: time.time()})
+                    pipe.hset(self.keys.meta, name, meta)
+                    for h in [h for h in m.blocks if h not in set(old.blocks if old else ())]:
+                        pipe.hincrby(self.keys.refs(ns, h), "n", 1)
+                    for h in m.blocks:
+                        pipe.expire(self.keys.refs(ns, h), self.ttl + GRACE)
+                        pipe.expire(self.keys.value(ns, h), self.ttl + GRACE)
+                    release(pipe)
+                    return pipe.execute()[: 1 + len(index)]
+                except self._watch_error:
+                    continue
+        raise Unavailable("the Redis tier could not publish an entry: its blocks kept changing")
+
+    def _releasing(self, pipe, ns: str, hashes) -> tuple[Callable, dict[str, int]]:
+        """(Watching ``hashes``' keys) what to queue in the transaction that drops one
+        holder of each: its count goes down, and at 0 the value is deleted and its
+        bytes leave ``P:kbytes``; and those last holders' ``{hash: bytes}``."""
+        hashes = list(hashes)
+        if not hashes:
+            return lambda p: None, {}
+        pipe.watch(*[k for h in hashes for k in (self.keys.value(ns, h), self.keys.refs(ns, h))])
+        last = {h: pipe.strlen(self.keys.value(ns, h)) for h in hashes if int(pipe.hget(self.keys.refs(ns, h), "n") or 0) <= 1}
+
+        def queue(p):
+            for h in hashes:
+                if h in last:
+                    p.delete(self.keys.refs(ns, h), self.keys.value(ns, h))
+                else:
+                    p.hincrby(self.keys.refs(ns, h), "n", -1)
+            if sum(last.values()):
+                p.decrby(self.keys.block_bytes, sum(last.values()))
+
+        return queue, last
 
     def _clean_up(self, r, m: Manifest, chain: Chain, replaced: list, victims: list[str]) -> None:
         old = decode_manifest(replaced[0], m.namespace, m.eid) if replaced[0] else None
@@ -141,26 +226,39 @@ class RedisWriter:
             self._delete(r, name)
         self._count("evicted", len(victims))
 
-    def _delete(self, r, name: str, version: str | None = None) -> None:
-        """Delete entry ``name`` (only if its manifest is still ``version``, when given)."""
+    def _delete(self, r, name: str, version: str | None = None, damaged: tuple[str, ...] = ()) -> None:
+        """Delete entry ``name`` (only if its manifest is still ``version``, when
+        given), releasing its blocks; ``damaged``: block values found damaged,
+        deleted whoever holds them (their holders become misses)."""
         parts = split_member(name)
         if parts is None:
             return
-        mkey = self.keys.manifest(*parts)
-
-        def txn(pipe):
-            raw = pipe.get(mkey)
-            m = decode_manifest(raw, *parts) if raw else None
-            if version is not None and (m is None or m.version != version):
-                return
-            pipe.multi()
-            pipe.delete(mkey)
-            pipe.zrem(self.keys.lru, name)
-            pipe.hdel(self.keys.meta, name)
-            for k in self.keys.chunks(m) if m else ():
-                pipe.expire(k, GRACE)
-
-        r.transaction(txn, mkey)
+        ns, mkey = parts[0], self.keys.manifest(*parts)
+        for _ in range(_RETRIES):
+            with r.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(mkey)
+                    m = _manifest(pipe.get(mkey), *parts)
+                    if version is not None and (m is None or m.version != version):
+                        return
+                    release, freed = self._releasing(pipe, ns, m.blocks if m else ())
+                    bad = {h: pipe.strlen(self.keys.value(ns, h)) for h in damaged if m and h in m.blocks
+                           and h not in freed}  # fmt: skip
+                    pipe.multi()
+                    pipe.delete(mkey)
+                    pipe.zrem(self.keys.lru, name)
+                    pipe.hdel(self.keys.meta, name)
+                    for k in self.keys.chunks(m) if m else ():
+                        pipe.expire(k, GRACE)
+                    release(pipe)
+                    for h in bad:
+                        pipe.delete(self.keys.value(ns, h), self.keys.refs(ns, h))
+                    if sum(bad.values()):
+                        pipe.decrby(self.keys.block_bytes, sum(bad.values()))
+                    pipe.execute()
+                    return
+                except self._watch_error:
+                    continue
 
     def touch(self, m: Manifest) -> None:
         chain = Chain(m.namespace, m.tokens, self.block)
@@ -177,22 +275,31 @@ class RedisWriter:
                 pipe.expire(k, self.ttl + GRACE)
             for k in index:
                 pipe.expire(k, self.ttl)
+            for h in m.blocks:
+                pipe.expire(self.keys.value(m.namespace, h), self.ttl + GRACE)
+                pipe.expire(self.keys.refs(m.namespace, h), self.ttl + GRACE)
             pipe.zadd(self.keys.lru, {member(m.namespace, m.eid): time.time()}, xx=True)
             pipe.execute()
 
         self.link.run(run)
 
-    def discard(self, m: Manifest) -> None:
-        self.link.run(lambda r: self._delete(r, member(m.namespace, m.eid), m.version))
+    def discard(self, m: Manifest, damaged: tuple[str, ...] = ()) -> None:
+        self.link.run(lambda r: self._delete(r, member(m.namespace, m.eid), m.version, damaged))
 
     # ------------------------------------------------------------------ budget
-    def plan(self, r, nbytes: int, pinned: bool, name: str) -> list[str] | None:
-        """Entries to evict so ``nbytes`` more fit the budget (None: refused);
-        forgets entries that expired since their last use."""
+    def plan(self, r, nbytes: int, pinned: bool, name: str, whole: int | None = None) -> list[str] | None:
+        """Entries to evict so ``nbytes`` more (an entry of ``whole`` bytes with its
+        blocks, of which ``nbytes`` are not stored yet) fit the budget (None:
+        refused); forgets entries that expired since their last use. The total is
+        every entry's own bytes plus the block values' (each once); a victim is
+        expected to free its size with its blocks (blocks other entries hold stay,
+        so the next write evicts what is still over)."""
+        whole = nbytes if whole is None else whole
         if nbytes > self.budget:
             return None
         sizes = {k.decode(): v.decode() for k, v in r.hgetall(self.keys.meta).items()}
         order = [(k.decode(), s) for k, s in r.zrange(self.keys.lru, 0, -1, withscores=True)]
+        blocks = int(r.get(self.keys.block_bytes) or 0)
         listed = dict(order)
         expired = [k for k, s in order if s < time.time() - self.ttl] + [k for k in sizes if k not in listed]
         if expired:
@@ -201,15 +308,15 @@ class RedisWriter:
             pipe.hdel(self.keys.meta, *expired)
             pipe.execute()
         live = [(k, *_size(sizes.get(k))) for k, _ in order if k not in expired and k != name]
-        total = sum(n for _, n, _ in live)
+        total = sum(n for _, n, _, _ in live) + blocks
         self.known_entries, self.known_bytes = len(live) + 1, total + nbytes  # as it will be if it fits
         need = total + nbytes - self.budget
         if need <= 0:
             return []
         candidates = [c for c in live if not c[2]] + ([c for c in live if c[2]] if pinned else [])
         victims, freed = [], 0
-        for k, n, _ in candidates:
-            if freed + n > nbytes:
+        for k, _, _, n in candidates:
+            if freed + n > max(nbytes, whole):
                 continue  # would evict more than the new entry's size
             victims.append(k)
             freed += n
@@ -221,9 +328,14 @@ class RedisWriter:
         return None
 
 
-def _size(raw: str | None) -> tuple[int, bool]:
+def _size(raw: str | None) -> tuple[int, bool, int]:
+    """``(own bytes, pinned, bytes with its blocks)`` of a ``P:meta`` value."""
     try:
-        n, pinned = raw.split(":")
-        return int(n), pinned == "1"
-    except (AttributeError, ValueError):
-        return 0, False
+        own, pinned, *whole = raw.split(":")
+        return int(own), pinned == "1", int(whole[0]) if whole else int(own)
+    except (AttributeError, ValueError, IndexError):
+        return 0, False, 0
+
+
+def _manifest(raw, ns: str, eid: str) -> Manifest | None:
+    return decode_manifest(raw, ns, eid) if raw else None
