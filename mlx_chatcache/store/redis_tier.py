@@ -79,7 +79,7 @@ class RedisTier(Tier):
         self.url = url
         self.ttl = int(ttl or d.redis_ttl_seconds)
         self.chunk_bytes = int(chunk_bytes or d.redis_chunk_bytes)
-        self.block = int(block or d.redis_block_tokens)
+        self.block = int(block or d.store_block_tokens)
         self.keys = Keys(prefix or d.redis_key_prefix)
         self.share_blocks = d.redis_share_blocks if share_blocks is None else share_blocks
         if client is None:
