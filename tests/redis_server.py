@@ -123,3 +123,23 @@ def shared_redis(tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+def tier_factory(url: str, block: int):
+    """``(make, close_all)``: ``make(**kw)`` opens a RedisTier on ``url`` (budget 1 GiB and
+    ``block`` unless given); ``close_all()`` closes every tier it made."""
+    from mlx_chatcache.store.redis_tier import RedisTier
+
+    made = []
+
+    def make(**kw):
+        kw.setdefault("block", block)
+        tier = RedisTier(url, kw.pop("budget", 1 << 30), **kw)
+        made.append(tier)
+        return tier
+
+    def close_all():
+        for t in made:
+            t.close()
+
+    return make, close_all

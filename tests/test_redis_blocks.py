@@ -13,11 +13,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("redis")
 
-from redis_server import redis_server  # noqa: E402,F401  (fixture)
+from redis_server import redis_server, tier_factory  # noqa: E402,F401  (fixture)
 
 from mlx_chatcache.cache import KVCache, QuantizedKVCache, make_prompt_cache  # noqa: E402
 from mlx_chatcache.store.chain import Chain  # noqa: E402
-from mlx_chatcache.store.redis_tier import RedisTier  # noqa: E402
 from mlx_chatcache.store.store import PromptStore  # noqa: E402
 from store_helpers import arrays, checked_out, filled, scope, tokens_of  # noqa: E402
 
@@ -27,17 +26,9 @@ PREFIX = tokens_of(1000)
 
 @pytest.fixture
 def tiers(redis_server):  # noqa: F811
-    made = []
-
-    def make(**kw):
-        kw.setdefault("block", BLOCK)
-        tier = RedisTier(redis_server.url, kw.pop("budget", 1 << 30), **kw)
-        made.append(tier)
-        return tier
-
+    make, close_all = tier_factory(redis_server.url, BLOCK)
     yield make
-    for t in made:
-        t.close()
+    close_all()
 
 
 class KV:

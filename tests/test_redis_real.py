@@ -12,27 +12,18 @@ import pytest
 
 pytest.importorskip("redis")
 
-from redis_server import redis_server  # noqa: E402,F401  (fixture)
+from redis_server import redis_server, tier_factory  # noqa: E402,F401  (fixture)
 
 from mlx_chatcache.cache import make_prompt_cache  # noqa: E402
 from mlx_chatcache.store.store import PromptStore  # noqa: E402
 from mlx_chatcache.store.tiers import MemoryTier, make_scope  # noqa: E402
-from mlx_chatcache.store.redis_tier import RedisTier  # noqa: E402
 from store_helpers import SETTINGS, arrays, checked_out, filled, tokens_of  # noqa: E402
 
 @pytest.fixture
 def tiers(redis_server):  # noqa: F811
-    made = []
-
-    def make(**kw):
-        kw.setdefault("block", 16)
-        tier = RedisTier(redis_server.url, kw.pop("budget", 1 << 30), **kw)
-        made.append(tier)
-        return tier
-
+    make, close_all = tier_factory(redis_server.url, 16)
     yield make
-    for t in made:
-        t.close()
+    close_all()
 
 
 def test_round_trip_in_chunks_between_two_tiers(llama_model, tiers, redis_server):  # noqa: F811
