@@ -147,7 +147,8 @@ def store_growth(model, fingerprint, counts, shared: int, unique: int, repeats: 
     import numpy as np
 
     from mlx_chatcache.cache import make_prompt_cache
-    from mlx_chatcache.store.tiers import DiskTier, MemoryTier, make_scope
+    from mlx_chatcache.store.disk import DiskTier
+    from mlx_chatcache.store.tiers import MemoryTier, make_scope
 
     scope = make_scope(fingerprint, {"max_kv_size": None, "keep": None})
     rng = np.random.default_rng(11)

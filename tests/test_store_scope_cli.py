@@ -24,7 +24,7 @@ from mlx_chatcache.generation.checkout import prompt_scope, put_prompt
 from mlx_chatcache.models.loading import load
 from mlx_chatcache.store.named_file import CacheFileTier, recorded_shape
 from mlx_chatcache.store.store import PromptStore
-from mlx_chatcache.store.tiers import DiskTier
+from mlx_chatcache.store.disk import DiskTier
 
 
 def entries(folder):
