@@ -38,6 +38,7 @@ from ..config import default_cache_dir
 from ..errors import ChatCacheError, UsageError
 from ..files.atomic import TEMP_SUFFIX
 from ..files.mlxcc_format import read_cache_info
+from ..files.registry import CacheFileInfo
 from .index import Entry
 
 MARKER = ".mlxcc-store"
@@ -111,6 +112,12 @@ def _block_fields(meta: dict) -> tuple[list[int] | None, tuple[tuple[str, int], 
     return (tokens, tuple((h, n) for h, n in blocks)) if ok else (None, ())
 
 
+def is_block_entry(info: CacheFileInfo) -> bool:
+    """Whether a file's header is a block entry's (its tokens in ``store.tokens``, not ``mlxcc.tokens``):
+    a store entry, not a file that lists no token ids."""
+    return info.tokens is None and "store.blocks" in info.metadata
+
+
 def block_path(folder: Path, block: str) -> Path:
     """The file of shared block ``block`` (a chain hash) in store folder ``folder``."""
     return folder / BLOCKS / f"{block}.safetensors"
@@ -130,4 +137,4 @@ def _reason(e: OSError) -> str:
 
 
 __all__ = ["BLOCKS", "MARKER", "block_fields", "block_path", "claim_folder", "read_entry", "entry_file_name",
-           "is_store_temp"]
+           "is_block_entry", "is_store_temp"]
