@@ -126,3 +126,23 @@ def test_a_whole_entry_file_from_before_blocks_still_loads_next_to_block_entries
     assert restarted.stats()["foreign"] == 0 and len(restarted.index) == 2
     assert_serves(restarted, old)
     assert_serves(restarted, new)
+
+
+def test_block_entries_another_process_adds_are_found_and_a_smaller_budget_keeps_their_blocks_right(tmp_path):
+    base = list(range(1, 33))
+    a, b = base + list(range(100, 132)) + [7], base + list(range(200, 232)) + [8]
+    server = DiskTier(tmp_path, 1 << 40, rescan_seconds=0, block_tokens=32)
+    command = DiskTier(tmp_path, None, block_tokens=32)  # mlxcc generate --cache-dir next to the server
+    assert command.add(SCOPE, b, cache_of(b), None) and command.add(SCOPE, a, cache_of(a), None)
+    assert server.find(SCOPE, a + [9], None)[1] == len(a)
+    assert server.index.nbytes == files_bytes(tmp_path) and len(server.index) == 2
+    assert_serves(server, a)  # the newest now
+    shared, own_a = (h for h, _ in entry_of(server, a).blocks)
+    own_b = entry_of(server, b).blocks[1][0]
+    # restarted with room for a alone: b goes, with its own block but not the one a holds too
+    small = DiskTier(tmp_path, entry_of(server, a).size, block_tokens=32)
+    assert [e.tokens for e in small.index.entries()] == [tuple(a)] and small.counters["evicted"] == 1
+    assert block_path(tmp_path, shared).exists() and block_path(tmp_path, own_a).exists()
+    assert not block_path(tmp_path, own_b).exists()
+    assert small.index.nbytes == files_bytes(tmp_path) <= small.index.budget
+    assert_serves(small, a)
