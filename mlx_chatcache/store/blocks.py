@@ -119,8 +119,9 @@ def as_layers(blocked: Blocked, arrays: Sequence[mx.array], n: int) -> list[Base
 
 def from_tail(tail: Sequence[BaseCache], n: int) -> Blocked:
     """See the module doc."""
-    return Blocked(tuple(type(c) for c in tail), tuple((str(n), *c.meta_state[1:]) for c in tail),
-                   tuple(len(c.flat_state()) for c in tail), tuple(a for c in tail for a in c.flat_state()))  # fmt: skip
+    metas = tuple((str(n), *c.meta_state[1:]) for c in tail)
+    counts = tuple(len(c.flat_state()) for c in tail)
+    return Blocked(tuple(type(c) for c in tail), metas, counts, tuple(a for c in tail for a in c.flat_state()))
 
 
 __all__ = ["Blocked", "as_layers", "assemble", "from_tail", "nbytes", "split", "splittable"]

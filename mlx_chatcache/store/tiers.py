@@ -12,8 +12,9 @@ Contract of a tier (:class:`Tier`)
   check layer kinds against;
 - ``add(scope, tokens, cache, key) -> bool``: store a cache holding ``tokens``
   (False: refused by the budget rule). The memory tier keeps shared blocks
-  and a tail, or a compact copy (:class:`MemoryTier`), the disk tier writes a
-  file; ``cache`` stays the caller's;
+  and a tail, or a compact copy (:class:`MemoryTier`), the disk tier writes
+  block files and an entry file, or one file (:class:`~.disk.DiskTier`);
+  ``cache`` stays the caller's;
 - ``stats() -> dict``: entries, bytes, budget and counters;
 - ``close()``: at shutdown (a no-op but for the Redis tier).
 
