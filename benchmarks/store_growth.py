@@ -18,9 +18,9 @@ One command (from the repository root):
 2. Store growth: N = 1, 10, 50 conversations sharing a 1,000-token system
    prompt with 200 unique tokens each, put into the memory tier (whole entries,
    and shared blocks of ``--block`` tokens: the default), the disk tier
-   (a temp folder) and the Redis tier (a ``redis-server`` started on a free
+   (a temp folder, shared block files of ``--block`` tokens) and the Redis tier (a ``redis-server`` started on a free
    loopback port; "n/a" without the binary or the ``redis`` package). Store
-   bytes per tier (memory: the tier's byte count; disk: the entry files' sizes;
+   bytes per tier (memory: the tier's byte count; disk: the entry and block files' sizes;
    Redis: the sum of ``MEMORY USAGE`` over its keys) against the K/V bytes of
    the unique tokens (1,000 + 200 N). The caches' K/V are random values in the
    model's layer shapes and dtype (the bytes do not depend on the values).
@@ -147,7 +147,8 @@ def store_growth(model, fingerprint, counts, shared: int, unique: int, repeats: 
     import numpy as np
 
     from mlx_chatcache.cache import make_prompt_cache
-    from mlx_chatcache.store.tiers import DiskTier, MemoryTier, make_scope
+    from mlx_chatcache.store.disk import DiskTier
+    from mlx_chatcache.store.tiers import MemoryTier, make_scope
 
     scope = make_scope(fingerprint, {"max_kv_size": None, "keep": None})
     rng = np.random.default_rng(11)
@@ -159,7 +160,7 @@ def store_growth(model, fingerprint, counts, shared: int, unique: int, repeats: 
     base = random_conversation(base, shared, 1)
     per_token = kv_bytes_per_token(base)
     tiers = {"memory": MemoryTier(1 << 50, block_tokens=0), "blocks": MemoryTier(1 << 50, block_tokens=block),
-             "disk": DiskTier(folder / "disk", 1 << 50)}  # fmt: skip
+             "disk": DiskTier(folder / "disk", 1 << 50, block_tokens=block)}  # fmt: skip
     redis, why = _redis(folder)
     if redis is not None:
         from mlx_chatcache.store.redis_tier import RedisTier
@@ -236,7 +237,7 @@ def _tier_bytes(name: str, tier, redis) -> int | None:
     if name in ("memory", "blocks"):
         return tier.stats()["bytes"]
     if name == "disk":
-        return sum(p.stat().st_size for p in tier.folder.glob("*.safetensors"))
+        return sum(p.stat().st_size for p in tier.folder.rglob("*.safetensors"))  # entry and block files
     r = redis.client()
     return sum(r.memory_usage(k, samples=0) or 0 for k in r.scan_iter(count=1000))
 
@@ -276,10 +277,11 @@ def main(argv=None) -> int:
                       "file / llama.cpp"], chat_rows)  # fmt: skip
     text += (f"\nStore: N conversations = a shared {args.shared}-token system prompt + {args.unique} unique tokens "
              f"each ({per_token} K/V bytes per token); 'unique K/V' = the K/V bytes of {args.shared} + "
-             f"{args.unique} N tokens; 'memory' stores whole entries (every entry holds its whole prefix), as does "
-             f"disk; 'blocks' is the memory tier with shared blocks of {args.block} tokens (each "
-             "entry: its blocks' references + its tail); Redis shares block values of the same size "
-             "(`--block`), counted with every key's overhead (`MEMORY USAGE`)."
+             f"{args.unique} N tokens; 'memory' stores whole entries (every entry holds its whole prefix); "
+             f"'blocks' is the memory tier with shared blocks of {args.block} tokens (each "
+             "entry: its blocks' references + its tail); 'disk' keeps the same blocks as files (each block file "
+             "once, plus an entry file per entry holding its tail); Redis shares block values of the same size, "
+             "counted with every key's overhead (`MEMORY USAGE`)."
              + (f" Redis: n/a ({redis_why})." if redis_why else "") + "\n\n")  # fmt: skip
     text += md_table(["N", "unique K/V MB", "memory MB", "memory / unique", "blocks MB", "blocks / unique",
                       "disk MB", "disk / unique", "redis MB", "redis / unique"], rows)  # fmt: skip
@@ -287,13 +289,13 @@ def main(argv=None) -> int:
              "the tiers taking turns). "
              "The whole-entry memory tier returns views of its entry (the copy is made by the cache's first "
              "update: '+ first token'), the block tier makes its one copy at checkout (with the room the cache "
-             "grows into, so the first token is written in place), disk reads the whole entry, Redis its "
-             "blocks and tail:\n\n")
+             "grows into, so the first token is written in place), disk reads the entry's tail and block files, "
+             "Redis its blocks and tail:\n\n")
     text += md_table(["tier", "checkout ms", "+ first token ms", "note"], times)
     text += ("\nTargets: a saved chat within 1.05x its K/V bytes ('file / K/V') and, with float16 K/V, "
              "within 1.05x llama.cpp's ('file / llama.cpp'); the store within 1.25x the unique K/V, "
              "which whole-entry tiers cannot meet (every entry holds the shared prompt): the block memory tier "
-             "and Redis are built for it, disk is not yet; a block checkout within 1.2x of a whole entry's, "
+             "disk and Redis are built for it; a block checkout within 1.2x of a whole entry's, "
              "counted to the first token fed (both then hold one copy).\n")
     text += _verdict(rows, times)
     text += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"

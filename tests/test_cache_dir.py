@@ -18,7 +18,7 @@ from mlx_chatcache.cli.main import main
 from mlx_chatcache.errors import UsageError
 from mlx_chatcache.store.disk_folder import MARKER
 from mlx_chatcache.store.store import PromptStore
-from mlx_chatcache.store.tiers import DiskTier
+from mlx_chatcache.store.disk import DiskTier
 
 
 def snapshot(folder):

@@ -245,7 +245,8 @@ def test_a_damaged_disk_tier_entry_is_a_miss(llama_model, tmp_path):
     from mlx_chatcache.files.prompt_cache import PromptCache
     from mlx_chatcache.generation.templates import feed_all
     from mlx_chatcache.store.store import PromptStore
-    from mlx_chatcache.store.tiers import DiskTier, make_scope
+    from mlx_chatcache.store.disk import DiskTier
+    from mlx_chatcache.store.tiers import make_scope
 
     model, _ = llama_model
     tokens = [3 + (i * 7) % 300 for i in range(20)]

@@ -18,7 +18,7 @@ from mlx_chatcache.generation.prompt import reuse_prefix
 from mlx_chatcache.models.loading import load
 from mlx_chatcache.store.named_file import CacheFileTier
 from mlx_chatcache.store.store import PromptStore
-from mlx_chatcache.store.tiers import DiskTier
+from mlx_chatcache.store.disk import DiskTier
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

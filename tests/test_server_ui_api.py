@@ -20,7 +20,7 @@ from mlx_chatcache.server.history import ServedTokens, StatsHistory
 from mlx_chatcache.server.worker import GenerationWorker, Job
 from mlx_chatcache.store.index import Entry, EntryIndex, Pin
 from mlx_chatcache.store.store import PromptStore
-from mlx_chatcache.store.tiers import DiskTier
+from mlx_chatcache.store.disk import DiskTier
 
 KEY = "user-4711@example.org conversation"  # a key that could identify someone
 FIRST = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name three rivers, please."}]

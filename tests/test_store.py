@@ -14,7 +14,8 @@ from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.generation.prompt import reuse_prefix
 from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.store.store import PromptStore
-from mlx_chatcache.store.tiers import DiskTier, MemoryTier, make_scope
+from mlx_chatcache.store.disk import DiskTier
+from mlx_chatcache.store.tiers import MemoryTier, make_scope
 from store_helpers import checked_out, tokens_of
 
 SETTINGS = {"max_kv_size": None, "keep": 4}

@@ -24,7 +24,8 @@ from mlx_chatcache.generation.checkout import prompt_scope, put_prompt
 from mlx_chatcache.models.loading import load
 from mlx_chatcache.store.named_file import CacheFileTier, recorded_shape
 from mlx_chatcache.store.store import PromptStore
-from mlx_chatcache.store.tiers import DiskTier
+from mlx_chatcache.store.disk import DiskTier
+from mlx_chatcache.store.disk_folder import read_entry
 
 
 def entries(folder):
@@ -180,7 +181,7 @@ def test_store_entry_as_prompt_cache_file_is_refused(tiny_model_dirs, tmp_path, 
     assert run_cli(capsys, *generate_args(d, "Tell me about rivers", "--cache-dir", str(folder)))[0] == 0
     (entry,) = entries(folder)
     info = read_cache_info(entry)
-    assert info.tokens and info.messages is None and info.text is None
+    assert read_entry(entry)[0].tokens and info.messages is None and info.text is None
     code, out, err = run_cli(capsys, *generate_args(d, "And lakes?", "--prompt-cache-file", str(entry)))
     assert code != 0 and out == ""
     lines = err.strip().splitlines()

@@ -42,7 +42,8 @@ from ..cache import kv_quantization_mismatch
 from ..config import GenerationConfig
 from ..models.fingerprint import ModelFingerprint
 from ..store.store import PromptStore
-from ..store.tiers import DiskTier, Scope, Tier, make_scope
+from ..store.disk import DiskTier
+from ..store.tiers import Scope, Tier, make_scope
 from ..files.prompt_cache import PromptCache
 
 

@@ -1,8 +1,9 @@
 """A tiered prompt-cache store: memory, local disk, Redis (shared by replicas).
 
 Layers: :mod:`.trie` (longest shared token prefix), :mod:`.index` (entries,
-byte budget, LRU, the eviction rule), :mod:`.tiers` (``MemoryTier``,
-``DiskTier`` behind one interface; :mod:`.disk_folder`, the disk tier's
+byte budget, LRU, the eviction rule), :mod:`.blocks` and :mod:`.chain`
+(K/V shared in blocks of tokens), :mod:`.tiers` (the interface and
+``MemoryTier``), :mod:`.disk` (``DiskTier``; :mod:`.disk_folder`, its
 folder), :mod:`.redis_tier` (``RedisTier``, the same interface over Redis;
 :mod:`.redis_layout`, :mod:`.redis_link`, :mod:`.redis_writer`),
 :mod:`.named_file` (``CacheFileTier``: one cache file

@@ -17,6 +17,10 @@ Contract
   caller owns it and the stored blocks never change (the copy includes the
   room the cache grows into, so feeding it does not copy it again).
 - :func:`nbytes` ``(arrays)``: the bytes of a block value or a tail.
+- :func:`as_layers` ``(blocked, arrays, n)``: a block value or a tail as cache
+  layers of the entry's classes holding ``n`` tokens (what a file stores), and
+  :func:`from_tail` ``(tail, n)``: the :class:`Blocked` part again from the tail
+  layers of an entry of ``n`` tokens.
 
 A block is named by its chain hash (:class:`~.chain.Chain`), which covers the
 namespace and every token up to the block's end: entries of one namespace
@@ -104,4 +108,20 @@ def assemble(blocked: Blocked, values: Sequence[Sequence[mx.array]]) -> list[Bas
     return out
 
 
-__all__ = ["Blocked", "assemble", "nbytes", "split", "splittable"]
+def as_layers(blocked: Blocked, arrays: Sequence[mx.array], n: int) -> list[BaseCache]:
+    """See the module doc (the splittable classes' ``meta_state`` starts with the offset)."""
+    out, at = [], 0
+    for kind, meta, count in zip(blocked.kinds, blocked.metas, blocked.counts):
+        out.append(kind.from_flat_state(list(arrays[at : at + count]), (str(n), *meta[1:])))
+        at += count
+    return out
+
+
+def from_tail(tail: Sequence[BaseCache], n: int) -> Blocked:
+    """See the module doc."""
+    metas = tuple((str(n), *c.meta_state[1:]) for c in tail)
+    counts = tuple(len(c.flat_state()) for c in tail)
+    return Blocked(tuple(type(c) for c in tail), metas, counts, tuple(a for c in tail for a in c.flat_state()))
+
+
+__all__ = ["Blocked", "as_layers", "assemble", "from_tail", "nbytes", "split", "splittable"]

@@ -14,7 +14,12 @@ Contract
 - :func:`read_entry` is the store entry a file holds, or None when the file
   cannot be proved to be one. A store entry is a file in our layout that
   records ``store.namespace`` and its tokens, under the name
-  :func:`entry_file_name` gives them. Files that are not (``foreign``) are
+  :func:`entry_file_name` gives them. A *block entry* holds only its tail (the
+  tokens after its last full block) and records its tokens in ``store.tokens``
+  and its shared blocks in ``store.blocks`` (JSON ``[[chain hash, file bytes],
+  ...]``); the blocks are files :func:`block_path` names, in the subfolder
+  :data:`BLOCKS` (each in our format: checksummed). Without ``mlxcc.tokens``
+  a reader that does not know block entries sees a foreign file, never deletes it. Files that are not (``foreign``) are
   never deleted, also in a marked folder (a user may save a session there).
 - :func:`is_store_temp` names the temp files our atomic writes leave
   (``.NAME.*.tmp.safetensors``, see :mod:`mlx_chatcache.files.atomic`);
@@ -33,9 +38,12 @@ from ..config import default_cache_dir
 from ..errors import ChatCacheError, UsageError
 from ..files.atomic import TEMP_SUFFIX
 from ..files.mlxcc_format import read_cache_info
+from ..files.registry import CacheFileInfo
 from .index import Entry
 
 MARKER = ".mlxcc-store"
+BLOCKS = "blocks"
+_HASH = frozenset("0123456789abcdef")
 _MARKER_TEXT = "mlxcc prompt-cache store folder: files named like entries are written and deleted by mlxcc\n"
 
 
@@ -51,7 +59,8 @@ def claim_folder(folder: str | os.PathLike) -> Path:
         raise UsageError(f"cannot use cache folder {folder}: {_reason(e)}; give a folder you can write") from e
     if MARKER in names:
         return folder
-    other = next((n for n in sorted(names) if not is_store_temp(n) and read_entry(folder / n) is None), None)
+    other = next((n for n in sorted(names)
+                  if n != BLOCKS and not is_store_temp(n) and read_entry(folder / n) is None), None)  # fmt: skip
     if other is not None:
         raise UsageError(
             f"{folder} holds other files (such as {other}) and is not an mlxcc cache folder; "
@@ -75,13 +84,43 @@ def read_entry(path: Path) -> tuple[Entry, int] | None:
         return None
     meta = info.metadata
     namespace = meta.get("store.namespace")
-    if info.layout != "mlxcc" or not namespace or info.tokens is None:
+    tokens, blocks = info.tokens, ()
+    if info.tokens is None and "store.blocks" in meta:
+        tokens, blocks = _block_fields(meta)
+    if info.layout != "mlxcc" or not namespace or tokens is None:
         return None
-    if path.name != entry_file_name(namespace, info.tokens):
+    if path.name != entry_file_name(namespace, tokens):
         return None
     key = meta.get("store.key") or None
-    entry = Entry(namespace, tuple(info.tokens), stat.st_size, meta.get("store.trimmable") == "1", key, path)
+    entry = Entry(namespace, tuple(tokens), stat.st_size, meta.get("store.trimmable") == "1", key, path, blocks)
     return entry, stat.st_mtime_ns
+
+
+def block_fields(tokens: Sequence[int], blocks: Sequence[tuple[str, int]]) -> dict[str, str]:
+    """The metadata of a block entry holding ``tokens`` and ``blocks`` (see the module doc)."""
+    return {"store.tokens": json.dumps(list(tokens)), "store.blocks": json.dumps([list(b) for b in blocks])}
+
+
+def _block_fields(meta: dict) -> tuple[list[int] | None, tuple[tuple[str, int], ...]]:
+    try:
+        tokens, blocks = json.loads(meta["store.tokens"]), json.loads(meta["store.blocks"])
+        ok = all(type(t) is int for t in tokens) and all(
+            type(h) is str and len(h) == 32 and set(h) <= _HASH and type(n) is int and n >= 0 for h, n in blocks
+        )
+    except (KeyError, TypeError, ValueError):
+        return None, ()
+    return (tokens, tuple((h, n) for h, n in blocks)) if ok else (None, ())
+
+
+def is_block_entry(info: CacheFileInfo) -> bool:
+    """Whether a file's header is a block entry's (its tokens in ``store.tokens``, not ``mlxcc.tokens``):
+    a store entry, not a file that lists no token ids."""
+    return info.tokens is None and "store.blocks" in info.metadata
+
+
+def block_path(folder: Path, block: str) -> Path:
+    """The file of shared block ``block`` (a chain hash) in store folder ``folder``."""
+    return folder / BLOCKS / f"{block}.safetensors"
 
 
 def entry_file_name(namespace: str, tokens: Sequence[int]) -> str:
@@ -97,4 +136,5 @@ def _reason(e: OSError) -> str:
     return e.strerror or str(e)
 
 
-__all__ = ["MARKER", "claim_folder", "read_entry", "entry_file_name", "is_store_temp"]
+__all__ = ["BLOCKS", "MARKER", "block_fields", "block_path", "claim_folder", "read_entry", "entry_file_name",
+           "is_block_entry", "is_store_temp"]

@@ -57,7 +57,8 @@ from ..config import CacheShape
 from ..errors import ChatCacheError
 from ..files.prompt_cache import PromptCache
 from .index import Entry, Pin
-from .tiers import DiskTier, MemoryTier, Scope, Tier, compact_copy
+from .disk import DiskTier
+from .tiers import MemoryTier, Scope, Tier, compact_copy
 
 
 class PromptStore:

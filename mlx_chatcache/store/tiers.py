@@ -1,5 +1,5 @@
-"""The store's tiers behind one interface: memory (live cache objects) and a
-disk directory (cache files in our format).
+"""The store's tiers behind one interface: memory (live cache objects) here,
+a disk directory (cache files in our format) in :mod:`.disk`.
 
 Contract of a tier (:class:`Tier`)
 ----------------------------------
@@ -12,8 +12,9 @@ Contract of a tier (:class:`Tier`)
   check layer kinds against;
 - ``add(scope, tokens, cache, key) -> bool``: store a cache holding ``tokens``
   (False: refused by the budget rule). The memory tier keeps shared blocks
-  and a tail, or a compact copy (:class:`MemoryTier`), the disk tier writes a
-  file; ``cache`` stays the caller's;
+  and a tail, or a compact copy (:class:`MemoryTier`), the disk tier writes
+  block files and an entry file, or one file (:class:`~.disk.DiskTier`);
+  ``cache`` stays the caller's;
 - ``stats() -> dict``: entries, bytes, budget and counters;
 - ``close()``: at shutdown (a no-op but for the Redis tier).
 
@@ -32,24 +33,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import sys
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Sequence
 
 import mlx.core as mx
 
 from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache, prompt_cache_nbytes
-from ..files.atomic import remove_stale_temp_files_in
-from ..files.mlxcc_format import check_cache_fits_model, load_cache_file, save_prompt_cache
 from ..config import SERVER_DEFAULTS
-from ..errors import ChatCacheError
 from ..models.fingerprint import ModelFingerprint
 from .blocks import Blocked, assemble, nbytes, split, splittable
 from .chain import Chain
-from .disk_folder import claim_folder, entry_file_name, read_entry
 from .index import Entry, EntryIndex
 
 
@@ -196,172 +189,3 @@ def compact_copy(cache: Sequence[BaseCache]) -> list[BaseCache]:
     out = [type(c).from_flat_state([mx.contiguous(a) for a in c.flat_state()], c.meta_state) for c in cache]
     mx.eval([c.eval_arrays() for c in out])
     return out
-
-
-class DiskTier(Tier):
-    """One cache file per entry in ``folder``, found again by a new instance (a
-    restarted server). The folder must be a store folder (made, marked or
-    adopted by :func:`~.disk_folder.claim_folder`; else a one-line UsageError).
-
-    The store deletes only its own entries (:func:`~.disk_folder.read_entry`):
-    other files in the folder (a session saved there, model weights, damaged
-    or unreadable files) are skipped and counted in ``stats()["foreign"]``,
-    never deleted; the temp files of writers that died mid-write (a ``kill -9``) are
-    removed when the tier opens the folder (``stats()["temp_removed"]``; a live
-    writer's are kept). An entry that fails on fetch is dropped and counted corrupt;
-    its file is deleted only while its header still makes it a store entry.
-
-    ``budget`` None is a command's view of a server's folder (``--cache-dir``):
-    no byte budget, so neither the scan nor ``add`` evicts anything: the
-    command only adds its entries (and replaces the shorter prefixes an entry
-    supersedes); the budget is enforced by the server that owns the folder
-    (its scan evicts the oldest entries beyond it). OSErrors while scanning (a
-    file removed meanwhile) skip that file. The least recently used order
-    survives restarts via file modification times (touched on every hit).
-
-    Entries other processes add to the folder (``mlxcc generate --cache-dir``
-    next to a running server) are found without a restart: a ``find`` that
-    misses or serves only part of the query first indexes the entry files that
-    appeared or changed since the last look (at most once per
-    ``rescan_seconds``; it never evicts or deletes). An indexed entry whose
-    file another process removed is dropped at its fetch (a miss, not corrupt)."""
-
-    name = "disk"
-
-    def __init__(self, folder: str | os.PathLike, budget: int | None,
-                 rescan_seconds: float = SERVER_DEFAULTS.disk_rescan_seconds):  # fmt: skip
-        super().__init__(sys.maxsize if budget is None else budget)
-        self.counters["foreign"] = 0
-        self.folder = claim_folder(folder)
-        self.counters["temp_removed"] = len(remove_stale_temp_files_in(self.folder))
-        self.rescan_seconds = rescan_seconds
-        self._seen = self._listing()  # before the scan: a file written meanwhile is looked at again
-        self._rescanned = time.monotonic()
-        self._scan(evict=budget is not None)
-
-    def find(self, scope, query, key):
-        found = super().find(scope, query, key)
-        if (found is None or found[1] < len(query)) and self._rescan():
-            found = super().find(scope, query, key)
-        return found
-
-    def _listing(self) -> dict[str, int]:
-        """``{name: mtime_ns}`` of the folder's entry-like files (empty if unreadable)."""
-        out = {}
-        try:
-            with os.scandir(self.folder) as it:
-                for e in it:
-                    if e.name.endswith(".safetensors") and not e.name.startswith("."):
-                        try:
-                            out[e.name] = e.stat().st_mtime_ns
-                        except OSError:
-                            continue  # removed meanwhile
-        except OSError:
-            pass
-        return out
-
-    def _rescan(self) -> bool:
-        """Index the store entries in files new or changed since the last look;
-        True when one was added. Throttled to once per ``rescan_seconds``."""
-        now = time.monotonic()
-        if now - self._rescanned < self.rescan_seconds:
-            return False
-        self._rescanned = now
-        listing, added = self._listing(), False
-        for name, mtime in listing.items():
-            if self._seen.get(name) == mtime:
-                continue
-            read = read_entry(self.folder / name)
-            if read is not None and self.index.get(read[0].namespace, read[0].tokens) is None:
-                self.index.add(read[0], [])
-                added = True
-        self._seen = listing
-        return added
-
-    def _scan(self, evict: bool) -> None:
-        found = []
-        try:
-            paths = sorted(self.folder.glob("*.safetensors"))
-        except OSError:
-            paths = []
-        for path in paths:
-            if path.name.startswith("."):
-                continue  # a writer's temp file
-            read = read_entry(path)
-            if read is None:
-                self.counters["foreign"] += 1
-            else:
-                found.append(read)
-        total, kept = 0, []
-        for entry, _ in sorted(found, key=lambda x: -x[1]):  # newest first
-            if evict and total + entry.nbytes > self.index.budget:  # the budget shrank since they were written
-                _unlink(entry.payload)
-                self.counters["evicted"] += 1
-                continue
-            total += entry.nbytes
-            kept.append(entry)
-        for entry in reversed(kept):  # oldest first: LRU order
-            if self.index.get(entry.namespace, entry.tokens) is None:
-                self.index.add(entry, [])
-
-    def fetch(self, entry, scope, expected):
-        path = entry.payload
-        if not Path(path).exists():  # another process removed it: a miss
-            self.index.remove(entry)
-            return None
-        try:
-            cache, info = load_cache_file(path, model=scope.fingerprint)
-            if tuple(info.tokens or ()) != entry.tokens:
-                raise ChatCacheError(f"{path} changed since it was indexed")
-            check_cache_fits_model(cache, expected, path)
-        except (ChatCacheError, OSError):
-            self.index.remove(entry)
-            self.counters["corrupt"] += 1
-            if read_entry(path) is not None:  # still a store entry by its header: damaged further in
-                _unlink(path)
-            return None
-        self._hit(entry)
-        _touch(path)
-        return cache
-
-    def add(self, scope, tokens, cache, key):
-        tokens = tuple(tokens)
-        covering = self._covered(Entry(scope.namespace, tokens, 0, True, key))
-        if covering is not None:
-            self.index.touch(covering)
-            _touch(covering.payload)
-            return True
-        path = self.folder / entry_file_name(scope.namespace, tokens)
-        trimmable = can_trim_prompt_cache(cache)
-        meta = {"store.namespace": scope.namespace, "store.trimmable": "1" if trimmable else "0"}
-        if key is not None:
-            meta["store.key"] = key
-        if path.exists() and self.index.get(scope.namespace, tokens) is not None:
-            self._admit(Entry(scope.namespace, tokens, path.stat().st_size, trimmable, key, path))
-            return True  # the same tokens are on disk already: only the key/recency change
-        save_prompt_cache(path, cache, tokens=tokens, model=scope.fingerprint, settings=scope.settings, metadata=meta)
-        entry = Entry(scope.namespace, tokens, path.stat().st_size, trimmable, key, path)
-        if not self._admit(entry):
-            path.unlink(missing_ok=True)
-            return False
-        return True
-
-    def _drop(self, entry, keep_payload_of=None):
-        self.index.remove(entry)
-        if keep_payload_of is None or keep_payload_of.payload != entry.payload:
-            _unlink(entry.payload)
-
-
-def _unlink(path: Path) -> None:
-    try:
-        Path(path).unlink(missing_ok=True)
-    except OSError:
-        pass
-
-
-def _touch(path: Path) -> None:
-    """Most recently used, also for the next process (the LRU order is mtimes)."""
-    try:
-        os.utime(path)
-    except OSError:
-        pass

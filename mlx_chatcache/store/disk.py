@@ -1,0 +1,282 @@
+"""The disk tier: a store folder of cache files in our format (see :class:`DiskTier`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..cache import can_trim_prompt_cache
+from ..config import SERVER_DEFAULTS
+from ..errors import ChatCacheError
+from ..files.atomic import remove_stale_temp_files_in
+from ..files.mlxcc_format import check_cache_fits_model, load_cache_file, save_prompt_cache
+from .blocks import as_layers, assemble, from_tail, split, splittable
+from .chain import Chain
+from .disk_folder import BLOCKS, block_fields, block_path, claim_folder, entry_file_name, read_entry
+from .index import Entry
+from .tiers import Tier
+
+
+class DiskTier(Tier):
+    """One cache file per entry in ``folder``, found again by a new instance (a
+    restarted server). The folder must be a store folder (made, marked or
+    adopted by :func:`~.disk_folder.claim_folder`; else a one-line UsageError).
+
+    The store deletes only its own entries (:func:`~.disk_folder.read_entry`):
+    other files in the folder (a session saved there, model weights, damaged
+    or unreadable files) are skipped and counted in ``stats()["foreign"]``,
+    never deleted; the temp files of writers that died mid-write (a ``kill -9``) are
+    removed when the tier opens the folder (``stats()["temp_removed"]``; a live
+    writer's are kept). An entry that fails on fetch is dropped and counted corrupt;
+    its file is deleted only while its header still makes it a store entry.
+
+    ``budget`` None is a command's view of a server's folder (``--cache-dir``):
+    no byte budget, so neither the scan nor ``add`` evicts anything: the
+    command only adds its entries (and replaces the shorter prefixes an entry
+    supersedes); the budget is enforced by the server that owns the folder
+    (its scan evicts the oldest entries beyond it). OSErrors while scanning (a
+    file removed meanwhile) skip that file. The least recently used order
+    survives restarts via file modification times (touched on every hit).
+
+    Entries other processes add to the folder (``mlxcc generate --cache-dir``
+    next to a running server) are found without a restart: a ``find`` that
+    misses or serves only part of the query first indexes the entry files that
+    appeared or changed since the last look (at most once per
+    ``rescan_seconds``; it never evicts or deletes). An indexed entry whose
+    file another process removed is dropped at its fetch (a miss, not corrupt).
+
+    With ``block_tokens`` (default ``SERVER_DEFAULTS.store_block_tokens``), a
+    cache of plain K/V layers holding at least one block of tokens is stored as
+    shared block files plus an entry file holding its tail and naming its blocks
+    (:mod:`.blocks`, :func:`~.disk_folder.block_path`): entries sharing a prefix
+    hold its blocks once, and the budget counts each block file once. Blocks
+    are written before the entry file (each atomically), so an entry a reader
+    sees has its blocks. A block file is deleted when this tier drops or evicts
+    the last entry it knows holding it; a restart and the rescan count holders
+    from the entry files. An entry whose block file is gone is a miss (dropped,
+    not corrupt); one whose block file is damaged is dropped and counted corrupt,
+    and the damaged block file deleted (so the next entry holding it writes it again)."""
+
+    name = "disk"
+
+    def __init__(self, folder: str | os.PathLike, budget: int | None,
+                 rescan_seconds: float = SERVER_DEFAULTS.disk_rescan_seconds,
+                 block_tokens: int = SERVER_DEFAULTS.store_block_tokens):  # fmt: skip
+        super().__init__(sys.maxsize if budget is None else budget)
+        self.counters["foreign"] = 0
+        self.folder = claim_folder(folder)
+        self.block_tokens = block_tokens
+        self._loose: set[str] = set()  # blocks that may have lost their last entry
+        removed = remove_stale_temp_files_in(self.folder) + remove_stale_temp_files_in(self.folder / BLOCKS)
+        self.counters["temp_removed"] = len(removed)
+        self.rescan_seconds = rescan_seconds
+        self._seen = self._listing()  # before the scan: a file written meanwhile is looked at again
+        self._rescanned = time.monotonic()
+        self._scan(evict=budget is not None)
+
+    def find(self, scope, query, key):
+        found = super().find(scope, query, key)
+        if (found is None or found[1] < len(query)) and self._rescan():
+            found = super().find(scope, query, key)
+        return found
+
+    def _listing(self) -> dict[str, int]:
+        """``{name: mtime_ns}`` of the folder's entry-like files (empty if unreadable)."""
+        out = {}
+        try:
+            with os.scandir(self.folder) as it:
+                for e in it:
+                    if e.name.endswith(".safetensors") and not e.name.startswith("."):
+                        try:
+                            out[e.name] = e.stat().st_mtime_ns
+                        except OSError:
+                            continue  # removed meanwhile
+        except OSError:
+            pass
+        return out
+
+    def _rescan(self) -> bool:
+        """Index the store entries in files new or changed since the last look;
+        True when one was added. Throttled to once per ``rescan_seconds``."""
+        now = time.monotonic()
+        if now - self._rescanned < self.rescan_seconds:
+            return False
+        self._rescanned = now
+        listing, added = self._listing(), False
+        for name, mtime in listing.items():
+            if self._seen.get(name) == mtime:
+                continue
+            read = read_entry(self.folder / name)
+            if read is not None and self.index.get(read[0].namespace, read[0].tokens) is None:
+                self.index.add(read[0], [])
+                added = True
+        self._seen = listing
+        return added
+
+    def _scan(self, evict: bool) -> None:
+        found = []
+        try:
+            paths = sorted(self.folder.glob("*.safetensors"))
+        except OSError:
+            paths = []
+        for path in paths:
+            if path.name.startswith("."):
+                continue  # a writer's temp file
+            read = read_entry(path)
+            if read is None:
+                self.counters["foreign"] += 1
+            else:
+                found.append(read)
+        total, kept, held, gone = 0, [], set(), []
+        for entry, _ in sorted(found, key=lambda x: -x[1]):  # newest first
+            adds = entry.nbytes + sum(n for b, n in entry.blocks if b not in held)
+            if evict and total + adds > self.index.budget:  # the budget shrank since they were written
+                _unlink(entry.payload)
+                self.counters["evicted"] += 1
+                gone.append(entry)
+                continue
+            total += adds
+            held.update(b for b, _ in entry.blocks)
+            kept.append(entry)
+        for b in {b for e in gone for b, _ in e.blocks} - held:
+            _unlink(block_path(self.folder, b))
+        for entry in reversed(kept):  # oldest first: LRU order
+            if self.index.get(entry.namespace, entry.tokens) is None:
+                self.index.add(entry, [])
+
+    def fetch(self, entry, scope, expected):
+        path = entry.payload
+        if not Path(path).exists():  # another process removed it: a miss
+            self._drop(entry)
+            self._sweep()
+            return None
+        if entry.blocks:
+            return self._fetch_blocks(entry, scope, expected)
+        try:
+            cache, info = load_cache_file(path, model=scope.fingerprint)
+            if tuple(info.tokens or ()) != entry.tokens:
+                raise ChatCacheError(f"{path} changed since it was indexed")
+            check_cache_fits_model(cache, expected, path)
+        except (ChatCacheError, OSError):
+            self.index.remove(entry)
+            self.counters["corrupt"] += 1
+            if read_entry(path) is not None:  # still a store entry by its header: damaged further in
+                _unlink(path)
+            return None
+        self._hit(entry)
+        _touch(path)
+        return cache
+
+    def add(self, scope, tokens, cache, key):
+        tokens = tuple(tokens)
+        covering = self._covered(Entry(scope.namespace, tokens, 0, True, key))
+        if covering is not None:
+            self.index.touch(covering)
+            _touch(covering.payload)
+            return True
+        path = self.folder / entry_file_name(scope.namespace, tokens)
+        trimmable = can_trim_prompt_cache(cache)
+        meta = {"store.namespace": scope.namespace, "store.trimmable": "1" if trimmable else "0"}
+        if key is not None:
+            meta["store.key"] = key
+        old = self.index.get(scope.namespace, tokens)
+        try:
+            if path.exists() and old is not None:
+                self._admit(Entry(scope.namespace, tokens, old.nbytes, trimmable, key, path, old.blocks))
+                return True  # the same tokens are on disk already: only the key/recency change
+            if self.block_tokens > 0 and len(tokens) >= self.block_tokens and splittable(cache, len(tokens)):
+                entry = self._write_blocked(scope, tokens, cache, path, meta)
+            else:
+                save_prompt_cache(path, cache, tokens=tokens, model=scope.fingerprint, settings=scope.settings,
+                                  metadata=meta)  # fmt: skip
+                entry = Entry(scope.namespace, tokens, path.stat().st_size, trimmable, key, path)
+            if not self._admit(entry):
+                path.unlink(missing_ok=True)
+                self._loose.update(b for b, _ in entry.blocks)
+                return False
+            return True
+        finally:
+            self._sweep()
+
+    def _write_blocked(self, scope, tokens, cache, path, meta) -> Entry:
+        """Write the block files ``cache`` needs that are not in the folder, then its entry file."""
+        chain = Chain(scope.namespace, tokens, self.block_tokens)
+        new, blocked = split(cache, chain, lambda h: block_path(self.folder, h).exists())
+        (self.folder / BLOCKS).mkdir(exist_ok=True)
+        for h, value in new.items():
+            layers = as_layers(blocked, value, self.block_tokens)
+            save_prompt_cache(block_path(self.folder, h), layers, model=scope.fingerprint,
+                              metadata={"store.namespace": scope.namespace, "store.block": h})  # fmt: skip
+            self._loose.add(h)
+        blocks = tuple((h, block_path(self.folder, h).stat().st_size) for h in chain.hashes)
+        tail = as_layers(blocked, blocked.tail, len(tokens) - len(blocks) * self.block_tokens)
+        save_prompt_cache(path, tail, model=scope.fingerprint, settings=scope.settings,
+                          metadata={**meta, **block_fields(tokens, blocks)})  # fmt: skip
+        return Entry(scope.namespace, tokens, path.stat().st_size, meta["store.trimmable"] == "1",
+                     meta.get("store.key"), path, blocks)  # fmt: skip
+
+    def _fetch_blocks(self, entry, scope, expected):
+        """``fetch`` of a block entry: its tail file and block files, checked and put together."""
+        paths = [block_path(self.folder, b) for b, _ in entry.blocks]
+        if not all(p.exists() for p in paths):  # another process evicted a block: a miss
+            self._drop(entry)
+            self._sweep()
+            return None
+        bad = entry.payload
+        try:
+            tail, _ = load_cache_file(bad, model=scope.fingerprint)
+            read = read_entry(Path(bad))
+            if read is None or read[0].tokens != entry.tokens or read[0].blocks != entry.blocks:
+                raise ChatCacheError(f"{bad} changed since it was indexed")
+            values = []
+            for bad in paths:
+                layers, _ = load_cache_file(bad, model=scope.fingerprint)
+                values.append([a for c in layers for a in c.flat_state()])
+            bad = entry.payload
+            cache = assemble(from_tail(tail, len(entry.tokens)), values)
+            check_cache_fits_model(cache, expected, bad)
+        except (ChatCacheError, OSError, ValueError, IndexError):
+            self.counters["corrupt"] += 1
+            if bad != entry.payload:
+                _unlink(bad)  # a damaged block: the next entry holding it writes it again
+            self.index.remove(entry)
+            self._loose.update(b for b, _ in entry.blocks)
+            if read_entry(Path(entry.payload)) is not None:
+                _unlink(entry.payload)
+            self._sweep()
+            return None
+        self._hit(entry)
+        _touch(entry.payload)
+        return cache
+
+    def _drop(self, entry, keep_payload_of=None):
+        self._loose.update(self.index.remove(entry))
+        if keep_payload_of is None or keep_payload_of.payload != entry.payload:
+            _unlink(entry.payload)
+
+    def _sweep(self) -> None:
+        """Delete the block files no entry holds any more."""
+        for b in self._loose:
+            if not self.index.has_block(b):
+                _unlink(block_path(self.folder, b))
+        self._loose.clear()
+
+    def stats(self) -> dict:
+        return {**super().stats(), "block_tokens": self.block_tokens}
+
+
+def _unlink(path: Path) -> None:
+    try:
+        Path(path).unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def _touch(path: Path) -> None:
+    """Most recently used, also for the next process (the LRU order is mtimes)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass

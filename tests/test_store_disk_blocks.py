@@ -1,0 +1,148 @@
+"""The disk tier's shared block files: entries sharing a prefix hold its blocks
+once on disk, a restart finds them, a block file goes with its last holder, and
+a missing or damaged block makes its entry a miss."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_store_blocks import LAYERS, SCOPE, arrays, cache_of
+
+from mlx_chatcache.cache import KVCache
+
+from mlx_chatcache.files.mlxcc_format import save_prompt_cache
+from mlx_chatcache.store.disk import DiskTier
+from mlx_chatcache.store.disk_folder import BLOCKS, block_path, entry_file_name
+from mlx_chatcache.store.index import Entry
+
+
+def files_bytes(folder) -> int:
+    """What the tier really takes on disk: every cache file, blocks included."""
+    return sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
+
+
+def entry_of(tier: DiskTier, tokens) -> Entry | None:
+    return tier.index.get(SCOPE.namespace, tuple(tokens))
+
+
+def served(tier: DiskTier, tokens):
+    entry = entry_of(tier, tokens)
+    return None if entry is None else tier.fetch(entry, SCOPE, [KVCache() for _ in range(LAYERS)])
+
+
+def assert_serves(tier: DiskTier, tokens):
+    got = served(tier, tokens)
+    assert got is not None, f"no entry for {len(tokens)} tokens"
+    for x, y in zip(arrays(got), arrays(cache_of(tokens)), strict=True):
+        np.testing.assert_array_equal(x[:, :, : y.shape[2]], y)
+    assert all(c.offset == len(tokens) for c in got)
+
+
+@pytest.mark.parametrize("n", [10, 50])
+def test_entries_sharing_a_prompt_store_it_once_on_disk_and_a_restart_serves_them(tmp_path, n):
+    shared = list(range(1, 1001))
+    convs = [shared + [2000 + 200 * i + j for j in range(200)] for i in range(n)]
+    tier = DiskTier(tmp_path, 1 << 40)  # the default block size
+    for tokens in convs:
+        assert tier.add(SCOPE, tokens, cache_of(tokens), None)
+    per_token = sum(a.nbytes for a in arrays(cache_of([1])))
+    unique = (1000 + n * 200) * per_token
+    assert tier.index.nbytes == files_bytes(tmp_path)
+    assert files_bytes(tmp_path) <= 1.25 * unique, files_bytes(tmp_path) / unique
+    restarted = DiskTier(tmp_path, 1 << 40)
+    assert len(restarted.index) == n and restarted.index.nbytes == tier.index.nbytes
+    for tokens in convs[:: max(1, n // 5)]:
+        assert_serves(restarted, tokens)
+    assert restarted.stats()["corrupt"] == 0
+
+
+def test_evicting_an_entry_deletes_only_the_blocks_nobody_else_holds(tmp_path):
+    base = list(range(1, 33))
+    a = base + list(range(100, 132)) + [7, 8]  # blocks: base (shared with b), a's own; tail of 2
+    b = base + list(range(200, 232)) + [7, 9]
+    c = list(range(500, 560))  # nothing shared
+    probe = DiskTier(tmp_path / "probe", 1 << 40, block_tokens=32)
+    probe.add(SCOPE, c, cache_of(c), None)
+    adds_c = probe.index.nbytes
+    folder = tmp_path / "d"
+    tier = DiskTier(folder, 1 << 40, block_tokens=32)
+    assert tier.add(SCOPE, a, cache_of(a), None) and tier.add(SCOPE, b, cache_of(b), None)
+    shared, own_a = (h for h, _ in entry_of(tier, a).blocks)
+    own_b = entry_of(tier, b).blocks[1][0]
+    assert len(list((folder / BLOCKS).iterdir())) == 3
+    tier.index.budget = tier.index.nbytes + adds_c - 1  # c fits once a (least recently used) goes
+    assert tier.add(SCOPE, c, cache_of(c), None)
+    assert entry_of(tier, a) is None and entry_of(tier, b) is not None and tier.counters["evicted"] == 1
+    assert not block_path(folder, own_a).exists()  # nobody holds it
+    assert block_path(folder, shared).exists() and block_path(folder, own_b).exists()  # b holds them
+    assert not (folder / entry_file_name(SCOPE.namespace, a)).exists()
+    assert tier.index.nbytes == files_bytes(folder) <= tier.index.budget
+    assert_serves(tier, b)
+    assert_serves(tier, c)
+    # a restart counts the holders again from the entry files
+    restarted = DiskTier(folder, None, block_tokens=32)
+    assert restarted.index.nbytes == files_bytes(folder) and restarted.index.has_block(shared)
+    restarted._drop(entry_of(restarted, b))
+    restarted._sweep()
+    assert not block_path(folder, shared).exists() and not block_path(folder, own_b).exists()
+    assert_serves(restarted, c)
+
+
+def test_a_damaged_block_is_a_corrupt_miss_and_a_missing_one_a_plain_miss(tmp_path):
+    a, b, c = ([k * 1000 + i for i in range(70)] for k in (1, 2, 3))  # two blocks each, none shared
+    tier = DiskTier(tmp_path, 1 << 40, block_tokens=32)
+    for tokens in (a, b, c):
+        assert tier.add(SCOPE, tokens, cache_of(tokens), None)
+    damaged = block_path(tmp_path, entry_of(tier, a).blocks[1][0])
+    data = bytearray(damaged.read_bytes())
+    data[-16:] = bytes(x ^ 0xFF for x in data[-16:])  # array bytes only: the header still parses
+    damaged.write_bytes(bytes(data))
+    assert served(tier, a) is None
+    assert tier.stats()["corrupt"] == 1 and entry_of(tier, a) is None
+    assert not damaged.exists() and not block_path(tmp_path, entry_of(tier, b).blocks[0][0]).parent.joinpath(
+        damaged.name).exists()  # fmt: skip
+    assert_serves(tier, b)
+    block_path(tmp_path, entry_of(tier, c).blocks[0][0]).unlink()  # another process evicted it
+    assert served(tier, c) is None
+    assert tier.stats()["corrupt"] == 1 and entry_of(tier, c) is None
+    assert_serves(tier, b)
+    # the damaged block's tokens stored again write it again
+    assert tier.add(SCOPE, a, cache_of(a), None) and damaged.exists()
+    assert_serves(DiskTier(tmp_path, 1 << 40, block_tokens=32), a)
+
+
+def test_a_whole_entry_file_from_before_blocks_still_loads_next_to_block_entries(tmp_path):
+    old = list(range(1, 101))
+    path = tmp_path / entry_file_name(SCOPE.namespace, old)
+    save_prompt_cache(path, cache_of(old), tokens=old, model=SCOPE.fingerprint, settings=SCOPE.settings,
+                      metadata={"store.namespace": SCOPE.namespace, "store.trimmable": "1"})  # fmt: skip
+    tier = DiskTier(tmp_path, 1 << 40, block_tokens=32)
+    assert len(tier.index) == 1 and tier.index.nbytes == path.stat().st_size
+    assert_serves(tier, old)
+    new = list(range(1, 65)) + [900, 901]
+    assert tier.add(SCOPE, new, cache_of(new), None)
+    assert len(list((tmp_path / BLOCKS).iterdir())) == 2 and path.exists()
+    restarted = DiskTier(tmp_path, 1 << 40, block_tokens=32)
+    assert restarted.stats()["foreign"] == 0 and len(restarted.index) == 2
+    assert_serves(restarted, old)
+    assert_serves(restarted, new)
+
+
+def test_block_entries_another_process_adds_are_found_and_a_smaller_budget_keeps_their_blocks_right(tmp_path):
+    base = list(range(1, 33))
+    a, b = base + list(range(100, 132)) + [7], base + list(range(200, 232)) + [8]
+    server = DiskTier(tmp_path, 1 << 40, rescan_seconds=0, block_tokens=32)
+    command = DiskTier(tmp_path, None, block_tokens=32)  # mlxcc generate --cache-dir next to the server
+    assert command.add(SCOPE, b, cache_of(b), None) and command.add(SCOPE, a, cache_of(a), None)
+    assert server.find(SCOPE, a + [9], None)[1] == len(a)
+    assert server.index.nbytes == files_bytes(tmp_path) and len(server.index) == 2
+    assert_serves(server, a)  # the newest now
+    shared, own_a = (h for h, _ in entry_of(server, a).blocks)
+    own_b = entry_of(server, b).blocks[1][0]
+    # restarted with room for a alone: b goes, with its own block but not the one a holds too
+    small = DiskTier(tmp_path, entry_of(server, a).size, block_tokens=32)
+    assert [e.tokens for e in small.index.entries()] == [tuple(a)] and small.counters["evicted"] == 1
+    assert block_path(tmp_path, shared).exists() and block_path(tmp_path, own_a).exists()
+    assert not block_path(tmp_path, own_b).exists()
+    assert small.index.nbytes == files_bytes(tmp_path) <= small.index.budget
+    assert_serves(small, a)
