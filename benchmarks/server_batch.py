@@ -13,8 +13,8 @@ conversation with the shared ~300-token system prompt; its turns run one after
 the other, the clients concurrently; greedy, ``--max-new`` tokens per reply
 (``ignore_eos`` is not in the OpenAI dialect, so replies may end early: the
 table counts the tokens each server reports). Per engine and client count, on
-a fresh server: aggregate decode tokens/s (every reply's completion tokens over
-the wall time of the whole run), p50/p95 TTFT of warm turns (turn 2 on: the
+a fresh server: aggregate decode tokens/s (every reply's tokens after its
+first, over the seconds in which at least one reply was decoding), p50/p95 TTFT of warm turns (turn 2 on: the
 conversation's earlier turns are in the cache), mlxcc's mean queue wait,
 errors, the server's peak RSS, and how many replies equal mlxcc's one-at-a-time
 replies (greedy: batching must not change an answer).
@@ -51,14 +51,25 @@ def one_run(name: str, argv: list[str], env: dict, model_id: str, clients: int, 
         health = server.get("/health") if "mlx_chatcache" in argv else {}
         rss = server.peak_rss_mb()
     warm = sorted(r["ttft"] for r in rows if r["turn"] > 1)
-    done = sum(r["completion_tokens"] or 0 for r in rows)
+    done = sum(max((r["completion_tokens"] or 0) - 1, 0) for r in rows)  # the first token ends the TTFT
+    decoding = _covered([(r["started"] + r["ttft"], r["started"] + r["total_s"]) for r in rows])
     jobs = max(health.get("jobs", 0), 1)
     return {"name": name, "clients": clients, "errors": errors, "rows": rows, "wall": wall,
-            "tok_s": done / wall if wall else 0.0, "completion_tokens": done,
+            "tok_s": done / decoding if decoding else 0.0, "completion_tokens": done,
             "p50": _pct(warm, 50), "p95": _pct(warm, 95), "rss": rss,
             "queue_wait": health.get("queue_wait_s_total", 0.0) / jobs if health else None,
             "batch": health.get("batch"),
             "replies": [[m["content"] for m in c if m["role"] == "assistant"] for c in convs]}  # fmt: skip
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds during which at least one of ``spans`` runs (a reply was decoding)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def _pct(xs: list[float], p: int) -> float | None:
@@ -74,10 +85,13 @@ def _ms(v) -> str:
 
 
 def report(runs: list[dict], args, desc: str, elapsed: float) -> str:
+    from mlx_chatcache.backend.blas import describe
+
     out = [header_block("server_batch: continuous batching, 1-8 clients"), f"- model: {desc}",
+           f"- BLAS of every server (mlx_chatcache's switch, also run before mlx-lm's server): {describe()}",
            f"- load: N concurrent streamed clients x {args.turns} turns, greedy, <= {args.max_new} new tokens, "
            "~300-token shared system prompt; each engine and N on a fresh server", f"- total time {elapsed:.0f} s",
-           "", "Aggregate decode tokens/s (all replies' tokens over the run's wall time), warm-turn TTFT p50/p95 in ms, "
+           "", "Aggregate decode tokens/s (replies' tokens after the first, over the time any reply was decoding), warm-turn TTFT p50/p95 in ms, "
            "mlxcc's mean queue wait in ms, errors, peak RSS:\n"]  # fmt: skip
     solo = {r["clients"]: r for r in runs if r["name"] == "mlxcc --max-batch 1"}
     table = []
@@ -150,7 +164,9 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     deadline = t0 + args.time_limit
     env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if not args.no_openblas and Path(OPENBLAS).exists():  # every server gets the same BLAS
+    if args.no_openblas:
+        env["MLXCC_BLAS"] = os.environ["MLXCC_BLAS"] = "off"
+    elif Path(OPENBLAS).exists():  # every server gets the same BLAS
         env["LD_PRELOAD"] = (OPENBLAS + " " + env.get("LD_PRELOAD", "")).strip()
         os.environ["LD_PRELOAD"] = env["LD_PRELOAD"]
     runs = []
@@ -162,7 +178,9 @@ def main(argv=None) -> int:
         engines = [("mlxcc --max-batch 1", mlxcc + ["--max-batch", "1"], folder.name),
                    ("mlxcc (batched)", batched, folder.name)]  # fmt: skip
         if not args.no_mlx_lm:
-            lm = [sys.executable, "-m", "mlx_lm", "server", "--model", str(folder), "--host", "127.0.0.1",
+            # mlx-lm's server on the same BLAS as mlxcc (mlx_chatcache's import switches it, see README)
+            boot = "import mlx_chatcache, runpy, sys; sys.argv[0] = 'mlx_lm'; runpy.run_module('mlx_lm', run_name='__main__')"
+            lm = [sys.executable, "-c", boot, "server", "--model", str(folder), "--host", "127.0.0.1",
                   "--port", "{port}", "--log-level", "WARNING"]  # fmt: skip
             engines.append(("mlx-lm server", lm, str(folder)))
         for n in counts:  # engines interleaved: each client count compares runs close in time

@@ -139,7 +139,7 @@ def run_turn(base_url: str, model: str, messages: list[dict], max_new: int, dead
     return {"ttft": ttft if ttft is not None else time.perf_counter() - start, "text": "".join(text),
             "prompt_tokens": usage.prompt_tokens if usage else None,
             "completion_tokens": usage.completion_tokens if usage else None,
-            "total_s": time.perf_counter() - start,
+            "total_s": time.perf_counter() - start, "started": start,
             "cached_tokens": getattr(details, "cached_tokens", None) if details else None,
             "server_first_s": timing["first_token_s"] if timing else None,
             "queued_s": timing["queued_s"] if timing else None}  # fmt: skip
