@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -85,10 +86,8 @@ def _ms(v) -> str:
 
 
 def report(runs: list[dict], args, desc: str, elapsed: float) -> str:
-    from mlx_chatcache.backend.blas import describe
-
     out = [header_block("server_batch: continuous batching, 1-8 clients"), f"- model: {desc}",
-           f"- BLAS of every server (mlx_chatcache's switch, also run before mlx-lm's server): {describe()}",
+           f"- BLAS of every server (mlx_chatcache's switch, also run before mlx-lm's server): {args.blas}",
            f"- load: N concurrent streamed clients x {args.turns} turns, greedy, <= {args.max_new} new tokens, "
            "~300-token shared system prompt; each engine and N on a fresh server", f"- total time {elapsed:.0f} s",
            "", "Aggregate decode tokens/s (replies' tokens after the first, over the time any reply was decoding), warm-turn TTFT p50/p95 in ms, "
@@ -169,6 +168,8 @@ def main(argv=None) -> int:
     elif Path(OPENBLAS).exists():  # every server gets the same BLAS
         env["LD_PRELOAD"] = (OPENBLAS + " " + env.get("LD_PRELOAD", "")).strip()
         os.environ["LD_PRELOAD"] = env["LD_PRELOAD"]
+    probe = "import mlx_chatcache; from mlx_chatcache.backend.blas import describe; print(describe())"
+    args.blas = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout.strip()
     runs = []
     with tempfile.TemporaryDirectory(prefix="mlxcc-server-batch-") as tmp:
         folder, desc = build_model(args, Path(tmp))

@@ -82,7 +82,7 @@ def add_parser(sub) -> None:
                    help=f"requests that may wait for the generator; more get HTTP 503 (default {S.max_queue})")
     p.add_argument("--max-batch", type=max_batch, default=S.max_batch, metavar="N",
                    help="requests decoded together, 1 to 64; 1: one at a time (default "
-                   f"{S.max_batch}: on a CPU, 4 rows cost about what one does)")
+                   f"{S.max_batch}: decoding reads the weights once per step for every row)")
     p.add_argument("--served-model-name", metavar="NAME", action="append", default=[],
                    help="another name clients may give as 'model' (repeatable; also listed by /v1/models). "
                    "The model's path and folder name, 'default_model' and an omitted 'model' always work")
