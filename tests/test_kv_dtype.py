@@ -18,7 +18,8 @@ from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.generation.checkout import prompt_scope
 from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.store.store import PromptStore
-from mlx_chatcache.store.tiers import DiskTier, MemoryTier
+from mlx_chatcache.store.disk import DiskTier
+from mlx_chatcache.store.tiers import MemoryTier
 from store_helpers import tokens_of
 
 
