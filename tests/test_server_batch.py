@@ -134,6 +134,27 @@ def test_four_concurrent_greedy_jobs_give_their_solo_tokens(llama):
     assert worker.stats["prompt_tokens_computed"] == sum(len(p) for p in prompts)
 
 
+def test_concurrent_prompts_sharing_a_system_prompt_compute_it_once_and_give_their_solo_tokens(llama):
+    model, tok, prompts = llama
+    config = cfg(max_tokens=10)
+    system = tok.encode(" ".join(TEXTS[:3]), add_special_tokens=False)  # longer than 3 prefill chunks
+    users = [system + p for p in prompts]
+    alone = [solo(model, tok, p, config)[0] for p in users]
+    worker, sched = make_worker(model, tok, config, 4)
+    try:
+        recs = [Recorder() for _ in users]
+        batched(worker, [(p, config, r, None) for p, r in zip(users, recs)])
+    finally:
+        worker.stop()
+    cached = [r.events[0][1]["cached_tokens"] for r in recs]
+    assert cached[0] == 0 and all(c >= len(system) for c in cached[1:]), cached
+    for a, b in zip(alone, recs):
+        assert b.ids() == a.ids() and b.text() == a.text()
+    # the shared system prompt was fed once: the later prompts fed only what follows their cached part
+    assert worker.stats["prompt_tokens_computed"] == sum(len(p) - c for p, c in zip(users, cached))
+    assert worker.stats["prompt_tokens_computed"] < sum(len(p) for p in users) - 2 * len(system)
+
+
 def test_a_batched_jobs_store_entry_is_the_solo_ones_and_the_next_turn_continues_alike(llama):
     model, tok, prompts = llama
     config = cfg()
@@ -296,8 +317,8 @@ def test_a_row_whose_processor_raises_fails_alone(llama):
     assert [kind for kind, _ in recs[1].events].count("error") == 1 and max(sched.widths) == 4
     assert recs[0].ids() == alone[0].ids() and recs[2].ids() == alone[1].ids()
     assert worker.stats["errors"] == 1 and worker.stats["jobs"] == 3
-    state, tier = worker.store.checkout(worker.scope, model, prompts[3] + [5, 6], config.shape, "broken")
-    assert tier is None  # nothing of a failed job is stored
+    state, tier = worker.store.checkout(worker.scope, model, prompts[3] + recs[1].ids(), config.shape, "broken")
+    assert state.tokens == prompts[3][:-1]  # its prompt was stored when fed; nothing of its failed reply
 
 
 def test_the_queue_holds_the_jobs_past_the_batchs_rows(llama):

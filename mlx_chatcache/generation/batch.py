@@ -14,15 +14,20 @@ feed next, and its own sampler and logits processors.
 
 - :meth:`DecodeBatch.join` adds a row; its layers move into the batch's mlx-lm
   ``BatchKVCache`` layers (``KVCache.merge``; the row's state holds none while it is in the batch);
-- :meth:`DecodeBatch.step` makes one model call ``(B, 1)`` for every row, records
-  each row's fed token in its ``state.tokens``, and samples each row's next token
-  with its processors (which see its own tokens as the context) and sampler, as
-  :func:`~mlx_chatcache.generation.loop.sample_token` does for one: it returns
-  ``(token, logprobs (V,))`` per row, in row order (the exception a row's processors
-  raised in its place: that row should leave);
+- :meth:`DecodeBatch.step` returns the results of one model call ``(B, 1)``: for
+  each row it fed, its fed token is recorded in its ``state.tokens`` and its next
+  token sampled with its processors (which see its own tokens as the context) and
+  sampler, as :func:`~mlx_chatcache.generation.loop.sample_token` does for one. The
+  result is ``(token, logprobs (V,))`` per row, in row order; in its place the
+  exception a row's processors raised (that row should leave), or None for a row
+  that joined after the call began (its first token comes with the next step);
+- while no row has logits processors, a step starts the next call (feeding the
+  tokens just sampled, before they are read) before it reads the results, so the
+  host's work between steps overlaps the model's, as one generation feeds ahead;
 - :meth:`DecodeBatch.leave` removes rows; each gets back a cache of our
   ``KVCache`` layers holding exactly its ``state.tokens``, so its last sampled
-  token is not fed (the rule of :mod:`mlx_chatcache.generation.loop`).
+  token is not fed (the rule of :mod:`mlx_chatcache.generation.loop`; a token
+  fed ahead is trimmed off).
 
 Greedy rows give the tokens they give alone, up to float rounding of the
 batched products. A model call that raises leaves the batch unusable: its
@@ -68,11 +73,22 @@ class BatchRow:
     owner: object = None  # what the caller keeps with the row
 
 
+@dataclass
+class _Call:
+    """A model call being computed: the rows it fed (the batch's first ``len(rows)``),
+    each one's sampled token and logprobs, or the exception its processors raised."""
+
+    rows: list[BatchRow]
+    tokens: list  # (1,) arrays, or exceptions
+    logprobs: list  # (1, V) arrays, or None
+
+
 class DecodeBatch:
     def __init__(self, model):
         self.model = model
         self.rows: list[BatchRow] = []
         self._layers: list | None = None  # a BatchKVCache (cache/batch.py) per model layer
+        self._ahead: _Call | None = None  # the call started by the last step, not read yet
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -89,28 +105,39 @@ class DecodeBatch:
         self.rows.append(row)
         return row
 
-    def step(self) -> list[tuple[int, mx.array] | Exception]:
-        """Feed every row's next token in one model call; each row's ``(token, logprobs (V,))``,
-        or the exception its logits processors or sampler raised (the row's state then holds its
-        fed tokens, and the row should leave)."""
-        inputs = mx.array([r.next_token for r in self.rows], dtype=mx.uint32)[:, None]  # (B, 1)
-        logits = call_model(self.model, inputs, self._layers, sampled=True)[:, -1, :]  # (B, V)
-        out: list = []
-        for i, r in enumerate(self.rows):
-            r.state.tokens.append(r.next_token)
-            try:
-                out.append(sample_token(logits[i : i + 1], r.state.tokens, r.sampler, r.processors))
-            except Exception as e:  # this row's processor: the others go on
-                out.append(e)
-        mx.eval([o for o in out if not isinstance(o, Exception)], [(layer.keys, layer.values) for layer in self._layers])
+    def step(self) -> list[tuple[int, mx.array] | Exception | None]:
+        """The results of one model call for every row (see the module docstring)."""
+        call = self._ahead or self._start(self.rows, mx.array([r.next_token for r in self.rows], dtype=mx.uint32))
+        self._ahead = None
+        ok = all(not isinstance(t, Exception) for t in call.tokens)
+        if ok and not any(r.processors for r in self.rows):
+            late = mx.array([r.next_token for r in self.rows[len(call.rows) :]], dtype=mx.uint32)
+            self._ahead = self._start(self.rows, mx.concatenate([*(t for t in call.tokens), late]))
         results: list = []
-        for r, o in zip(self.rows, out):
-            if isinstance(o, Exception):
-                results.append(o)
+        for r, t, lp in zip(call.rows, call.tokens, call.logprobs):
+            r.state.tokens.append(r.next_token)
+            if isinstance(t, Exception):
+                results.append(t)
                 continue
-            r.next_token = o[0].item()
-            results.append((r.next_token, o[1][0]))
-        return results
+            r.next_token = t.item()
+            results.append((r.next_token, lp[0]))
+        return results + [None] * (len(self.rows) - len(call.rows))
+
+    def _start(self, rows: list[BatchRow], inputs: mx.array) -> _Call:
+        """Feed ``inputs`` ``(B,)``, one token per row, and start sampling each row's next token."""
+        logits = call_model(self.model, inputs[:, None], self._layers, sampled=True)[:, -1, :]  # (B, V)
+        call = _Call(list(rows), [], [])
+        for i, r in enumerate(rows):
+            context = [*r.state.tokens, r.next_token] if r.processors else ()  # with the token fed now
+            try:
+                token, lp = sample_token(logits[i : i + 1], context, r.sampler, r.processors)
+            except Exception as e:  # this row's processor: the others go on
+                token, lp = e, None
+            call.tokens.append(token)
+            call.logprobs.append(lp)
+        mx.async_eval([t for t in call.tokens if not isinstance(t, Exception)],
+                      [lp for lp in call.logprobs if lp is not None])  # fmt: skip
+        return call
 
     def leave(self, rows: Sequence[BatchRow]) -> None:
         """Take ``rows`` out; each gets its own cache back, holding its ``state.tokens``."""
@@ -120,23 +147,29 @@ class DecodeBatch:
                 r.state.cache[:] = [_own_layer(layer, i, len(r.state.tokens)) for layer in self._layers]
         keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
         self.rows = [self.rows[i] for i in keep]
+        if self._ahead is not None:
+            a = self._ahead
+            fed = [i for i, r in enumerate(a.rows) if id(r) not in gone]
+            self._ahead = _Call([a.rows[i] for i in fed], [a.tokens[i] for i in fed], [a.logprobs[i] for i in fed])
         if not keep:
-            self._layers = None
+            self._layers = self._ahead = None
             return
         for layer in self._layers:
             layer.filter(mx.array(keep))
 
     def fail(self, model) -> list[BatchRow]:
         """Empty every row's state (after a model call raised) and the batch; the rows."""
-        rows, self.rows, self._layers = self.rows, [], None
+        rows, self.rows, self._layers, self._ahead = self.rows, [], None, None
         for r in rows:
             r.state.reset(model)
         return rows
 
 
 def _own_layer(layer, row: int, n: int) -> KVCache:
-    """Row ``row`` of a batch ``layer``: our KVCache holding its ``n`` tokens."""
+    """Row ``row`` of a batch ``layer``: our KVCache holding its ``n`` tokens (a token fed ahead is trimmed)."""
     one = layer.extract(row)
+    if one.offset == n + 1:
+        one.trim(1)
     if one.offset != n:
         raise RuntimeError(f"a batch row holds {one.offset} tokens but recorded {n}")
     return one

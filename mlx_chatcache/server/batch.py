@@ -9,11 +9,14 @@ A :class:`BatchScheduler` attaches itself to a
 why (logged once) and the worker runs jobs one at a time.
 
 Enabled, :meth:`BatchScheduler.run` is the worker thread's loop (all MLX work
-stays on it). Up to ``max_batch`` jobs are active at once. Each job is checked
-out of the store and its uncached prompt, all but its last token, is fed by
+stays on it). Up to ``max_batch`` jobs are active at once. Prompts are fed
+one at a time, the first waiting prompt first: a job is checked out of the store
+when its turn comes (so it reuses what the prompts fed before it stored), and its
+uncached prompt, all but its last token, is fed by
 :func:`~mlx_chatcache.generation.loop.prefill`, one chunk of
-``prefill_step_size`` per tick, the first waiting prompt first; then its row
-joins the :class:`~mlx_chatcache.generation.batch.DecodeBatch`. Each tick feeds
+``prefill_step_size`` per tick. Its cache then goes into the store (concurrent
+requests sharing a system prompt pay for it once) and its row joins the
+:class:`~mlx_chatcache.generation.batch.DecodeBatch`. Each tick feeds
 every row's token in one model call. A row emits exactly the events a job alone
 emits (``start``, ``piece``, ``done``/``error``; :class:`~.worker.ChoiceOutput`),
 and leaves the batch at once when it ends (stop token, stop string,
@@ -52,14 +55,14 @@ log = logging.getLogger("mlxcc.serve")
 
 @dataclass
 class _Active:
-    """A job in the batch: prefilling (``row`` None) or decoding."""
+    """A job in the batch: waiting for its prompt's turn (``state`` None), prefilling, or decoding."""
 
     job: Job
-    state: PromptCache
-    cached: int
-    tier: str | None
     waited: float
     started: float
+    state: PromptCache | None = None
+    cached: int = 0
+    tier: str | None = None
     states: list[PromptCache] = field(default_factory=list)  # one per choice, once decoding
     outs: list[ChoiceOutput] = field(default_factory=list)
     detokenizers: list = field(default_factory=list)
@@ -78,6 +81,7 @@ class BatchScheduler:
         self.prefilling: list[_Active] = []
         self.decode_tok_s, self._ticks = 0.0, 0
         self._held: Job | None = None  # a job that runs alone once the batch is empty
+        self._fed: list[tuple[list[int], list]] = []  # prompts that joined, to store: (tokens, layers)
         self._stopping = False
         self._stops = stop_token_ids(as_tokenizer_wrapper(worker.tokenizer))
         worker.batch = self
@@ -147,15 +151,19 @@ class BatchScheduler:
         waited = time.perf_counter() - job.submitted
         w.stats["queue_wait_s_total"] += waited
         w.stats["queue_wait_s_max"] = max(w.stats["queue_wait_s_max"], waited)
-        started = time.perf_counter()
+        self.prefilling.append(_Active(job, waited, time.perf_counter()))
+
+    def _checkout(self, a: _Active) -> bool:
+        """Check ``a``'s prompt out of the store and tell its client; False: it failed."""
+        w = self.worker
         try:
-            state, cached, tier = w._checkout(job)
+            a.state, a.cached, a.tier = w._checkout(a.job)
         except ChatCacheError as e:
-            self._failed(job, e)
-            return
-        w._account(job, cached, tier)
-        job.emit(("start", {"cached_tokens": cached, "cached_tier": tier, "queued_s": waited}))
-        self.prefilling.append(_Active(job, state, cached, tier, waited, started))
+            self._failed(a.job, e)
+            return False
+        w._account(a.job, a.cached, a.tier)
+        a.job.emit(("start", {"cached_tokens": a.cached, "cached_tier": a.tier, "queued_s": a.waited}))
+        return True
 
     def _rows(self) -> int:
         """Rows decoding, and those the prefilling jobs' choices will take."""
@@ -170,6 +178,9 @@ class BatchScheduler:
         if a.job.cancelled:
             self.prefilling.pop(0)
             self._end(a, "cancelled")
+            return
+        if a.state is None and not self._checkout(a):
+            self.prefilling.pop(0)
             return
         todo = a.job.prompt[len(a.state.tokens) :]
         step = a.job.config.prefill_step_size
@@ -191,6 +202,8 @@ class BatchScheduler:
     def _join(self, a: _Active) -> None:
         """The job's choices join the batch: one row each, on copies of its prompt's cache."""
         config, job, w = a.job.config, a.job, self.worker
+        if len(a.state.tokens) > a.cached:  # stored once the next decode call runs (see _decode_tick)
+            self._fed.append((list(a.state.tokens), list(a.state.cache)))
         base = compact_copy(a.state.cache) if job.n > 1 else None
         copies = [PromptCache(hold_kv_in(compact_copy(base), a.state.shape.kv_dtype), list(a.state.tokens),
                               a.state.shape) for _ in range(job.n - 1)]  # fmt: skip
@@ -215,14 +228,19 @@ class BatchScheduler:
                 self._failed(a.job, e)
             return
         now = time.perf_counter()
+        for tokens, cache in self._fed:  # prompts fed since the last tick: for the prompts after them
+            self.worker._put(tokens, cache, None)
+        self._fed.clear()
         self._ticks += 1
         if self._ticks % 256 == 0:  # as a job alone does every 256 tokens
             mx.clear_cache()
-        rate = len(results) / max(now - t, 1e-9)
+        rate = sum(r is not None for r in results) / max(now - t, 1e-9)
         self.decode_tok_s = rate if not self.decode_tok_s else 0.8 * self.decode_tok_s + 0.2 * rate
         ended, failed = [], {}
         for row, result in zip(list(self.decode.rows), results):
             a, i = row.owner
+            if result is None:  # joined after this step's call began
+                continue
             if isinstance(result, Exception):
                 failed[id(a)] = (a, result)
                 continue
@@ -262,7 +280,7 @@ class BatchScheduler:
                                "completion_tokens": sum(c["completion_tokens"] for c in choices),
                                "cached_tokens": a.cached, "cached_tier": a.tier, "timing": timing,
                                "choices": choices}))  # fmt: skip
-        for st in a.states or [a.state]:
+        for st in a.states or ([a.state] if a.state else []):
             if st.tokens:
                 w._put(st.tokens, st.cache, job.key)
         self._counted()
