@@ -59,7 +59,7 @@ def one_run(name: str, argv: list[str], env: dict, model_id: str, clients: int, 
             "tok_s": done / decoding if decoding else 0.0, "completion_tokens": done,
             "p50": _pct(warm, 50), "p95": _pct(warm, 95), "rss": rss,
             "queue_wait": health.get("queue_wait_s_total", 0.0) / jobs if health else None,
-            "batch": health.get("batch"),
+            "batch": health.get("batch"), "store": (health.get("store") or {}).get("memory"),
             "replies": [[m["content"] for m in c if m["role"] == "assistant"] for c in convs]}  # fmt: skip
 
 
@@ -85,13 +85,20 @@ def _ms(v) -> str:
     return "-" if v is None else f"{v * 1000:.0f}"
 
 
+def _store(tier: dict | None) -> str:
+    """The memory tier's bytes against its budget, at the end of a run."""
+    if not tier:
+        return "-"
+    return f"{tier['bytes'] / 1e6:.1f} / {tier['budget'] / 1e6:.0f} MB"
+
+
 def report(runs: list[dict], args, desc: str, elapsed: float) -> str:
     out = [header_block("server_batch: continuous batching, 1-8 clients"), f"- model: {desc}",
            f"- BLAS of every server (mlx_chatcache's switch, also run before mlx-lm's server): {args.blas}",
            f"- load: N concurrent streamed clients x {args.turns} turns, greedy, <= {args.max_new} new tokens, "
            "~300-token shared system prompt; each engine and N on a fresh server", f"- total time {elapsed:.0f} s",
            "", "Aggregate decode tokens/s (replies' tokens after the first, over the time any reply was decoding), warm-turn TTFT p50/p95 in ms, "
-           "mlxcc's mean queue wait in ms, errors, peak RSS:\n"]  # fmt: skip
+           "mlxcc's mean queue wait in ms, errors, peak RSS, mlxcc's memory tier at the end against its budget:\n"]  # fmt: skip
     solo = {r["clients"]: r for r in runs if r["name"] == "mlxcc --max-batch 1"}
     table = []
     for r in runs:
@@ -102,9 +109,9 @@ def report(runs: list[dict], args, desc: str, elapsed: float) -> str:
             same = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
         table.append([r["name"], r["clients"], f"{r['tok_s']:.1f}", _ms(r["p50"]), _ms(r["p95"]),
                       _ms(r["queue_wait"]), len(r["errors"]), "n/a" if r["rss"] is None else f"{r['rss']:.0f} MB",
-                      same])  # fmt: skip
+                      _store(r["store"]), same])  # fmt: skip
     out.append(md_table(["engine", "clients", "decode tok/s", "warm TTFT p50", "p95", "queue wait", "errors",
-                         "peak RSS", "replies = one-at-a-time"], table))  # fmt: skip
+                         "peak RSS", "store / budget", "replies = one-at-a-time"], table))  # fmt: skip
     out.append("")
     by = {(r["name"], r["clients"]): r for r in runs}
     for name in dict.fromkeys(r["name"] for r in runs):
