@@ -246,3 +246,20 @@ def test_logit_bias_past_the_vocabulary_is_usage_error():
 def test_bad_processor_settings_raise_usage_error(bad):
     with pytest.raises(UsageError, match=next(iter(bad))):
         make_logits_processors(cfg(**bad))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**64 - 1), temp=st.floats(0.3, 2.0), top_p=st.sampled_from([1.0, 0.9]))
+def test_a_seeded_sampler_draws_what_the_seeded_global_generator_draws_whatever_draws_between(seed, temp, top_p):
+    logits = mx.random.normal((1, 64), key=mx.random.key(3))
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.random.seed(seed)
+    plain = make_sampler(temp, top_p)
+    expected = [plain(logprobs).item() for _ in range(8)]
+    own = make_sampler(temp, top_p, seed=seed)
+    mx.random.seed(seed + 1 if seed < 2**64 - 1 else 0)
+    got = []
+    for _ in range(8):
+        mx.random.uniform(shape=(3,))  # another row's draw in between
+        got.append(own(logprobs).item())
+    assert got == expected

@@ -268,26 +268,47 @@ def test_n_choices_are_rows_of_one_prefill_and_give_the_solo_choices(llama):
     assert worker.stats["prompt_tokens_computed"] == worker1.stats["prompt_tokens_computed"] + len(prompts[1])
 
 
-def test_a_seeded_sampled_job_and_too_many_choices_run_alone_with_their_solo_tokens(llama):
+def test_seeded_sampled_jobs_decode_in_the_batch_with_their_solo_draws(llama):
     model, tok, prompts = llama
     seeded = cfg(temp=0.8, seed=7, max_tokens=10)
     worker1 = make_worker(model, tok, seeded, 1)[0]
-    alone, wide_alone = Recorder(), Recorder()
+    alone, choices_alone = Recorder(), Recorder()
     worker1._run(job_for(prompts[1], seeded, alone))
-    worker1._run(job_for(prompts[3], cfg(max_tokens=6), wide_alone, n=3))
-    worker, sched = make_worker(model, tok, seeded, 2)
+    worker1._run(job_for(prompts[2], seeded.updated(seed=11, max_tokens=8), choices_alone, n=2))
+    worker, sched = make_worker(model, tok, seeded, 4)
     try:
         recs = [Recorder(), Recorder(), Recorder()]
-        worker.submit(job_for(prompts[0], cfg(), recs[0]))
+        worker.submit(job_for(prompts[0], cfg(temp=0.9, max_tokens=16), recs[0]))  # unseeded: draws in between
         worker.submit(job_for(prompts[1], seeded, recs[1]))
-        worker.submit(job_for(prompts[3], cfg(max_tokens=6), recs[2], n=3))  # more choices than max_batch
+        worker.submit(job_for(prompts[2], seeded.updated(seed=11, max_tokens=8), recs[2], n=2))
         worker.start()
         assert all(r.done.wait(TIMEOUT) for r in recs)
     finally:
         worker.stop()
+    assert max(sched.widths) == 4  # the seeded rows decoded with the others
     assert recs[1].ids() == alone.ids() and len(alone.ids()) == 10
-    assert [recs[2].ids(i) for i in range(3)] == [wide_alone.ids(i) for i in range(3)]
-    assert max(sched.widths) == 1 and worker.stats["jobs"] == 3 and worker.stats["errors"] == 0
+    assert [recs[2].ids(i) for i in range(2)] == [choices_alone.ids(i) for i in range(2)]
+    assert recs[2].ids(0) != recs[2].ids(1)  # choice 1 is seeded 12, not 11
+    assert worker.stats["jobs"] == 3 and worker.stats["errors"] == 0
+
+
+def test_a_job_with_more_choices_than_rows_runs_alone_with_its_solo_tokens(llama):
+    model, tok, prompts = llama
+    config = cfg(max_tokens=6)
+    worker1 = make_worker(model, tok, config, 1)[0]
+    wide_alone = Recorder()
+    worker1._run(job_for(prompts[3], config, wide_alone, n=3))
+    worker, sched = make_worker(model, tok, config, 2)
+    try:
+        recs = [Recorder(), Recorder()]
+        worker.submit(job_for(prompts[0], cfg(), recs[0]))
+        worker.submit(job_for(prompts[3], config, recs[1], n=3))  # more choices than max_batch
+        worker.start()
+        assert all(r.done.wait(TIMEOUT) for r in recs)
+    finally:
+        worker.stop()
+    assert [recs[1].ids(i) for i in range(3)] == [wide_alone.ids(i) for i in range(3)]
+    assert max(sched.widths) == 1 and worker.stats["jobs"] == 2 and worker.stats["errors"] == 0
 
 
 def test_a_row_whose_processor_raises_fails_alone(llama):

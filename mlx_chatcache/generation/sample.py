@@ -16,7 +16,9 @@ Contract
   ``logits`` is ``(B, V)``. This is the same calling convention as mlx-lm
   processors, so theirs can be passed too.
 - Randomness comes from MLX's global generator; the generate loop seeds it with
-  ``GenerationConfig.seed``. Nothing here seeds.
+  ``GenerationConfig.seed``. A sampler made with a ``seed`` draws from its own
+  stream instead: the same draws the global generator gives after
+  ``mx.random.seed(seed)``, whatever else draws meanwhile (rows of a batch).
 - ``None`` for any setting means "use :data:`DEFAULTS`". Bad values raise
   :class:`UsageError`.
 """
@@ -51,8 +53,9 @@ def make_sampler(
     top_k: int | None = None,
     min_p: float | None = None,
     min_tokens_to_keep: int | None = None,
+    seed: int | None = None,
 ) -> Sampler:
-    """A sampler for these settings (see the module docstring)."""
+    """A sampler for these settings (see the module docstring; ``seed``: its own stream)."""
     temp = DEFAULTS.temp if temp is None else temp
     top_p = DEFAULTS.top_p if top_p is None else top_p
     top_k = DEFAULTS.top_k if top_k is None else top_k
@@ -70,10 +73,15 @@ def make_sampler(
     if min_p > 0.0:
         filters.append(lambda lp: min_p_mask(lp, min_p, keep))
 
+    stream = [mx.random.key(seed)] if seed is not None else None
+
     def sample(logprobs: mx.array) -> mx.array:
         for keep_mask in filters:  # each filter sees the model's distribution
             logprobs = mx.where(keep_mask(logprobs), logprobs, NEG_INF)
-        return mx.random.categorical(logprobs * (1.0 / temp), axis=-1)  # (B,)
+        key = None
+        if stream is not None:  # the global generator's step: its next state, and the key drawn with
+            stream[0], key = mx.random.split(stream[0])
+        return mx.random.categorical(logprobs * (1.0 / temp), axis=-1, key=key)  # (B,)
 
     return sample
 

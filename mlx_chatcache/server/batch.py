@@ -25,9 +25,9 @@ into the store under its ``prompt_cache_key``, as a job alone puts it.
 
 A job with ``n`` > 1 choices is prefilled once; then each choice is a row on
 its own copy of that cache (it waits while the batch has no room for all of
-them). A job the batch cannot reproduce runs alone, as today, once the batch
-has drained: more choices than ``max_batch``, a ``seed`` with a temperature above 0 (a batch's rows draw from
-one random stream, and choice ``i`` alone is seeded ``seed + i``).
+them). A row of a job with a ``seed`` draws from its own random stream, seeded
+``seed + i`` for choice ``i``, as it draws alone. A job with more choices than
+``max_batch`` runs alone once the batch has drained.
 :meth:`BatchScheduler.report` is ``/health``'s ``batch``.
 """
 
@@ -48,7 +48,7 @@ from ..generation.loop import consistent_on_error, prefill
 from ..generation.sample import make_logits_processors, make_sampler
 from ..generation.text import as_tokenizer_wrapper, next_segment, stop_token_ids
 from ..store.tiers import compact_copy
-from .worker import MAX_PENDING, ChoiceOutput, GenerationWorker, Job
+from .worker import MAX_PENDING, ChoiceOutput, GenerationWorker, Job, choice_config
 
 log = logging.getLogger("mlxcc.serve")
 
@@ -93,14 +93,9 @@ class BatchScheduler:
                 "waiting": self.worker.waiting() + (self._held is not None),
                 "decode_tok_s": round(self.decode_tok_s, 1)}  # fmt: skip
 
-    @staticmethod
-    def batchable(job: Job) -> bool:
-        """Whether ``job`` gives in a batch what it gives alone (see the module docstring)."""
-        return not (job.config.seed is not None and job.config.temp > 0)
-
     def _alone(self, job: Job) -> bool:
-        """Whether ``job`` runs alone: not batchable, or more choices than ``max_batch``."""
-        return not self.batchable(job) or job.n > self.max_batch
+        """Whether ``job`` runs alone: more choices than ``max_batch``."""
+        return job.n > self.max_batch
 
     def _busy(self) -> bool:
         return bool(self.prefilling or self.decode.rows)
@@ -210,7 +205,8 @@ class BatchScheduler:
         a.states = [a.state, *copies]
         for i, st in enumerate(a.states):
             processors = make_logits_processors(config) + (job.processors() if job.processors else [])
-            sampler = make_sampler(config.temp, config.top_p, config.top_k, config.min_p, config.min_tokens_to_keep)
+            c = choice_config(config, i)  # its own random stream, as choice i alone is seeded
+            sampler = make_sampler(c.temp, c.top_p, c.top_k, c.min_p, c.min_tokens_to_keep, c.seed)
             a.outs.append(ChoiceOutput(w, job, i))
             a.detokenizers.append(as_tokenizer_wrapper(w.tokenizer).detokenizer)
             self.decode.join(BatchRow(st, job.prompt[-1], sampler, processors, owner=(a, i)))

@@ -133,6 +133,13 @@ class Job:
         return self._cancelled.is_set()
 
 
+def choice_config(config: GenerationConfig, index: int) -> GenerationConfig:
+    """The settings choice ``index`` generates with: a seed becomes ``seed + index``."""
+    if index and config.seed is not None:
+        return config.updated(seed=(config.seed + index) % SEED_LIMIT)
+    return config
+
+
 class GenerationWorker:
     def __init__(self, model, tokenizer, store: PromptStore, config: GenerationConfig, max_queue: int):
         self.model, self.tokenizer, self.store, self.config = model, tokenizer, store, config
@@ -313,9 +320,7 @@ class GenerationWorker:
 
     def _generate(self, job: Job, state: PromptCache, timing: dict, index: int) -> dict:
         """Generate choice ``index`` on ``state``, emitting its pieces; its entry of ``done["choices"]``."""
-        config = job.config
-        if index and config.seed is not None:
-            config = config.updated(seed=(config.seed + index) % SEED_LIMIT)
+        config = choice_config(job.config, index)
         processors = make_logits_processors(config) + (job.processors() if job.processors else [])
         steps = stream_generate(self.model, self.tokenizer, job.prompt, state=state, config=config,
                                 logits_processors=processors, progress=self._progress(job))  # fmt: skip
