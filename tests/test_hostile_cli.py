@@ -16,6 +16,7 @@ run: bounded time, exact reproduction).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -23,12 +24,14 @@ import re
 import subprocess
 import sys
 
-import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mlx_chatcache.cli.main import main
+from mlx_chatcache.config import DEFAULTS
+from mlx_chatcache.files.cache_file import SESSION_KEY
+from mlx_chatcache.files.mlxcc_format import read_cache_info
 from mlx_chatcache.generation.sample import make_logits_processors, make_sampler
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=True,
@@ -143,8 +146,8 @@ def chat(tiny_model_dirs, tmp_path, monkeypatch, capsys):
         rc = main(["chat", "--model", str(tiny_model_dirs["llama"]), "--max-tokens", "2", "-v",
                    "--session-file", str(path)])  # fmt: skip
         err = capsys.readouterr().err
-        meta = mx.load(str(path), return_metadata=True)[1] if path.exists() else {}
-        return rc, err, json.loads(meta["session"])["settings"] if "session" in meta else {}
+        meta = read_cache_info(path).metadata if path.exists() else {}
+        return rc, err, json.loads(meta[SESSION_KEY])["settings"] if SESSION_KEY in meta else {}
 
     return run
 
