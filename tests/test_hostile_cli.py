@@ -89,6 +89,7 @@ def _runs_long(name: str, value: str) -> bool:
 @example(flag="--repetition-penalty", value="inf", equals=True)
 @example(flag="--top-k", value="9" * 30, equals=True)
 @example(flag="--max-kv-size", value="9" * 30, equals=True)
+@example(flag="--max-tokens", value="--", equals=True)  # argparse's end of options, as a value
 def test_numeric_flags_work_or_are_one_line(generate, flag, value, equals):
     if _runs_long(flag, value):
         value = str(MAX_TOKENS_RUN)
