@@ -96,7 +96,9 @@ def blas_in_use() -> str:
     return ", ".join(sorted(Path(p).name for p in libs)) or "none mapped"
 
 
-def machine_info() -> dict[str, str]:
+def machine_info(blas: str | None = None) -> dict[str, str]:
+    """The machine and software a benchmark ran on; ``blas``: the BLAS that did the
+    measured work, when not this process's (:func:`blas_in_use`), e.g. its servers'."""
     import mlx.core as mx
 
     try:
@@ -135,7 +137,7 @@ def machine_info() -> dict[str, str]:
         "python": platform.python_version(),
         "mlx": f"{mx.__version__} ({mx.default_device()})",
         "mlx-lm": lm_version,
-        "blas": blas_in_use(),
+        "blas": blas or blas_in_use(),
         "load average at start (1/5/15 min)": "%.2f / %.2f / %.2f" % os.getloadavg()
         + " (the 2 cores are shared with other work: engines are interleaved so both see it)",
     }
@@ -154,8 +156,10 @@ def command_line() -> str:
     return pre + ".venv/bin/python " + " ".join(shlex.quote(a) for a in [script, *argv[1:]])
 
 
-def header_block(title: str) -> str:
-    info = machine_info()
+def header_block(title: str, blas: str | None = None) -> str:
+    """A results section's heading and its date, command and machine lines
+    (``blas``: see :func:`machine_info`)."""
+    info = machine_info(blas)
     lines = [
         f"### {title}",
         "",
