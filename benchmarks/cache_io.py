@@ -96,7 +96,9 @@ def blas_in_use() -> str:
     return ", ".join(sorted(Path(p).name for p in libs)) or "none mapped"
 
 
-def machine_info() -> dict[str, str]:
+def machine_info(blas: str | None = None) -> dict[str, str]:
+    """The machine and software a benchmark ran on; ``blas``: the BLAS that did the
+    measured work, when not this process's (:func:`blas_in_use`), e.g. its servers'."""
     import mlx.core as mx
 
     try:
@@ -135,7 +137,7 @@ def machine_info() -> dict[str, str]:
         "python": platform.python_version(),
         "mlx": f"{mx.__version__} ({mx.default_device()})",
         "mlx-lm": lm_version,
-        "blas": blas_in_use(),
+        "blas": blas or blas_in_use(),
         "load average at start (1/5/15 min)": "%.2f / %.2f / %.2f" % os.getloadavg()
         + " (the 2 cores are shared with other work: engines are interleaved so both see it)",
     }
@@ -154,8 +156,10 @@ def command_line() -> str:
     return pre + ".venv/bin/python " + " ".join(shlex.quote(a) for a in [script, *argv[1:]])
 
 
-def header_block(title: str) -> str:
-    info = machine_info()
+def header_block(title: str, blas: str | None = None) -> str:
+    """A results section's heading and its date, command and machine lines
+    (``blas``: see :func:`machine_info`)."""
+    info = machine_info(blas)
     lines = [
         f"### {title}",
         "",
@@ -190,6 +194,30 @@ def write_results_section(name: str, text: str, path: Path = RESULTS) -> None:
         new = old.rstrip() + "\n\n" + block + "\n"
     path.write_text(new)
     print(f"wrote section '{name}' of {path}")
+
+
+def bench_parser(doc: str, argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, list[str]]:
+    """A benchmark's start: its arguments (this process's when None), after re-running
+    under OpenBLAS when asked (:func:`maybe_reexec_openblas`), and its parser (described
+    by ``doc``'s first paragraph) holding the flags every benchmark takes:
+    --write-results, --results and --openblas."""
+    argv = sys.argv[1:] if argv is None else argv
+    maybe_reexec_openblas([sys.argv[0], *argv])
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--write-results", action="store_true", help="update benchmarks/RESULTS.md")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="RESULTS.md to update")
+    ap.add_argument("--openblas", action="store_true", help="LD_PRELOAD Debian's OpenBLAS")
+    return ap, argv
+
+
+def finish(name: str, out: str, args, t_start: float) -> int:
+    """A benchmark's end: print its section ``out`` with the time since ``t_start``; with
+    --write-results, put it in RESULTS.md (``args.results``) as section ``name``. Returns 0."""
+    out += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
+    print(out)
+    if args.write_results:
+        write_results_section(name, out, args.results)
+    return 0
 
 
 def median(xs):
@@ -583,9 +611,7 @@ def repeats_for(n: int, args) -> tuple[int, int]:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    maybe_reexec_openblas([sys.argv[0], *argv])
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap, argv = bench_parser(__doc__, argv)
     ap.add_argument("--tokens", default="1000,4000,16000",
                     help="comma-separated cache sizes (default 1000,4000,16000)")
     ap.add_argument("--repeats", type=int, default=None,
@@ -596,9 +622,6 @@ def main(argv=None) -> int:
     ap.add_argument("--model-check", action=argparse.BooleanOptionalAction, default=True,
                     help="measure the demo model's logit error with a quantized cache")
     ap.add_argument("--model-prompt", type=int, default=160, help="prompt tokens for --model-check")
-    ap.add_argument("--write-results", action="store_true", help="update benchmarks/RESULTS.md")
-    ap.add_argument("--results", type=Path, default=RESULTS, help="RESULTS.md to update")
-    ap.add_argument("--openblas", action="store_true", help="LD_PRELOAD Debian's OpenBLAS")
     ap.add_argument("--fresh-repeats", type=int, default=3,
                     help="loads timed in new processes (median; default 3, 0 = skip)")
     ap.add_argument("--checksums", action="store_true",
@@ -691,11 +714,7 @@ def main(argv=None) -> int:
             out += ("\nThe same real cache as float16, compressed losslessly (compressed / raw size; "
                     "a lossless file cannot go below these): "
                     + ", ".join(f"{k} {v:.3f}" for k, v in lossless.items()) + "\n")
-    out += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
-    print(out)
-    if args.write_results:
-        write_results_section("cache_io", out, args.results)
-    return 0
+    return finish("cache_io", out, args, t_start)
 
 
 if __name__ == "__main__":

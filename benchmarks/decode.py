@@ -26,21 +26,12 @@ the prompt is excluded. Every engine must produce the same tokens as mlx-lm
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cache_io import (  # noqa: E402  (shared benchmark helpers)
-    RESULTS,
-    header_block,
-    maybe_reexec_openblas,
-    md_table,
-    median,
-    write_results_section,
-)
+from cache_io import bench_parser, finish, header_block, md_table, median  # noqa: E402  (shared benchmark helpers)
 
 RANDOM_MODELS = {
     # name: (hidden, layers, heads, kv heads, intermediate, vocab)
@@ -129,16 +120,11 @@ DEFAULT_TOKENS = {"smollm2": 64, "mid": 128, "tiny": 512}  # new tokens per run,
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    maybe_reexec_openblas([sys.argv[0], *argv])
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap, argv = bench_parser(__doc__, argv)
     ap.add_argument("--models", default="smollm2,tiny,mid", help="comma-separated: smollm2, tiny, mid")
     ap.add_argument("--tokens", type=int, default=None,
                     help="tokens to generate per run (default: 64 smollm2, 128 mid, 512 tiny)")
     ap.add_argument("--repeats", type=int, default=5, help="runs per engine (median)")
-    ap.add_argument("--write-results", action="store_true", help="update benchmarks/RESULTS.md")
-    ap.add_argument("--results", type=Path, default=RESULTS, help="RESULTS.md to update")
-    ap.add_argument("--openblas", action="store_true", help="LD_PRELOAD Debian's OpenBLAS")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -176,11 +162,7 @@ def main(argv=None) -> int:
     out += md_table(["model", "engine", "prompt tok", "new tok", "TTFT ms", "decode tok/s",
                      "range", "speed / mlx-lm", "same tokens as mlx-lm"], rows)
     out += "\n" + "\n".join(summary) + "\n"
-    out += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
-    print(out)
-    if args.write_results:
-        write_results_section("decode", out, args.results)
-    return 0
+    return finish("decode", out, args, t_start)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,12 @@ with random prompts instead (a smoke run; its numbers mean nothing).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cache_io import RESULTS, header_block, maybe_reexec_openblas, md_table, median, write_results_section  # noqa: E402
+from cache_io import bench_parser, finish, header_block, md_table, median  # noqa: E402
 
 DTYPES = ["float32", "float16", "bfloat16"]
 INSTRUCTIONS = [
@@ -103,15 +102,10 @@ def forced_logits(model, prompt: list[int], reply: list[int], kv_dtype: str):
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    maybe_reexec_openblas([sys.argv[0], *argv])
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap, argv = bench_parser(__doc__, argv)
     ap.add_argument("--prompts", type=int, default=50, help="prompts (at most 50)")
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per reply")
     ap.add_argument("--tiny", action="store_true", help="a random tiny llama, random prompts (smoke run)")
-    ap.add_argument("--openblas", action="store_true", help="LD_PRELOAD Debian's OpenBLAS")
-    ap.add_argument("--write-results", action="store_true", help="update benchmarks/RESULTS.md")
-    ap.add_argument("--results", type=Path, default=RESULTS, help="RESULTS.md to update")
     args = ap.parse_args(argv)
     import mlx_chatcache  # noqa: F401  (first: its OpenBLAS swap, see mlx_chatcache.backend.blas)
     import mlx.core as mx
@@ -162,11 +156,7 @@ def main(argv=None) -> int:
             "replies; decode tok/s = median over the prompts (first token excluded).\n\n")
     out += md_table(["kv_dtype", "replies identical to float32", "first divergence", "max abs logit diff",
                      "decode tok/s"], rows)
-    out += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
-    print(out)
-    if args.write_results:
-        write_results_section("kv_dtype", out, args.results)
-    return 0
+    return finish("kv_dtype", out, args, t_start)
 
 
 if __name__ == "__main__":

@@ -93,8 +93,8 @@ def _store(tier: dict | None) -> str:
 
 
 def report(runs: list[dict], args, desc: str, elapsed: float) -> str:
-    out = [header_block("server_batch: continuous batching, 1-8 clients"), f"- model: {desc}",
-           f"- BLAS of every server (mlx_chatcache's switch, also run before mlx-lm's server): {args.blas}",
+    blas = f"{args.blas}, in every server (mlx_chatcache's switch, also run before mlx-lm's server)"
+    out = [header_block("server_batch: continuous batching, 1-8 clients", blas), f"- model: {desc}",
            f"- load: N concurrent streamed clients x {args.turns} turns, greedy, <= {args.max_new} new tokens, "
            "~300-token shared system prompt; each engine and N on a fresh server", f"- total time {elapsed:.0f} s",
            "", "Aggregate decode tokens/s (replies' tokens after the first, over the time any reply was decoding), warm-turn TTFT p50/p95 in ms, "

@@ -32,7 +32,6 @@ One command (from the repository root):
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the redis-server launcher
-from cache_io import RESULTS, header_block, md_table, median, write_results_section  # noqa: E402
+from cache_io import bench_parser, finish, header_block, md_table, median  # noqa: E402
 
 from mlx_chatcache.config import SERVER_DEFAULTS  # noqa: E402
 
@@ -268,7 +267,7 @@ def _verdict(rows, times) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap, argv = bench_parser(__doc__, argv)
     ap.add_argument("--tiny", action="store_true", help="a tiny random llama instead of the demo model")
     ap.add_argument("--counts", default="1,10,50", help="conversation counts (default 1,10,50)")
     ap.add_argument("--shared", type=int, default=1000, help="shared system-prompt tokens (default 1000)")
@@ -276,8 +275,6 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="checkouts timed per tier (median)")
     ap.add_argument("--block", type=int, default=SERVER_DEFAULTS.store_block_tokens,
                     help="the block and Redis tiers' tokens per block (default: the memory tier's)")
-    ap.add_argument("--write-results", action="store_true", help="update benchmarks/RESULTS.md")
-    ap.add_argument("--results", type=Path, default=RESULTS, help="RESULTS.md to update")
     args = ap.parse_args(argv)
     counts = sorted({int(x) for x in args.counts.split(",") if x})
     t_start = time.perf_counter()
@@ -313,11 +310,7 @@ def main(argv=None) -> int:
              "disk and Redis are built for it (with their whole-entry tiers of before timed beside them); a block checkout within 1.2x of a whole entry's, "
              "counted to the first token fed (both then hold one copy).\n")
     text += _verdict(rows, times)
-    text += f"\n(total {time.perf_counter() - t_start:.0f} s)\n"
-    print(text)
-    if args.write_results:
-        write_results_section("store_growth", text, args.results)
-    return 0
+    return finish("store_growth", text, args, t_start)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@
   in-process through the real parser and command on the tiny llama: it either
   works (exit 0) or prints exactly one line on stderr and exits 1 or 2; never a
   traceback. A few of the same run as subprocesses.
+- ``serve --max-batch`` and ``--kv-dtype`` (generate, cache-prompt, chat, serve) with
+  one generated value (the same odd numbers and text, the dtype names and near
+  misses): an accepted value works (serve reaches its cache folder, a file: one
+  line about it), any other is one line naming the flag, exit 2.
 - ``mlxcc chat`` scripted with generated ``/set NAME VALUE`` lines, each
   followed by a message: no traceback, each ``/set`` is either applied or one
   error line, every message gets its reply (an accepted value never breaks the
@@ -16,6 +20,7 @@ run: bounded time, exact reproduction).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -23,12 +28,14 @@ import re
 import subprocess
 import sys
 
-import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mlx_chatcache.cli.main import main
+from mlx_chatcache.config import DEFAULTS, KV_DTYPES, SERVER_RANGES
+from mlx_chatcache.files.cache_file import SESSION_KEY
+from mlx_chatcache.files.mlxcc_format import read_cache_info
 from mlx_chatcache.generation.sample import make_logits_processors, make_sampler
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=True,
@@ -57,19 +64,36 @@ def one_line_or_success(rc: int, err: str) -> None:
 
 
 @pytest.fixture
-def generate(tiny_model_dirs, capsys):
-    """``generate(*flags) -> (rc, stderr)``: ``mlxcc generate`` in-process on the tiny llama."""
-    model = str(tiny_model_dirs["llama"])
+def command(tiny_model_dirs, tmp_path, monkeypatch, capsys):
+    """``command(name, *flags) -> (rc, stderr)``: ``mlxcc NAME`` in-process on the tiny llama
+    (a file of its own for cache-prompt and chat; chat says one message, then /bye); serve
+    with a cache folder that is a file: one line, before it binds a port or loads a model."""
+    monkeypatch.setenv("MLXCC_HOME", str(tmp_path / "home"))
+    model, runs = str(tiny_model_dirs["llama"]), iter(range(10**9))
+    not_a_folder = tmp_path / "cache-dir"
+    not_a_folder.touch()
 
-    def run(*flags: str) -> tuple[int, str]:
+    def run(name: str, *flags: str) -> tuple[int, str]:
+        f = str(tmp_path / f"f{next(runs)}.safetensors")
+        args = {"generate": ["--model", model, "--prompt", "hi", "--max-tokens", "2"],
+                "cache-prompt": ["--model", model, "--prompt", "hi", "--prompt-cache-file", f],
+                "chat": ["--model", model, "--max-tokens", "2", "--session-file", f],
+                "serve": ["--model", model, "--cache-dir", str(not_a_folder)]}[name]  # fmt: skip
+        monkeypatch.setattr(sys, "stdin", io.StringIO("Good morning!\n/bye\n"))
         capsys.readouterr()
         try:
-            rc = main(["generate", "--model", model, "--prompt", "hi", "--max-tokens", "2", *flags])
+            rc = main([name, *args, *flags])
         except SystemExit as e:  # argparse's errors
             rc = e.code
         return rc, capsys.readouterr().err
 
     return run
+
+
+@pytest.fixture
+def generate(command):
+    """``generate(*flags) -> (rc, stderr)``: ``mlxcc generate`` in-process on the tiny llama."""
+    return lambda *flags: command("generate", *flags)
 
 
 def _runs_long(name: str, value: str) -> bool:
@@ -86,6 +110,7 @@ def _runs_long(name: str, value: str) -> bool:
 @example(flag="--repetition-penalty", value="inf", equals=True)
 @example(flag="--top-k", value="9" * 30, equals=True)
 @example(flag="--max-kv-size", value="9" * 30, equals=True)
+@example(flag="--max-tokens", value="--", equals=True)  # argparse's end of options, as a value
 def test_numeric_flags_work_or_are_one_line(generate, flag, value, equals):
     if _runs_long(flag, value):
         value = str(MAX_TOKENS_RUN)
@@ -109,6 +134,42 @@ def test_numeric_flags_as_subprocesses(tiny_model_dirs, flag, value):
 @example(value=str(2**64))
 def test_out_of_range_seed_flags(generate, value):
     one_line_or_success(*generate(f"--seed={value}"))
+
+
+# ------------------------------------------------------------------ the server's and the K/V dtype's flags
+# (command, flag): serve's integer range (config.SERVER_RANGES) and the K/V dtype's names, on every command taking it
+MORE_FLAGS = (("serve", "--max-batch"),
+              *((name, "--kv-dtype") for name in ("generate", "cache-prompt", "chat", "serve")))  # fmt: skip
+NAMES = st.sampled_from([*KV_DTYPES, " auto", "float16 ", "Float16", "FLOAT32", "float8", "fp16", "half", "float64",
+                         "int8", "auto,float16", "float16\x00", "bfloat"])  # fmt: skip
+
+
+def _accepts(flag: str, value: str) -> bool:
+    """The flag's contract: --kv-dtype one of KV_DTYPES (spaces around it dropped), --max-batch
+    an integer in its SERVER_RANGES range."""
+    if flag == "--kv-dtype":
+        return value.strip() in KV_DTYPES
+    try:
+        return SERVER_RANGES["max_batch"].holds(int(value))
+    except ValueError:
+        return False
+
+
+@settings(FUZZ, max_examples=150)
+@given(pair=st.sampled_from(MORE_FLAGS), value=st.one_of(VALUES, NAMES), equals=st.booleans())
+@example(pair=("serve", "--max-batch"), value="65", equals=False)
+@example(pair=("serve", "--max-batch"), value="64", equals=True)
+@example(pair=("serve", "--max-batch"), value="--", equals=True)
+@example(pair=("chat", "--kv-dtype"), value="float16", equals=False)
+@example(pair=("cache-prompt", "--kv-dtype"), value="Float16", equals=True)
+def test_server_and_kv_dtype_flags_work_or_are_one_line_naming_the_flag(command, pair, value, equals):
+    name, flag = pair
+    rc, err = command(name, f"{flag}={value}") if equals else command(name, flag, value)
+    one_line_or_success(rc, err)
+    if _accepts(flag, value):  # serve goes on to its cache folder, a file: one line, not about the flag
+        assert rc == (1 if name == "serve" else 0) and flag not in err, (rc, err)
+    else:
+        assert rc == 2 and flag in err, (rc, err)
 
 
 # ------------------------------------------------------------------ /set in the REPL
@@ -143,8 +204,8 @@ def chat(tiny_model_dirs, tmp_path, monkeypatch, capsys):
         rc = main(["chat", "--model", str(tiny_model_dirs["llama"]), "--max-tokens", "2", "-v",
                    "--session-file", str(path)])  # fmt: skip
         err = capsys.readouterr().err
-        meta = mx.load(str(path), return_metadata=True)[1] if path.exists() else {}
-        return rc, err, json.loads(meta["session"])["settings"] if "session" in meta else {}
+        meta = read_cache_info(path).metadata if path.exists() else {}
+        return rc, err, json.loads(meta[SESSION_KEY])["settings"] if SESSION_KEY in meta else {}
 
     return run
 

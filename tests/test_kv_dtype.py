@@ -10,7 +10,17 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from cli_helpers import mlxcc, one_error_line
-from mlx_chatcache.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache, quantize_prompt_cache
+from mlx_chatcache.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    copy_prompt_cache,
+    hold_kv_in,
+    make_prompt_cache,
+    quantize_prompt_cache,
+)
 from mlx_chatcache.config import DEFAULTS, KV_DTYPES, CacheShape
 from mlx_chatcache.errors import CacheFormatError, UsageError
 from mlx_chatcache.files.mlxcc_format import read_cache_info
@@ -19,7 +29,7 @@ from mlx_chatcache.generation.checkout import prompt_scope
 from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.store.store import PromptStore
 from mlx_chatcache.store.disk import DiskTier
-from mlx_chatcache.store.tiers import MemoryTier
+from mlx_chatcache.store.tiers import MemoryTier, compact_copy
 from store_helpers import tokens_of
 
 
@@ -189,14 +199,32 @@ def test_cache_prompt_and_generate_with_kv_dtype(kind, tiny_model_dirs, tmp_path
 
 
 def test_a_copied_cache_keeps_its_kv_dtype_through_a_wrap():
-    from mlx_chatcache.cache import copy_prompt_cache
-
     cache = RotatingKVCache(8, keep=2)
     cache.kv_dtype = mx.float16
     cache.update_and_fetch(*(mx.random.normal((1, 2, 6, 8)),) * 2)
     (copy,) = copy_prompt_cache([cache])  # a chat checkpoint, a memory-tier entry
     k, v = copy.update_and_fetch(*(mx.random.normal((1, 2, 5, 8)),) * 2)  # past the window: concatenated
     assert k.dtype == v.dtype == mx.float16 and kv_dtypes([copy]) == {mx.float16}
+
+
+EMPTY_LAYERS = {
+    "kv": KVCache,
+    "quantized": lambda: QuantizedKVCache(group_size=32, bits=4),
+    "rotating": lambda: RotatingKVCache(8, keep=2),
+    "list": lambda: CacheList(ArraysCache(2), KVCache()),
+}
+
+
+@pytest.mark.parametrize("copy", [compact_copy, copy_prompt_cache], ids=["compact_copy", "copy_prompt_cache"])
+@pytest.mark.parametrize("layer", list(EMPTY_LAYERS))
+def test_a_copy_of_an_empty_float16_layer_holds_what_it_is_fed_in_float16(copy, layer):
+    """An empty layer has no arrays to tell its dtype: the copy (n choices' rows, a
+    store entry, a checkpoint) keeps the source's ``kv_dtype`` itself."""
+    (made,) = copy(copy(hold_kv_in([EMPTY_LAYERS[layer]()], "float16")))
+    kv = made.caches[1] if isinstance(made, CacheList) else made
+    assert kv.empty() and kv.kv_dtype == mx.float16
+    kv.update_and_fetch(*(mx.random.normal((1, 2, 3, 64)),) * 2)  # computed in float32
+    assert kv_dtypes([kv]) == {mx.float16}
 
 
 def test_a_file_from_before_kv_dtype_serves_auto_and_is_refused_for_float16(llama_model, tmp_path, capsys):

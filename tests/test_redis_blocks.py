@@ -5,6 +5,8 @@ and a checkout is bit-identical to the whole-entry path."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -113,14 +115,29 @@ def test_replicas_share_blocks_and_checkout_matches_the_whole_entry_path(llama_m
     assert got.tier == "redis" and got.served == 1100 and got.tokens == t1
 
 
-def test_deleting_or_evicting_an_entry_frees_only_blocks_nobody_else_holds(llama_model, tiers, redis_server):  # noqa: F811
+class TwoStored(NamedTuple):
+    """Three conversations sharing PREFIX (tokens, cache) and a tier holding the first two."""
+
+    model: object
+    kv: KV
+    client: object
+    ns: str
+    tier: object
+    convs: list
+
+
+@pytest.fixture
+def two_stored(llama_model, tiers, redis_server):  # noqa: F811
     model, _ = llama_model
-    kv, client = KV(model), redis_server.client()
-    ns = scope(model).namespace
-    tier = tiers()
+    kv, tier = KV(model), tiers()
     convs = [kv.conversation(i) for i in range(3)]
     for tokens, cache in convs[:2]:
-        assert tier.add(scope(model), tokens, cache, None) and tier.flush(10)
+        assert tier.add(scope(model), tokens, cache, None) and tier.flush(30)
+    return TwoStored(model, kv, redis_server.client(), scope(model).namespace, tier, convs)
+
+
+def test_deleting_or_evicting_an_entry_frees_only_blocks_nobody_else_holds(two_stored, tiers):
+    model, kv, client, ns, tier, convs = two_stored
     own = [set(Chain(ns, t, BLOCK).hashes[15:]) for t, _ in convs]
     first = tier.find(scope(model), convs[0][0] + [1], None)[0]
     assert tier.writer.submit(lambda: tier.writer.discard(first.payload)) and tier.flush(10)
@@ -143,14 +160,9 @@ def test_deleting_or_evicting_an_entry_frees_only_blocks_nobody_else_holds(llama
     assert all(np.array_equal(x, y) for x, y in zip(arrays(got), arrays(convs[2][1])))
 
 
-def test_a_damaged_block_makes_its_entries_misses_and_others_are_served(llama_model, tiers, redis_server):  # noqa: F811
-    model, _ = llama_model
-    kv, client = KV(model), redis_server.client()
-    ns = scope(model).namespace
-    writer = tiers()
-    convs = [kv.conversation(i) for i in range(3)]
-    for tokens, cache in convs:
-        assert writer.add(scope(model), tokens, cache, None) and writer.flush(30)
+def test_a_damaged_block_makes_its_entries_misses_and_others_are_served(two_stored, tiers):
+    model, _, client, ns, writer, convs = two_stored
+    assert writer.add(scope(model), *convs[2], None) and writer.flush(30)
     bad = Chain(ns, convs[0][0], BLOCK).hashes[16]  # a block only the first conversation holds
     value = bytearray(client.get(f"mlxcc:k:{ns}:{bad}"))
     value[len(value) // 2] ^= 0x01

@@ -67,6 +67,14 @@ class CacheList(BaseCache, mlx_lm_cache.CacheList):
             i += n
         self.caches = tuple(caches)
 
+    def with_arrays(self, arrays: Sequence[mx.array]) -> "CacheList":
+        """Each child's ``with_arrays`` of its share of ``arrays`` (the children's
+        ``flat_state()`` in order)."""
+        counts = [len(c.flat_state()) for c in self.caches]
+        check_arrays("CacheList", arrays, sum(counts))
+        starts = [sum(counts[:j]) for j in range(len(counts))]
+        return CacheList(*(c.with_arrays(arrays[i : i + n]) for c, i, n in zip(self.caches, starts, counts)))
+
     @property
     def meta_state(self) -> tuple[str, ...]:
         if self.batched():
@@ -317,7 +325,7 @@ def check_group_size(c: BaseCache, group_size: int) -> None:
 
 def copy_prompt_cache(cache: Sequence[BaseCache]) -> list[BaseCache]:
     """An independent copy (a checkpoint): later updates to either side do not leak."""
-    return [type(c).from_state(c.state, c.meta_state) for c in cache]
+    return [c.with_arrays(c.flat_state()) for c in cache]
 
 
 def prompt_cache_nbytes(cache: Sequence[BaseCache]) -> int:

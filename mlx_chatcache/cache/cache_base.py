@@ -14,6 +14,9 @@ chat session rely on):
   ``grown_slots``), and what every caller that needs a layer's arrays reads.
   ``from_flat_state(c.flat_state(), c.meta_state)`` rebuilds ``c`` as
   ``from_state`` does (``nest_state`` gives the flat arrays their nesting back).
+- ``with_arrays(arrays)``: a cache like ``c`` (class, ``meta_state``, and how it
+  stores what it is fed next: a K/V layer's ``kv_dtype``, empty or not) holding
+  ``arrays`` in place of ``c.flat_state()``; every in-memory copy is made by it.
 - ``meta_state``: a tuple of plain strings with everything that is not an array
   (offsets, window size, keep, a window's ring position, bits, group size).
   Settable; parsing errors raise :class:`CacheFormatError`.
@@ -163,6 +166,10 @@ class BaseCache:
 
     def _init_empty(self) -> None:
         """Set the attributes an instance needs before ``meta_state`` is applied."""
+
+    def with_arrays(self, arrays: Sequence[mx.array]):
+        """A cache like this one (see the module doc) holding ``arrays``, a ``flat_state()``."""
+        return type(self).from_flat_state(arrays, self.meta_state)
 
     def flat_state(self) -> list[mx.array]:
         """The arrays of ``state`` in order, unnested (what a cache file stores)."""

@@ -143,6 +143,12 @@ class KVCache(BaseCache, mlx_lm_cache.KVCache):
                     "as (batch, heads, tokens, dim)"
                 )
 
+    def with_arrays(self, arrays: Sequence[mx.array]):
+        """As BaseCache's, keeping ``kv_dtype`` (an empty copy has no arrays to take it from)."""
+        out = super().with_arrays(arrays)
+        out.kv_dtype = self.kv_dtype
+        return out
+
     def nest_state(self, arrays: list[mx.array]) -> list:
         if not arrays:
             return []

@@ -23,6 +23,15 @@ class OneLineParser(argparse.ArgumentParser):
         sys.stderr.write(f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
         sys.exit(2)
 
+    def _get_values(self, action, arg_strings):
+        """As argparse's, but ``--flag=--`` gives a one-value flag the text "--" for its
+        type to judge (argparse drops it as the end of options, leaving the flag ``[]``)."""
+        if action.option_strings and action.nargs is None and arg_strings == ["--"]:
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value
+        return super()._get_values(action, arg_strings)
+
 
 def build_parser() -> OneLineParser:
     import importlib

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..cache import hold_kv_in
 from ..errors import ChatCacheError
 from ..files.prompt_cache import PromptCache
 from ..generation.batch import BatchRow, DecodeBatch, batch_refusal
@@ -200,8 +199,7 @@ class BatchScheduler:
         if len(a.state.tokens) > a.cached:  # stored once the next decode call runs (see _decode_tick)
             self._fed.append((list(a.state.tokens), list(a.state.cache)))
         base = compact_copy(a.state.cache) if job.n > 1 else None
-        copies = [PromptCache(hold_kv_in(compact_copy(base), a.state.shape.kv_dtype), list(a.state.tokens),
-                              a.state.shape) for _ in range(job.n - 1)]  # fmt: skip
+        copies = [PromptCache(compact_copy(base), list(a.state.tokens), a.state.shape) for _ in range(job.n - 1)]
         a.states = [a.state, *copies]
         for i, st in enumerate(a.states):
             processors = make_logits_processors(config) + (job.processors() if job.processors else [])

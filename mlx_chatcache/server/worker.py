@@ -57,7 +57,6 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..cache import hold_kv_in
 from ..config import SEED_LIMIT, GenerationConfig
 from ..errors import ChatCacheError
 from ..generation.loop import PrefillStopped, consistent_on_error, make_kv_quantizer, prefill
@@ -269,8 +268,7 @@ class GenerationWorker:
             self.stats["prompt_tokens_computed"] += max(len(state.tokens) - before, 0)
         base = compact_copy(state.cache)
         copies = [compact_copy(base) for _ in range(job.n - 2)] + [base]
-        return [state] + [PromptCache(hold_kv_in(c, state.shape.kv_dtype), list(state.tokens), state.shape)
-                          for c in copies]  # fmt: skip
+        return [state] + [PromptCache(c, list(state.tokens), state.shape) for c in copies]
 
     def _put(self, tokens, cache, key) -> None:
         """Store a cache; a failing tier (a full disk) is logged, the client has its reply."""

@@ -185,7 +185,8 @@ class MemoryTier(Tier):
 
 def compact_copy(cache: Sequence[BaseCache]) -> list[BaseCache]:
     """A copy of ``cache`` whose arrays hold the live tokens only, in buffers of
-    their own (a slice would keep the whole source buffer alive)."""
-    out = [type(c).from_flat_state([mx.contiguous(a) for a in c.flat_state()], c.meta_state) for c in cache]
+    their own (a slice would keep the whole source buffer alive), each layer storing
+    what it is fed next as its source does (``BaseCache.with_arrays``)."""
+    out = [c.with_arrays([mx.contiguous(a) for a in c.flat_state()]) for c in cache]
     mx.eval([c.eval_arrays() for c in out])
     return out
