@@ -165,10 +165,12 @@ def test_server_batch_smoke(tmp_path):
     results, png = tmp_path / "RESULTS.md", tmp_path / "batch.png"
     out = run("server_batch.py", "--tiny", "--clients", "1,2", "--turns", "2", "--max-new", "3", "--no-mlx-lm",
               "--write-results", "--results", str(results), "--plot", str(png), timeout=300)
-    rows = re.findall(r"^\| (mlxcc [^|]*?) +\| (\d) +\| ([\d.]+) +\|.*\| (\d+) +\|[^|]*\| ([^|]*?) +\|$", out, re.M)
+    rows = re.findall(r"^\| (mlxcc [^|]*?) +\| (\d) +\| ([\d.]+) +\|.*\| (\d+) +\|[^|]*\| ([\d.]+) / (\d+) MB +\| "
+                      r"([^|]*?) +\|$", out, re.M)  # fmt: skip
     assert {(name, n) for name, n, *_ in rows} == {(e, c) for e in ("mlxcc --max-batch 1", "mlxcc (batched)")
                                                    for c in "12"}  # fmt: skip
-    assert all(float(tok_s) > 0 and errors == "0" for _, _, tok_s, errors, _ in rows)
+    assert all(float(tok_s) > 0 and errors == "0" for _, _, tok_s, errors, *_ in rows)
+    assert all(0 < float(held) <= float(budget) for *_, held, budget, _ in rows)  # the store within its budget
     # greedy: the batched server's replies are the one-at-a-time server's (1 client x 2 turns, 2 x 2)
     assert {n: same for name, n, *_, same in rows if name == "mlxcc (batched)"} == {"1": "2/2", "2": "4/4"}
     assert png.stat().st_size > 1000 and "<!-- BEGIN server_batch -->" in results.read_text()
