@@ -42,6 +42,7 @@ from .chain import Chain
 from .redis_blocks import Layout
 
 MANIFEST_FORMAT = 1
+GRACE = 60  # seconds a replaced or deleted version's chunks stay readable for readers in flight
 
 
 @dataclass(frozen=True)

@@ -34,12 +34,12 @@ import time
 from typing import Callable
 
 from ..files.checksum import crc32
-from .redis_layout import Chain, Keys, Manifest, decode_manifest, index_value, member, parse_index_value, split_member
+from .redis_layout import (GRACE, Chain, Keys, Manifest, decode_manifest, index_value, member, parse_index_value,
+                           split_member)
 from .redis_link import RedisLink, Unavailable, redis_module
 
 log = logging.getLogger("mlx_chatcache.store.redis")
 _RETRIES = 64  # a transaction whose watched keys changed is tried again this often
-GRACE = 60  # seconds a replaced or deleted version's chunks stay readable for readers in flight
 _STOP = object()
 
 
@@ -136,22 +136,33 @@ class RedisWriter:
         return {h for h, n in zip(hashes, pipe.execute() if hashes else ()) if n}
 
     def _write_values(self, r, ns: str, values: dict[str, bytes]) -> None:
-        """Write the block values not stored yet, each with its crc32 in one
-        transaction (SET NX: the first writer's stays); the bytes of those
-        written count in ``P:kbytes``."""
+        """Write the block values not stored yet, each with its crc32, and add their
+        bytes to ``P:kbytes``, in one transaction per group watching their keys (a
+        value another writer stores meanwhile is left as that writer made it)."""
         items = list(values.items())
         for g in range(0, len(items), 4):
-            pipe = r.pipeline(transaction=True)
-            for h, v in items[g : g + 4]:
-                pipe.set(self.keys.value(ns, h), v, ex=self.ttl + GRACE, nx=True)
-                pipe.hsetnx(self.keys.refs(ns, h), "crc", crc32(v))
-            made = [(h, v) for (h, v), ok in zip(items[g : g + 4], pipe.execute()[::2]) if ok]
-            if made:  # (a key left as it was does not disturb other writers' WATCH)
-                pipe = r.pipeline(transaction=False)
-                for h, _ in made:
-                    pipe.expire(self.keys.refs(ns, h), self.ttl + GRACE)
-                pipe.incrby(self.keys.block_bytes, sum(len(v) for _, v in made))
-                pipe.execute()
+            group = items[g : g + 4]
+            watched = [k for h, _ in group for k in (self.keys.value(ns, h), self.keys.refs(ns, h))]
+            for _ in range(_RETRIES):
+                with r.pipeline(transaction=True) as pipe:
+                    try:
+                        pipe.watch(*watched)
+                        there = r.pipeline(transaction=False)
+                        for h, _ in group:
+                            there.exists(self.keys.value(ns, h))
+                        made = [(h, v) for (h, v), e in zip(group, there.execute()) if not e]
+                        if not made:
+                            break
+                        pipe.multi()
+                        for h, v in made:
+                            pipe.set(self.keys.value(ns, h), v, ex=self.ttl + GRACE)
+                            pipe.hset(self.keys.refs(ns, h), "crc", crc32(v))
+                            pipe.expire(self.keys.refs(ns, h), self.ttl + GRACE)
+                        pipe.incrby(self.keys.block_bytes, sum(len(v) for _, v in made))
+                        pipe.execute()
+                        break
+                    except self._watch_error:
+                        continue
 
     def _publish(self, r, m: Manifest, index: list[str], values: dict[str, bytes], stored: set[str]) -> list:
         """Set the manifest, its index keys, LRU score, size and its blocks' counts
