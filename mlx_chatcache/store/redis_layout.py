@@ -18,7 +18,8 @@ cache settings, so entries of another model or cache shape are never found):
   entries (of any replica) hold it; ``P:r:{ns}:{h_i}`` (hash) -> ``crc``: the
   value's crc32 (set with it in one transaction) and ``n``: how many manifests
   list it (changed in the transaction that publishes or deletes a manifest; the
-  value is deleted when it reaches 0). Both expire with the last entry using them.
+  value is deleted when it reaches 0). Both expire with the last entry using them;
+  a reconcile pass recounts ``n`` when Redis dropped a manifest by itself.
 - ``P:lru`` (sorted set) ``"{ns}:{eid}"`` -> last use (unix time), and
   ``P:meta`` (hash) ``"{ns}:{eid}"`` -> ``"{own}:{pinned}:{whole}"``: the bytes
   the entry holds alone (a whole value, or a tail), whether it is pinned and

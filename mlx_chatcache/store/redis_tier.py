@@ -29,8 +29,11 @@ values in Redis (key layout: :mod:`.redis_layout`):
   too short, or Redis is down.
 - A block entry's ``fetch`` also checks every block value's checksum and
   size: a damaged one counts in ``corrupt`` and is deleted with the entry
-  (other entries listing it then miss); a block gone counts in ``missing`` and
-  the entry is deleted. The cache is assembled with one copy per array.
+  (other entries listing it then miss); a block gone counts in ``missing``, the
+  entry is deleted and a reconcile pass is called for (as when a lookup finds
+  a manifest gone: :mod:`.redis_reconcile`; ``reconciles`` and ``reclaimed``
+  count passes and the block values they freed). The cache is assembled with
+  one copy per array.
 
 When Redis is down, slow or restarting (:mod:`.redis_link`), every call
 returns "no hit"/"not stored" at once without touching the network until the
