@@ -369,6 +369,9 @@ class ServerConfig:
     redis_socket_timeout: float = 1.0  # seconds per Redis operation before the tier counts Redis as down
     redis_connect_timeout: float = 0.5
     redis_backoff_seconds: tuple[float, float] = (0.5, 30.0)  # first and longest wait before reconnecting
+    # the replicas together run one pass recounting block holders and bytes from what Redis still
+    # holds (entries expired or evicted by Redis itself) this often, see store/redis_reconcile.py
+    redis_reconcile_seconds: float = 60.0
 
 
 SERVER_DEFAULTS = ServerConfig()

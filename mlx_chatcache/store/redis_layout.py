@@ -18,12 +18,15 @@ cache settings, so entries of another model or cache shape are never found):
   entries (of any replica) hold it; ``P:r:{ns}:{h_i}`` (hash) -> ``crc``: the
   value's crc32 (set with it in one transaction) and ``n``: how many manifests
   list it (changed in the transaction that publishes or deletes a manifest; the
-  value is deleted when it reaches 0). Both expire with the last entry using them.
+  value is deleted when it reaches 0). Both expire with the last entry using them;
+  a reconcile pass recounts ``n`` when Redis dropped a manifest by itself.
 - ``P:lru`` (sorted set) ``"{ns}:{eid}"`` -> last use (unix time), and
   ``P:meta`` (hash) ``"{ns}:{eid}"`` -> ``"{own}:{pinned}:{whole}"``: the bytes
   the entry holds alone (a whole value, or a tail), whether it is pinned and
   its size with its blocks; ``P:kbytes`` -> the bytes of all block values,
   each counted once. The byte budget counts the owns plus ``P:kbytes``.
+- ``P:reconcile`` -> set (expiring) by the replica running a reconcile pass
+  (:mod:`.redis_reconcile`), so replicas take turns.
 
 Hash chain over token-id blocks of ``B`` tokens (uint32 little endian):
 ``h_0 = sha256("mlxcc-chain" ns)``, ``h_i = sha256(h_{i-1} || block_i)``; an
@@ -42,6 +45,7 @@ from .chain import Chain
 from .redis_blocks import Layout
 
 MANIFEST_FORMAT = 1
+GRACE = 60  # seconds a replaced or deleted version's chunks stay readable for readers in flight
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,20 @@ class Keys:
 
     def refs(self, ns: str, h: str) -> str:
         return f"{self.prefix}:r:{ns}:{h}"
+
+    def pattern(self, kind: str) -> str:
+        """SCAN pattern matching every key of ``kind`` (``"m"``, ``"k"``, ``"r"``, ...)."""
+        return "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix) + f":{kind}:*"
+
+    def split(self, kind: str, key) -> tuple[str, str] | None:
+        """``(namespace, last part)`` of a key of ``kind``, None for another key."""
+        head = f"{self.prefix}:{kind}:"
+        key = key.decode(errors="replace") if isinstance(key, bytes) else key
+        return split_member(key[len(head) :]) if key.startswith(head) else None
+
+    @property
+    def reconcile(self) -> str:
+        return f"{self.prefix}:reconcile"
 
     @property
     def block_bytes(self) -> str:

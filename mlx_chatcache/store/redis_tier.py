@@ -29,8 +29,11 @@ values in Redis (key layout: :mod:`.redis_layout`):
   too short, or Redis is down.
 - A block entry's ``fetch`` also checks every block value's checksum and
   size: a damaged one counts in ``corrupt`` and is deleted with the entry
-  (other entries listing it then miss); a block gone counts in ``missing`` and
-  the entry is deleted. The cache is assembled with one copy per array.
+  (other entries listing it then miss); a block gone counts in ``missing``, the
+  entry is deleted and a reconcile pass is called for (as when a lookup finds
+  a manifest gone: :mod:`.redis_reconcile`; ``reconciles`` and ``reclaimed``
+  count passes and the block values they freed). The cache is assembled with
+  one copy per array.
 
 When Redis is down, slow or restarting (:mod:`.redis_link`), every call
 returns "no hit"/"not stored" at once without touching the network until the
@@ -72,10 +75,11 @@ class RedisTier(Tier):
                  chunk_bytes: int | None = None, block: int | None = None, prefix: str | None = None,
                  queue_size: int | None = None, socket_timeout: float | None = None,
                  backoff: tuple[float, float] | None = None, share_blocks: bool | None = None,
-                 client=None):  # fmt: skip
+                 reconcile_seconds: float | None = None, client=None):  # fmt: skip
         d = SERVER_DEFAULTS
         super().__init__(d.redis_cache_bytes if budget is None else budget)
-        self.counters.update({"missing": 0, "dropped": 0, "write_errors": 0, "lookup_errors": 0})
+        self.counters.update({"missing": 0, "dropped": 0, "write_errors": 0, "lookup_errors": 0,
+                              "reconciles": 0, "reclaimed": 0})
         self.url = url
         self.ttl = int(ttl or d.redis_ttl_seconds)
         self.chunk_bytes = int(chunk_bytes or d.redis_chunk_bytes)
@@ -89,8 +93,10 @@ class RedisTier(Tier):
         self._bad: set[tuple[str, str]] = set()  # (eid, version) found unusable here
         self._recent: OrderedDict[str, None] = OrderedDict()  # eids known to be stored
         self._recent_lock = threading.Lock()  # the writer forgets eids it finds gone
-        self.writer = RedisWriter(self.link, self.keys, self.index.budget, self.ttl, self.block,
-                                  d.redis_write_queue if queue_size is None else queue_size, self._count)  # fmt: skip
+        queue_size = d.redis_write_queue if queue_size is None else queue_size
+        every = d.redis_reconcile_seconds if reconcile_seconds is None else reconcile_seconds
+        self.writer = RedisWriter(self.link, self.keys, self.index.budget, self.ttl, self.block, queue_size,
+                                  self._count, every)  # fmt: skip
 
     def _count(self, name: str, n: int) -> None:
         self.counters[name] += n  # the writer thread and the worker touch distinct counters
@@ -134,8 +140,9 @@ class RedisTier(Tier):
 
     def _entry(self, scope, eid: str, query) -> tuple[Entry, int] | None:
         raw = self.link.run(lambda r: r.get(self.keys.manifest(scope.namespace, eid)))
-        if raw is None:
-            return None  # evicted or expired; its index keys expire too
+        if raw is None:  # evicted or expired (its index keys expire too): its blocks may still be held
+            self.writer.reconcile_soon()
+            return None
         m = decode_manifest(raw, scope.namespace, eid)
         chain = Chain(scope.namespace, m.tokens, self.block) if m is not None else None
         if m is None or chain.entry_id(len(m.tokens)) != eid or (m.blocks and m.blocks != tuple(chain.hashes)):
@@ -166,6 +173,7 @@ class RedisTier(Tier):
             self._bad.add((m.eid, m.version))
             if any(v is None for v in values):  # a block it needs is gone: it can never be served
                 self.writer.submit(lambda: self.writer.discard(m))
+                self.writer.reconcile_soon()
             return None
         damaged = tuple(h for h, v, c in zip(m.blocks, values, checksums) if not block_ok(v, c, m.layout, self.block))
         cache = None if damaged else self._verified(m, parts, values, scope, expected)
@@ -242,6 +250,7 @@ class RedisTier(Tier):
         if m is None:
             with self._recent_lock:  # gone (evicted, expired, Redis restarted): write it next time
                 self._recent.pop(eid, None)
+            self.writer.reconcile_soon()
         else:
             self.writer.touch(m)
 

@@ -21,6 +21,13 @@ queue drops the job and counts it in ``dropped``). Jobs:
 - ``discard``: delete an entry a reader found corrupt or missing a block
   (releasing its blocks; damaged block values are deleted), if it is still
   the version that was read.
+- reconcile (:mod:`.redis_reconcile`): a pass that recounts block holders from
+  the manifests Redis still holds, frees blocks no manifest lists and recounts
+  ``P:kbytes``. It runs when the writer is first idle, then after a job or
+  while idle every ``reconcile_seconds``, and as soon as the writer is free when
+  a reader finds an entry or a block Redis dropped (``reconcile_soon``); a
+  replica runs it only after claiming ``P:reconcile`` for ``reconcile_seconds``,
+  so replicas together run one pass per period.
 
 Failures (Redis down) count in ``write_errors`` and lose only that job.
 """
@@ -34,21 +41,30 @@ import time
 from typing import Callable
 
 from ..files.checksum import crc32
-from .redis_layout import Chain, Keys, Manifest, decode_manifest, index_value, member, parse_index_value, split_member
+from .redis_layout import (GRACE, Chain, Keys, Manifest, decode_manifest, index_value, member, parse_index_value,
+                           split_member)
 from .redis_link import RedisLink, Unavailable, redis_module
+from .redis_reconcile import Reconciler, Report
 
 log = logging.getLogger("mlx_chatcache.store.redis")
 _RETRIES = 64  # a transaction whose watched keys changed is tried again this often
-GRACE = 60  # seconds a replaced or deleted version's chunks stay readable for readers in flight
 _STOP = object()
+
+
+def _WAKE() -> None:
+    """A job that only wakes the writer."""
 
 
 class RedisWriter:
     def __init__(self, link: RedisLink, keys: Keys, budget: int, ttl: int, block: int, queue_size: int,
-                 count: Callable[[str, int], None]):  # fmt: skip
+                 count: Callable[[str, int], None], reconcile_seconds: float):  # fmt: skip
         self.link, self.keys, self.budget, self.ttl, self.block = link, keys, budget, ttl, block
         self._count = count
         self._watch_error = redis_module().WatchError
+        self.reconciler = Reconciler(keys, ttl, self._watch_error)
+        self.reconcile_seconds = reconcile_seconds
+        self.last_pass: Report | None = None
+        self._next_pass = time.monotonic()  # the first pass: when the writer is first idle
         self.known_bytes = 0  # the budget's total at the last publish
         self.known_entries = 0
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
@@ -86,18 +102,57 @@ class RedisWriter:
 
     def _loop(self) -> None:
         while True:
-            job = self._queue.get()
             try:
-                if job is _STOP:
-                    return
-                job()
-            except Unavailable:
-                self._count("write_errors", 1)
-            except Exception:  # a bug must not kill the writer: log it, lose the job
-                log.exception("Redis cache tier: a background write failed")
-                self._count("write_errors", 1)
-            finally:
+                job = self._queue.get(timeout=max(0.0, self._next_pass - time.monotonic()))
+            except queue.Empty:
+                self._run(self._pass_if_due)
+                continue
+            if job is _STOP:
                 self._queue.task_done()
+                return
+            self._run(job)
+            self._run(self._pass_if_due)
+            self._queue.task_done()
+
+    def _run(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except Unavailable:
+            self._count("write_errors", 1)
+        except Exception:  # a bug must not kill the writer: log it, lose the job
+            log.exception("Redis cache tier: a background write failed")
+            self._count("write_errors", 1)
+
+    # ------------------------------------------------------------------ reconcile
+    def reconcile_soon(self) -> None:
+        """Run a reconcile pass as soon as the writer is free (still at most one
+        per ``reconcile_seconds`` across replicas): a reader found an entry or a
+        block Redis dropped."""
+        if self._next_pass:
+            self._next_pass = 0.0
+            try:
+                self._queue.put_nowait(_WAKE)
+            except queue.Full:
+                pass  # it runs after the queued jobs
+
+    def _pass_if_due(self) -> None:
+        if time.monotonic() < self._next_pass:
+            return
+        self._next_pass = time.monotonic() + self.reconcile_seconds
+        claim = max(1, int(self.reconcile_seconds * 1000))
+        try:
+            if self.link.run(lambda r: r.set(self.keys.reconcile, "1", nx=True, px=claim)):
+                self.reconcile()
+        except Unavailable:
+            pass  # Redis is down: the next pass will do
+
+    def reconcile(self) -> Report:
+        """One reconcile pass now (:mod:`.redis_reconcile`; raises Unavailable)."""
+        report = self.link.run(self.reconciler.run)
+        self.last_pass = report
+        self._count("reconciles", 1)
+        self._count("reclaimed", report.freed)
+        return report
 
     # ------------------------------------------------------------------ jobs
     def publish(self, m: Manifest, chunks: list[bytes], values: dict[str, bytes] | None = None) -> bool:
@@ -136,22 +191,33 @@ class RedisWriter:
         return {h for h, n in zip(hashes, pipe.execute() if hashes else ()) if n}
 
     def _write_values(self, r, ns: str, values: dict[str, bytes]) -> None:
-        """Write the block values not stored yet, each with its crc32 in one
-        transaction (SET NX: the first writer's stays); the bytes of those
-        written count in ``P:kbytes``."""
+        """Write the block values not stored yet, each with its crc32, and add their
+        bytes to ``P:kbytes``, in one transaction per group watching their keys (a
+        value another writer stores meanwhile is left as that writer made it)."""
         items = list(values.items())
         for g in range(0, len(items), 4):
-            pipe = r.pipeline(transaction=True)
-            for h, v in items[g : g + 4]:
-                pipe.set(self.keys.value(ns, h), v, ex=self.ttl + GRACE, nx=True)
-                pipe.hsetnx(self.keys.refs(ns, h), "crc", crc32(v))
-            made = [(h, v) for (h, v), ok in zip(items[g : g + 4], pipe.execute()[::2]) if ok]
-            if made:  # (a key left as it was does not disturb other writers' WATCH)
-                pipe = r.pipeline(transaction=False)
-                for h, _ in made:
-                    pipe.expire(self.keys.refs(ns, h), self.ttl + GRACE)
-                pipe.incrby(self.keys.block_bytes, sum(len(v) for _, v in made))
-                pipe.execute()
+            group = items[g : g + 4]
+            watched = [k for h, _ in group for k in (self.keys.value(ns, h), self.keys.refs(ns, h))]
+            for _ in range(_RETRIES):
+                with r.pipeline(transaction=True) as pipe:
+                    try:
+                        pipe.watch(*watched)
+                        there = r.pipeline(transaction=False)
+                        for h, _ in group:
+                            there.exists(self.keys.value(ns, h))
+                        made = [(h, v) for (h, v), e in zip(group, there.execute()) if not e]
+                        if not made:
+                            break
+                        pipe.multi()
+                        for h, v in made:
+                            pipe.set(self.keys.value(ns, h), v, ex=self.ttl + GRACE)
+                            pipe.hset(self.keys.refs(ns, h), "crc", crc32(v))
+                            pipe.expire(self.keys.refs(ns, h), self.ttl + GRACE)
+                        pipe.incrby(self.keys.block_bytes, sum(len(v) for _, v in made))
+                        pipe.execute()
+                        break
+                    except self._watch_error:
+                        continue
 
     def _publish(self, r, m: Manifest, index: list[str], values: dict[str, bytes], stored: set[str]) -> list:
         """Set the manifest, its index keys, LRU score, size and its blocks' counts

@@ -1,0 +1,242 @@
+"""The Redis tier's reconcile pass against a real redis-server: entries Redis
+drops on its own (TTL, eviction) give their blocks back, blocks other entries
+hold stay, counts and ``P:kbytes`` end equal to what Redis really holds, a
+block gone behind the tier's back is a miss, and passes racing replicas'
+writes and deletes never undercount a block."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("redis")
+
+from redis_server import redis_server, tier_factory  # noqa: E402,F401  (fixture)
+
+from mlx_chatcache.cache import make_prompt_cache  # noqa: E402
+from mlx_chatcache.store.chain import Chain  # noqa: E402
+from store_helpers import arrays, scope  # noqa: E402
+from test_redis_blocks import BLOCK, KV, fetched, keys  # noqa: E402
+
+HOUR = 3600.0  # a reconcile period no test waits for: passes run when a test asks
+
+
+@pytest.fixture
+def tiers(redis_server):  # noqa: F811
+    make, close_all = tier_factory(redis_server.url, BLOCK)
+    yield make
+    close_all()
+
+
+def listed(client) -> dict[str, int]:
+    """``{hash: live manifests listing it}``."""
+    out: dict[str, int] = {}
+    for k in keys(client, "m"):
+        for h in json.loads(client.get(k)).get("blocks", ()):
+            out[h] = out.get(h, 0) + 1
+    return out
+
+
+def assert_consistent(client, ns):
+    """Every listed block has a value and its count is its holders; no other value
+    is stored; ``P:kbytes`` is the bytes of the values stored."""
+    held = listed(client)
+    assert {k.rsplit(":", 1)[1] for k in keys(client, "k")} == set(held)
+    assert {k.rsplit(":", 1)[1] for k in keys(client, "r")} == set(held)
+    assert {h: int(client.hget(f"mlxcc:r:{ns}:{h}", "n")) for h in held} == held
+    assert int(client.get("mlxcc:kbytes") or 0) == sum(client.strlen(k) for k in keys(client, "k"))
+
+
+def manifest_key(client, tokens, ns):
+    eid = Chain(ns, tokens, BLOCK).entry_id(len(tokens))
+    return f"mlxcc:m:{ns}:{eid}"
+
+
+def test_entries_redis_dropped_give_back_their_blocks_and_shared_ones_stay(llama_model, tiers, redis_server):  # noqa: F811
+    model, _ = llama_model
+    kv, client = KV(model), redis_server.client()
+    ns = scope(model).namespace
+    tier = tiers(reconcile_seconds=HOUR)
+    convs = [kv.conversation(i) for i in range(3)]
+    for tokens, cache in convs:
+        assert tier.add(scope(model), tokens, cache, None) and tier.flush(30)
+    own = [set(Chain(ns, t, BLOCK).hashes[15:]) for t, _ in convs]
+    shared = set(Chain(ns, convs[0][0], BLOCK).hashes[:15])
+    client.delete(manifest_key(client, convs[0][0], ns))  # evicted by Redis (maxmemory)
+    client.pexpire(manifest_key(client, convs[1][0], ns), 1)  # expired (TTL)
+    time.sleep(0.05)
+    assert len(keys(client, "m")) == 1
+    assert int(client.hget(f"mlxcc:r:{ns}:{min(shared)}", "n")) == 3  # held by entries that are gone
+    report = tier.writer.reconcile()
+    assert report.freed == len(own[0] | own[1]) == 6 and report.forgotten == 2
+    left = {k.rsplit(":", 1)[1] for k in keys(client, "k")}
+    assert left == shared | own[2]
+    assert all(int(client.hget(f"mlxcc:r:{ns}:{h}", "n")) == 1 for h in shared)
+    assert_consistent(client, ns)
+    assert client.zcard("mlxcc:lru") == client.hlen("mlxcc:meta") == 1
+    got = fetched(tier, model, convs[2][0])
+    assert all(np.array_equal(x, y) for x, y in zip(arrays(got), arrays(convs[2][1])))
+    # the counts are right: deleting the last entry frees every block and every byte
+    last = tier.find(scope(model), convs[2][0] + [1], None)[0]
+    assert tier.writer.submit(lambda: tier.writer.discard(last.payload)) and tier.flush(10)
+    assert keys(client, "k") == keys(client, "r") == [] and int(client.get("mlxcc:kbytes")) == 0
+    assert tier.writer.reconcile().freed == 0  # nothing left to do
+
+
+def test_a_block_gone_behind_the_tiers_back_is_a_miss_and_kbytes_is_corrected(llama_model, tiers, redis_server):  # noqa: F811
+    model, _ = llama_model
+    kv, client = KV(model), redis_server.client()
+    ns = scope(model).namespace
+    tier = tiers(reconcile_seconds=HOUR)
+    convs = [kv.conversation(i) for i in range(2)]
+    for tokens, cache in convs:
+        assert tier.add(scope(model), tokens, cache, None) and tier.flush(30)
+    passes = tier.stats()["reconciles"]
+    gone = Chain(ns, convs[0][0], BLOCK).hashes[16]  # only the first conversation holds it
+    size = client.strlen(f"mlxcc:k:{ns}:{gone}")
+    client.delete(f"mlxcc:k:{ns}:{gone}")  # evicted by Redis: P:kbytes still counts it
+    stored = sum(client.strlen(k) for k in keys(client, "k"))
+    assert int(client.get("mlxcc:kbytes")) == stored + size
+    client.delete("mlxcc:reconcile")  # the period has passed
+    found = tier.find(scope(model), convs[0][0] + [1], None)
+    assert found[0].tokens == tuple(convs[0][0])
+    assert tier.fetch(found[0], scope(model), make_prompt_cache(model)) is None
+    assert tier.stats()["missing"] == 1 and tier.flush(10)
+    assert tier.stats()["reconciles"] == passes + 1  # the miss called for a pass
+    assert tier.writer.last_pass.kbytes_drift == size  # the discard freed the other blocks' bytes itself
+    assert_consistent(client, ns)
+    assert len(keys(client, "m")) == 1
+    # a value gone with no reader noticing: the next pass corrects P:kbytes
+    other = Chain(ns, convs[1][0], BLOCK).hashes[0]
+    size = client.strlen(f"mlxcc:k:{ns}:{other}")
+    client.delete(f"mlxcc:k:{ns}:{other}")
+    report = tier.writer.reconcile()
+    assert report.kbytes_drift == size and report.kbytes == sum(client.strlen(k) for k in keys(client, "k"))
+    assert client.hget(f"mlxcc:r:{ns}:{other}", "crc") is None  # rewritten with its own checksum
+    assert int(client.hget(f"mlxcc:r:{ns}:{other}", "n")) == 1
+    found = tier.find(scope(model), convs[1][0] + [1], None)
+    assert tier.fetch(found[0], scope(model), make_prompt_cache(model)) is None  # a miss, never a wrong value
+    # writing the conversation again (another replica) stores the block again and it is served
+    assert tier.flush(10) and keys(client, "k") == []
+    again = tiers(reconcile_seconds=HOUR)
+    assert again.add(scope(model), *convs[1], None) and again.flush(30)
+    got = fetched(tier, model, convs[1][0])
+    assert all(np.array_equal(x, y) for x, y in zip(arrays(got), arrays(convs[1][1])))
+    assert_consistent(client, ns)
+
+
+def test_a_manifest_gone_at_lookup_calls_for_a_pass(llama_model, tiers, redis_server):  # noqa: F811
+    model, _ = llama_model
+    kv, client = KV(model), redis_server.client()
+    ns = scope(model).namespace
+    tier = tiers(reconcile_seconds=HOUR)
+    tokens, cache = kv.conversation(0)
+    assert tier.add(scope(model), tokens, cache, None) and tier.flush(30)
+    client.delete(manifest_key(client, tokens, ns), "mlxcc:reconcile")
+    assert tier.find(scope(model), tokens + [1], None) is None and tier.flush(10)
+    assert keys(client, "k") == [] and int(client.get("mlxcc:kbytes")) == 0
+    # one pass per period across replicas: another replica's notice waits for the next one
+    writer = tiers(reconcile_seconds=HOUR)
+    assert writer.add(scope(model), tokens, cache, None) and writer.flush(30)
+    client.delete(manifest_key(client, tokens, ns))
+    other = tiers(reconcile_seconds=HOUR)
+    assert other.find(scope(model), tokens + [1], None) is None and other.flush(10)
+    assert len(keys(client, "k")) == 18 and other.stats()["reconciles"] == 0
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.tuples(st.sampled_from(["put", "drop", "lose_block", "lose_refs"]), st.integers(0, 4)),
+                      min_size=1, max_size=10))  # fmt: skip
+def test_random_puts_and_losses_end_consistent(llama_model, tiers, redis_server, steps):  # noqa: F811
+    model, _ = llama_model
+    kv, client = KV(model), redis_server.client()
+    client.flushall()
+    ns = scope(model).namespace
+    tier = tiers(reconcile_seconds=HOUR)
+    convs = [kv.conversation(i, unique=70) for i in range(5)]
+    for op, i in steps:
+        tokens, cache = convs[i]
+        h = Chain(ns, tokens, BLOCK).hashes[i % 2 + 14]  # a shared block or one of its own
+        if op == "put":
+            assert tier.add(scope(model), tokens, cache, None) and tier.flush(30)
+        elif op == "drop":
+            client.delete(manifest_key(client, tokens, ns))
+        elif op == "lose_block":
+            client.delete(f"mlxcc:k:{ns}:{h}")
+        else:
+            client.delete(f"mlxcc:r:{ns}:{h}")
+    tier.writer.reconcile()
+    for k in keys(client, "k"):  # a value kept is a value that can be served
+        assert client.hget(k.replace(":k:", ":r:"), "crc") is not None
+    held = listed(client)
+    assert {k.rsplit(":", 1)[1] for k in keys(client, "k")} <= set(held)
+    assert {h: int(client.hget(f"mlxcc:r:{ns}:{h}", "n") or 0) for h in held} == held
+    assert int(client.get("mlxcc:kbytes") or 0) == sum(client.strlen(k) for k in keys(client, "k"))
+    for tokens, cache in convs:  # every entry left is served exactly or is a miss
+        found = tier.find(scope(model), tokens + [1], None)
+        if found and found[0].tokens == tuple(tokens):
+            got = tier.fetch(found[0], scope(model), make_prompt_cache(model))
+            assert got is None or all(np.array_equal(x, y) for x, y in zip(arrays(got), arrays(cache)))
+    assert tier.flush(10)
+    for tokens, _ in convs:  # then dropping every entry frees every block
+        found = tier.find(scope(model), tokens + [1], None)
+        if found:
+            tier.writer.discard(found[0].payload)
+    assert keys(client, "m") == [] and keys(client, "k") == [] and keys(client, "r") == []
+    assert int(client.get("mlxcc:kbytes") or 0) == 0
+
+
+def test_passes_racing_replicas_never_miscount(llama_model, tiers, redis_server):  # noqa: F811
+    model, _ = llama_model
+    kv, client = KV(model), redis_server.client()
+    ns = scope(model).namespace
+    replicas = [tiers(queue_size=16, reconcile_seconds=HOUR) for _ in range(3)]
+    convs = [kv.conversation(i, unique=40) for i in range(12)]
+    stop, passes = threading.Event(), []
+
+    def reconcile():
+        while not stop.is_set():
+            passes.append(replicas[2].writer.reconcile())
+
+    racer = threading.Thread(target=reconcile)
+    racer.start()
+    try:
+        for i, (tokens, cache) in enumerate(convs):
+            assert replicas[i % 3].add(scope(model), tokens, cache, None)
+        assert all(t.flush(60) for t in replicas)
+        for i in range(0, 12, 3):
+            m = replicas[0].find(scope(model), convs[i][0] + [1], None)[0].payload
+            replicas[i % 3].writer.submit(lambda m=m: replicas[0].writer.discard(m))
+            t, c = kv.conversation(100 + i, unique=40)
+            replicas[(i + 1) % 3].add(scope(model), t, c, None)
+        assert all(t.flush(60) for t in replicas)
+    finally:
+        stop.set()
+        racer.join(60)
+    assert len(passes) >= 2 and sum(t.stats()["write_errors"] for t in replicas) == 0
+    assert len(keys(client, "m")) == 12
+    assert_consistent(client, ns)
+    for tokens, cache in convs[1:3]:
+        got = fetched(replicas[1], model, tokens)
+        assert all(np.array_equal(x, y) for x, y in zip(arrays(got), arrays(cache)))
+
+
+def test_a_value_being_published_is_left_alone_for_its_grace_period(tiers, redis_server):  # noqa: F811
+    from mlx_chatcache.files.checksum import crc32
+    from mlx_chatcache.store.redis_layout import GRACE
+
+    client, tier = redis_server.client(), tiers(reconcile_seconds=HOUR, ttl=1000)
+    value, h = b"\x01" * 64, "a" * 32
+    client.set(f"mlxcc:k:ns:{h}", value, ex=1000 + GRACE)  # written, its manifest not published yet
+    client.hset(f"mlxcc:r:ns:{h}", "crc", crc32(value))
+    client.incrby("mlxcc:kbytes", len(value))
+    assert tier.writer.reconcile().freed == 0 and client.exists(f"mlxcc:k:ns:{h}")
+    client.pexpire(f"mlxcc:k:ns:{h}", 1000 * 1000 - 1)  # written more than GRACE seconds ago: abandoned
+    report = tier.writer.reconcile()
+    assert report.freed == 1 and report.kbytes == 0 and keys(client, "k") == keys(client, "r") == []
