@@ -15,6 +15,10 @@ when it is parsed, and every array read against its tensor's checksum.
 ``read_header_bytes`` does the same for a file held in memory (a value from a
 remote store): same checks, no file.
 
+``read_into`` reads a checksummed file's tensors straight into buffers of the
+caller's (rows of a larger array: a store puts a cache together from block
+files with it), in scatter reads, then checks them where they landed.
+
 Writing (atomic: temp file + fsync + rename) lives in :mod:`.atomic_write`.
 A file that does not start like a safetensors file (a text file) is refused
 as "not a safetensors file", not by its byte counts.
@@ -28,11 +32,12 @@ import math
 import os
 import struct
 from dataclasses import dataclass, field, replace
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import CacheFileError, CacheFormatError, clipped
-from .checksum import check_tensors, damaged, header_checksums, live_crc32
+from .checksum import MAX_THREADS, PARALLEL_BYTES, check_tensors, crc32, damaged, header_checksums, live_crc32
 from .grown_read import GrownView
 
 if TYPE_CHECKING:  # mlx loads when arrays are read or written: parsing a header needs none
@@ -41,6 +46,8 @@ if TYPE_CHECKING:  # mlx loads when arrays are read or written: parsing a header
 MAX_HEADER_BYTES = 64 << 20
 MAX_DIMS = 8
 MAX_DIM = 2**31 - 1  # mlx shapes are int32
+_PREADV = hasattr(os, "preadv")
+_IOV_MAX = 512  # buffers per scatter read (within every system's IOV_MAX)
 
 # safetensors dtype -> (bytes per element, the name of the mlx dtype to read it as)
 DTYPES: dict[str, tuple[int, str]] = {
@@ -255,6 +262,92 @@ def read_arrays(header: Header, names=None, slots: dict[str, int] | None = None)
     except (RuntimeError, ValueError, OSError) as e:  # short read, file vanished, ...
         raise _bad(path, f"file shrank or changed while reading: {e}") from None
     return out
+
+
+def read_into(path: str | os.PathLike, place: Callable[[Header], dict[str, list[memoryview]]],
+              checks: list | None = None) -> Header:
+    """Read the tensors of the safetensors file ``path`` into the caller's buffers.
+
+    The file is opened once; its header is parsed and validated as :func:`read_header`
+    does and must carry checksums. ``place(header)`` gives each tensor's destination
+    (it may raise to refuse the header): writable byte buffers (``memoryview`` of
+    format ``B``) whose sizes add up to the tensor's bytes, taking them in order. The
+    data section is read into them with scatter reads (``os.preadv``): the one copy.
+    Each tensor is then checked against its checksum where it landed, or, with
+    ``checks``, ``(path, name, buffers, crc32)`` is appended there for
+    :func:`damaged_rows` (so the caller can check many files at once). A file that is
+    short, lacks checksums or a destination, or does not match raises CacheFileError.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            fd = f.fileno()
+            st = os.fstat(fd)
+            head = os.pread(fd, 9, 0)
+            if not _looks_like_safetensors(head):
+                raise not_safetensors(path)
+            n = _declared_header_size(path, head[:8], st.st_size)
+            raw = os.pread(fd, n, 8)
+            if len(raw) != n:
+                raise _bad(path, "the file ended early")
+            header = _parse_header(path, raw, st.st_size, _identity(st))
+            if header.checksums is None:
+                raise damaged(path, "it carries no checksums")
+            dest = place(header)
+            order = sorted(header.tensors.values(), key=lambda t: t.begin)
+            for t in order:
+                if sum(b.nbytes for b in dest.get(t.name, ())) != t.end - t.begin:
+                    raise _bad(path, f"tensor {t.name!r} does not fit the cache it is read into")
+            _read_exactly_into(f, header.data_start, [b for t in order for b in dest[t.name] if b.nbytes], path)
+    except OSError as e:
+        raise _bad(path, f"it could not be read: {e}") from None
+    found = [(path, t.name, dest[t.name], header.checksums[t.name]) for t in order]
+    if checks is not None:
+        checks.extend(found)
+    elif (bad := damaged_rows(found)) is not None:
+        raise damaged(*bad)
+    return header
+
+
+def damaged_rows(checks: list) -> tuple[Path, str] | None:
+    """``(path, what)`` of the first ``(path, name, buffers, crc32)`` of ``checks`` whose
+    buffers, in order, do not have that checksum, or None when all do (the sums are
+    spread over threads when there is enough to share)."""
+    def ok(check) -> bool:
+        crc = 0
+        for b in check[2]:
+            crc = crc32(b, crc)
+        return crc == check[3]
+
+    total = sum(b.nbytes for c in checks for b in c[2])
+    workers = min(len(checks), os.cpu_count() or 1, MAX_THREADS)
+    if workers < 2 or total < PARALLEL_BYTES:
+        results = [ok(c) for c in checks]
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            results = list(pool.map(ok, checks, chunksize=max(1, len(checks) // (4 * workers))))
+    return next(((c[0], f"tensor {c[1]!r} does not match its checksum") for c, good in zip(checks, results)
+                 if not good), None)  # fmt: skip
+
+
+def _read_exactly_into(f, offset: int, bufs: list[memoryview], path: Path) -> None:
+    """Fill ``bufs`` in order from ``offset`` of the open file ``f``."""
+    bufs, i = list(bufs), 0
+    while i < len(bufs):
+        if _PREADV:
+            got = os.preadv(f.fileno(), bufs[i : i + _IOV_MAX], offset)
+        else:
+            f.seek(offset)
+            got = f.readinto(bufs[i])
+        if not got:
+            raise _bad(path, "the file ended early")
+        offset += got
+        while got:
+            if got >= bufs[i].nbytes:
+                got -= bufs[i].nbytes
+                i += 1
+            else:
+                bufs[i], got = bufs[i][got:], 0
 
 
 def _room_ok(own: int, slots: int) -> bool:

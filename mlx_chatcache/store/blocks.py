@@ -13,14 +13,14 @@ Contract
   their own), and the entry's :class:`Blocked` part: each layer's class and
   ``meta_state`` and the tail (the tokens after the last full block).
 - :func:`assemble` ``(blocked, values)``: the cache again, from the values of
-  the entry's blocks in order; one concatenate (one copy) per array, so the
-  caller owns it and the stored blocks never change (the copy includes the
-  room the cache grows into, so feeding it does not copy it again).
+  the entry's blocks in order: each block's and the tail's bytes copied once,
+  straight into buffers of the cache's own (:class:`Assembly`, which the disk
+  and Redis tiers fill from files and bytes too), so the caller owns it and
+  the stored blocks never change (the buffers include the room the cache
+  grows into, so feeding it does not copy it again).
 - :func:`nbytes` ``(arrays)``: the bytes of a block value or a tail.
 - :func:`as_layers` ``(blocked, arrays, n)``: a block value or a tail as cache
-  layers of the entry's classes holding ``n`` tokens (what a file stores), and
-  :func:`from_tail` ``(tail, n)``: the :class:`Blocked` part again from the tail
-  layers of an entry of ``n`` tokens.
+  layers of the entry's classes holding ``n`` tokens (what a file stores).
 
 A block is named by its chain hash (:class:`~.chain.Chain`), which covers the
 namespace and every token up to the block's end: entries of one namespace
@@ -35,11 +35,12 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..cache import BaseCache, KVCache, QuantizedKVCache
 from .chain import Chain
 
-_SPLITTABLE = (KVCache, QuantizedKVCache)
+SPLITTABLE = (KVCache, QuantizedKVCache)
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def splittable(cache: Sequence[BaseCache], n: int) -> bool:
     if n <= 0 or not cache:
         return False
     for c in cache:
-        if type(c) not in _SPLITTABLE or c.offset != n:
+        if type(c) not in SPLITTABLE or c.offset != n:
             return False
         if any(a.ndim != 4 or a.shape[2] != n for a in c.flat_state()):
             return False
@@ -90,22 +91,70 @@ def split(cache: Sequence[BaseCache], chain: Chain, have: Callable[[str], bool]
 
 
 def assemble(blocked: Blocked, values: Sequence[Sequence[mx.array]]) -> list[BaseCache]:
-    """See the module doc. Each array also gets the room a growing cache takes
-    (``grown_slots``) in the same concatenate, so the first tokens fed after a
-    checkout are written in place rather than copying the cache again."""
-    out, at = [], 0
-    for kind, meta, count in zip(blocked.kinds, blocked.metas, blocked.counts):
-        arrays = []
-        for t in blocked.tail[at : at + count]:
-            parts = [v[len(arrays) + at] for v in values] + [t]
-            held = sum(p.shape[2] for p in parts)
-            room = kind.grown_slots(held) - held
-            if room:
-                parts.append(mx.zeros((*t.shape[:2], room, t.shape[3]), dtype=t.dtype))
-            arrays.append(mx.concatenate(parts, axis=2))
-        out.append(kind.from_flat_state(arrays, meta))
-        at += count
-    return out
+    """See the module doc: the blocks' and the tail's bytes are copied once, each
+    straight into its place in the assembled buffers (:class:`Assembly`)."""
+    specs = [(t.dtype, t.shape[0], t.shape[1], t.shape[3]) for t in blocked.tail]
+    n = sum(v[0].shape[2] for v in values) + blocked.tail[0].shape[2]
+    asm = Assembly(blocked.kinds, blocked.metas, blocked.counts, specs, n)
+    at = 0
+    for arrays in [*values, blocked.tail]:
+        t = arrays[0].shape[2]
+        asm.put(at, [host_view(a) for a in arrays])
+        at += t
+    return asm.cache()
+
+
+class Assembly:
+    """The buffers a cache of ``n`` tokens is put together in, filled in place.
+
+    One buffer per array of the layers ``kinds`` (classes), ``metas``
+    (``meta_state``, its offset ``n``) and ``counts`` (arrays per layer), array
+    ``k`` of shape ``(d0, d1, slots, d3)`` and dtype ``specs[k] = (dtype, d0, d1,
+    d3)``, with ``slots = kind.grown_slots(n)``: the room the cache grows into
+    (zeroed), so feeding it after a checkout does not copy it again. Token
+    ranges are filled from arrays (:meth:`put`) or read into (:meth:`rows`: a
+    file's bytes land in place); :meth:`cache` then makes the layers, which own
+    the buffers. Writing goes through writable NumPy views of MLX's own
+    buffers, so each stored byte is copied once, into its place."""
+
+    def __init__(self, kinds: Sequence[type], metas: Sequence[Sequence[str]], counts: Sequence[int],
+                 specs: Sequence[tuple[mx.Dtype, int, int, int]], n: int):  # fmt: skip
+        self.kinds, self.metas, self.counts, self.n = tuple(kinds), tuple(metas), tuple(counts), n
+        self.specs = tuple(specs)
+        slots = [kind.grown_slots(n) for kind, count in zip(kinds, counts) for _ in range(count)]
+        self._buffers = [mx.zeros((d0, d1, s, d3), dtype=_bits(d)) for (d, d0, d1, d3), s in zip(specs, slots)]
+        mx.eval(self._buffers)
+        self._views = [np.array(b, copy=False) for b in self._buffers]  # MLX's memory, writable
+
+    def put(self, at: int, arrays: Sequence[np.ndarray]) -> None:
+        """Copy ``arrays`` (one per buffer, ``(d0, d1, t, d3)``, the buffer's dtype or its bits) to tokens ``at:at+t``."""
+        for view, a in zip(self._views, arrays):
+            view[:, :, at : at + a.shape[2]] = a
+
+    def rows(self, k: int, at: int, t: int) -> list[memoryview]:
+        """Buffer ``k``'s bytes for tokens ``at:at+t``, row by row (``d0 x d1`` rows, in order)."""
+        part = self._views[k][:, :, at : at + t]
+        return [memoryview(part[i, j]).cast("B") for i in range(part.shape[0]) for j in range(part.shape[1])]
+
+    def cache(self) -> list[BaseCache]:
+        """The layers, holding the buffers (no copy)."""
+        self._views = []
+        arrays = [b if b.dtype == d else b.view(d) for b, (d, *_) in zip(self._buffers, self.specs)]
+        out, at = [], 0
+        for kind, meta, count in zip(self.kinds, self.metas, self.counts):
+            out.append(kind.from_flat_state(arrays[at : at + count], meta))
+            at += count
+        return out
+
+
+def _bits(dtype: mx.Dtype) -> mx.Dtype:
+    """A dtype NumPy has, of ``dtype``'s size (bfloat16 is handled as its bits)."""
+    return mx.uint16 if dtype == mx.bfloat16 else dtype
+
+
+def host_view(a: mx.array) -> np.ndarray:
+    """A NumPy view of the evaluated array ``a`` (bfloat16 as its bits), no copy."""
+    return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a, copy=False)
 
 
 def as_layers(blocked: Blocked, arrays: Sequence[mx.array], n: int) -> list[BaseCache]:
@@ -117,11 +166,4 @@ def as_layers(blocked: Blocked, arrays: Sequence[mx.array], n: int) -> list[Base
     return out
 
 
-def from_tail(tail: Sequence[BaseCache], n: int) -> Blocked:
-    """See the module doc."""
-    metas = tuple((str(n), *c.meta_state[1:]) for c in tail)
-    counts = tuple(len(c.flat_state()) for c in tail)
-    return Blocked(tuple(type(c) for c in tail), metas, counts, tuple(a for c in tail for a in c.flat_state()))
-
-
-__all__ = ["Blocked", "as_layers", "assemble", "from_tail", "nbytes", "split", "splittable"]
+__all__ = ["SPLITTABLE", "Assembly", "Blocked", "as_layers", "assemble", "host_view", "nbytes", "split", "splittable"]

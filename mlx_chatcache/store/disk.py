@@ -7,14 +7,18 @@ import sys
 import time
 from pathlib import Path
 
-from ..cache import can_trim_prompt_cache
+import mlx.core as mx
+
+from ..cache import cache_class, can_trim_prompt_cache
 from ..config import SERVER_DEFAULTS
 from ..errors import ChatCacheError
 from ..files.atomic import remove_stale_temp_files_in
-from ..files.mlxcc_format import check_cache_fits_model, load_cache_file, save_prompt_cache
-from .blocks import as_layers, assemble, from_tail, split, splittable
+from ..files.mlxcc_format import check_cache_fits_model, info_from_header, load_cache_file, save_prompt_cache
+from ..files.checksum import damaged
+from ..files.safetensors_file import DTYPES, damaged_rows, read_into
+from .blocks import SPLITTABLE, Assembly, as_layers, split, splittable
 from .chain import Chain
-from .disk_folder import BLOCKS, block_fields, block_path, claim_folder, entry_file_name, read_entry
+from .disk_folder import BLOCKS, block_fields, block_path, claim_folder, entry_file_name, entry_of, read_entry
 from .index import Entry
 from .tiers import Tier
 
@@ -218,29 +222,21 @@ class DiskTier(Tier):
                      meta.get("store.key"), path, blocks)  # fmt: skip
 
     def _fetch_blocks(self, entry, scope, expected):
-        """``fetch`` of a block entry: its tail file and block files, checked and put together."""
+        """``fetch`` of a block entry: its entry file's tail and its block files read
+        straight into the assembled cache (:class:`~.blocks.Assembly`; see :meth:`_read_blocked`)."""
         paths = [block_path(self.folder, b) for b, _ in entry.blocks]
         if not all(p.exists() for p in paths):  # another process evicted a block: a miss
             self._drop(entry)
             self._sweep()
             return None
-        bad = entry.payload
+        bad = [entry.payload]
         try:
-            tail, _ = load_cache_file(bad, model=scope.fingerprint)
-            read = read_entry(Path(bad))
-            if read is None or read[0].tokens != entry.tokens or read[0].blocks != entry.blocks:
-                raise ChatCacheError(f"{bad} changed since it was indexed")
-            values = []
-            for bad in paths:
-                layers, _ = load_cache_file(bad, model=scope.fingerprint)
-                values.append([a for c in layers for a in c.flat_state()])
-            bad = entry.payload
-            cache = assemble(from_tail(tail, len(entry.tokens)), values)
-            check_cache_fits_model(cache, expected, bad)
+            cache = self._read_blocked(entry, scope, paths, bad)
+            check_cache_fits_model(cache, expected, entry.payload)
         except (ChatCacheError, OSError, ValueError, IndexError):
             self.counters["corrupt"] += 1
-            if bad != entry.payload:
-                _unlink(bad)  # a damaged block: the next entry holding it writes it again
+            if bad[-1] != entry.payload:
+                _unlink(bad[-1])  # a damaged block: the next entry holding it writes it again
             self.index.remove(entry)
             self._loose.update(b for b, _ in entry.blocks)
             if read_entry(Path(entry.payload)) is not None:
@@ -250,6 +246,51 @@ class DiskTier(Tier):
         self._hit(entry)
         _touch(entry.payload)
         return cache
+
+    def _read_blocked(self, entry, scope, paths, bad: list) -> list:
+        """The cache of block entry ``entry``: the one copy of each stored byte is the
+        scatter read of its file straight into the cache's buffers (with room to grow);
+        the checksums are then checked where the bytes landed. The file being read is
+        the last in ``bad`` (what to delete when it is damaged)."""
+        n, size = len(entry.tokens), self.block_tokens
+        asm, checks = [], []
+
+        def tail(header):  # the entry file: its layers say how to lay out the cache
+            info = info_from_header(header)
+            scope.fingerprint.check(info.model)
+            read = entry_of(info, Path(entry.payload), header.file_size)
+            if read is None or read.tokens != entry.tokens or read.blocks != entry.blocks:
+                raise ChatCacheError(f"{header.path} changed since it was indexed")
+            kinds = [cache_class(c) for c in info.classes]
+            if any(k not in SPLITTABLE for k in kinds):
+                raise ChatCacheError(f"{header.path} holds layers that are not stored in blocks")
+            metas = [(str(n), *m[1:]) for m, _ in info.extra["layers"]]
+            counts = [c for _, c in info.extra["layers"]]
+            names = [f"layer.{i}.{j}" for i, c in enumerate(counts) for j in range(c)]
+            shapes = [header.tensors[x].shape if x in header.tensors else () for x in names]
+            if any(len(s) != 4 for s in shapes):
+                raise ChatCacheError(f"{header.path}: its layers are not K/V arrays")
+            specs = [(getattr(mx, DTYPES[header.tensors[x].dtype][1]), s[0], s[1], s[3]) for x, s in zip(names, shapes)]
+            asm.append(Assembly(kinds, metas, counts, specs, n))
+            return _places(header, asm[0], len(paths) * size, n - len(paths) * size)
+
+        read_into(entry.payload, tail, checks)
+        for i, (path, (h, _)) in enumerate(zip(paths, entry.blocks)):
+            bad.append(path)
+
+            def block(header, i=i, h=h):
+                meta = header.metadata
+                if meta.get("user.store.namespace") != scope.namespace or meta.get("user.store.block") != h:
+                    raise ChatCacheError(f"{header.path} is not block {h} of this store")
+                return _places(header, asm[0], i * size, size)
+
+            read_into(path, block, checks)
+        found = damaged_rows(checks)
+        if found is not None:
+            bad.append(found[0])
+            raise damaged(*found)
+        bad.append(entry.payload)
+        return asm[0].cache()
 
     def _drop(self, entry, keep_payload_of=None):
         self._loose.update(self.index.remove(entry))
@@ -280,3 +321,22 @@ def _touch(path: Path) -> None:
         os.utime(path)
     except OSError:
         pass
+
+
+def _places(header, asm: Assembly, at: int, t: int) -> dict[str, list[memoryview]]:
+    """Where the K/V tensors of a tail or block file of ``t`` tokens go in ``asm`` (from token ``at``);
+    ChatCacheError when the file's tensors are not exactly those, in the cache's dtypes and shapes."""
+    out = {}
+    k = 0
+    for i, count in enumerate(asm.counts):
+        for j in range(count):
+            name = f"layer.{i}.{j}"
+            d, d0, d1, d3 = asm.specs[k]
+            e = header.tensors.get(name)
+            if e is None or e.shape != (d0, d1, t, d3) or getattr(mx, DTYPES[e.dtype][1]) != d:
+                raise ChatCacheError(f"{header.path}: tensor {name} does not fit the entry's cache")
+            out[name] = asm.rows(k, at, t)
+            k += 1
+    if len(out) != len(header.tensors):
+        raise ChatCacheError(f"{header.path} holds tensors the entry's cache has not")
+    return out

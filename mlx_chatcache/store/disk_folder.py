@@ -82,6 +82,12 @@ def read_entry(path: Path) -> tuple[Entry, int] | None:
         info = read_cache_info(path)
     except (ChatCacheError, OSError):
         return None
+    entry = entry_of(info, path, stat.st_size)
+    return None if entry is None else (entry, stat.st_mtime_ns)
+
+
+def entry_of(info: CacheFileInfo, path: Path, size: int) -> Entry | None:
+    """The store entry of the file ``path`` (``size`` bytes) whose header says ``info``, or None."""
     meta = info.metadata
     namespace = meta.get("store.namespace")
     tokens, blocks = info.tokens, ()
@@ -92,8 +98,7 @@ def read_entry(path: Path) -> tuple[Entry, int] | None:
     if path.name != entry_file_name(namespace, tokens):
         return None
     key = meta.get("store.key") or None
-    entry = Entry(namespace, tuple(tokens), stat.st_size, meta.get("store.trimmable") == "1", key, path, blocks)
-    return entry, stat.st_mtime_ns
+    return Entry(namespace, tuple(tokens), size, meta.get("store.trimmable") == "1", key, path, blocks)
 
 
 def block_fields(tokens: Sequence[int], blocks: Sequence[tuple[str, int]]) -> dict[str, str]:
@@ -136,5 +141,5 @@ def _reason(e: OSError) -> str:
     return e.strerror or str(e)
 
 
-__all__ = ["BLOCKS", "MARKER", "block_fields", "block_path", "claim_folder", "read_entry", "entry_file_name",
+__all__ = ["BLOCKS", "MARKER", "block_fields", "block_path", "claim_folder", "read_entry", "entry_file_name", "entry_of",
            "is_block_entry", "is_store_temp"]
