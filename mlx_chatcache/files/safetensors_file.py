@@ -32,12 +32,11 @@ import math
 import os
 import struct
 from dataclasses import dataclass, field, replace
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import CacheFileError, CacheFormatError, clipped
-from .checksum import MAX_THREADS, PARALLEL_BYTES, check_tensors, crc32, damaged, header_checksums, live_crc32
+from .checksum import check_tensors, crc32, damaged, header_checksums, live_crc32
 from .grown_read import GrownView
 
 if TYPE_CHECKING:  # mlx loads when arrays are read or written: parsing a header needs none
@@ -83,7 +82,7 @@ class TensorEntry:
 @dataclass(frozen=True)
 class Header:
     path: Path
-    tensors: dict[str, TensorEntry]
+    tensors: dict[str, TensorEntry]  # in file order
     metadata: dict[str, str]
     data_start: int  # file offset of the data section
     file_size: int
@@ -144,10 +143,26 @@ def _parse_header(path: Path, raw: bytes, size: int, identity: tuple = ()) -> He
     metadata = _parse_metadata(path, header.pop("__metadata__", None) or {})
     n = len(raw)
     data_len = size - 8 - n
-    tensors = {name: _parse_entry(path, name, e, data_len) for name, e in header.items()}
-    _check_ranges(path, tensors, data_len)
+    last = _last_table
+    if last is not None and last[0] == data_len and last[1] == header:  # e.g. the next block file of a cache
+        tensors = last[2]
+    else:
+        tensors = {name: _parse_entry(path, name, e, data_len) for name, e in header.items()}
+        _check_ranges(path, tensors, data_len)
+        tensors = dict(sorted(tensors.items(), key=lambda x: x[1].begin))  # in file order
+        _remember_table((data_len, header, tensors))
     sums = header_checksums(path, raw, metadata, tensors)
     return Header(path, tensors, metadata, 8 + n, size, identity, checksums=sums)
+
+
+# the last tensor table validated, (data length, its JSON, its entries): a header
+# whose table is equal to it validates the same (block files of one cache share theirs)
+_last_table: tuple[int, dict, dict[str, TensorEntry]] | None = None
+
+
+def _remember_table(table: tuple[int, dict, dict[str, TensorEntry]]) -> None:
+    global _last_table
+    _last_table = table
 
 
 def _looks_like_safetensors(head: bytes) -> bool:
@@ -171,13 +186,10 @@ def _identity(st: os.stat_result) -> tuple:
 
 
 def _parse_metadata(path: Path, meta) -> dict[str, str]:
-    if not isinstance(meta, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-    ):
+    if not isinstance(meta, dict) or not {*map(type, meta), *map(type, meta.values())} <= {str}:
         raise _bad(path, "metadata is not a string-to-string map")
     try:  # JSON escapes can smuggle in lone surrogates, which no file can hold
-        for k, v in meta.items():
-            k.encode("utf-8"), v.encode("utf-8")
+        "".join(meta).encode("utf-8"), "".join(meta.values()).encode("utf-8")
     except UnicodeEncodeError:
         raise _bad(path, "metadata is not valid Unicode") from None
     return meta
@@ -264,8 +276,7 @@ def read_arrays(header: Header, names=None, slots: dict[str, int] | None = None)
     return out
 
 
-def read_into(path: str | os.PathLike, place: Callable[[Header], dict[str, list[memoryview]]],
-              checks: list | None = None) -> Header:
+def read_into(path: str | os.PathLike, place: Callable[[Header], dict[str, list[memoryview]]]) -> Header:
     """Read the tensors of the safetensors file ``path`` into the caller's buffers.
 
     The file is opened once; its header is parsed and validated as :func:`read_header`
@@ -273,10 +284,9 @@ def read_into(path: str | os.PathLike, place: Callable[[Header], dict[str, list[
     (it may raise to refuse the header): writable byte buffers (``memoryview`` of
     format ``B``) whose sizes add up to the tensor's bytes, taking them in order. The
     data section is read into them with scatter reads (``os.preadv``): the one copy.
-    Each tensor is then checked against its checksum where it landed, or, with
-    ``checks``, ``(path, name, buffers, crc32)`` is appended there for
-    :func:`damaged_rows` (so the caller can check many files at once). A file that is
-    short, lacks checksums or a destination, or does not match raises CacheFileError.
+    Each tensor is then checked against its checksum where it landed. A file that
+    is short, lacks checksums or a destination, or does not match raises
+    CacheFileError (the buffers then hold part of it).
     """
     path = Path(path)
     try:
@@ -294,40 +304,20 @@ def read_into(path: str | os.PathLike, place: Callable[[Header], dict[str, list[
             if header.checksums is None:
                 raise damaged(path, "it carries no checksums")
             dest = place(header)
-            order = sorted(header.tensors.values(), key=lambda t: t.begin)
-            for t in order:
-                if sum(b.nbytes for b in dest.get(t.name, ())) != t.end - t.begin:
-                    raise _bad(path, f"tensor {t.name!r} does not fit the cache it is read into")
-            _read_exactly_into(f, header.data_start, [b for t in order for b in dest[t.name] if b.nbytes], path)
+            order = header.tensors.values()  # in file order
+            bufs = [b for t in order for b in dest.get(t.name, ()) if b.nbytes]
+            if sum(b.nbytes for b in bufs) != header.file_size - header.data_start:
+                raise _bad(path, "its tensors do not fit the cache they are read into")
+            _read_exactly_into(f, header.data_start, bufs, path)
     except OSError as e:
         raise _bad(path, f"it could not be read: {e}") from None
-    found = [(path, t.name, dest[t.name], header.checksums[t.name]) for t in order]
-    if checks is not None:
-        checks.extend(found)
-    elif (bad := damaged_rows(found)) is not None:
-        raise damaged(*bad)
-    return header
-
-
-def damaged_rows(checks: list) -> tuple[Path, str] | None:
-    """``(path, what)`` of the first ``(path, name, buffers, crc32)`` of ``checks`` whose
-    buffers, in order, do not have that checksum, or None when all do (the sums are
-    spread over threads when there is enough to share)."""
-    def ok(check) -> bool:
+    for t in order:
         crc = 0
-        for b in check[2]:
+        for b in dest.get(t.name, ()):
             crc = crc32(b, crc)
-        return crc == check[3]
-
-    total = sum(b.nbytes for c in checks for b in c[2])
-    workers = min(len(checks), os.cpu_count() or 1, MAX_THREADS)
-    if workers < 2 or total < PARALLEL_BYTES:
-        results = [ok(c) for c in checks]
-    else:
-        with ThreadPoolExecutor(workers) as pool:
-            results = list(pool.map(ok, checks, chunksize=max(1, len(checks) // (4 * workers))))
-    return next(((c[0], f"tensor {c[1]!r} does not match its checksum") for c, good in zip(checks, results)
-                 if not good), None)  # fmt: skip
+        if crc != header.checksums[t.name]:
+            raise damaged(path, f"tensor {t.name!r} does not match its checksum")
+    return header
 
 
 def _read_exactly_into(f, offset: int, bufs: list[memoryview], path: Path) -> None:

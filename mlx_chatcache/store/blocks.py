@@ -31,6 +31,9 @@ the same tokens may differ in the last bits, as a prefill in other chunks does).
 
 from __future__ import annotations
 
+import io
+import json
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -111,20 +114,22 @@ class Assembly:
     (``meta_state``, its offset ``n``) and ``counts`` (arrays per layer), array
     ``k`` of shape ``(d0, d1, slots, d3)`` and dtype ``specs[k] = (dtype, d0, d1,
     d3)``, with ``slots = kind.grown_slots(n)``: the room the cache grows into
-    (zeroed), so feeding it after a checkout does not copy it again. Token
-    ranges are filled from arrays (:meth:`put`) or read into (:meth:`rows`: a
-    file's bytes land in place); :meth:`cache` then makes the layers, which own
-    the buffers. Writing goes through writable NumPy views of MLX's own
-    buffers, so each stored byte is copied once, into its place."""
+    (zeroed), so feeding it after a checkout does not copy it again. The
+    caller fills every token range ``0:n`` (they start out as the allocator
+    left them), from arrays (:meth:`put`) or by reading into them
+    (:meth:`rows`: a file's bytes land in place); :meth:`cache` then makes the
+    layers, which own the buffers. Writing goes through writable NumPy views
+    of MLX's own buffers, so each stored byte is copied once, into its place."""
 
     def __init__(self, kinds: Sequence[type], metas: Sequence[Sequence[str]], counts: Sequence[int],
                  specs: Sequence[tuple[mx.Dtype, int, int, int]], n: int):  # fmt: skip
         self.kinds, self.metas, self.counts, self.n = tuple(kinds), tuple(metas), tuple(counts), n
         self.specs = tuple(specs)
         slots = [kind.grown_slots(n) for kind, count in zip(kinds, counts) for _ in range(count)]
-        self._buffers = [mx.zeros((d0, d1, s, d3), dtype=_bits(d)) for (d, d0, d1, d3), s in zip(specs, slots)]
-        mx.eval(self._buffers)
+        self._buffers = _allocate([(_bits(d), (d0, d1, s, d3)) for (d, d0, d1, d3), s in zip(specs, slots)], n)
         self._views = [np.array(b, copy=False) for b in self._buffers]  # MLX's memory, writable
+        self._bytes = [memoryview(v).cast("B") for v in self._views]  # C-contiguous, or this raises
+        self._rows = [range(0, v.strides[1] * v.shape[0] * v.shape[1], v.strides[1]) for v in self._views]
 
     def put(self, at: int, arrays: Sequence[np.ndarray]) -> None:
         """Copy ``arrays`` (one per buffer, ``(d0, d1, t, d3)``, the buffer's dtype or its bits) to tokens ``at:at+t``."""
@@ -133,18 +138,80 @@ class Assembly:
 
     def rows(self, k: int, at: int, t: int) -> list[memoryview]:
         """Buffer ``k``'s bytes for tokens ``at:at+t``, row by row (``d0 x d1`` rows, in order)."""
-        part = self._views[k][:, :, at : at + t]
-        return [memoryview(part[i, j]).cast("B") for i in range(part.shape[0]) for j in range(part.shape[1])]
+        flat, token = self._bytes[k], self._views[k].strides[2]  # C-contiguous: rows one after the other
+        a, b = at * token, (at + t) * token
+        return [flat[r + a : r + b] for r in self._rows[k]]
 
     def cache(self) -> list[BaseCache]:
         """The layers, holding the buffers (no copy)."""
-        self._views = []
+        self._views, self._bytes = [], []
         arrays = [b if b.dtype == d else b.view(d) for b, (d, *_) in zip(self._buffers, self.specs)]
         out, at = [], 0
         for kind, meta, count in zip(self.kinds, self.metas, self.counts):
             out.append(kind.from_flat_state(arrays[at : at + count], meta))
             at += count
         return out
+
+
+def _allocate(arrays: Sequence[tuple[mx.Dtype, tuple[int, int, int, int]]], n: int) -> list[mx.array]:
+    """New evaluated arrays of these dtypes and shapes whose slots from ``n`` on (axis 2)
+    are zero; the slots before ``n`` are left as the allocator gives them (the caller
+    writes every one): ``mx.load`` of a stream (:class:`_Room`) that writes only the room,
+    so no pass over the whole buffers is spent on zeros that are overwritten anyway."""
+    loaded = mx.load(_Room(arrays, n), format="safetensors")
+    out = [loaded[str(k)] for k in range(len(arrays))]
+    mx.eval(out)
+    return out
+
+
+class _Room(io.RawIOBase):
+    """A safetensors stream of arrays ``k`` (named ``str(k)``) whose read writes zeros
+    only into each row's slots from ``n`` on, leaving the rest of the reader's buffer as it is."""
+
+    def __init__(self, arrays, n: int):
+        entries, self.parts, at = {}, [], 0
+        for k, (dtype, shape) in enumerate(arrays):
+            size = dtype.size * math.prod(shape)
+            row = size // (shape[0] * shape[1]) if size else 1
+            entries[str(k)] = {"dtype": _SAFETENSORS[dtype], "shape": list(shape), "data_offsets": [at, at + size]}
+            self.parts.append((at, at + size, row, row // shape[2] * n if shape[2] else 0))
+            at += size
+        head = json.dumps(entries).encode()
+        head += b" " * (-len(head) % 8)
+        self.head = len(head).to_bytes(8, "little") + head
+        self.size, self.pos = len(self.head) + at, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = max(0, {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + offset)
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        out = memoryview(buffer).cast("B")
+        n = min(len(out), max(0, self.size - self.pos))
+        lo, hi, head = self.pos, self.pos + n, len(self.head)
+        if lo < head:
+            out[: min(hi, head) - lo] = self.head[lo : min(hi, head)]
+        for begin, end, row, live in self.parts:  # the room of each row this read covers
+            a, b = max(lo - head, begin), min(hi - head, end)
+            for r in range(begin + (max(a - begin, 0) // row) * row, b, row):
+                z0, z1 = max(r + live, a), min(r + row, b)
+                if z0 < z1:
+                    out[z0 + head - lo : z1 + head - lo] = bytes(z1 - z0)
+        self.pos = hi
+        return n
+
+
+_SAFETENSORS = {mx.float32: "F32", mx.float16: "F16", mx.uint32: "U32", mx.uint16: "U16", mx.int32: "I32",
+                mx.uint8: "U8", mx.int8: "I8"}  # fmt: skip
 
 
 def _bits(dtype: mx.Dtype) -> mx.Dtype:

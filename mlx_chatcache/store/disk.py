@@ -14,8 +14,7 @@ from ..config import SERVER_DEFAULTS
 from ..errors import ChatCacheError
 from ..files.atomic import remove_stale_temp_files_in
 from ..files.mlxcc_format import check_cache_fits_model, info_from_header, load_cache_file, save_prompt_cache
-from ..files.checksum import damaged
-from ..files.safetensors_file import DTYPES, damaged_rows, read_into
+from ..files.safetensors_file import DTYPES, read_into
 from .blocks import SPLITTABLE, Assembly, as_layers, split, splittable
 from .chain import Chain
 from .disk_folder import BLOCKS, block_fields, block_path, claim_folder, entry_file_name, entry_of, read_entry
@@ -253,7 +252,7 @@ class DiskTier(Tier):
         the checksums are then checked where the bytes landed. The file being read is
         the last in ``bad`` (what to delete when it is damaged)."""
         n, size = len(entry.tokens), self.block_tokens
-        asm, checks = [], []
+        places = []
 
         def tail(header):  # the entry file: its layers say how to lay out the cache
             info = info_from_header(header)
@@ -271,26 +270,14 @@ class DiskTier(Tier):
             if any(len(s) != 4 for s in shapes):
                 raise ChatCacheError(f"{header.path}: its layers are not K/V arrays")
             specs = [(getattr(mx, DTYPES[header.tensors[x].dtype][1]), s[0], s[1], s[3]) for x, s in zip(names, shapes)]
-            asm.append(Assembly(kinds, metas, counts, specs, n))
-            return _places(header, asm[0], len(paths) * size, n - len(paths) * size)
+            places.append(_Places(Assembly(kinds, metas, counts, specs, n)))
+            return places[0].of(header, len(paths) * size, n - len(paths) * size)
 
-        read_into(entry.payload, tail, checks)
-        for i, (path, (h, _)) in enumerate(zip(paths, entry.blocks)):
-            bad.append(path)
-
-            def block(header, i=i, h=h):
-                meta = header.metadata
-                if meta.get("user.store.namespace") != scope.namespace or meta.get("user.store.block") != h:
-                    raise ChatCacheError(f"{header.path} is not block {h} of this store")
-                return _places(header, asm[0], i * size, size)
-
-            read_into(path, block, checks)
-        found = damaged_rows(checks)
-        if found is not None:
-            bad.append(found[0])
-            raise damaged(*found)
+        for i, (path, (h, _)) in enumerate([(entry.payload, (None, 0)), *zip(paths, entry.blocks)]):
+            bad.append(path)  # each file's checksums are checked right after it is read (its bytes still cached)
+            read_into(path, tail if h is None else places[0].block(scope, i - 1, h, size))
         bad.append(entry.payload)
-        return asm[0].cache()
+        return places[0].asm.cache()
 
     def _drop(self, entry, keep_payload_of=None):
         self._loose.update(self.index.remove(entry))
@@ -323,20 +310,33 @@ def _touch(path: Path) -> None:
         pass
 
 
-def _places(header, asm: Assembly, at: int, t: int) -> dict[str, list[memoryview]]:
-    """Where the K/V tensors of a tail or block file of ``t`` tokens go in ``asm`` (from token ``at``);
-    ChatCacheError when the file's tensors are not exactly those, in the cache's dtypes and shapes."""
-    out = {}
-    k = 0
-    for i, count in enumerate(asm.counts):
-        for j in range(count):
-            name = f"layer.{i}.{j}"
-            d, d0, d1, d3 = asm.specs[k]
-            e = header.tensors.get(name)
-            if e is None or e.shape != (d0, d1, t, d3) or getattr(mx, DTYPES[e.dtype][1]) != d:
-                raise ChatCacheError(f"{header.path}: tensor {name} does not fit the entry's cache")
-            out[name] = asm.rows(k, at, t)
-            k += 1
-    if len(out) != len(header.tensors):
-        raise ChatCacheError(f"{header.path} holds tensors the entry's cache has not")
-    return out
+class _Places:
+    """Where the tensors of a block entry's files go in its :class:`~.blocks.Assembly`."""
+
+    def __init__(self, asm: Assembly):
+        self.asm = asm
+        self.names = [f"layer.{i}.{j}" for i, c in enumerate(asm.counts) for j in range(c)]  # a file's, in order
+        self.checked = None  # the tensor table last checked (block files of one entry share one)
+
+    def block(self, scope, i: int, h: str, size: int):
+        """The ``place`` of block ``i`` (chain hash ``h``), checking the file is that block."""
+        def place(header):
+            meta = header.metadata
+            if meta.get("user.store.namespace") != scope.namespace or meta.get("user.store.block") != h:
+                raise ChatCacheError(f"{header.path} is not block {h} of this store")
+            return self.of(header, i * size, size)
+
+        return place
+
+    def of(self, header, at: int, t: int) -> dict[str, list[memoryview]]:
+        """Where the K/V tensors of a file of ``t`` tokens go (from token ``at``); ChatCacheError
+        when its tensors are not exactly those, in the cache's dtypes and shapes."""
+        if self.checked != (header.tensors, t):
+            for name, (d, d0, d1, d3) in zip(self.names, self.asm.specs):
+                e = header.tensors.get(name)
+                if e is None or e.shape != (d0, d1, t, d3) or getattr(mx, DTYPES[e.dtype][1]) != d:
+                    raise ChatCacheError(f"{header.path}: tensor {name} does not fit the entry's cache")
+            if len(self.names) != len(header.tensors):
+                raise ChatCacheError(f"{header.path} holds tensors the entry's cache has not")
+            self.checked = (header.tensors, t)
+        return {name: self.asm.rows(k, at, t) for k, name in enumerate(self.names)}
