@@ -93,17 +93,16 @@ def split(cache: Sequence[BaseCache], chain: Chain, have: Callable[[str], bool]
     return new, blocked
 
 
-def assemble(blocked: Blocked, values: Sequence[Sequence[mx.array]]) -> list[BaseCache]:
+def assemble(blocked: Blocked, values: Sequence[Sequence[mx.array | np.ndarray]]) -> list[BaseCache]:
     """See the module doc: the blocks' and the tail's bytes are copied once, each
-    straight into its place in the assembled buffers (:class:`Assembly`)."""
+    straight into its place in the assembled buffers (:class:`Assembly`). A block's
+    arrays may be given as their :func:`host_view` (kept by a caller that assembles often)."""
     specs = [(t.dtype, t.shape[0], t.shape[1], t.shape[3]) for t in blocked.tail]
     n = sum(v[0].shape[2] for v in values) + blocked.tail[0].shape[2]
     asm = Assembly(blocked.kinds, blocked.metas, blocked.counts, specs, n)
-    at = 0
-    for arrays in [*values, blocked.tail]:
-        t = arrays[0].shape[2]
-        asm.put(at, [host_view(a) for a in arrays])
-        at += t
+    parts = [[a if isinstance(a, np.ndarray) else host_view(a) for a in arrays] for arrays in [*values, blocked.tail]]
+    for k in range(len(specs)):
+        asm.fill(k, [p[k] for p in parts])
     return asm.cache()
 
 
@@ -116,7 +115,7 @@ class Assembly:
     d3)``, with ``slots = kind.grown_slots(n)``: the room the cache grows into
     (zeroed), so feeding it after a checkout does not copy it again. The
     caller fills every token range ``0:n`` (they start out as the allocator
-    left them), from arrays (:meth:`put`) or by reading into them
+    left them), from arrays (:meth:`fill`) or by reading into them
     (:meth:`rows`: a file's bytes land in place); :meth:`cache` then makes the
     layers, which own the buffers. Writing goes through writable NumPy views
     of MLX's own buffers, so each stored byte is copied once, into its place."""
@@ -131,10 +130,10 @@ class Assembly:
         self._bytes = [memoryview(v).cast("B") for v in self._views]  # C-contiguous, or this raises
         self._rows = [range(0, v.strides[1] * v.shape[0] * v.shape[1], v.strides[1]) for v in self._views]
 
-    def put(self, at: int, arrays: Sequence[np.ndarray]) -> None:
-        """Copy ``arrays`` (one per buffer, ``(d0, d1, t, d3)``, the buffer's dtype or its bits) to tokens ``at:at+t``."""
-        for view, a in zip(self._views, arrays):
-            view[:, :, at : at + a.shape[2]] = a
+    def fill(self, k: int, parts: Sequence[np.ndarray]) -> None:
+        """Copy ``parts`` (``(d0, d1, t_i, d3)`` each, of buffer ``k``'s dtype or its bits,
+        together ``n`` tokens) to buffer ``k``'s tokens ``0:n``, in order."""
+        np.concatenate(parts, axis=2, out=self._views[k][:, :, : self.n])
 
     def rows(self, k: int, at: int, t: int) -> list[memoryview]:
         """Buffer ``k``'s bytes for tokens ``at:at+t``, row by row (``d0 x d1`` rows, in order)."""

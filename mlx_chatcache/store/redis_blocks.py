@@ -127,11 +127,9 @@ def assemble(layout: Layout, values: Sequence[bytes], tail: bytes, block: int) -
     specs = [(getattr(mx, d), d0, d1, d3) for _, _, arrays in layout.layers for d, d0, d1, d3 in arrays]
     asm = blocks.Assembly([_KINDS[k] for k, _, _ in layout.layers], [m for _, m, _ in layout.layers],
                           [len(arrays) for _, _, arrays in layout.layers], specs, n)  # fmt: skip
-    at = 0
-    for value, t in [*((v, block) for v in values), (tail, n_tail)]:
-        if t:
-            asm.put(at, _views(layout, memoryview(value), t))
-        at += t
+    parts = [_views(layout, memoryview(v), t) for v, t in [*((v, block) for v in values), (tail, n_tail)]]
+    for k in range(len(specs)):
+        asm.fill(k, [p[k] for p in parts])
     return asm.cache()
 
 
