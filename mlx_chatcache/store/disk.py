@@ -17,7 +17,9 @@ from ..files.mlxcc_format import check_cache_fits_model, info_from_header, load_
 from ..files.safetensors_file import DTYPES, read_into
 from .blocks import SPLITTABLE, Assembly, as_layers, split, splittable
 from .chain import Chain
-from .disk_folder import BLOCKS, block_fields, block_path, claim_folder, entry_file_name, entry_of, read_entry
+from .disk_folder import (
+    BLOCKS, block_fields, block_path, claim_folder, entry_file_name, entry_of, is_block_name, read_entry,
+)  # fmt: skip
 from .index import Entry
 from .tiers import Tier
 
@@ -60,13 +62,23 @@ class DiskTier(Tier):
     the last entry it knows holding it; a restart and the rescan count holders
     from the entry files. An entry whose block file is gone is a miss (dropped,
     not corrupt); one whose block file is damaged is dropped and counted corrupt,
-    and the damaged block file deleted (so the next entry holding it writes it again)."""
+    and the damaged block file deleted (so the next entry holding it writes it again).
+    Block files no entry file names (a writer killed between its blocks and its
+    entry file left them) are deleted when a tier opens the folder, once older
+    than ``orphan_seconds`` (``stats()["orphans_removed"]``); a writer touches the
+    block files it uses again, so a live writer's blocks are never that old.
+
+    A block entry's checkout copies each stored byte once: its entry file's tail
+    and its block files are read (``os.preadv``) straight into the cache's own
+    buffers, room to grow included (:class:`~.blocks.Assembly`), and every
+    tensor is checked against its file's checksum where it landed."""
 
     name = "disk"
 
     def __init__(self, folder: str | os.PathLike, budget: int | None,
                  rescan_seconds: float = SERVER_DEFAULTS.disk_rescan_seconds,
-                 block_tokens: int = SERVER_DEFAULTS.store_block_tokens):  # fmt: skip
+                 block_tokens: int = SERVER_DEFAULTS.store_block_tokens,
+                 orphan_seconds: float = SERVER_DEFAULTS.disk_orphan_seconds):  # fmt: skip
         super().__init__(sys.maxsize if budget is None else budget)
         self.counters["foreign"] = 0
         self.folder = claim_folder(folder)
@@ -75,6 +87,7 @@ class DiskTier(Tier):
         removed = remove_stale_temp_files_in(self.folder) + remove_stale_temp_files_in(self.folder / BLOCKS)
         self.counters["temp_removed"] = len(removed)
         self.rescan_seconds = rescan_seconds
+        self.orphan_seconds = orphan_seconds
         self._seen = self._listing()  # before the scan: a file written meanwhile is looked at again
         self._rescanned = time.monotonic()
         self._scan(evict=budget is not None)
@@ -132,6 +145,7 @@ class DiskTier(Tier):
                 self.counters["foreign"] += 1
             else:
                 found.append(read)
+        self._remove_orphans({b for entry, _ in found for b, _ in entry.blocks})
         total, kept, held, gone = 0, [], set(), []
         for entry, _ in sorted(found, key=lambda x: -x[1]):  # newest first
             adds = entry.nbytes + sum(n for b, n in entry.blocks if b not in held)
@@ -148,6 +162,20 @@ class DiskTier(Tier):
         for entry in reversed(kept):  # oldest first: LRU order
             if self.index.get(entry.namespace, entry.tokens) is None:
                 self.index.add(entry, [])
+
+    def _remove_orphans(self, named: set[str]) -> None:
+        """Delete the block files no entry file names (``named``: the blocks they do)
+        that are older than ``orphan_seconds``; counted in ``stats()["orphans_removed"]``."""
+        self.counters["orphans_removed"] = 0
+        old = time.time() - self.orphan_seconds
+        try:
+            with os.scandir(self.folder / BLOCKS) as it:
+                for e in list(it):
+                    if is_block_name(e.name) and e.name.split(".")[0] not in named and e.stat().st_mtime < old:
+                        _unlink(Path(e.path))
+                        self.counters["orphans_removed"] += 1
+        except OSError:
+            pass  # no blocks folder yet, or a file removed meanwhile: the next start looks again
 
     def fetch(self, entry, scope, expected):
         path = entry.payload
@@ -206,7 +234,7 @@ class DiskTier(Tier):
     def _write_blocked(self, scope, tokens, cache, path, meta) -> Entry:
         """Write the block files ``cache`` needs that are not in the folder, then its entry file."""
         chain = Chain(scope.namespace, tokens, self.block_tokens)
-        new, blocked = split(cache, chain, lambda h: block_path(self.folder, h).exists())
+        new, blocked = split(cache, chain, lambda h: _touch(block_path(self.folder, h)))  # used again: not an orphan
         (self.folder / BLOCKS).mkdir(exist_ok=True)
         for h, value in new.items():
             layers = as_layers(blocked, value, self.block_tokens)
@@ -302,12 +330,13 @@ def _unlink(path: Path) -> None:
         pass
 
 
-def _touch(path: Path) -> None:
-    """Most recently used, also for the next process (the LRU order is mtimes)."""
+def _touch(path: Path) -> bool:
+    """Most recently used, also for the next process (the LRU order is mtimes); False when ``path`` is not there."""
     try:
         os.utime(path)
     except OSError:
-        pass
+        return False
+    return True
 
 
 class _Places:

@@ -128,6 +128,12 @@ def block_path(folder: Path, block: str) -> Path:
     return folder / BLOCKS / f"{block}.safetensors"
 
 
+def is_block_name(name: str) -> bool:
+    """Whether ``name`` is how :func:`block_path` names a block file."""
+    stem = name[: -len(".safetensors")]
+    return name.endswith(".safetensors") and len(stem) == 32 and set(stem) <= _HASH
+
+
 def entry_file_name(namespace: str, tokens: Sequence[int]) -> str:
     digest = hashlib.sha256(json.dumps([namespace, list(tokens)]).encode()).hexdigest()[:40]
     return f"{namespace[:16]}-{digest}.safetensors"
@@ -142,4 +148,4 @@ def _reason(e: OSError) -> str:
 
 
 __all__ = ["BLOCKS", "MARKER", "block_fields", "block_path", "claim_folder", "read_entry", "entry_file_name", "entry_of",
-           "is_block_entry", "is_store_temp"]
+           "is_block_entry", "is_block_name", "is_store_temp"]
