@@ -30,7 +30,9 @@ values in Redis (key layout: :mod:`.redis_layout`):
 - A block entry's ``fetch`` also checks every block value's checksum and
   size: a damaged one counts in ``corrupt`` and is deleted with the entry
   (other entries listing it then miss); a block gone counts in ``missing`` and
-  the entry is deleted. The cache is assembled with one copy per array.
+  the entry is deleted. The cache is assembled from the values as received:
+  each byte copied once into the cache's own buffers (the tail's chunks are
+  joined first, one more copy of the tail alone).
 
 When Redis is down, slow or restarting (:mod:`.redis_link`), every call
 returns "no hit"/"not stored" at once without touching the network until the
