@@ -4,7 +4,8 @@ Contract
 --------
 - :func:`splittable` ``(cache, n)``: True when every layer is a plain
   ``KVCache`` or ``QuantizedKVCache`` holding exactly ``n`` tokens, all its
-  arrays laid out with the token axis at 2. Other layers (rotating windows,
+  arrays laid out with the token axis at 2, of the :data:`DTYPES` a cache is
+  assembled in. Other layers (rotating windows,
   SSM/``ArraysCache``, ``CacheList``, chunked caches) keep state that is not a
   function of a token prefix, so a cache holding one is stored whole.
 - :func:`split` ``(cache, chain, have)``: the blocks of ``cache`` that ``have``
@@ -71,7 +72,7 @@ def splittable(cache: Sequence[BaseCache], n: int) -> bool:
     for c in cache:
         if type(c) not in SPLITTABLE or c.offset != n:
             return False
-        if any(a.ndim != 4 or a.shape[2] != n for a in c.flat_state()):
+        if any(a.ndim != 4 or a.shape[2] != n or a.dtype not in DTYPES for a in c.flat_state()):
             return False
     return True
 
@@ -124,6 +125,8 @@ class Assembly:
                  specs: Sequence[tuple[mx.Dtype, int, int, int]], n: int):  # fmt: skip
         self.kinds, self.metas, self.counts, self.n = tuple(kinds), tuple(metas), tuple(counts), n
         self.specs = tuple(specs)
+        if any(d not in DTYPES for d, *_ in specs):
+            raise ValueError(f"cannot assemble arrays of {sorted({str(d) for d, *_ in specs} - set(map(str, DTYPES)))}")
         slots = [kind.grown_slots(n) for kind, count in zip(kinds, counts) for _ in range(count)]
         self._buffers = _allocate([(_bits(d), (d0, d1, s, d3)) for (d, d0, d1, d3), s in zip(specs, slots)], n)
         self._views = [np.array(b, copy=False) for b in self._buffers]  # MLX's memory, writable
@@ -211,6 +214,7 @@ class _Room(io.RawIOBase):
 
 _SAFETENSORS = {mx.float32: "F32", mx.float16: "F16", mx.uint32: "U32", mx.uint16: "U16", mx.int32: "I32",
                 mx.uint8: "U8", mx.int8: "I8"}  # fmt: skip
+DTYPES = frozenset({*_SAFETENSORS, mx.bfloat16})  # what an Assembly's buffers may hold
 
 
 def _bits(dtype: mx.Dtype) -> mx.Dtype:
@@ -232,4 +236,4 @@ def as_layers(blocked: Blocked, arrays: Sequence[mx.array], n: int) -> list[Base
     return out
 
 
-__all__ = ["SPLITTABLE", "Assembly", "Blocked", "as_layers", "assemble", "host_view", "nbytes", "split", "splittable"]
+__all__ = ["DTYPES", "SPLITTABLE", "Assembly", "Blocked", "as_layers", "assemble", "host_view", "nbytes", "split", "splittable"]
