@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,6 +14,7 @@ from ..cache import cache_class, can_trim_prompt_cache
 from ..config import SERVER_DEFAULTS
 from ..errors import ChatCacheError
 from ..files.atomic import remove_stale_temp_files_in
+from ..files.checksum import MAX_THREADS
 from ..files.mlxcc_format import check_cache_fits_model, info_from_header, load_cache_file, save_prompt_cache
 from ..files.safetensors_file import DTYPES, read_into
 from .blocks import SPLITTABLE, Assembly, as_layers, split, splittable
@@ -277,8 +279,10 @@ class DiskTier(Tier):
     def _read_blocked(self, entry, scope, paths, bad: list) -> list:
         """The cache of block entry ``entry``: the one copy of each stored byte is the
         scatter read of its file straight into the cache's buffers (with room to grow);
-        the checksums are then checked where the bytes landed. The file being read is
-        the last in ``bad`` (what to delete when it is damaged)."""
+        each file's checksums are then checked where its bytes landed. The entry file
+        is read first (its layers give the cache's layout), the block files then over
+        a few threads (no MLX work: reads and checksums into NumPy views). The file
+        that failed is the last in ``bad`` (what to delete when it is damaged)."""
         n, size = len(entry.tokens), self.block_tokens
         places = []
 
@@ -301,9 +305,14 @@ class DiskTier(Tier):
             places.append(_Places(Assembly(kinds, metas, counts, specs, n)))
             return places[0].of(header, len(paths) * size, n - len(paths) * size)
 
-        for i, (path, (h, _)) in enumerate([(entry.payload, (None, 0)), *zip(paths, entry.blocks)]):
-            bad.append(path)  # each file's checksums are checked right after it is read (its bytes still cached)
-            read_into(path, tail if h is None else places[0].block(scope, i - 1, h, size))
+        bad.append(entry.payload)
+        read_into(entry.payload, tail)
+        with ThreadPoolExecutor(min(os.cpu_count() or 1, MAX_THREADS)) as pool:  # reads and sums free the GIL
+            futs = [(p, pool.submit(read_into, p, places[0].block(scope, i, h, size)))
+                    for i, (p, (h, _)) in enumerate(zip(paths, entry.blocks))]
+            for p, f in futs:
+                bad.append(p)
+                f.result()
         bad.append(entry.payload)
         return places[0].asm.cache()
 
