@@ -32,6 +32,7 @@ the same tokens may differ in the last bits, as a prefill in other chunks does).
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import math
@@ -182,6 +183,7 @@ class _Room(io.RawIOBase):
         head += b" " * (-len(head) % 8)
         self.head = len(head).to_bytes(8, "little") + head
         self.size, self.pos = len(self.head) + at, 0
+        self.begins = [p[0] for p in self.parts]
 
     def readable(self) -> bool:
         return True
@@ -202,7 +204,10 @@ class _Room(io.RawIOBase):
         lo, hi, head = self.pos, self.pos + n, len(self.head)
         if lo < head:
             out[: min(hi, head) - lo] = self.head[lo : min(hi, head)]
-        for begin, end, row, live in self.parts:  # the room of each row this read covers
+        first = max(0, bisect.bisect_right(self.begins, lo - head) - 1)  # reads come one array at a time
+        for begin, end, row, live in self.parts[first:]:  # the room of each row this read covers
+            if begin >= hi - head:
+                break
             a, b = max(lo - head, begin), min(hi - head, end)
             for r in range(begin + (max(a - begin, 0) // row) * row, b, row):
                 z0, z1 = max(r + live, a), min(r + row, b)
