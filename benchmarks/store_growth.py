@@ -209,7 +209,9 @@ def store_growth(model, fingerprint, counts, shared: int, unique: int, repeats: 
             mx.eval([c.eval_arrays() for c in got])
             runs.append(time.perf_counter() - t0)
             if name in ("memory", "blocks"):
-                one = [(c.state[0][:, :, :1], c.state[1][:, :, :1]) for c in got]
+                # the next token's K/V in buffers of their own (as a model makes them): views of the
+                # cache's own buffer would keep it shared, so the update could not write it in place
+                one = [(c.state[0][:, :, :1] + 0, c.state[1][:, :, :1] + 0) for c in got]
                 mx.eval(one)
                 t1 = time.perf_counter()
                 mx.eval([c.update_and_fetch(k, v) for c, (k, v) in zip(got, one)])

@@ -241,3 +241,23 @@ def test_real_model_turns_get_the_same_hits_and_arrays_from_blocks_and_whole_ent
             s.put(sc, state.tokens, state.cache)
     assert stores[0].stats()["memory"]["hits"] == stores[1].stats()["memory"]["hits"] >= 5
     assert stores[1].tiers[0].index.nbytes < stores[0].tiers[0].index.nbytes
+
+
+def test_assembly_buffers_have_zeroed_room_however_the_loader_reads_them():
+    """The buffers come from a stream that writes only the room: reads of any size give the same bytes."""
+    import random
+
+    from mlx_chatcache.store.blocks import _allocate, _Room
+
+    arrays = [(mx.float32, (1, 3, 300, 4)), (mx.uint16, (2, 2, 260, 3)), (mx.float32, (1, 1, 0, 4))]
+    one = _Room(arrays, 257)
+    whole = bytearray(b"\xff" * one.size)
+    one.readinto(whole)
+    chunked, rng = _Room(arrays, 257), random.Random(0)
+    got, pos = bytearray(b"\xff" * chunked.size), 0
+    while pos < chunked.size:
+        chunked.seek(pos)
+        pos += chunked.readinto(memoryview(got)[pos : pos + rng.randint(1, 700)])
+    assert got == whole
+    for a in _allocate(arrays, 257):
+        assert a.shape[2] < 257 or not mx.any(a[:, :, 257:]).item()

@@ -146,3 +146,32 @@ def test_block_entries_another_process_adds_are_found_and_a_smaller_budget_keeps
     assert not block_path(tmp_path, own_b).exists()
     assert small.index.nbytes == files_bytes(tmp_path) <= small.index.budget
     assert_serves(small, a)
+
+
+def test_block_files_no_entry_names_are_deleted_at_start_once_old_enough(tmp_path):
+    import os
+    import shutil
+    import time
+
+    tokens = list(range(1, 101))
+    tier = DiskTier(tmp_path, 1 << 40, block_tokens=32)
+    assert tier.add(SCOPE, tokens, cache_of(tokens), None)
+    held = sorted((tmp_path / BLOCKS).iterdir())
+    assert len(held) == 3
+    # what a writer killed between its block files and its entry file leaves: blocks nobody names
+    old, fresh = block_path(tmp_path, "a" * 32), block_path(tmp_path, "b" * 32)
+    shutil.copy(held[0], old)
+    shutil.copy(held[0], fresh)
+    past = time.time() - 3600
+    for p in [old, *held]:  # the held blocks are as old: their entry keeps them
+        os.utime(p, (past, past))
+    restarted = DiskTier(tmp_path, 1 << 40, block_tokens=32, orphan_seconds=600)
+    assert restarted.stats()["orphans_removed"] == 1
+    assert not old.exists() and fresh.exists()  # a live writer's new blocks are left alone
+    assert all(p.exists() for p in held)
+    assert_serves(restarted, tokens)
+    # a writer that uses an old block again makes it new, so a start meanwhile keeps it
+    for p in held:
+        os.utime(p, (past, past))
+    tier.add(SCOPE, tokens + [7] * 40, cache_of(tokens + [7] * 40), None)
+    assert all(p.stat().st_mtime > past + 60 for p in held)

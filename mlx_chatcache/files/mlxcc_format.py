@@ -187,7 +187,7 @@ def _header_metadata(cache, stored, tokens, model, messages, metadata) -> dict[s
 # ------------------------------------------------------------------ load
 def read_cache_info(path: str | os.PathLike) -> CacheFileInfo:
     """The file's self-description, validated, without reading its arrays."""
-    return _info_from_header(read_header(path))
+    return info_from_header(read_header(path))
 
 
 def verify_cache_file(path: str | os.PathLike) -> bool:
@@ -239,7 +239,7 @@ def load_prompt_cache_bytes(data: bytes, name: str, *, model: ModelFingerprint |
 
 
 def _load(header: Header, model: ModelFingerprint | None, what: str):
-    info = _info_from_header(header)
+    info = info_from_header(header)
     if model is not None:
         model.check(info.model, what=what)
     try:
@@ -291,7 +291,8 @@ def _check_tokens_match(path, cache, tokens) -> None:
 
 
 # ------------------------------------------------------------------ header parsing
-def _info_from_header(header: Header) -> CacheFileInfo:
+def info_from_header(header: Header) -> CacheFileInfo:
+    """What a validated header (:func:`.safetensors_file.read_header`) says about its file."""
     meta = header.metadata
     nbytes = sum(t.end - t.begin for t in header.tensors.values())
     if meta.get("mlxcc.format") == FORMAT_NAME:
@@ -402,7 +403,7 @@ def load_snapshots(path: str | os.PathLike) -> list[list[BaseCache | None]]:
     from ..cache import cache_class
 
     header = read_header(path)
-    info = _info_from_header(header)
+    info = info_from_header(header)
     snaps = (info.extra or {}).get("snapshots") or []
     names = [f"snapshot.{s}.layer.{i}.{j}" for s, snap in enumerate(snaps) for i, (_, _, c) in snap.items()
              for j in range(c)]  # fmt: skip
@@ -465,6 +466,7 @@ __all__ = [
     "load_cache_file",
     "load_prompt_cache_bytes",
     "read_cache_info",
+    "info_from_header",
     "verify_cache_file",
     "check_cache_fits_model",
     "FORMAT_VERSION",

@@ -15,6 +15,10 @@ when it is parsed, and every array read against its tensor's checksum.
 ``read_header_bytes`` does the same for a file held in memory (a value from a
 remote store): same checks, no file.
 
+``read_into`` reads a checksummed file's tensors straight into buffers of the
+caller's (rows of a larger array: a store puts a cache together from block
+files with it), in scatter reads, then checks them where they landed.
+
 Writing (atomic: temp file + fsync + rename) lives in :mod:`.atomic_write`.
 A file that does not start like a safetensors file (a text file) is refused
 as "not a safetensors file", not by its byte counts.
@@ -29,10 +33,10 @@ import os
 import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import CacheFileError, CacheFormatError, clipped
-from .checksum import check_tensors, damaged, header_checksums, live_crc32
+from .checksum import check_tensors, crc32, damaged, header_checksums, live_crc32
 from .grown_read import GrownView
 
 if TYPE_CHECKING:  # mlx loads when arrays are read or written: parsing a header needs none
@@ -41,6 +45,8 @@ if TYPE_CHECKING:  # mlx loads when arrays are read or written: parsing a header
 MAX_HEADER_BYTES = 64 << 20
 MAX_DIMS = 8
 MAX_DIM = 2**31 - 1  # mlx shapes are int32
+_PREADV = hasattr(os, "preadv")
+_IOV_MAX = 512  # buffers per scatter read (within every system's IOV_MAX)
 
 # safetensors dtype -> (bytes per element, the name of the mlx dtype to read it as)
 DTYPES: dict[str, tuple[int, str]] = {
@@ -76,7 +82,7 @@ class TensorEntry:
 @dataclass(frozen=True)
 class Header:
     path: Path
-    tensors: dict[str, TensorEntry]
+    tensors: dict[str, TensorEntry]  # in file order
     metadata: dict[str, str]
     data_start: int  # file offset of the data section
     file_size: int
@@ -137,10 +143,26 @@ def _parse_header(path: Path, raw: bytes, size: int, identity: tuple = ()) -> He
     metadata = _parse_metadata(path, header.pop("__metadata__", None) or {})
     n = len(raw)
     data_len = size - 8 - n
-    tensors = {name: _parse_entry(path, name, e, data_len) for name, e in header.items()}
-    _check_ranges(path, tensors, data_len)
+    last = _last_table
+    if last is not None and last[0] == data_len and last[1] == header:  # e.g. the next block file of a cache
+        tensors = last[2]
+    else:
+        tensors = {name: _parse_entry(path, name, e, data_len) for name, e in header.items()}
+        _check_ranges(path, tensors, data_len)
+        tensors = dict(sorted(tensors.items(), key=lambda x: x[1].begin))  # in file order
+        _remember_table((data_len, header, tensors))
     sums = header_checksums(path, raw, metadata, tensors)
     return Header(path, tensors, metadata, 8 + n, size, identity, checksums=sums)
+
+
+# the last tensor table validated, (data length, its JSON, its entries): a header
+# whose table is equal to it validates the same (block files of one cache share theirs)
+_last_table: tuple[int, dict, dict[str, TensorEntry]] | None = None
+
+
+def _remember_table(table: tuple[int, dict, dict[str, TensorEntry]]) -> None:
+    global _last_table
+    _last_table = table
 
 
 def _looks_like_safetensors(head: bytes) -> bool:
@@ -164,13 +186,10 @@ def _identity(st: os.stat_result) -> tuple:
 
 
 def _parse_metadata(path: Path, meta) -> dict[str, str]:
-    if not isinstance(meta, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-    ):
+    if not isinstance(meta, dict) or not {*map(type, meta), *map(type, meta.values())} <= {str}:
         raise _bad(path, "metadata is not a string-to-string map")
     try:  # JSON escapes can smuggle in lone surrogates, which no file can hold
-        for k, v in meta.items():
-            k.encode("utf-8"), v.encode("utf-8")
+        "".join(meta).encode("utf-8"), "".join(meta.values()).encode("utf-8")
     except UnicodeEncodeError:
         raise _bad(path, "metadata is not valid Unicode") from None
     return meta
@@ -255,6 +274,70 @@ def read_arrays(header: Header, names=None, slots: dict[str, int] | None = None)
     except (RuntimeError, ValueError, OSError) as e:  # short read, file vanished, ...
         raise _bad(path, f"file shrank or changed while reading: {e}") from None
     return out
+
+
+def read_into(path: str | os.PathLike, place: Callable[[Header], dict[str, list[memoryview]]]) -> Header:
+    """Read the tensors of the safetensors file ``path`` into the caller's buffers.
+
+    The file is opened once; its header is parsed and validated as :func:`read_header`
+    does and must carry checksums. ``place(header)`` gives each tensor's destination
+    (it may raise to refuse the header): writable byte buffers (``memoryview`` of
+    format ``B``) whose sizes add up to the tensor's bytes, taking them in order. The
+    data section is read into them with scatter reads (``os.preadv``): the one copy.
+    Each tensor is then checked against its checksum where it landed. A file that
+    is short, lacks checksums or a destination, or does not match raises
+    CacheFileError (the buffers then hold part of it).
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            fd = f.fileno()
+            st = os.fstat(fd)
+            head = os.pread(fd, 9, 0)
+            if not _looks_like_safetensors(head):
+                raise not_safetensors(path)
+            n = _declared_header_size(path, head[:8], st.st_size)
+            raw = os.pread(fd, n, 8)
+            if len(raw) != n:
+                raise _bad(path, "the file ended early")
+            header = _parse_header(path, raw, st.st_size, _identity(st))
+            if header.checksums is None:
+                raise damaged(path, "it carries no checksums")
+            dest = place(header)
+            order = header.tensors.values()  # in file order
+            bufs = [b for t in order for b in dest.get(t.name, ()) if b.nbytes]
+            if sum(b.nbytes for b in bufs) != header.file_size - header.data_start:
+                raise _bad(path, "its tensors do not fit the cache they are read into")
+            _read_exactly_into(f, header.data_start, bufs, path)
+    except OSError as e:
+        raise _bad(path, f"it could not be read: {e}") from None
+    for t in order:
+        crc = 0
+        for b in dest.get(t.name, ()):
+            crc = crc32(b, crc)
+        if crc != header.checksums[t.name]:
+            raise damaged(path, f"tensor {t.name!r} does not match its checksum")
+    return header
+
+
+def _read_exactly_into(f, offset: int, bufs: list[memoryview], path: Path) -> None:
+    """Fill ``bufs`` in order from ``offset`` of the open file ``f``."""
+    bufs, i = list(bufs), 0
+    while i < len(bufs):
+        if _PREADV:
+            got = os.preadv(f.fileno(), bufs[i : i + _IOV_MAX], offset)
+        else:
+            f.seek(offset)
+            got = f.readinto(bufs[i])
+        if not got:
+            raise _bad(path, "the file ended early")
+        offset += got
+        while got:
+            if got >= bufs[i].nbytes:
+                got -= bufs[i].nbytes
+                i += 1
+            else:
+                bufs[i], got = bufs[i][got:], 0
 
 
 def _room_ok(own: int, slots: int) -> bool:

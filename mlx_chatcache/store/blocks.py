@@ -4,7 +4,8 @@ Contract
 --------
 - :func:`splittable` ``(cache, n)``: True when every layer is a plain
   ``KVCache`` or ``QuantizedKVCache`` holding exactly ``n`` tokens, all its
-  arrays laid out with the token axis at 2. Other layers (rotating windows,
+  arrays laid out with the token axis at 2, of the :data:`DTYPES` a cache is
+  assembled in. Other layers (rotating windows,
   SSM/``ArraysCache``, ``CacheList``, chunked caches) keep state that is not a
   function of a token prefix, so a cache holding one is stored whole.
 - :func:`split` ``(cache, chain, have)``: the blocks of ``cache`` that ``have``
@@ -13,14 +14,14 @@ Contract
   their own), and the entry's :class:`Blocked` part: each layer's class and
   ``meta_state`` and the tail (the tokens after the last full block).
 - :func:`assemble` ``(blocked, values)``: the cache again, from the values of
-  the entry's blocks in order; one concatenate (one copy) per array, so the
-  caller owns it and the stored blocks never change (the copy includes the
-  room the cache grows into, so feeding it does not copy it again).
+  the entry's blocks in order: each block's and the tail's bytes copied once,
+  straight into buffers of the cache's own (:class:`Assembly`, which the disk
+  and Redis tiers fill from files and bytes too), so the caller owns it and
+  the stored blocks never change (the buffers include the room the cache
+  grows into, so feeding it does not copy it again).
 - :func:`nbytes` ``(arrays)``: the bytes of a block value or a tail.
 - :func:`as_layers` ``(blocked, arrays, n)``: a block value or a tail as cache
-  layers of the entry's classes holding ``n`` tokens (what a file stores), and
-  :func:`from_tail` ``(tail, n)``: the :class:`Blocked` part again from the tail
-  layers of an entry of ``n`` tokens.
+  layers of the entry's classes holding ``n`` tokens (what a file stores).
 
 A block is named by its chain hash (:class:`~.chain.Chain`), which covers the
 namespace and every token up to the block's end: entries of one namespace
@@ -31,15 +32,20 @@ the same tokens may differ in the last bits, as a prefill in other chunks does).
 
 from __future__ import annotations
 
+import bisect
+import io
+import json
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..cache import BaseCache, KVCache, QuantizedKVCache
 from .chain import Chain
 
-_SPLITTABLE = (KVCache, QuantizedKVCache)
+SPLITTABLE = (KVCache, QuantizedKVCache)
 
 
 @dataclass(frozen=True)
@@ -65,9 +71,9 @@ def splittable(cache: Sequence[BaseCache], n: int) -> bool:
     if n <= 0 or not cache:
         return False
     for c in cache:
-        if type(c) not in _SPLITTABLE or c.offset != n:
+        if type(c) not in SPLITTABLE or c.offset != n:
             return False
-        if any(a.ndim != 4 or a.shape[2] != n for a in c.flat_state()):
+        if any(a.ndim != 4 or a.shape[2] != n or a.dtype not in DTYPES for a in c.flat_state()):
             return False
     return True
 
@@ -89,23 +95,141 @@ def split(cache: Sequence[BaseCache], chain: Chain, have: Callable[[str], bool]
     return new, blocked
 
 
-def assemble(blocked: Blocked, values: Sequence[Sequence[mx.array]]) -> list[BaseCache]:
-    """See the module doc. Each array also gets the room a growing cache takes
-    (``grown_slots``) in the same concatenate, so the first tokens fed after a
-    checkout are written in place rather than copying the cache again."""
-    out, at = [], 0
-    for kind, meta, count in zip(blocked.kinds, blocked.metas, blocked.counts):
-        arrays = []
-        for t in blocked.tail[at : at + count]:
-            parts = [v[len(arrays) + at] for v in values] + [t]
-            held = sum(p.shape[2] for p in parts)
-            room = kind.grown_slots(held) - held
-            if room:
-                parts.append(mx.zeros((*t.shape[:2], room, t.shape[3]), dtype=t.dtype))
-            arrays.append(mx.concatenate(parts, axis=2))
-        out.append(kind.from_flat_state(arrays, meta))
-        at += count
+def assemble(blocked: Blocked, values: Sequence[Sequence[mx.array | np.ndarray]]) -> list[BaseCache]:
+    """See the module doc: the blocks' and the tail's bytes are copied once, each
+    straight into its place in the assembled buffers (:class:`Assembly`). A block's
+    arrays may be given as their :func:`host_view` (kept by a caller that assembles often)."""
+    specs = [(t.dtype, t.shape[0], t.shape[1], t.shape[3]) for t in blocked.tail]
+    n = sum(v[0].shape[2] for v in values) + blocked.tail[0].shape[2]
+    asm = Assembly(blocked.kinds, blocked.metas, blocked.counts, specs, n)
+    parts = [[a if isinstance(a, np.ndarray) else host_view(a) for a in arrays] for arrays in [*values, blocked.tail]]
+    for k in range(len(specs)):
+        asm.fill(k, [p[k] for p in parts])
+    return asm.cache()
+
+
+class Assembly:
+    """The buffers a cache of ``n`` tokens is put together in, filled in place.
+
+    One buffer per array of the layers ``kinds`` (classes), ``metas``
+    (``meta_state``, its offset ``n``) and ``counts`` (arrays per layer), array
+    ``k`` of shape ``(d0, d1, slots, d3)`` and dtype ``specs[k] = (dtype, d0, d1,
+    d3)``, with ``slots = kind.grown_slots(n)``: the room the cache grows into
+    (zeroed), so feeding it after a checkout does not copy it again. The
+    caller fills every token range ``0:n`` (they start out as the allocator
+    left them), from arrays (:meth:`fill`) or by reading into them
+    (:meth:`rows`: a file's bytes land in place); :meth:`cache` then makes the
+    layers, which own the buffers. Writing goes through writable NumPy views
+    of MLX's own buffers, so each stored byte is copied once, into its place."""
+
+    def __init__(self, kinds: Sequence[type], metas: Sequence[Sequence[str]], counts: Sequence[int],
+                 specs: Sequence[tuple[mx.Dtype, int, int, int]], n: int):  # fmt: skip
+        self.kinds, self.metas, self.counts, self.n = tuple(kinds), tuple(metas), tuple(counts), n
+        self.specs = tuple(specs)
+        if any(d not in DTYPES for d, *_ in specs):
+            raise ValueError(f"cannot assemble arrays of {sorted({str(d) for d, *_ in specs} - set(map(str, DTYPES)))}")
+        slots = [kind.grown_slots(n) for kind, count in zip(kinds, counts) for _ in range(count)]
+        self._buffers = _allocate([(_bits(d), (d0, d1, s, d3)) for (d, d0, d1, d3), s in zip(specs, slots)], n)
+        self._views = [np.array(b, copy=False) for b in self._buffers]  # MLX's memory, writable
+        self._bytes = [memoryview(v).cast("B") for v in self._views]  # C-contiguous, or this raises
+        self._rows = [range(0, v.strides[1] * v.shape[0] * v.shape[1], v.strides[1]) for v in self._views]
+
+    def fill(self, k: int, parts: Sequence[np.ndarray]) -> None:
+        """Copy ``parts`` (``(d0, d1, t_i, d3)`` each, of buffer ``k``'s dtype or its bits,
+        together ``n`` tokens) to buffer ``k``'s tokens ``0:n``, in order."""
+        np.concatenate(parts, axis=2, out=self._views[k][:, :, : self.n])
+
+    def rows(self, k: int, at: int, t: int) -> list[memoryview]:
+        """Buffer ``k``'s bytes for tokens ``at:at+t``, row by row (``d0 x d1`` rows, in order)."""
+        flat, token = self._bytes[k], self._views[k].strides[2]  # C-contiguous: rows one after the other
+        a, b = at * token, (at + t) * token
+        return [flat[r + a : r + b] for r in self._rows[k]]
+
+    def cache(self) -> list[BaseCache]:
+        """The layers, holding the buffers (no copy)."""
+        self._views, self._bytes = [], []
+        arrays = [b if b.dtype == d else b.view(d) for b, (d, *_) in zip(self._buffers, self.specs)]
+        out, at = [], 0
+        for kind, meta, count in zip(self.kinds, self.metas, self.counts):
+            out.append(kind.from_flat_state(arrays[at : at + count], meta))
+            at += count
+        return out
+
+
+def _allocate(arrays: Sequence[tuple[mx.Dtype, tuple[int, int, int, int]]], n: int) -> list[mx.array]:
+    """New evaluated arrays of these dtypes and shapes whose slots from ``n`` on (axis 2)
+    are zero; the slots before ``n`` are left as the allocator gives them (the caller
+    writes every one): ``mx.load`` of a stream (:class:`_Room`) that writes only the room,
+    so no pass over the whole buffers is spent on zeros that are overwritten anyway."""
+    loaded = mx.load(_Room(arrays, n), format="safetensors")
+    out = [loaded[str(k)] for k in range(len(arrays))]
+    mx.eval(out)
     return out
+
+
+class _Room(io.RawIOBase):
+    """A safetensors stream of arrays ``k`` (named ``str(k)``) whose read writes zeros
+    only into each row's slots from ``n`` on, leaving the rest of the reader's buffer as it is."""
+
+    def __init__(self, arrays, n: int):
+        entries, self.parts, at = {}, [], 0
+        for k, (dtype, shape) in enumerate(arrays):
+            size = dtype.size * math.prod(shape)
+            row = size // (shape[0] * shape[1]) if size else 1
+            entries[str(k)] = {"dtype": _SAFETENSORS[dtype], "shape": list(shape), "data_offsets": [at, at + size]}
+            self.parts.append((at, at + size, row, row // shape[2] * n if shape[2] else 0))
+            at += size
+        head = json.dumps(entries).encode()
+        head += b" " * (-len(head) % 8)
+        self.head = len(head).to_bytes(8, "little") + head
+        self.size, self.pos = len(self.head) + at, 0
+        self.begins = [p[0] for p in self.parts]
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = max(0, {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + offset)
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        out = memoryview(buffer).cast("B")
+        n = min(len(out), max(0, self.size - self.pos))
+        lo, hi, head = self.pos, self.pos + n, len(self.head)
+        if lo < head:
+            out[: min(hi, head) - lo] = self.head[lo : min(hi, head)]
+        first = max(0, bisect.bisect_right(self.begins, lo - head) - 1)  # reads come one array at a time
+        for begin, end, row, live in self.parts[first:]:  # the room of each row this read covers
+            if begin >= hi - head:
+                break
+            a, b = max(lo - head, begin), min(hi - head, end)
+            for r in range(begin + (max(a - begin, 0) // row) * row, b, row):
+                z0, z1 = max(r + live, a), min(r + row, b)
+                if z0 < z1:
+                    out[z0 + head - lo : z1 + head - lo] = bytes(z1 - z0)
+        self.pos = hi
+        return n
+
+
+_SAFETENSORS = {mx.float32: "F32", mx.float16: "F16", mx.uint32: "U32", mx.uint16: "U16", mx.int32: "I32",
+                mx.uint8: "U8", mx.int8: "I8"}  # fmt: skip
+DTYPES = frozenset({*_SAFETENSORS, mx.bfloat16})  # what an Assembly's buffers may hold
+
+
+def _bits(dtype: mx.Dtype) -> mx.Dtype:
+    """A dtype NumPy has, of ``dtype``'s size (bfloat16 is handled as its bits)."""
+    return mx.uint16 if dtype == mx.bfloat16 else dtype
+
+
+def host_view(a: mx.array) -> np.ndarray:
+    """A NumPy view of the evaluated array ``a`` (bfloat16 as its bits), no copy."""
+    return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a, copy=False)
 
 
 def as_layers(blocked: Blocked, arrays: Sequence[mx.array], n: int) -> list[BaseCache]:
@@ -117,11 +241,4 @@ def as_layers(blocked: Blocked, arrays: Sequence[mx.array], n: int) -> list[Base
     return out
 
 
-def from_tail(tail: Sequence[BaseCache], n: int) -> Blocked:
-    """See the module doc."""
-    metas = tuple((str(n), *c.meta_state[1:]) for c in tail)
-    counts = tuple(len(c.flat_state()) for c in tail)
-    return Blocked(tuple(type(c) for c in tail), metas, counts, tuple(a for c in tail for a in c.flat_state()))
-
-
-__all__ = ["Blocked", "as_layers", "assemble", "from_tail", "nbytes", "split", "splittable"]
+__all__ = ["DTYPES", "SPLITTABLE", "Assembly", "Blocked", "as_layers", "assemble", "host_view", "nbytes", "split", "splittable"]

@@ -5,16 +5,23 @@ from __future__ import annotations
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..cache import can_trim_prompt_cache
+import mlx.core as mx
+
+from ..cache import cache_class, can_trim_prompt_cache
 from ..config import SERVER_DEFAULTS
 from ..errors import ChatCacheError
 from ..files.atomic import remove_stale_temp_files_in
-from ..files.mlxcc_format import check_cache_fits_model, load_cache_file, save_prompt_cache
-from .blocks import as_layers, assemble, from_tail, split, splittable
+from ..files.checksum import MAX_THREADS
+from ..files.mlxcc_format import check_cache_fits_model, info_from_header, load_cache_file, save_prompt_cache
+from ..files.safetensors_file import DTYPES, read_into
+from .blocks import SPLITTABLE, Assembly, as_layers, split, splittable
 from .chain import Chain
-from .disk_folder import BLOCKS, block_fields, block_path, claim_folder, entry_file_name, read_entry
+from .disk_folder import (
+    BLOCKS, block_fields, block_path, claim_folder, entry_file_name, entry_of, is_block_name, read_entry,
+)  # fmt: skip
 from .index import Entry
 from .tiers import Tier
 
@@ -57,13 +64,23 @@ class DiskTier(Tier):
     the last entry it knows holding it; a restart and the rescan count holders
     from the entry files. An entry whose block file is gone is a miss (dropped,
     not corrupt); one whose block file is damaged is dropped and counted corrupt,
-    and the damaged block file deleted (so the next entry holding it writes it again)."""
+    and the damaged block file deleted (so the next entry holding it writes it again).
+    Block files no entry file names (a writer killed between its blocks and its
+    entry file left them) are deleted when a tier opens the folder, once older
+    than ``orphan_seconds`` (``stats()["orphans_removed"]``); a writer touches the
+    block files it uses again, so a live writer's blocks are never that old.
+
+    A block entry's checkout copies each stored byte once: its entry file's tail
+    and its block files are read (``os.preadv``) straight into the cache's own
+    buffers, room to grow included (:class:`~.blocks.Assembly`), and every
+    tensor is checked against its file's checksum where it landed."""
 
     name = "disk"
 
     def __init__(self, folder: str | os.PathLike, budget: int | None,
                  rescan_seconds: float = SERVER_DEFAULTS.disk_rescan_seconds,
-                 block_tokens: int = SERVER_DEFAULTS.store_block_tokens):  # fmt: skip
+                 block_tokens: int = SERVER_DEFAULTS.store_block_tokens,
+                 orphan_seconds: float = SERVER_DEFAULTS.disk_orphan_seconds):  # fmt: skip
         super().__init__(sys.maxsize if budget is None else budget)
         self.counters["foreign"] = 0
         self.folder = claim_folder(folder)
@@ -72,6 +89,7 @@ class DiskTier(Tier):
         removed = remove_stale_temp_files_in(self.folder) + remove_stale_temp_files_in(self.folder / BLOCKS)
         self.counters["temp_removed"] = len(removed)
         self.rescan_seconds = rescan_seconds
+        self.orphan_seconds = orphan_seconds
         self._seen = self._listing()  # before the scan: a file written meanwhile is looked at again
         self._rescanned = time.monotonic()
         self._scan(evict=budget is not None)
@@ -129,6 +147,7 @@ class DiskTier(Tier):
                 self.counters["foreign"] += 1
             else:
                 found.append(read)
+        self._remove_orphans({b for entry, _ in found for b, _ in entry.blocks})
         total, kept, held, gone = 0, [], set(), []
         for entry, _ in sorted(found, key=lambda x: -x[1]):  # newest first
             adds = entry.nbytes + sum(n for b, n in entry.blocks if b not in held)
@@ -145,6 +164,20 @@ class DiskTier(Tier):
         for entry in reversed(kept):  # oldest first: LRU order
             if self.index.get(entry.namespace, entry.tokens) is None:
                 self.index.add(entry, [])
+
+    def _remove_orphans(self, named: set[str]) -> None:
+        """Delete the block files no entry file names (``named``: the blocks they do)
+        that are older than ``orphan_seconds``; counted in ``stats()["orphans_removed"]``."""
+        self.counters["orphans_removed"] = 0
+        old = time.time() - self.orphan_seconds
+        try:
+            with os.scandir(self.folder / BLOCKS) as it:
+                for e in list(it):
+                    if is_block_name(e.name) and e.name.split(".")[0] not in named and e.stat().st_mtime < old:
+                        _unlink(Path(e.path))
+                        self.counters["orphans_removed"] += 1
+        except OSError:
+            pass  # no blocks folder yet, or a file removed meanwhile: the next start looks again
 
     def fetch(self, entry, scope, expected):
         path = entry.payload
@@ -203,7 +236,7 @@ class DiskTier(Tier):
     def _write_blocked(self, scope, tokens, cache, path, meta) -> Entry:
         """Write the block files ``cache`` needs that are not in the folder, then its entry file."""
         chain = Chain(scope.namespace, tokens, self.block_tokens)
-        new, blocked = split(cache, chain, lambda h: block_path(self.folder, h).exists())
+        new, blocked = split(cache, chain, lambda h: _touch(block_path(self.folder, h)))  # used again: not an orphan
         (self.folder / BLOCKS).mkdir(exist_ok=True)
         for h, value in new.items():
             layers = as_layers(blocked, value, self.block_tokens)
@@ -218,29 +251,21 @@ class DiskTier(Tier):
                      meta.get("store.key"), path, blocks)  # fmt: skip
 
     def _fetch_blocks(self, entry, scope, expected):
-        """``fetch`` of a block entry: its tail file and block files, checked and put together."""
+        """``fetch`` of a block entry: its entry file's tail and its block files read
+        straight into the assembled cache (:class:`~.blocks.Assembly`; see :meth:`_read_blocked`)."""
         paths = [block_path(self.folder, b) for b, _ in entry.blocks]
         if not all(p.exists() for p in paths):  # another process evicted a block: a miss
             self._drop(entry)
             self._sweep()
             return None
-        bad = entry.payload
+        bad = [entry.payload]
         try:
-            tail, _ = load_cache_file(bad, model=scope.fingerprint)
-            read = read_entry(Path(bad))
-            if read is None or read[0].tokens != entry.tokens or read[0].blocks != entry.blocks:
-                raise ChatCacheError(f"{bad} changed since it was indexed")
-            values = []
-            for bad in paths:
-                layers, _ = load_cache_file(bad, model=scope.fingerprint)
-                values.append([a for c in layers for a in c.flat_state()])
-            bad = entry.payload
-            cache = assemble(from_tail(tail, len(entry.tokens)), values)
-            check_cache_fits_model(cache, expected, bad)
+            cache = self._read_blocked(entry, scope, paths, bad)
+            check_cache_fits_model(cache, expected, entry.payload)
         except (ChatCacheError, OSError, ValueError, IndexError):
             self.counters["corrupt"] += 1
-            if bad != entry.payload:
-                _unlink(bad)  # a damaged block: the next entry holding it writes it again
+            if bad[-1] != entry.payload:
+                _unlink(bad[-1])  # a damaged block: the next entry holding it writes it again
             self.index.remove(entry)
             self._loose.update(b for b, _ in entry.blocks)
             if read_entry(Path(entry.payload)) is not None:
@@ -250,6 +275,46 @@ class DiskTier(Tier):
         self._hit(entry)
         _touch(entry.payload)
         return cache
+
+    def _read_blocked(self, entry, scope, paths, bad: list) -> list:
+        """The cache of block entry ``entry``: the one copy of each stored byte is the
+        scatter read of its file straight into the cache's buffers (with room to grow);
+        each file's checksums are then checked where its bytes landed. The entry file
+        is read first (its layers give the cache's layout), the block files then over
+        a few threads (no MLX work: reads and checksums into NumPy views). The file
+        that failed is the last in ``bad`` (what to delete when it is damaged)."""
+        n, size = len(entry.tokens), self.block_tokens
+        places = []
+
+        def tail(header):  # the entry file: its layers say how to lay out the cache
+            info = info_from_header(header)
+            scope.fingerprint.check(info.model)
+            read = entry_of(info, Path(entry.payload), header.file_size)
+            if read is None or read.tokens != entry.tokens or read.blocks != entry.blocks:
+                raise ChatCacheError(f"{header.path} changed since it was indexed")
+            kinds = [cache_class(c) for c in info.classes]
+            if any(k not in SPLITTABLE for k in kinds):
+                raise ChatCacheError(f"{header.path} holds layers that are not stored in blocks")
+            metas = [(str(n), *m[1:]) for m, _ in info.extra["layers"]]
+            counts = [c for _, c in info.extra["layers"]]
+            names = [f"layer.{i}.{j}" for i, c in enumerate(counts) for j in range(c)]
+            shapes = [header.tensors[x].shape if x in header.tensors else () for x in names]
+            if any(len(s) != 4 for s in shapes):
+                raise ChatCacheError(f"{header.path}: its layers are not K/V arrays")
+            specs = [(getattr(mx, DTYPES[header.tensors[x].dtype][1]), s[0], s[1], s[3]) for x, s in zip(names, shapes)]
+            places.append(_Places(Assembly(kinds, metas, counts, specs, n)))
+            return places[0].of(header, len(paths) * size, n - len(paths) * size)
+
+        bad.append(entry.payload)
+        read_into(entry.payload, tail)
+        with ThreadPoolExecutor(min(os.cpu_count() or 1, MAX_THREADS)) as pool:  # reads and sums free the GIL
+            futs = [(p, pool.submit(read_into, p, places[0].block(scope, i, h, size)))
+                    for i, (p, (h, _)) in enumerate(zip(paths, entry.blocks))]
+            for p, f in futs:
+                bad.append(p)
+                f.result()
+        bad.append(entry.payload)
+        return places[0].asm.cache()
 
     def _drop(self, entry, keep_payload_of=None):
         self._loose.update(self.index.remove(entry))
@@ -274,9 +339,42 @@ def _unlink(path: Path) -> None:
         pass
 
 
-def _touch(path: Path) -> None:
-    """Most recently used, also for the next process (the LRU order is mtimes)."""
+def _touch(path: Path) -> bool:
+    """Most recently used, also for the next process (the LRU order is mtimes); False when ``path`` is not there."""
     try:
         os.utime(path)
     except OSError:
-        pass
+        return False
+    return True
+
+
+class _Places:
+    """Where the tensors of a block entry's files go in its :class:`~.blocks.Assembly`."""
+
+    def __init__(self, asm: Assembly):
+        self.asm = asm
+        self.names = [f"layer.{i}.{j}" for i, c in enumerate(asm.counts) for j in range(c)]  # a file's, in order
+        self.checked = None  # the tensor table last checked (block files of one entry share one)
+
+    def block(self, scope, i: int, h: str, size: int):
+        """The ``place`` of block ``i`` (chain hash ``h``), checking the file is that block."""
+        def place(header):
+            meta = header.metadata
+            if meta.get("user.store.namespace") != scope.namespace or meta.get("user.store.block") != h:
+                raise ChatCacheError(f"{header.path} is not block {h} of this store")
+            return self.of(header, i * size, size)
+
+        return place
+
+    def of(self, header, at: int, t: int) -> dict[str, list[memoryview]]:
+        """Where the K/V tensors of a file of ``t`` tokens go (from token ``at``); ChatCacheError
+        when its tensors are not exactly those, in the cache's dtypes and shapes."""
+        if self.checked != (header.tensors, t):
+            for name, (d, d0, d1, d3) in zip(self.names, self.asm.specs):
+                e = header.tensors.get(name)
+                if e is None or e.shape != (d0, d1, t, d3) or getattr(mx, DTYPES[e.dtype][1]) != d:
+                    raise ChatCacheError(f"{header.path}: tensor {name} does not fit the entry's cache")
+            if len(self.names) != len(header.tensors):
+                raise ChatCacheError(f"{header.path} holds tensors the entry's cache has not")
+            self.checked = (header.tensors, t)
+        return {name: self.asm.rows(k, at, t) for k, name in enumerate(self.names)}

@@ -82,6 +82,12 @@ def read_entry(path: Path) -> tuple[Entry, int] | None:
         info = read_cache_info(path)
     except (ChatCacheError, OSError):
         return None
+    entry = entry_of(info, path, stat.st_size)
+    return None if entry is None else (entry, stat.st_mtime_ns)
+
+
+def entry_of(info: CacheFileInfo, path: Path, size: int) -> Entry | None:
+    """The store entry of the file ``path`` (``size`` bytes) whose header says ``info``, or None."""
     meta = info.metadata
     namespace = meta.get("store.namespace")
     tokens, blocks = info.tokens, ()
@@ -92,8 +98,7 @@ def read_entry(path: Path) -> tuple[Entry, int] | None:
     if path.name != entry_file_name(namespace, tokens):
         return None
     key = meta.get("store.key") or None
-    entry = Entry(namespace, tuple(tokens), stat.st_size, meta.get("store.trimmable") == "1", key, path, blocks)
-    return entry, stat.st_mtime_ns
+    return Entry(namespace, tuple(tokens), size, meta.get("store.trimmable") == "1", key, path, blocks)
 
 
 def block_fields(tokens: Sequence[int], blocks: Sequence[tuple[str, int]]) -> dict[str, str]:
@@ -123,6 +128,12 @@ def block_path(folder: Path, block: str) -> Path:
     return folder / BLOCKS / f"{block}.safetensors"
 
 
+def is_block_name(name: str) -> bool:
+    """Whether ``name`` is how :func:`block_path` names a block file."""
+    stem = name[: -len(".safetensors")]
+    return name.endswith(".safetensors") and len(stem) == 32 and set(stem) <= _HASH
+
+
 def entry_file_name(namespace: str, tokens: Sequence[int]) -> str:
     digest = hashlib.sha256(json.dumps([namespace, list(tokens)]).encode()).hexdigest()[:40]
     return f"{namespace[:16]}-{digest}.safetensors"
@@ -136,5 +147,5 @@ def _reason(e: OSError) -> str:
     return e.strerror or str(e)
 
 
-__all__ = ["BLOCKS", "MARKER", "block_fields", "block_path", "claim_folder", "read_entry", "entry_file_name",
-           "is_block_entry", "is_store_temp"]
+__all__ = ["BLOCKS", "MARKER", "block_fields", "block_path", "claim_folder", "read_entry", "entry_file_name", "entry_of",
+           "is_block_entry", "is_block_name", "is_store_temp"]

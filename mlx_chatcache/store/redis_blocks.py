@@ -16,8 +16,10 @@ cache is stored whole (:mod:`.redis_tier`).
   and make the layers again: each layer's class, ``meta_state`` and arrays'
   dtypes and shapes without the token axis (axis 2).
 
-:func:`assemble` checks every block value's checksum and size and builds the
-cache with one copy per array into a buffer of its own.
+:func:`block_ok` checks a block value's checksum and size; :func:`assemble`
+builds the cache from checked values: each byte copied once, from the value
+into the cache's own buffers (the tail's chunks are joined first, one more
+copy of the tail only).
 """
 
 from __future__ import annotations
@@ -116,30 +118,28 @@ def block_ok(value: bytes | None, checksum, layout: Layout, block: int) -> bool:
 
 def assemble(layout: Layout, values: Sequence[bytes], tail: bytes, block: int) -> list[BaseCache] | None:
     """The cache from checked block values (in order) and the tail payload; None
-    when the tail does not fit the layout."""
+    when the tail does not fit the layout. Each value's bytes are copied once,
+    from NumPy views of them straight into the cache's buffers (:class:`~.blocks.Assembly`)."""
     n_tail = _tail_tokens(layout, len(tail))
     if n_tail is None:
         return None
     n = len(values) * block + n_tail
-    parts = [(memoryview(v), block) for v in values] + [(memoryview(tail), n_tail)]
-    offsets = [0] * len(parts)
-    out = []
-    for kind, meta, arrays in layout.layers:
-        made = []
-        for d, d0, d1, d3 in arrays:
-            dt = np.dtype(_DTYPES[d])
-            buf = np.empty((d0, d1, n, d3), dtype=dt)  # the one copy: every block's slice lands in place
-            at = 0
-            for j, (mv, t) in enumerate(parts):
-                count = d0 * d1 * t * d3
-                if t:
-                    buf[:, :, at : at + t] = np.frombuffer(mv, dt, count, offsets[j]).reshape(d0, d1, t, d3)
-                offsets[j] += count * dt.itemsize
-                at += t
-            a = mx.array(buf)
-            made.append(a.view(mx.bfloat16) if d == "bfloat16" else a)
-        out.append(_KINDS[kind].from_flat_state(made, meta))
-    mx.eval([a for c in out for a in c.flat_state()])
+    specs = [(getattr(mx, d), d0, d1, d3) for _, _, arrays in layout.layers for d, d0, d1, d3 in arrays]
+    asm = blocks.Assembly([_KINDS[k] for k, _, _ in layout.layers], [m for _, m, _ in layout.layers],
+                          [len(arrays) for _, _, arrays in layout.layers], specs, n)  # fmt: skip
+    parts = [_views(layout, memoryview(v), t) for v, t in [*((v, block) for v in values), (tail, n_tail)]]
+    for k in range(len(specs)):
+        asm.fill(k, [p[k] for p in parts])
+    return asm.cache()
+
+
+def _views(layout: Layout, value: memoryview, t: int) -> list[np.ndarray]:
+    """The arrays of a payload of ``t`` tokens, as NumPy views of its bytes."""
+    out, offset = [], 0
+    for d, d0, d1, d3 in layout._arrays():
+        dt = np.dtype(_DTYPES[d])
+        out.append(np.frombuffer(value, dt, d0 * d1 * t * d3, offset).reshape(d0, d1, t, d3))
+        offset += d0 * d1 * t * d3 * dt.itemsize
     return out
 
 

@@ -32,8 +32,9 @@ values in Redis (key layout: :mod:`.redis_layout`):
   (other entries listing it then miss); a block gone counts in ``missing``, the
   entry is deleted and a reconcile pass is called for (as when a lookup finds
   a manifest gone: :mod:`.redis_reconcile`; ``reconciles`` and ``reclaimed``
-  count passes and the block values they freed). The cache is assembled with
-  one copy per array.
+  count passes and the block values they freed). The cache is assembled from
+  the values as received: each byte copied once into the cache's own buffers
+  (the tail's chunks are joined first, one more copy of the tail alone).
 
 When Redis is down, slow or restarting (:mod:`.redis_link`), every call
 returns "no hit"/"not stored" at once without touching the network until the

@@ -37,11 +37,12 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache, prompt_cache_nbytes
 from ..config import SERVER_DEFAULTS
 from ..models.fingerprint import ModelFingerprint
-from .blocks import Blocked, assemble, nbytes, split, splittable
+from .blocks import Blocked, assemble, host_view, nbytes, split, splittable
 from .chain import Chain
 from .index import Entry, EntryIndex
 
@@ -143,12 +144,13 @@ class MemoryTier(Tier):
         super().__init__(budget)
         self.block_tokens = block_tokens
         self._values: dict[str, list[mx.array]] = {}  # block id -> its arrays
+        self._host: dict[str, list[np.ndarray]] = {}  # block id -> NumPy views of them (for assemble)
         self._loose: set[str] = set()  # blocks that may have lost their last entry
 
     def fetch(self, entry, scope, expected):
         self._hit(entry)
         if isinstance(entry.payload, Blocked):
-            return assemble(entry.payload, [self._values[b] for b, _ in entry.blocks])
+            return assemble(entry.payload, [self._host[b] for b, _ in entry.blocks])
         return copy_prompt_cache(entry.payload)
 
     def add(self, scope, tokens, cache, key, compact: bool = False):
@@ -162,6 +164,7 @@ class MemoryTier(Tier):
             chain = Chain(scope.namespace, tokens, self.block_tokens)
             new, blocked = split(cache, chain, self._values.__contains__)
             self._values.update(new)
+            self._host.update((h, [host_view(a) for a in v]) for h, v in new.items())
             self._loose.update(new)
             blocks = tuple((h, nbytes(self._values[h])) for h in chain.hashes)
             entry = Entry(scope.namespace, tuple(tokens), blocked.nbytes, trimmable, key, blocked, blocks)
@@ -174,6 +177,7 @@ class MemoryTier(Tier):
             for b in self._loose:
                 if not self.index.has_block(b):
                     self._values.pop(b, None)
+                    self._host.pop(b, None)
             self._loose.clear()
 
     def _drop(self, entry, keep_payload_of=None):
