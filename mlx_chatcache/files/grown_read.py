@@ -27,28 +27,16 @@ if TYPE_CHECKING:
 _ZERO_CHUNK = bytes(1 << 16)
 
 
-class GrownView(io.RawIOBase):
-    """A read-only, seekable view of the safetensors data in ``source`` (from
-    ``header``) in which each tensor named in ``slots`` has that many slots on
-    axis 2 (at least its own), the extra ones zero. Only what ``mx.load`` needs."""
+class SafetensorsStream(io.RawIOBase):
+    """A read-only, seekable safetensors stream made up for ``mx.load``: a header
+    listing ``entries`` over ``data_size`` bytes (:meth:`_lay_out`), then data its
+    subclass serves in ``readinto``."""
 
-    def __init__(self, source: BinaryIO, header: Header, slots: dict[str, int]):
-        self.source, self.pos = source, 0
-        entries, self.parts, at = {}, [], 0
-        for t in sorted(header.tensors.values(), key=lambda t: t.begin):
-            shape, rows = list(t.shape), 1  # a tensor read as it is: one row
-            if t.name in slots and len(shape) == 4 and slots[t.name] > shape[2]:
-                shape[2], rows = slots[t.name], shape[0] * shape[1]
-            size = math.prod(shape) * t.itemsize
-            row_virtual = size // rows if rows else 0
-            row_real = (t.end - t.begin) // rows if rows else 0
-            self.parts.append((at, at + size, header.data_start + t.begin, row_real, row_virtual))
-            entries[t.name] = {"dtype": t.dtype, "shape": shape, "data_offsets": [at, at + size]}
-            at += size
+    def _lay_out(self, entries: dict, data_size: int) -> None:
         head = json.dumps(entries, separators=(",", ":")).encode()
         head += b" " * (-len(head) % 8)
         self.head = len(head).to_bytes(8, "little") + head
-        self.size = len(self.head) + at
+        self.size, self.pos = len(self.head) + data_size, 0
 
     def readable(self) -> bool:
         return True
@@ -63,6 +51,27 @@ class GrownView(io.RawIOBase):
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
         self.pos = max(0, base + offset)
         return self.pos
+
+
+class GrownView(SafetensorsStream):
+    """A read-only, seekable view of the safetensors data in ``source`` (from
+    ``header``) in which each tensor named in ``slots`` has that many slots on
+    axis 2 (at least its own), the extra ones zero. Only what ``mx.load`` needs."""
+
+    def __init__(self, source: BinaryIO, header: Header, slots: dict[str, int]):
+        self.source = source
+        entries, self.parts, at = {}, [], 0
+        for t in sorted(header.tensors.values(), key=lambda t: t.begin):
+            shape, rows = list(t.shape), 1  # a tensor read as it is: one row
+            if t.name in slots and len(shape) == 4 and slots[t.name] > shape[2]:
+                shape[2], rows = slots[t.name], shape[0] * shape[1]
+            size = math.prod(shape) * t.itemsize
+            row_virtual = size // rows if rows else 0
+            row_real = (t.end - t.begin) // rows if rows else 0
+            self.parts.append((at, at + size, header.data_start + t.begin, row_real, row_virtual))
+            entries[t.name] = {"dtype": t.dtype, "shape": shape, "data_offsets": [at, at + size]}
+            at += size
+        self._lay_out(entries, at)
 
     def readinto(self, buffer) -> int:
         out = memoryview(buffer).cast("B")

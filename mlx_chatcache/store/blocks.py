@@ -33,8 +33,6 @@ the same tokens may differ in the last bits, as a prefill in other chunks does).
 from __future__ import annotations
 
 import bisect
-import io
-import json
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -43,6 +41,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache import BaseCache, KVCache, QuantizedKVCache
+from ..files.grown_read import SafetensorsStream
 from .chain import Chain
 
 SPLITTABLE = (KVCache, QuantizedKVCache)
@@ -167,7 +166,7 @@ def _allocate(arrays: Sequence[tuple[mx.Dtype, tuple[int, int, int, int]]], n: i
     return out
 
 
-class _Room(io.RawIOBase):
+class _Room(SafetensorsStream):
     """A safetensors stream of arrays ``k`` (named ``str(k)``) whose read writes zeros
     only into each row's slots from ``n`` on, leaving the rest of the reader's buffer as it is."""
 
@@ -179,24 +178,8 @@ class _Room(io.RawIOBase):
             entries[str(k)] = {"dtype": _SAFETENSORS[dtype], "shape": list(shape), "data_offsets": [at, at + size]}
             self.parts.append((at, at + size, row, row // shape[2] * n if shape[2] else 0))
             at += size
-        head = json.dumps(entries).encode()
-        head += b" " * (-len(head) % 8)
-        self.head = len(head).to_bytes(8, "little") + head
-        self.size, self.pos = len(self.head) + at, 0
+        self._lay_out(entries, at)
         self.begins = [p[0] for p in self.parts]
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = max(0, {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + offset)
-        return self.pos
 
     def readinto(self, buffer) -> int:
         out = memoryview(buffer).cast("B")
