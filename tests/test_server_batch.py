@@ -96,6 +96,17 @@ def batched(worker, jobs):
         assert rec.done.wait(TIMEOUT), "a batched job did not finish"
 
 
+def batch_of(model, tok, config, prompts, max_batch=4):
+    """``prompts`` submitted at once to a new batched worker, run to the end: (recorders, worker, scheduler)."""
+    worker, sched = make_worker(model, tok, config, max_batch)
+    try:
+        recs = [Recorder() for _ in prompts]
+        batched(worker, [(p, config, r, None) for p, r in zip(prompts, recs)])
+    finally:
+        worker.stop()
+    return recs, worker, sched
+
+
 @pytest.fixture
 def llama(llama_model):
     model, tok = llama_model
@@ -140,12 +151,7 @@ def test_concurrent_prompts_sharing_a_system_prompt_compute_it_once_and_give_the
     system = tok.encode(" ".join(TEXTS[:3]), add_special_tokens=False)  # longer than 3 prefill chunks
     users = [system + p for p in prompts]
     alone = [solo(model, tok, p, config)[0] for p in users]
-    worker, sched = make_worker(model, tok, config, 4)
-    try:
-        recs = [Recorder() for _ in users]
-        batched(worker, [(p, config, r, None) for p, r in zip(users, recs)])
-    finally:
-        worker.stop()
+    recs, worker, sched = batch_of(model, tok, config, users)
     cached = [r.events[0][1]["cached_tokens"] for r in recs]
     assert cached[0] == 0 and all(c >= len(system) for c in cached[1:]), cached
     for a, b in zip(alone, recs):
@@ -450,12 +456,7 @@ def test_float16_kv_rows_give_their_solo_float16_tokens(llama):
     model, tok, prompts = llama
     config = cfg(max_tokens=20, kv_dtype="float16")
     alone = [solo(model, tok, p, config)[0] for p in prompts[:3]]
-    worker, sched = make_worker(model, tok, config, 4)
-    try:
-        recs = [Recorder() for _ in alone]
-        batched(worker, [(p, config, r, None) for p, r in zip(prompts, recs)])
-    finally:
-        worker.stop()
+    recs, worker, sched = batch_of(model, tok, config, prompts[: len(alone)])
     assert max(sched.widths) >= 2
     for a, b in zip(alone, recs):
         assert b.ids() == a.ids() and len(b.ids()) == 20
