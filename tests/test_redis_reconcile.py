@@ -58,14 +58,19 @@ def manifest_key(client, tokens, ns):
     return f"mlxcc:m:{ns}:{eid}"
 
 
-def test_entries_redis_dropped_give_back_their_blocks_and_shared_ones_stay(llama_model, tiers, redis_server):  # noqa: F811
+def stored_tier(llama_model, tiers, redis_server, n):
+    """A tier holding ``n`` conversations, written: (model, client, namespace, tier, conversations)."""
     model, _ = llama_model
     kv, client = KV(model), redis_server.client()
-    ns = scope(model).namespace
     tier = tiers(reconcile_seconds=HOUR)
-    convs = [kv.conversation(i) for i in range(3)]
+    convs = [kv.conversation(i) for i in range(n)]
     for tokens, cache in convs:
         assert tier.add(scope(model), tokens, cache, None) and tier.flush(30)
+    return model, client, scope(model).namespace, tier, convs
+
+
+def test_entries_redis_dropped_give_back_their_blocks_and_shared_ones_stay(llama_model, tiers, redis_server):  # noqa: F811
+    model, client, ns, tier, convs = stored_tier(llama_model, tiers, redis_server, 3)
     own = [set(Chain(ns, t, BLOCK).hashes[15:]) for t, _ in convs]
     shared = set(Chain(ns, convs[0][0], BLOCK).hashes[:15])
     client.delete(manifest_key(client, convs[0][0], ns))  # evicted by Redis (maxmemory)
@@ -90,13 +95,7 @@ def test_entries_redis_dropped_give_back_their_blocks_and_shared_ones_stay(llama
 
 
 def test_a_block_gone_behind_the_tiers_back_is_a_miss_and_kbytes_is_corrected(llama_model, tiers, redis_server):  # noqa: F811
-    model, _ = llama_model
-    kv, client = KV(model), redis_server.client()
-    ns = scope(model).namespace
-    tier = tiers(reconcile_seconds=HOUR)
-    convs = [kv.conversation(i) for i in range(2)]
-    for tokens, cache in convs:
-        assert tier.add(scope(model), tokens, cache, None) and tier.flush(30)
+    model, client, ns, tier, convs = stored_tier(llama_model, tiers, redis_server, 2)
     passes = tier.stats()["reconciles"]
     gone = Chain(ns, convs[0][0], BLOCK).hashes[16]  # only the first conversation holds it
     size = client.strlen(f"mlxcc:k:{ns}:{gone}")
@@ -132,12 +131,7 @@ def test_a_block_gone_behind_the_tiers_back_is_a_miss_and_kbytes_is_corrected(ll
 
 
 def test_a_manifest_gone_at_lookup_calls_for_a_pass(llama_model, tiers, redis_server):  # noqa: F811
-    model, _ = llama_model
-    kv, client = KV(model), redis_server.client()
-    ns = scope(model).namespace
-    tier = tiers(reconcile_seconds=HOUR)
-    tokens, cache = kv.conversation(0)
-    assert tier.add(scope(model), tokens, cache, None) and tier.flush(30)
+    model, client, ns, tier, [(tokens, cache)] = stored_tier(llama_model, tiers, redis_server, 1)
     client.delete(manifest_key(client, tokens, ns), "mlxcc:reconcile")
     assert tier.find(scope(model), tokens + [1], None) is None and tier.flush(10)
     assert keys(client, "k") == [] and int(client.get("mlxcc:kbytes")) == 0
