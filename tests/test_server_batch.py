@@ -76,11 +76,11 @@ def job_for(prompt, config, rec, key=None, n=1, processors=None):
     return rec.job
 
 
-def solo(model, tok, prompt, config, worker=None, key=None):
-    """``prompt`` run alone (today's one-at-a-time path): (recorder, worker)."""
+def solo(model, tok, prompt, config, worker=None, key=None, n=1):
+    """``prompt`` run alone (the one-at-a-time path): (recorder, worker)."""
     worker = worker or make_worker(model, tok, config, 1)[0]
     rec = Recorder()
-    worker._run(job_for(prompt, config, rec, key))
+    worker._run(job_for(prompt, config, rec, key, n=n))
     assert rec.last()[0] == "done", rec.last()
     return rec, worker
 
@@ -251,9 +251,7 @@ def test_stop_strings_and_top_logprobs_in_a_batch_are_the_solo_ones(llama):
 def test_n_choices_are_rows_of_one_prefill_and_give_the_solo_choices(llama):
     model, tok, prompts = llama
     config = cfg(max_tokens=16)
-    worker1 = make_worker(model, tok, config, 1)[0]
-    alone = Recorder()
-    worker1._run(job_for(prompts[0], config, alone, n=3))
+    alone, worker1 = solo(model, tok, prompts[0], config, n=3)
     other_alone = solo(model, tok, prompts[1], config)[0]
     worker, sched = make_worker(model, tok, config, 4)
     try:
@@ -277,10 +275,8 @@ def test_n_choices_are_rows_of_one_prefill_and_give_the_solo_choices(llama):
 def test_seeded_sampled_jobs_decode_in_the_batch_with_their_solo_draws(llama):
     model, tok, prompts = llama
     seeded = cfg(temp=0.8, seed=7, max_tokens=10)
-    worker1 = make_worker(model, tok, seeded, 1)[0]
-    alone, choices_alone = Recorder(), Recorder()
-    worker1._run(job_for(prompts[1], seeded, alone))
-    worker1._run(job_for(prompts[2], seeded.updated(seed=11, max_tokens=8), choices_alone, n=2))
+    alone = solo(model, tok, prompts[1], seeded)[0]
+    choices_alone = solo(model, tok, prompts[2], seeded.updated(seed=11, max_tokens=8), n=2)[0]
     worker, sched = make_worker(model, tok, seeded, 4)
     try:
         recs = [Recorder(), Recorder(), Recorder()]
@@ -301,9 +297,7 @@ def test_seeded_sampled_jobs_decode_in_the_batch_with_their_solo_draws(llama):
 def test_a_job_with_more_choices_than_rows_runs_alone_with_its_solo_tokens(llama):
     model, tok, prompts = llama
     config = cfg(max_tokens=6)
-    worker1 = make_worker(model, tok, config, 1)[0]
-    wide_alone = Recorder()
-    worker1._run(job_for(prompts[3], config, wide_alone, n=3))
+    wide_alone = solo(model, tok, prompts[3], config, n=3)[0]
     worker, sched = make_worker(model, tok, config, 2)
     try:
         recs = [Recorder(), Recorder()]
