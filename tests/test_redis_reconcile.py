@@ -19,7 +19,7 @@ pytest.importorskip("redis")
 
 from redis_server import redis_server, tier_factory  # noqa: E402,F401  (fixture)
 
-from mlx_chatcache.cache import make_prompt_cache  # noqa: E402
+from mlx_chatcache.cache import KVCache, make_prompt_cache  # noqa: E402
 from mlx_chatcache.store.chain import Chain  # noqa: E402
 from store_helpers import arrays, scope  # noqa: E402
 from test_redis_blocks import BLOCK, KV, fetched, keys  # noqa: E402
@@ -234,3 +234,40 @@ def test_a_value_being_published_is_left_alone_for_its_grace_period(tiers, redis
     client.pexpire(f"mlxcc:k:ns:{h}", 1000 * 1000 - 1)  # written more than GRACE seconds ago: abandoned
     report = tier.writer.reconcile()
     assert report.freed == 1 and report.kbytes == 0 and keys(client, "k") == keys(client, "r") == []
+
+
+def test_an_entry_and_its_extension_published_back_to_back_keep_their_blocks_while_passes_race(
+        llama_model, tiers, redis_server):  # noqa: F811
+    """A request's prompt, then its prompt and reply, published one after the other by one
+    replica while another runs passes: the extension replaces the prompt's entry, keeps every
+    block, and is served whole to the other replica."""
+    model, _ = llama_model
+    kv, client = KV(model), redis_server.client()
+    ns = scope(model).namespace
+    writer, other = tiers(queue_size=64, reconcile_seconds=HOUR), tiers(reconcile_seconds=HOUR)
+    finals = [kv.conversation(i, unique=150) for i in range(8)]
+    stop, passes = threading.Event(), []
+
+    def reconcile():
+        while not stop.is_set():
+            passes.append(other.writer.reconcile())
+
+    racer = threading.Thread(target=reconcile)
+    racer.start()
+    try:
+        for i, (tokens, cache) in enumerate(finals):
+            n = len(tokens) - 90  # the prompt: a prefix ending inside a block
+            prompt = [KVCache.from_flat_state([a[:, :, :n] for a in c.flat_state()], (str(n),)) for c in cache]
+            assert writer.add(scope(model), tokens[:n], prompt, None)
+            assert writer.add(scope(model), tokens, cache, f"conversation {i}")
+        assert writer.flush(60)
+    finally:
+        stop.set()
+        racer.join(60)
+    other.writer.reconcile()
+    assert len(passes) >= 2 and len(keys(client, "m")) == len(finals)
+    assert_consistent(client, ns)
+    for tokens, cache in finals:
+        got = fetched(other, model, tokens)
+        assert all(np.array_equal(x, y) for x, y in zip(arrays(got), arrays(cache)))
+    assert other.stats()["missing"] == other.stats()["corrupt"] == 0

@@ -50,9 +50,16 @@ def wait_for(server, what, check, timeout=30.0) -> dict:
     raise AssertionError(f"{what}: {redis_stats(server)}")
 
 
-def written(server, before: int) -> dict:
-    """Wait until the server's Redis tier published an entry more than ``before``."""
-    return wait_for(server, "no entry reached Redis", lambda s: s["added"] > before and not s["pending_writes"])
+def written(server, redis_server, tokenizer, messages) -> None:
+    """Wait until the request on ``messages`` that ``server`` answered has its final
+    entry (its prompt and reply) in Redis and ``server`` has no Redis write queued."""
+    prompt, redis = render_chat(tokenizer, messages), redis_server.client()
+
+    def final(stats) -> bool:
+        manifests = [json.loads(raw) for raw in redis.mget(redis.keys("mlxcc:m:*") or ["-"]) if raw]
+        return not stats["pending_writes"] and any(m["tokens"][: len(prompt)] == prompt for m in manifests)
+
+    wait_for(server, "the request's final entry did not reach Redis", final)
 
 
 @pytest.fixture(scope="module")
@@ -65,15 +72,14 @@ def replicas(shared_redis, tiny_model_dirs, tmp_path_factory):  # noqa: F811
         yield a, b
 
 
-def test_conversation_moves_between_replicas(replicas, llama_model):
+def test_conversation_moves_between_replicas(replicas, shared_redis, llama_model):  # noqa: F811
     a, b = replicas
     turn1 = conversation("rivers")
     assert len(render_chat(llama_model[1], turn1)) > 64  # longer than one hash-chain block
-    before = redis_stats(a)["added"]
     first = chat(a, turn1)
     reply_ids, reply_text = local_reply(llama_model, turn1)
     assert first.choices[0].message.content == reply_text
-    written(a, before)
+    written(a, shared_redis, llama_model[1], turn1)
     turn2 = next_turn(turn1, reply_text, "And one more, please.")
     hits = redis_stats(b)["hits"]
     second = chat(b, turn2)  # the other replica: its memory and disk have never seen this chat
@@ -83,7 +89,7 @@ def test_conversation_moves_between_replicas(replicas, llama_model):
     reply2_ids, reply2_text = local_reply(llama_model, turn2)  # a cold run, in this process
     assert second.choices[0].message.content == reply2_text
     # and back: A's own memory holds turn 1 only, Redis holds B's longer entry
-    written(b, redis_stats(b)["added"] - 1)
+    written(b, shared_redis, llama_model[1], turn2)
     turn3 = next_turn(turn2, reply2_text, "Thanks, that is all.")
     third = chat(a, turn3, stream=True, stream_options={"include_usage": True})
     chunks = list(third)
@@ -94,9 +100,8 @@ def test_conversation_moves_between_replicas(replicas, llama_model):
 def test_corrupted_value_is_rejected(replicas, shared_redis, llama_model):  # noqa: F811
     a, b = replicas
     turn1 = conversation("volcanoes")
-    before = redis_stats(a)["added"]
     first = chat(a, turn1)
-    written(a, before)
+    written(a, shared_redis, llama_model[1], turn1)
     prompt = render_chat(llama_model[1], turn1)
     r = shared_redis.client()
     damaged = 0
@@ -121,9 +126,8 @@ def test_corrupted_value_is_rejected(replicas, shared_redis, llama_model):  # no
 def test_slow_redis_only_slows_requests(replicas, shared_redis, llama_model):  # noqa: F811
     a, b = replicas
     turn1 = conversation("glaciers")
-    before = redis_stats(a)["added"]
     first = chat(a, turn1)
-    written(a, before)
+    written(a, shared_redis, llama_model[1], turn1)
     turn2 = next_turn(turn1, first.choices[0].message.content, "How fast do they move?")
     outages = redis_stats(b)["outages"]
     paused = time.monotonic()
@@ -145,9 +149,8 @@ def test_slow_redis_only_slows_requests(replicas, shared_redis, llama_model):  #
 def test_redis_killed_mid_run_then_restarted(replicas, shared_redis, llama_model):  # noqa: F811
     a, b = replicas
     turn1 = conversation("lighthouses")
-    before = redis_stats(a)["added"]
     first = chat(a, turn1)
-    written(a, before)
+    written(a, shared_redis, llama_model[1], turn1)
     outages = {s.port: redis_stats(s)["outages"] for s in (a, b)}
     logged = {s.port: s.read_log().count(FAILED) for s in (a, b)}
     turn2 = next_turn(turn1, first.choices[0].message.content, "Who keeps them?")
@@ -174,8 +177,7 @@ def test_redis_killed_mid_run_then_restarted(replicas, shared_redis, llama_model
         time.sleep(0.5)
     for server in (a, b):
         assert server.read_log().count("reachable again") == server.read_log().count(FAILED)
-    before = redis_stats(a)["added"]
     first = chat(a, conversation("tunnels"))
-    written(a, before)
+    written(a, shared_redis, llama_model[1], conversation("tunnels"))
     again = next_turn(conversation("tunnels"), first.choices[0].message.content, "How long is the longest?")
     assert chat(b, again).usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens

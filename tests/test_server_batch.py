@@ -19,6 +19,7 @@ from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.models.loading import load
 from mlx_chatcache.server.batch import BatchScheduler
 from mlx_chatcache.server.worker import GenerationWorker, Job
+from mlx_chatcache.store.disk import DiskTier
 from mlx_chatcache.store.store import PromptStore
 from mlx_chatcache.store.tiers import MemoryTier
 
@@ -33,9 +34,10 @@ def cfg(**changes):
     return dataclasses.replace(DEFAULTS, **{"temp": 0.0, "max_tokens": 12, "prefill_step_size": 8, **changes})
 
 
-def make_worker(model, tok, config, max_batch):
-    """A worker with its scheduler; ``scheduler.widths`` records the rows of every batched model call."""
-    worker = GenerationWorker(model, tok, PromptStore([MemoryTier(1 << 30)]), config, max_queue=16)
+def make_worker(model, tok, config, max_batch, store=None):
+    """A worker with its scheduler (on ``store``, a memory tier by default); ``scheduler.widths``
+    records the rows of every batched model call."""
+    worker = GenerationWorker(model, tok, store or PromptStore([MemoryTier(1 << 30)]), config, max_queue=16)
     scheduler = BatchScheduler(worker, max_batch)
     step, scheduler.widths = scheduler.decode.step, []
 
@@ -159,6 +161,26 @@ def test_concurrent_prompts_sharing_a_system_prompt_compute_it_once_and_give_the
     # the shared system prompt was fed once: the later prompts fed only what follows their cached part
     assert worker.stats["prompt_tokens_computed"] == sum(len(p) - c for p, c in zip(users, cached))
     assert worker.stats["prompt_tokens_computed"] < sum(len(p) for p in users) - 2 * len(system)
+
+
+def test_fed_prompts_serve_concurrent_requests_from_memory_and_files_get_only_final_entries(llama, tmp_path):
+    model, tok, prompts = llama
+    config = cfg(max_tokens=6)
+    system = tok.encode(" ".join(TEXTS[:3]), add_special_tokens=False)
+    users = [system + p for p in prompts]
+    store = PromptStore([MemoryTier(1 << 30), DiskTier(tmp_path, 1 << 30)])
+    worker, sched = make_worker(model, tok, config, 4, store)
+    try:
+        recs = [Recorder() for _ in users]
+        batched(worker, [(p, config, r, None) for p, r in zip(users, recs)])
+    finally:
+        worker.stop()  # writes every deferred file
+    cached = [r.events[0][1]["cached_tokens"] for r in recs]
+    assert cached[0] == 0 and all(c >= len(system) for c in cached[1:]), cached
+    assert {r.events[0][1]["cached_tier"] for r in recs[1:]} == {"memory"}
+    assert store.tiers[1].stats()["added"] == len(users)  # one file per request: no fed prompt was written
+    files = sorted(e.tokens for e in DiskTier(tmp_path, 1 << 30).index.entries())
+    assert files == sorted(tuple(p + r.ids()[:-1]) for p, r in zip(users, recs))
 
 
 def test_a_batched_jobs_store_entry_is_the_solo_ones_and_the_next_turn_continues_alike(llama):

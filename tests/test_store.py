@@ -218,6 +218,16 @@ def test_deferred_file_writes_wait_for_flush(llama_model, tmp_path):
     assert entry.nbytes == sum(c.nbytes for c in entry.payload)
 
 
+def test_a_memory_only_put_leaves_the_files_alone(llama_model, tmp_path):
+    model, _ = llama_model
+    a = tokens_of(20)
+    store = PromptStore([MemoryTier(1 << 30), DiskTier(tmp_path, 1 << 30)])
+    assert store.put(scope(model), a, filled(model, a).cache, defer=True, memory_only=True) == {"memory": True}
+    assert not store.pending and store.flush() == 0 and not list(tmp_path.glob("*.safetensors"))
+    got = checked_out(store, scope(model), model, a + [1])
+    assert got.tier == "memory" and got.served == 20
+
+
 @pytest.mark.parametrize("kind,bits", [("sliding", None), ("llama", 4)])
 def test_rotating_and_quantized_caches_round_trip_through_both_tiers(tiny_model_dirs, tmp_path, kind, bits):
     from mlx_chatcache.cache import quantize_prompt_cache

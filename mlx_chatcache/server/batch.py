@@ -14,8 +14,9 @@ one at a time, the first waiting prompt first: a job is checked out of the store
 when its turn comes (so it reuses what the prompts fed before it stored), and its
 uncached prompt, all but its last token, is fed by
 :func:`~mlx_chatcache.generation.loop.prefill`, one chunk of
-``prefill_step_size`` per tick. Its cache then goes into the store (concurrent
-requests sharing a system prompt pay for it once) and its row joins the
+``prefill_step_size`` per tick. Its cache then goes into the store's memory
+tier (concurrent requests sharing a system prompt pay for it once; files and
+Redis get the request's final entry) and its row joins the
 :class:`~mlx_chatcache.generation.batch.DecodeBatch`. Each tick feeds
 every row's token in one model call. A row emits exactly the events a job alone
 emits (``start``, ``piece``, ``done``/``error``; :class:`~.worker.ChoiceOutput`),
@@ -223,7 +224,7 @@ class BatchScheduler:
             return
         now = time.perf_counter()
         for tokens, cache in self._fed:  # prompts fed since the last tick: for the prompts after them
-            self.worker._put(tokens, cache, None)
+            self.worker._put(tokens, cache, None, memory_only=True)
         self._fed.clear()
         self._ticks += 1
         if self._ticks % 256 == 0:  # as a job alone does every 256 tokens

@@ -270,10 +270,11 @@ class GenerationWorker:
         copies = [compact_copy(base) for _ in range(job.n - 2)] + [base]
         return [state] + [PromptCache(c, list(state.tokens), state.shape) for c in copies]
 
-    def _put(self, tokens, cache, key) -> None:
-        """Store a cache; a failing tier (a full disk) is logged, the client has its reply."""
+    def _put(self, tokens, cache, key, memory_only: bool = False) -> None:
+        """Store a cache (``memory_only``: in the memory tier alone); a failing tier
+        (a full disk) is logged, the client has its reply."""
         try:
-            self.store.put(self.scope, tokens, cache, key, defer=True)
+            self.store.put(self.scope, tokens, cache, key, defer=True, memory_only=memory_only)
         except (ChatCacheError, OSError) as e:
             self.stats["store_errors"] = self.stats.get("store_errors", 0) + 1
             log.warning("could not store a prompt cache: %s", e)

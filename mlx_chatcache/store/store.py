@@ -25,7 +25,9 @@ Contract
   has nothing else to do (and before it exits). A trimmable entry replaces the stored entries
   it extends (their tokens are a prefix of its own); ``key`` (a conversation
   id) pins it: pinned entries outlive unpinned ones under eviction, and a
-  lookup with that key prefers them.
+  lookup with that key prefers them. With ``memory_only=True`` only the memory
+  tier keeps it (a cache for the requests of this process, e.g. a prompt whose
+  request is still running; files and the Redis tier get its final entry).
 - Named tiers (:class:`~.named_file.CacheFileTier`: a file the user named,
   ``mlxcc generate --prompt-cache-file``, a chat session file) are strict:
   their ``find``/``fetch`` raise instead of missing. ``put`` writes them at
@@ -107,18 +109,18 @@ class PromptStore:
 
     def put(self, scope: Scope, tokens: Sequence[int], cache: list[BaseCache], key: str | None = None,
             defer: bool = False, prompt: PromptCache | None = None,
-            on_error: Callable[[Tier, Exception], None] | None = None) -> dict:  # fmt: skip
-        """Store ``cache`` (holding ``tokens``) in every tier; ``{tier: stored?}``
-        (None: a deferred write, still pending). See the module doc for named
-        tiers, ``prompt`` and ``on_error``."""
+            on_error: Callable[[Tier, Exception], None] | None = None, memory_only: bool = False) -> dict:  # fmt: skip
+        """Store ``cache`` (holding ``tokens``) in every tier (``memory_only``: in the
+        memory tier alone); ``{tier: stored?}`` (None: a deferred write, still
+        pending). See the module doc for named tiers, ``prompt`` and ``on_error``."""
         tokens = tuple(tokens)
         stored = {}
         for tier in self.tiers:
-            if tier.named:
+            if tier.named and not memory_only:
                 stored[tier.name] = tier.add(scope, tokens, cache, key, prompt)
         if not tokens:
             return stored
-        anonymous = [t for t in self.tiers if not t.named]
+        anonymous = [t for t in self.tiers if not t.named and (isinstance(t, MemoryTier) or not memory_only)]
         files = [t for t in anonymous if not isinstance(t, MemoryTier)]
         if defer and files:
             cache = compact_copy(cache)  # one copy, shared by the memory tier and the pending writes
