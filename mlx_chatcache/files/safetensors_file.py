@@ -17,7 +17,9 @@ remote store): same checks, no file.
 
 ``read_into`` reads a checksummed file's tensors straight into buffers of the
 caller's (rows of a larger array: a store puts a cache together from block
-files with it), in scatter reads, then checks them where they landed.
+files with it), in scatter reads, then checks them where they landed;
+``start_read_into`` does the header part now and hands back the reading and
+checking, for another thread.
 
 Writing (atomic: temp file + fsync + rename) lives in :mod:`.atomic_write`.
 A file that does not start like a safetensors file (a text file) is refused
@@ -276,48 +278,82 @@ def read_arrays(header: Header, names=None, slots: dict[str, int] | None = None)
     return out
 
 
-def read_into(path: str | os.PathLike, place: Callable[[Header], dict[str, list[memoryview]]]) -> Header:
-    """Read the tensors of the safetensors file ``path`` into the caller's buffers.
+def read_into(path: str | os.PathLike, place: Callable[[Header], list[list[memoryview]]]) -> Header:
+    """Read the tensors of the safetensors file ``path`` into the caller's buffers:
+    :func:`start_read_into`, then its ``finish()``, on this thread."""
+    return start_read_into(path, place).finish()
 
-    The file is opened once; its header is parsed and validated as :func:`read_header`
-    does and must carry checksums. ``place(header)`` gives each tensor's destination
-    (it may raise to refuse the header): writable byte buffers (``memoryview`` of
-    format ``B``) whose sizes add up to the tensor's bytes, taking them in order. The
-    data section is read into them with scatter reads (``os.preadv``): the one copy.
-    Each tensor is then checked against its checksum where it landed. A file that
-    is short, lacks checksums or a destination, or does not match raises
-    CacheFileError (the buffers then hold part of it).
+
+def start_read_into(path: str | os.PathLike, place: Callable[[Header], list[list[memoryview]]]) -> PendingRead:
+    """Open ``path`` and validate its header; the :class:`PendingRead` returned reads the data.
+
+    The header is parsed and validated as :func:`read_header` does and must carry
+    checksums. ``place(header)`` gives, for each tensor in file order (``header.tensors``),
+    the buffers it is read into (it may raise to refuse the header): writable byte
+    buffers (``memoryview`` of format ``B``) whose sizes add up to the tensor's bytes,
+    taken in order. A file that cannot be read, lacks checksums or does not fit the
+    buffers raises CacheFileError (the file is then closed).
     """
     path = Path(path)
     try:
-        with open(path, "rb", buffering=0) as f:
-            fd = f.fileno()
-            st = os.fstat(fd)
-            head = os.pread(fd, 9, 0)
-            if not _looks_like_safetensors(head):
-                raise not_safetensors(path)
-            n = _declared_header_size(path, head[:8], st.st_size)
-            raw = os.pread(fd, n, 8)
-            if len(raw) != n:
-                raise _bad(path, "the file ended early")
-            header = _parse_header(path, raw, st.st_size, _identity(st))
-            if header.checksums is None:
-                raise damaged(path, "it carries no checksums")
-            dest = place(header)
-            order = header.tensors.values()  # in file order
-            bufs = [b for t in order for b in dest.get(t.name, ()) if b.nbytes]
-            if sum(b.nbytes for b in bufs) != header.file_size - header.data_start:
-                raise _bad(path, "its tensors do not fit the cache they are read into")
-            _read_exactly_into(f, header.data_start, bufs, path)
+        f = open(path, "rb", buffering=0)
     except OSError as e:
         raise _bad(path, f"it could not be read: {e}") from None
-    for t in order:
-        crc = 0
-        for b in dest.get(t.name, ()):
-            crc = crc32(b, crc)
-        if crc != header.checksums[t.name]:
-            raise damaged(path, f"tensor {t.name!r} does not match its checksum")
-    return header
+    try:
+        fd = f.fileno()
+        st = os.fstat(fd)
+        head = os.pread(fd, 9, 0)
+        if not _looks_like_safetensors(head):
+            raise not_safetensors(path)
+        n = _declared_header_size(path, head[:8], st.st_size)
+        raw = os.pread(fd, n, 8)
+        if len(raw) != n:
+            raise _bad(path, "the file ended early")
+        header = _parse_header(path, raw, st.st_size, _identity(st))
+        if header.checksums is None:
+            raise damaged(path, "it carries no checksums")
+        dest = place(header)
+        if len(dest) != len(header.tensors) or sum(b.nbytes for t in dest for b in t) != st.st_size - header.data_start:
+            raise _bad(path, "its tensors do not fit the buffers they are read into")
+    except OSError as e:
+        f.close()
+        raise _bad(path, f"it could not be read: {e}") from None
+    except BaseException:
+        f.close()
+        raise
+    return PendingRead(f, header, dest)
+
+
+class PendingRead:
+    """An open file whose header :func:`start_read_into` validated and placed.
+
+    ``finish()`` (on any thread: reads and checksums free the GIL) reads the data
+    section straight into the buffers with scatter reads (``os.preadv``: the one
+    copy), checks each tensor against its checksum where it landed, closes the
+    file and returns the header; a short read or a checksum that does not match
+    raises CacheFileError (the buffers then hold part of the file). ``close()``
+    drops it unread."""
+
+    def __init__(self, f, header: Header, dest: list[list[memoryview]]):
+        self._f, self.header, self._dest = f, header, dest
+
+    def finish(self) -> Header:
+        header, path = self.header, self.header.path
+        try:
+            with self._f:
+                _read_exactly_into(self._f, header.data_start, [b for t in self._dest for b in t if b.nbytes], path)
+        except OSError as e:
+            raise _bad(path, f"it could not be read: {e}") from None
+        for name, tensor in zip(header.tensors, self._dest):
+            crc = 0
+            for b in tensor:
+                crc = crc32(b, crc)
+            if crc != header.checksums[name]:
+                raise damaged(path, f"tensor {name!r} does not match its checksum")
+        return header
+
+    def close(self) -> None:
+        self._f.close()
 
 
 def _read_exactly_into(f, offset: int, bufs: list[memoryview], path: Path) -> None:

@@ -130,8 +130,9 @@ class Assembly:
         slots = [kind.grown_slots(n) for kind, count in zip(kinds, counts) for _ in range(count)]
         self._buffers = _allocate([(_bits(d), (d0, d1, s, d3)) for (d, d0, d1, d3), s in zip(specs, slots)], n)
         self._views = [np.array(b, copy=False) for b in self._buffers]  # MLX's memory, writable
-        self._bytes = [memoryview(v).cast("B") for v in self._views]  # C-contiguous, or this raises
-        self._rows = [range(0, v.strides[1] * v.shape[0] * v.shape[1], v.strides[1]) for v in self._views]
+        flat = [memoryview(v).cast("B") for v in self._views]  # C-contiguous, or this raises
+        self._rows = [[f[r : r + v.strides[1]] for r in range(0, f.nbytes, v.strides[1])]
+                      for f, v in zip(flat, self._views)]  # each buffer's rows (axis 0 and 1), in order
 
     def fill(self, k: int, parts: Sequence[np.ndarray]) -> None:
         """Copy ``parts`` (``(d0, d1, t_i, d3)`` each, of buffer ``k``'s dtype or its bits,
@@ -140,13 +141,13 @@ class Assembly:
 
     def rows(self, k: int, at: int, t: int) -> list[memoryview]:
         """Buffer ``k``'s bytes for tokens ``at:at+t``, row by row (``d0 x d1`` rows, in order)."""
-        flat, token = self._bytes[k], self._views[k].strides[2]  # C-contiguous: rows one after the other
+        token = self._views[k].strides[2]
         a, b = at * token, (at + t) * token
-        return [flat[r + a : r + b] for r in self._rows[k]]
+        return [row[a:b] for row in self._rows[k]]
 
     def cache(self) -> list[BaseCache]:
         """The layers, holding the buffers (no copy)."""
-        self._views, self._bytes = [], []
+        self._views, self._rows = [], []
         arrays = [b if b.dtype == d else b.view(d) for b, (d, *_) in zip(self._buffers, self.specs)]
         out, at = [], 0
         for kind, meta, count in zip(self.kinds, self.metas, self.counts):

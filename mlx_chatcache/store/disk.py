@@ -16,7 +16,7 @@ from ..errors import ChatCacheError
 from ..files.atomic import remove_stale_temp_files_in
 from ..files.checksum import MAX_THREADS
 from ..files.mlxcc_format import check_cache_fits_model, info_from_header, load_cache_file, save_prompt_cache
-from ..files.safetensors_file import DTYPES, read_into
+from ..files.safetensors_file import DTYPES, read_into, start_read_into
 from .blocks import SPLITTABLE, Assembly, as_layers, split, splittable
 from .chain import Chain
 from .disk_folder import (
@@ -54,7 +54,7 @@ class DiskTier(Tier):
     ``rescan_seconds``; it never evicts or deletes). An indexed entry whose
     file another process removed is dropped at its fetch (a miss, not corrupt).
 
-    With ``block_tokens`` (default ``SERVER_DEFAULTS.store_block_tokens``), a
+    With ``block_tokens`` (default ``SERVER_DEFAULTS.disk_block_tokens``), a
     cache of plain K/V layers holding at least one block of tokens is stored as
     shared block files plus an entry file holding its tail and naming its blocks
     (:mod:`.blocks`, :func:`~.disk_folder.block_path`): entries sharing a prefix
@@ -79,7 +79,7 @@ class DiskTier(Tier):
 
     def __init__(self, folder: str | os.PathLike, budget: int | None,
                  rescan_seconds: float = SERVER_DEFAULTS.disk_rescan_seconds,
-                 block_tokens: int = SERVER_DEFAULTS.store_block_tokens,
+                 block_tokens: int = SERVER_DEFAULTS.disk_block_tokens,
                  orphan_seconds: float = SERVER_DEFAULTS.disk_orphan_seconds):  # fmt: skip
         super().__init__(sys.maxsize if budget is None else budget)
         self.counters["foreign"] = 0
@@ -280,9 +280,11 @@ class DiskTier(Tier):
         """The cache of block entry ``entry``: the one copy of each stored byte is the
         scatter read of its file straight into the cache's buffers (with room to grow);
         each file's checksums are then checked where its bytes landed. The entry file
-        is read first (its layers give the cache's layout), the block files then over
-        a few threads (no MLX work: reads and checksums into NumPy views). The file
-        that failed is the last in ``bad`` (what to delete when it is damaged)."""
+        is read first (its layers give the cache's layout), then the block files, up to
+        ``_OPEN_FILES`` at a time: their headers on this thread, then their data over a
+        few threads (no MLX work: reads and checksums into NumPy views, which free the
+        GIL; no header parsing competes with them for it). The file that failed is the
+        last in ``bad`` (what to delete when it is damaged)."""
         n, size = len(entry.tokens), self.block_tokens
         places = []
 
@@ -308,11 +310,20 @@ class DiskTier(Tier):
         bad.append(entry.payload)
         read_into(entry.payload, tail)
         with ThreadPoolExecutor(min(os.cpu_count() or 1, MAX_THREADS)) as pool:  # reads and sums free the GIL
-            futs = [(p, pool.submit(read_into, p, places[0].block(scope, i, h, size)))
-                    for i, (p, (h, _)) in enumerate(zip(paths, entry.blocks))]
-            for p, f in futs:
-                bad.append(p)
-                f.result()
+            for first in range(0, len(paths), _OPEN_FILES):
+                started = []
+                try:
+                    for i in range(first, min(first + _OPEN_FILES, len(paths))):  # the headers, here
+                        bad.append(paths[i])
+                        started.append(start_read_into(paths[i], places[0].block(scope, i, entry.blocks[i][0], size)))
+                except BaseException:
+                    for read in started:
+                        read.close()
+                    raise
+                reads = [(read.header.path, pool.submit(read.finish)) for read in started]  # then the data
+                for p, read in reads:
+                    bad.append(p)
+                    read.result()
         bad.append(entry.payload)
         return places[0].asm.cache()
 
@@ -348,13 +359,17 @@ def _touch(path: Path) -> bool:
     return True
 
 
+_OPEN_FILES = 64  # block files a checkout holds open at once
+
+
 class _Places:
     """Where the tensors of a block entry's files go in its :class:`~.blocks.Assembly`."""
 
     def __init__(self, asm: Assembly):
         self.asm = asm
-        self.names = [f"layer.{i}.{j}" for i, c in enumerate(asm.counts) for j in range(c)]  # a file's, in order
-        self.checked = None  # the tensor table last checked (block files of one entry share one)
+        self.names = [f"layer.{i}.{j}" for i, c in enumerate(asm.counts) for j in range(c)]
+        self.checked = None  # (tensor table, tokens) last checked: block files of one entry share one
+        self.order: list[int] = []  # the checked table's tensors, in file order, as buffer indices
 
     def block(self, scope, i: int, h: str, size: int):
         """The ``place`` of block ``i`` (chain hash ``h``), checking the file is that block."""
@@ -366,15 +381,17 @@ class _Places:
 
         return place
 
-    def of(self, header, at: int, t: int) -> dict[str, list[memoryview]]:
-        """Where the K/V tensors of a file of ``t`` tokens go (from token ``at``); ChatCacheError
-        when its tensors are not exactly those, in the cache's dtypes and shapes."""
-        if self.checked != (header.tensors, t):
+    def of(self, header, at: int, t: int) -> list[list[memoryview]]:
+        """Where the K/V tensors of a file of ``t`` tokens go (from token ``at``), in file order;
+        ChatCacheError when its tensors are not exactly those, in the cache's dtypes and shapes."""
+        if self.checked is None or self.checked[0] is not header.tensors or self.checked[1] != t:
             for name, (d, d0, d1, d3) in zip(self.names, self.asm.specs):
                 e = header.tensors.get(name)
                 if e is None or e.shape != (d0, d1, t, d3) or getattr(mx, DTYPES[e.dtype][1]) != d:
                     raise ChatCacheError(f"{header.path}: tensor {name} does not fit the entry's cache")
             if len(self.names) != len(header.tensors):
                 raise ChatCacheError(f"{header.path} holds tensors the entry's cache has not")
+            index = {name: k for k, name in enumerate(self.names)}
+            self.order = [index[name] for name in header.tensors]
             self.checked = (header.tensors, t)
-        return {name: self.asm.rows(k, at, t) for k, name in enumerate(self.names)}
+        return [self.asm.rows(k, at, t) for k in self.order]
