@@ -18,7 +18,7 @@ One command (from the repository root):
 2. Store growth: N = 1, 10, 50 conversations sharing a 1,000-token system
    prompt with 200 unique tokens each, put into the memory tier (whole entries,
    and shared blocks of ``--block`` tokens: the default), the disk tier
-   (a temp folder, shared block files of ``--block`` tokens) and the Redis tier (a ``redis-server`` started on a free
+   (a temp folder, shared block files of ``--disk-block`` tokens) and the Redis tier (a ``redis-server`` started on a free
    loopback port; "n/a" without the binary or the ``redis`` package). Store
    bytes per tier (memory: the tier's byte count; disk: the entry and block files' sizes;
    Redis: the sum of ``MEMORY USAGE`` over its keys) against the K/V bytes of
@@ -144,7 +144,8 @@ def random_conversation(base, unique: int, seed: int):
 TIMED = ("memory", "blocks", "disk, whole", "disk", "redis, whole", "redis")
 
 
-def store_growth(model, fingerprint, counts, shared: int, unique: int, repeats: int, folder: Path, block: int):
+def store_growth(model, fingerprint, counts, shared: int, unique: int, repeats: int, folder: Path, block: int,
+                 disk_block: int):
     import mlx.core as mx
     import numpy as np
 
@@ -162,7 +163,7 @@ def store_growth(model, fingerprint, counts, shared: int, unique: int, repeats: 
     base = random_conversation(base, shared, 1)
     per_token = kv_bytes_per_token(base)
     tiers = {"memory": MemoryTier(1 << 50, block_tokens=0), "blocks": MemoryTier(1 << 50, block_tokens=block),
-             "disk": DiskTier(folder / "disk", 1 << 50, block_tokens=block)}  # fmt: skip
+             "disk": DiskTier(folder / "disk", 1 << 50, block_tokens=disk_block)}  # fmt: skip
     redis, why = _redis(folder)
     if redis is not None:
         from mlx_chatcache.store.redis_tier import RedisTier
@@ -216,6 +217,9 @@ def store_growth(model, fingerprint, counts, shared: int, unique: int, repeats: 
                 t1 = time.perf_counter()
                 mx.eval([c.update_and_fetch(k, v) for c, (k, v) in zip(got, one)])
                 fed.append(runs[-1] + time.perf_counter() - t1)
+            # released before the next tier's checkout, so each starts with the allocator as the last left it
+            # (a checkout made while another cache is alive may get fresh pages, costing every page a fault)
+            del got
             times[name] = [name, f"{median(runs) * 1e3:.1f}", f"{median(fed) * 1e3:.1f}" if fed else "",
                            f"{n} tokens served, entry of {len(entry.tokens)}"]  # fmt: skip
     times = [times[name] for name in TIMED if name in times]
@@ -277,6 +281,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="checkouts timed per tier (median)")
     ap.add_argument("--block", type=int, default=SERVER_DEFAULTS.store_block_tokens,
                     help="the block and Redis tiers' tokens per block (default: the memory tier's)")
+    ap.add_argument("--disk-block", type=int, default=SERVER_DEFAULTS.disk_block_tokens,
+                    help="the disk tier's tokens per block file (default: the disk tier's)")
     args = ap.parse_args(argv)
     counts = sorted({int(x) for x in args.counts.split(",") if x})
     t_start = time.perf_counter()
@@ -284,7 +290,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="mlxcc-growth-") as tmp:
         chat_rows, llama_how = saved_chat(model, tok, Path(tmp))
         rows, times, per_token, redis_why = store_growth(model, fingerprint, counts, args.shared, args.unique,
-                                                         args.repeats, Path(tmp), args.block)  # fmt: skip
+                                                         args.repeats, Path(tmp), args.block,
+                                                         args.disk_block)  # fmt: skip
     text = header_block("Store growth: bytes per token and per conversation") + f"\nModel: {desc}.\n\n"
     text += f"Saved chat ({SAVED_CHAT_TOKENS} tokens, `save_prompt_cache`); {llama_how}.\n\n"
     text += md_table(["K/V", "tokens", "file MB", "KB / token", "K/V MB", "header bytes", "file / K/V",
@@ -293,8 +300,8 @@ def main(argv=None) -> int:
              f"each ({per_token} K/V bytes per token); 'unique K/V' = the K/V bytes of {args.shared} + "
              f"{args.unique} N tokens; 'memory' stores whole entries (every entry holds its whole prefix); "
              f"'blocks' is the memory tier with shared blocks of {args.block} tokens (each "
-             "entry: its blocks' references + its tail); 'disk' keeps the same blocks as files (each block file "
-             "once, plus an entry file per entry holding its tail); Redis shares block values of the same size, "
+             f"entry: its blocks' references + its tail); 'disk' keeps blocks of {args.disk_block} tokens as files "
+             f"(each block file once, plus an entry file per entry holding its tail); Redis shares block values of {args.block} tokens, "
              "counted with every key's overhead (`MEMORY USAGE`)."
              + (f" Redis: n/a ({redis_why})." if redis_why else "") + "\n\n")  # fmt: skip
     text += md_table(["N", "unique K/V MB", "memory MB", "memory / unique", "blocks MB", "blocks / unique",
