@@ -4,6 +4,8 @@ a missing or damaged block makes its entry a miss."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from test_store_blocks import LAYERS, SCOPE, arrays, cache_of
@@ -175,3 +177,25 @@ def test_block_files_no_entry_names_are_deleted_at_start_once_old_enough(tmp_pat
         os.utime(p, (past, past))
     tier.add(SCOPE, tokens + [7] * 40, cache_of(tokens + [7] * 40), None)
     assert all(p.stat().st_mtime > past + 60 for p in held)
+
+
+def open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+@pytest.mark.parametrize("which", [0, 3, 5])
+def test_a_block_file_whose_header_is_damaged_is_a_corrupt_miss_that_leaves_no_file_open(tmp_path, which):
+    tokens = list(range(1, 6 * 32 + 10))  # six blocks and a tail
+    tier = DiskTier(tmp_path, 1 << 40, block_tokens=32)
+    assert tier.add(SCOPE, tokens, cache_of(tokens), None)
+    damaged = block_path(tmp_path, entry_of(tier, tokens).blocks[which][0])
+    data = bytearray(damaged.read_bytes())
+    data[20] ^= 0x01  # in the JSON header: its checksum no longer matches
+    damaged.write_bytes(bytes(data))
+    before = open_files()
+    assert served(tier, tokens) is None
+    assert open_files() == before
+    assert tier.stats()["corrupt"] == 1 and not damaged.exists()
+    assert tier.add(SCOPE, tokens, cache_of(tokens), None)  # written again, whole
+    assert_serves(tier, tokens)
