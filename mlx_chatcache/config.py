@@ -355,8 +355,9 @@ class ServerConfig:
     # within 1.2x of their unique tokens' bytes on disk, see RESULTS.md
     disk_block_tokens: int = 64
     disk_rescan_seconds: float = 1.0  # a disk tier looks for entries other processes added at most this often
-    # a block file no entry file names is deleted when a disk tier opens its folder once it is this old
-    # (a writer killed between its blocks and its entry left it; a live writer's are newer)
+    # a block file no entry file names is deleted once it is this old, when a disk tier opens its folder
+    # and by its rescan (at most every half of this); a writer killed between its blocks and its entry
+    # left it, a live writer's are newer
     disk_orphan_seconds: float = 600.0
     max_queue: int = 64  # requests waiting for the generation worker; more get HTTP 503
     # rows decoded together in one model call (1: one request at a time); decoding on a CPU

@@ -5,6 +5,8 @@ a missing or damaged block makes its entry a miss."""
 from __future__ import annotations
 
 import os
+import shutil
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from mlx_chatcache.files.mlxcc_format import save_prompt_cache
 from mlx_chatcache.store.disk import DiskTier
 from mlx_chatcache.store.disk_folder import BLOCKS, block_path, entry_file_name
 from mlx_chatcache.store.index import Entry
+from mlx_chatcache.store.tiers import make_scope
 
 
 def files_bytes(folder) -> int:
@@ -151,10 +154,6 @@ def test_block_entries_another_process_adds_are_found_and_a_smaller_budget_keeps
 
 
 def test_block_files_no_entry_names_are_deleted_at_start_once_old_enough(tmp_path):
-    import os
-    import shutil
-    import time
-
     tokens = list(range(1, 101))
     tier = DiskTier(tmp_path, 1 << 40, block_tokens=32)
     assert tier.add(SCOPE, tokens, cache_of(tokens), None)
@@ -177,6 +176,69 @@ def test_block_files_no_entry_names_are_deleted_at_start_once_old_enough(tmp_pat
         os.utime(p, (past, past))
     tier.add(SCOPE, tokens + [7] * 40, cache_of(tokens + [7] * 40), None)
     assert all(p.stat().st_mtime > past + 60 for p in held)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """``time.monotonic`` under the test's control: ``clock[0]`` is now."""
+    now = [time.monotonic()]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    return now
+
+
+def test_a_running_tier_deletes_old_orphan_block_files_on_a_find_miss_at_most_every_half_orphan_seconds(
+    tmp_path, clock
+):
+    tokens, miss = list(range(1, 101)), [5000, 5001]
+    server = DiskTier(tmp_path, 1 << 40, rescan_seconds=0, block_tokens=32, orphan_seconds=600)
+    assert server.add(SCOPE, tokens, cache_of(tokens), None)
+    held = sorted((tmp_path / BLOCKS).iterdir())
+    # a command next to the server, killed between its block files and its entry file
+    old, fresh = block_path(tmp_path, "a" * 32), block_path(tmp_path, "b" * 32)
+    shutil.copy(held[0], old)
+    shutil.copy(held[0], fresh)
+    past = time.time() - 3600
+    for p in [old, *held]:  # the held blocks are as old: their entry keeps them
+        os.utime(p, (past, past))
+    clock[0] += 299  # the folder was looked at less than orphan_seconds / 2 ago (when the tier opened it)
+    assert server.find(SCOPE, miss, None) is None
+    assert old.exists() and server.stats()["orphans_removed"] == 0
+    clock[0] += 2
+    assert server.find(SCOPE, miss, None) is None
+    assert not old.exists() and server.stats()["orphans_removed"] == 1
+    assert fresh.exists()  # a live writer's new blocks are left alone
+    assert all(p.exists() for p in held)
+    assert_serves(server, tokens)
+    # once old, the other goes at the next pass, not before; the count adds up
+    os.utime(fresh, (past, past))
+    clock[0] += 299
+    assert server.find(SCOPE, miss, None) is None and fresh.exists()
+    clock[0] += 2
+    assert server.find(SCOPE, miss, None) is None and not fresh.exists()
+    assert server.stats()["orphans_removed"] == 2
+    assert all(p.exists() for p in held)
+    assert_serves(server, tokens)
+
+
+def test_a_running_tier_keeps_old_block_files_an_entry_another_process_wrote_names(tmp_path, clock):
+    other = make_scope(SCOPE.fingerprint, {"max_kv_size": 4096, "keep": None})  # another namespace
+    a, b = list(range(1, 101)), list(range(1, 65)) + [9] * 40
+    server = DiskTier(tmp_path, 1 << 40, rescan_seconds=0, block_tokens=32, orphan_seconds=600)
+    command = DiskTier(tmp_path, None, block_tokens=32)  # mlxcc generate --cache-dir next to the server
+    assert command.add(SCOPE, a, cache_of(a), None) and command.add(other, b, cache_of(b), None)
+    blocks = sorted((tmp_path / BLOCKS).iterdir())
+    assert len(blocks) == 6
+    past = time.time() - 3600
+    for p in blocks:  # as old as orphans could be
+        os.utime(p, (past, past))
+    assert server.index.get(SCOPE.namespace, tuple(a)) is None and len(server.index) == 0  # not seen yet
+    clock[0] += 301
+    assert server.find(SCOPE, [5000], None) is None  # a miss: the rescan indexes both entries, then collects
+    assert server.stats()["orphans_removed"] == 0 and all(p.exists() for p in blocks)
+    assert len(server.index) == 2
+    assert_serves(server, a)
+    got = server.fetch(server.index.get(other.namespace, tuple(b)), other, [KVCache() for _ in range(LAYERS)])
+    assert got is not None and all(c.offset == len(b) for c in got)
 
 
 def open_files() -> int:

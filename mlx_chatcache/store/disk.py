@@ -65,10 +65,15 @@ class DiskTier(Tier):
     from the entry files. An entry whose block file is gone is a miss (dropped,
     not corrupt); one whose block file is damaged is dropped and counted corrupt,
     and the damaged block file deleted (so the next entry holding it writes it again).
-    Block files no entry file names (a writer killed between its blocks and its
-    entry file left them) are deleted when a tier opens the folder, once older
-    than ``orphan_seconds`` (``stats()["orphans_removed"]``); a writer touches the
-    block files it uses again, so a live writer's blocks are never that old.
+    Block files no entry file in the folder names (orphans: a writer killed
+    between its blocks and its entry file left them) are deleted once older than
+    ``orphan_seconds``: when a tier opens the folder, and by the rescan, after it
+    indexed the new entry files, at most once per ``orphan_seconds / 2``
+    (``stats()["orphans_removed"]``). The named blocks are read from every entry
+    file in the folder (every namespace, every process) before any block file's
+    age; a writer touches the block files it uses again and writes new ones
+    before its entry file, so a live writer's blocks are never deleted (as long
+    as it writes its entry file within ``orphan_seconds`` of its blocks).
 
     A block entry's checkout copies each stored byte once: its entry file's tail
     and its block files are read (``os.preadv``) straight into the cache's own
@@ -86,12 +91,14 @@ class DiskTier(Tier):
         self.folder = claim_folder(folder)
         self.block_tokens = block_tokens
         self._loose: set[str] = set()  # blocks that may have lost their last entry
+        self._named: dict[str, tuple[int, tuple[str, ...]]] = {}  # entry file -> (mtime_ns, the blocks it names)
+        self.counters["orphans_removed"] = 0
         removed = remove_stale_temp_files_in(self.folder) + remove_stale_temp_files_in(self.folder / BLOCKS)
         self.counters["temp_removed"] = len(removed)
         self.rescan_seconds = rescan_seconds
         self.orphan_seconds = orphan_seconds
         self._seen = self._listing()  # before the scan: a file written meanwhile is looked at again
-        self._rescanned = time.monotonic()
+        self._rescanned = self._collected = time.monotonic()
         self._scan(evict=budget is not None)
 
     def find(self, scope, query, key):
@@ -117,7 +124,8 @@ class DiskTier(Tier):
 
     def _rescan(self) -> bool:
         """Index the store entries in files new or changed since the last look;
-        True when one was added. Throttled to once per ``rescan_seconds``."""
+        True when one was added. Throttled to once per ``rescan_seconds``; then,
+        at most once per ``orphan_seconds / 2``, delete the orphan block files."""
         now = time.monotonic()
         if now - self._rescanned < self.rescan_seconds:
             return False
@@ -126,12 +134,33 @@ class DiskTier(Tier):
         for name, mtime in listing.items():
             if self._seen.get(name) == mtime:
                 continue
-            read = read_entry(self.folder / name)
+            read = self._read(self.folder / name)
             if read is not None and self.index.get(read[0].namespace, read[0].tokens) is None:
                 self.index.add(read[0], [])
                 added = True
         self._seen = listing
+        if now - self._collected >= self.orphan_seconds / 2:
+            self._collected = now
+            self._remove_orphans(self._named_blocks(listing))
         return added
+
+    def _read(self, path: Path) -> tuple[Entry, int] | None:
+        """:func:`~.disk_folder.read_entry`, noting the blocks the entry file names."""
+        read = read_entry(path)
+        if read is None:
+            self._named.pop(path.name, None)
+        else:
+            self._named[path.name] = (read[1], tuple(b for b, _ in read[0].blocks))
+        return read
+
+    def _named_blocks(self, listing: dict[str, int]) -> set[str]:
+        """The blocks the entry files in ``listing`` (:meth:`_listing`) name; a file
+        not read at its listed mtime (foreign, or unreadable before) is read again."""
+        self._named = {name: self._named[name] for name in listing if name in self._named}
+        for name, mtime in listing.items():
+            if self._named.get(name, (None,))[0] != mtime:
+                self._read(self.folder / name)
+        return {b for _, blocks in self._named.values() for b in blocks}
 
     def _scan(self, evict: bool) -> None:
         found = []
@@ -142,7 +171,7 @@ class DiskTier(Tier):
         for path in paths:
             if path.name.startswith("."):
                 continue  # a writer's temp file
-            read = read_entry(path)
+            read = self._read(path)
             if read is None:
                 self.counters["foreign"] += 1
             else:
@@ -166,18 +195,23 @@ class DiskTier(Tier):
                 self.index.add(entry, [])
 
     def _remove_orphans(self, named: set[str]) -> None:
-        """Delete the block files no entry file names (``named``: the blocks they do)
-        that are older than ``orphan_seconds``; counted in ``stats()["orphans_removed"]``."""
-        self.counters["orphans_removed"] = 0
-        old = time.time() - self.orphan_seconds
+        """Delete the block files no entry file names (``named``: the blocks they do,
+        read before this looks at the block files' ages) that are older than
+        ``orphan_seconds``; counted in ``stats()["orphans_removed"]``."""
         try:
             with os.scandir(self.folder / BLOCKS) as it:
-                for e in list(it):
-                    if is_block_name(e.name) and e.name.split(".")[0] not in named and e.stat().st_mtime < old:
-                        _unlink(Path(e.path))
-                        self.counters["orphans_removed"] += 1
+                candidates = [e for e in it if is_block_name(e.name) and e.name.split(".")[0] not in named]
         except OSError:
-            pass  # no blocks folder yet, or a file removed meanwhile: the next start looks again
+            return  # no blocks folder yet: nothing to collect
+        old = time.time() - self.orphan_seconds
+        for e in candidates:
+            try:
+                if e.stat().st_mtime >= old:
+                    continue
+                os.unlink(e.path)
+            except OSError:
+                continue  # removed meanwhile
+            self.counters["orphans_removed"] += 1
 
     def fetch(self, entry, scope, expected):
         path = entry.payload
