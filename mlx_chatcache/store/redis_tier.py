@@ -33,8 +33,8 @@ values in Redis (key layout: :mod:`.redis_layout`):
   entry is deleted and a reconcile pass is called for (as when a lookup finds
   a manifest gone: :mod:`.redis_reconcile`; ``reconciles`` and ``reclaimed``
   count passes and the block values they freed). The cache is assembled from
-  the values as received: each byte copied once into the cache's own buffers
-  (the tail's chunks are joined first, one more copy of the tail alone).
+  the block values and the tail's chunks as received: each byte copied once,
+  into the cache's own buffers.
 
 When Redis is down, slow or restarting (:mod:`.redis_link`), every call
 returns "no hit"/"not stored" at once without touching the network until the
@@ -201,7 +201,7 @@ class RedisTier(Tier):
             return None
         name = f"redis:{self.keys.manifest(m.namespace, m.eid)}"
         if m.layout is not None:  # blocks (checked) and a tail
-            cache = assemble(m.layout, values, b"".join(parts), self.block)
+            cache = assemble(m.layout, values, parts, self.block)
             if cache is None or cache[0].offset != len(m.tokens):
                 return None
             try:
