@@ -190,8 +190,8 @@ def test_a_damaged_block_makes_its_entries_misses_and_others_are_served(two_stor
 
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(1, 90), block=st.sampled_from([1, 7, 16, 32]), quantized=st.booleans(),
-       dtype=st.sampled_from(["float16", "bfloat16", "float32"]))  # fmt: skip
-def test_block_values_round_trip_bit_exactly(n, block, quantized, dtype):
+       dtype=st.sampled_from(["float16", "bfloat16", "float32"]), cut=st.integers(1, 5000))  # fmt: skip
+def test_block_values_round_trip_bit_exactly(n, block, quantized, dtype, cut):
     from mlx_chatcache.files.checksum import crc32
     from mlx_chatcache.store.redis_blocks import Layout, assemble, block_ok, split, splittable
 
@@ -207,7 +207,8 @@ def test_block_values_round_trip_bit_exactly(n, block, quantized, dtype):
     values, tail, layout = split(cache, chain)
     layout = Layout.from_json(layout.to_json())  # as the manifest carries it
     assert len(values) == n // block and all(block_ok(v, crc32(v), layout, block) for v in values.values())
-    got = assemble(layout, [values[h] for h in chain.hashes], tail, block)
+    chunks = [tail[i : i + cut] for i in range(0, len(tail), cut)] or [b""]  # the tail as Redis holds it
+    got = assemble(layout, [values[h] for h in chain.hashes], chunks, block)
     assert [type(c) for c in got] == [type(c) for c in cache]
     for x, y in zip([a for c in got for a in c.flat_state()], [a for c in cache for a in c.flat_state()]):
         assert x.dtype == y.dtype and x.shape == y.shape
@@ -247,3 +248,54 @@ def test_counts_stay_exact_when_replicas_write_and_delete_at_once(llama_model, t
     assert {k.rsplit(":", 1)[1] for k in keys(client, "k")} == set(listed)
     assert {h: int(client.hget(f"mlxcc:r:{ns}:{h}", "n")) for h in listed} == listed
     assert int(client.get("mlxcc:kbytes")) == sum(client.strlen(k) for k in keys(client, "k"))
+
+
+def test_a_tail_goes_from_its_chunks_into_the_cache_once_and_a_damaged_chunk_is_caught(
+        llama_model, tiers, redis_server, monkeypatch):  # noqa: F811
+    """The tail's chunks, as received, are what the cache is assembled from: no bytes
+    object of the tail's size is built on the way (traced allocations stay under half
+    of it), the cache is bit-exact, and a flipped bit in any chunk is a counted miss."""
+    import tracemalloc
+
+    from mlx_chatcache.store import redis_tier
+
+    model, _ = llama_model
+    kv, client = KV(model), redis_server.client()
+    tokens, cache = kv.conversation(0, unique=BLOCK * 3 + 23)  # 1000 + 215 tokens: a tail of 63
+    tail_bytes = (len(tokens) % BLOCK) * kv.token_bytes()
+    writer = tiers(chunk_bytes=tail_bytes // 3 + 5)  # cuts land inside arrays and rows
+    assert writer.add(scope(model), tokens, cache, None) and writer.flush(30)
+    chunk_keys = sorted(keys(client, "c"), key=lambda k: int(k.rsplit(":", 1)[1]))
+    assert len(chunk_keys) == 3 and sum(client.strlen(k) for k in chunk_keys) == tail_bytes
+    seen, real = [], redis_tier.assemble
+
+    def spy(layout, values, tail, block):
+        tracemalloc.start()
+        try:
+            got = real(layout, values, tail, block)
+            seen.append((list(tail), tracemalloc.get_traced_memory()[1]))
+        finally:
+            tracemalloc.stop()
+        return got
+
+    monkeypatch.setattr(redis_tier, "assemble", spy)
+    got = fetched(tiers(), model, tokens)
+    assert all(np.array_equal(x, y) for x, y in zip(arrays(got), arrays(cache)))
+    [(chunks, peak)] = seen
+    assert chunks == [client.get(k) for k in chunk_keys]  # the chunks as stored, not joined
+    assert peak < tail_bytes // 2, (peak, tail_bytes)
+    for j in range(3):  # a flipped bit in any chunk of the tail is caught
+        k = f"{chunk_keys[0].rsplit(':', 1)[0]}:{j}"
+        value = bytearray(client.get(k))
+        value[len(value) // 2] ^= 0x04
+        client.set(k, bytes(value))
+        reader = tiers()
+        found = reader.find(scope(model), tokens + [1], None)
+        assert found[0].tokens == tuple(tokens)
+        assert reader.fetch(found[0], scope(model), make_prompt_cache(model)) is None
+        assert reader.stats()["corrupt"] == 1 and reader.stats()["hits"] == 0 and reader.flush(10)
+        assert keys(client, "m") == [] and keys(client, "k") == []  # deleted for every replica
+        client.flushall()
+        again = tiers(chunk_bytes=tail_bytes // 3 + 5)
+        assert again.add(scope(model), tokens, cache, None) and again.flush(30)
+        chunk_keys = keys(client, "c")

@@ -1,8 +1,9 @@
 """The Redis tier's reconcile pass against a real redis-server: entries Redis
-drops on its own (TTL, eviction) give their blocks back, blocks other entries
-hold stay, counts and ``P:kbytes`` end equal to what Redis really holds, a
-block gone behind the tier's back is a miss, and passes racing replicas'
-writes and deletes never undercount a block."""
+drops on its own (TTL, eviction) give their blocks and chunks back, blocks
+other entries hold and chunks of live or in-flight entries stay, counts and
+``P:kbytes`` end equal to what Redis really holds, a block gone behind the
+tier's back is a miss, and passes racing replicas' writes and deletes never
+undercount a block nor take a published entry's chunks."""
 
 from __future__ import annotations
 
@@ -271,3 +272,141 @@ def test_an_entry_and_its_extension_published_back_to_back_keep_their_blocks_whi
         got = fetched(other, model, tokens)
         assert all(np.array_equal(x, y) for x, y in zip(arrays(got), arrays(cache)))
     assert other.stats()["missing"] == other.stats()["corrupt"] == 0
+
+
+def aged(tier, then=None):
+    """Make ``tier``'s writer write chunks that look written more than GRACE seconds
+    ago (a pass may delete them as soon as their manifest is gone); ``then(m)`` runs
+    after the first such write, before the manifest is published."""
+    real, calls = tier.writer._write_chunks, []
+
+    def write(r, m, chunks):
+        real(r, m, chunks)
+        for k in tier.keys.chunks(m):
+            r.pexpire(k, tier.ttl * 1000 - 1)
+        calls.append(m)
+        if then is not None and len(calls) == 1:
+            then(m)
+
+    tier.writer._write_chunks = write
+    return calls
+
+
+def chunks_of(client, ns, tokens) -> list[str]:
+    eid = Chain(ns, tokens, BLOCK).entry_id(len(tokens))
+    return [k for k in keys(client, "c") if k.startswith(f"mlxcc:c:{ns}:{eid}:")]
+
+
+def assert_chunks_whole(client, ns):
+    """Every manifest's chunks are there; any other chunk is on its way out (GRACE)."""
+    from mlx_chatcache.store.redis_layout import GRACE
+
+    live = set()
+    for k in keys(client, "m"):
+        m = json.loads(client.get(k))
+        own = [f"mlxcc:c:{ns}:{m['eid']}:{m['version']}:{j}" for j in range(len(m["chunk_sizes"]))]
+        assert client.exists(*own) == len(own), k
+        live.update(own)
+    for k in set(keys(client, "c")) - live:
+        assert 0 <= client.pttl(k) <= GRACE * 1000, k
+
+
+def test_chunks_of_manifests_redis_dropped_are_freed_and_live_ones_kept(llama_model, tiers, redis_server):  # noqa: F811
+    from mlx_chatcache.store.redis_layout import GRACE
+
+    model, _ = llama_model
+    kv, client, ns = KV(model), redis_server.client(), scope(model).namespace
+    tier = tiers(reconcile_seconds=HOUR, chunk_bytes=20_000)  # tails of several chunks
+    whole = tiers(reconcile_seconds=HOUR, chunk_bytes=1 << 20, share_blocks=False)  # values stored whole
+    aged(tier), aged(whole)
+    convs = [kv.conversation(i) for i in range(4)]
+    for t, (tokens, cache) in zip([tier, tier, whole, whole], convs):
+        assert t.add(scope(model), tokens, cache, None) and t.flush(30)
+    chunks = [chunks_of(client, ns, tokens) for tokens, _ in convs]
+    assert all(chunks) and len(chunks[0]) > 1 and len(chunks[2]) > 1
+    client.delete(manifest_key(client, convs[0][0], ns))  # evicted by Redis (maxmemory)
+    client.delete(manifest_key(client, convs[2][0], ns))
+    client.persist(chunks[2][0])  # a chunk without a TTL goes too
+    report = tier.writer.reconcile()
+    assert report.chunks_freed == len(chunks[0]) + len(chunks[2])
+    assert tier.stats()["reclaimed_chunks"] == report.chunks_freed
+    assert set(keys(client, "c")) == set(chunks[1] + chunks[3])
+    assert_consistent(client, ns)
+    assert_chunks_whole(client, ns)
+    for t, (tokens, cache) in [(whole, convs[1]), (tier, convs[3])]:
+        got = fetched(t, model, tokens)
+        assert all(np.array_equal(x, y) for x, y in zip(arrays(got), arrays(cache)))
+    # kept: the chunks of a manifest not published yet (written less than GRACE seconds ago)
+    # and those of a deleted entry, readable for GRACE seconds by readers in flight
+    fresh = tiers(reconcile_seconds=HOUR)
+    assert fresh.add(scope(model), *convs[0], None) and fresh.flush(30)
+    client.delete(manifest_key(client, convs[0][0], ns))
+    found = tier.find(scope(model), convs[1][0] + [1], None)[0]
+    assert tier.writer.submit(lambda: tier.writer.discard(found.payload)) and tier.flush(10)
+    assert all(0 < client.pttl(k) <= GRACE * 1000 for k in chunks[1])
+    kept = set(keys(client, "c"))
+    assert tier.writer.reconcile().chunks_freed == 0 and set(keys(client, "c")) == kept
+    assert kept == set(chunks[1] + chunks[3] + chunks_of(client, ns, convs[0][0]))
+
+
+def test_a_pass_between_a_chunk_write_and_its_publish_never_loses_the_entry(llama_model, tiers, redis_server):  # noqa: F811
+    """A writer slower than GRACE: a pass deletes its chunks before the manifest is
+    published; the publish notices, writes them again, and the entry is served."""
+    model, _ = llama_model
+    kv, client, ns = KV(model), redis_server.client(), scope(model).namespace
+    other = tiers(reconcile_seconds=HOUR)
+    writer = tiers(reconcile_seconds=HOUR)
+    passes = []
+    calls = aged(writer, then=lambda m: passes.append(other.writer.reconcile()))
+    tokens, cache = kv.conversation(0)
+    assert writer.add(scope(model), tokens, cache, None) and writer.flush(30)
+    assert passes[0].chunks_freed == len(calls[0].chunk_sizes) and len(calls) == 2  # deleted, then written again
+    assert writer.stats()["write_errors"] == 0 and writer.stats()["added"] == 1
+    got = fetched(other, model, tokens)
+    assert all(np.array_equal(x, y) for x, y in zip(arrays(got), arrays(cache)))
+    assert other.stats()["missing"] == other.stats()["corrupt"] == 0
+    assert_chunks_whole(client, ns)
+
+
+def test_passes_racing_replicas_never_lose_a_published_entrys_chunks(llama_model, tiers, redis_server):  # noqa: F811
+    model, _ = llama_model
+    kv, client = KV(model), redis_server.client()
+    ns = scope(model).namespace
+    replicas = [tiers(queue_size=16, reconcile_seconds=HOUR, chunk_bytes=20_000) for _ in range(3)]
+    for t in replicas:
+        aged(t)  # every chunk written is one a pass may delete once its manifest is gone
+    convs = [kv.conversation(i, unique=40) for i in range(12)]
+    added = [kv.conversation(100 + i, unique=40) for i in range(0, 12, 3)]
+    stop, passes = threading.Event(), []
+
+    def reconcile():
+        while not stop.is_set():
+            passes.append(replicas[2].writer.reconcile())
+
+    racer = threading.Thread(target=reconcile)
+    racer.start()
+    try:
+        for i, (tokens, cache) in enumerate(convs):
+            assert replicas[i % 3].add(scope(model), tokens, cache, None)
+        assert all(t.flush(60) for t in replicas)
+        for i in range(0, 12, 3):  # deletes, entries Redis drops, and new publishes, racing the passes
+            m = replicas[0].find(scope(model), convs[i][0] + [1], None)[0].payload
+            replicas[i % 3].writer.submit(lambda m=m: replicas[0].writer.discard(m))
+            client.delete(manifest_key(client, convs[i + 1][0], ns))
+            replicas[(i + 1) % 3].add(scope(model), *added[i // 3], None)
+        assert all(t.flush(60) for t in replicas)
+    finally:
+        stop.set()
+        racer.join(60)
+    assert len(passes) >= 2 and sum(t.stats()["write_errors"] for t in replicas) == 0
+    replicas[2].writer.reconcile()
+    assert len(keys(client, "m")) == 12 - 4 - 4 + 4
+    assert_consistent(client, ns)
+    assert_chunks_whole(client, ns)
+    for tokens, _ in [convs[i + 1] for i in range(0, 12, 3)]:
+        assert chunks_of(client, ns, tokens) == []  # dropped by Redis: the passes freed their chunks
+    reader = tiers(reconcile_seconds=HOUR)
+    for tokens, cache in [convs[i] for i in range(12) if i % 3 == 2] + added:
+        got = fetched(reader, model, tokens)
+        assert all(np.array_equal(x, y) for x, y in zip(arrays(got), arrays(cache)))
+    assert reader.stats()["missing"] == reader.stats()["corrupt"] == 0

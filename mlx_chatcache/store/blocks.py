@@ -136,8 +136,9 @@ class Assembly:
 
     def fill(self, k: int, parts: Sequence[np.ndarray]) -> None:
         """Copy ``parts`` (``(d0, d1, t_i, d3)`` each, of buffer ``k``'s dtype or its bits,
-        together ``n`` tokens) to buffer ``k``'s tokens ``0:n``, in order."""
-        np.concatenate(parts, axis=2, out=self._views[k][:, :, : self.n])
+        together ``t <= n`` tokens) to buffer ``k``'s tokens ``0:t``, in order."""
+        t = sum(p.shape[2] for p in parts)
+        np.concatenate(parts, axis=2, out=self._views[k][:, :, :t])
 
     def rows(self, k: int, at: int, t: int) -> list[memoryview]:
         """Buffer ``k``'s bytes for tokens ``at:at+t``, row by row (``d0 x d1`` rows, in order)."""

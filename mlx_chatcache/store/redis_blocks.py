@@ -17,13 +17,13 @@ cache is stored whole (:mod:`.redis_tier`).
   dtypes and shapes without the token axis (axis 2).
 
 :func:`block_ok` checks a block value's checksum and size; :func:`assemble`
-builds the cache from checked values: each byte copied once, from the value
-into the cache's own buffers (the tail's chunks are joined first, one more
-copy of the tail only).
+builds the cache from checked block values and the tail's checked chunks: each
+byte copied once, from the value or chunk into the cache's own buffers.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -116,31 +116,76 @@ def block_ok(value: bytes | None, checksum, layout: Layout, block: int) -> bool:
         return False
 
 
-def assemble(layout: Layout, values: Sequence[bytes], tail: bytes, block: int) -> list[BaseCache] | None:
-    """The cache from checked block values (in order) and the tail payload; None
-    when the tail does not fit the layout. Each value's bytes are copied once,
-    from NumPy views of them straight into the cache's buffers (:class:`~.blocks.Assembly`)."""
-    n_tail = _tail_tokens(layout, len(tail))
+def assemble(layout: Layout, values: Sequence[bytes], tail: Sequence[bytes], block: int) -> list[BaseCache] | None:
+    """The cache from checked block values (in order) and the tail payload, given as
+    its chunks in order; None when the tail does not fit the layout. Each byte is
+    copied once, straight into the cache's buffers (:class:`~.blocks.Assembly`): a
+    block value's arrays from NumPy views of it, a tail array lying inside one chunk
+    from a view of that chunk, one a chunk boundary cuts row by row from its chunks."""
+    n_tail = _tail_tokens(layout, sum(len(c) for c in tail))
     if n_tail is None:
         return None
-    n = len(values) * block + n_tail
+    at = len(values) * block
     specs = [(getattr(mx, d), d0, d1, d3) for _, _, arrays in layout.layers for d, d0, d1, d3 in arrays]
     asm = blocks.Assembly([_KINDS[k] for k, _, _ in layout.layers], [m for _, m, _ in layout.layers],
-                          [len(arrays) for _, _, arrays in layout.layers], specs, n)  # fmt: skip
-    parts = [_views(layout, memoryview(v), t) for v, t in [*((v, block) for v in values), (tail, n_tail)]]
-    for k in range(len(specs)):
-        asm.fill(k, [p[k] for p in parts])
+                          [len(arrays) for _, _, arrays in layout.layers], specs, at + n_tail)  # fmt: skip
+    parts = [_views(layout, memoryview(v), block) for v in values]
+    payload = _Payload(tail)
+    offset = 0
+    for k, (d, d0, d1, d3) in enumerate(layout._arrays()):
+        size = np.dtype(_DTYPES[d]).itemsize * d0 * d1 * n_tail * d3
+        whole = payload.view(offset, size)
+        arrays = [p[k] for p in parts] + ([] if whole is None else [_shaped(whole, d, d0, d1, n_tail, d3)])
+        if arrays:
+            asm.fill(k, arrays)
+        if whole is None:
+            payload.copy(offset, asm.rows(k, at, n_tail))
+        offset += size
     return asm.cache()
+
+
+class _Payload:
+    """A payload held as its chunks, one after the other."""
+
+    def __init__(self, chunks: Sequence[bytes]):
+        self.chunks = [memoryview(c).cast("B") for c in chunks]
+        self.starts = [0]
+        for c in self.chunks:
+            self.starts.append(self.starts[-1] + len(c))
+
+    def view(self, offset: int, size: int) -> memoryview | None:
+        """Bytes ``offset:offset+size`` when one chunk holds them all (no copy), else None."""
+        i = bisect.bisect_right(self.starts, offset) - 1
+        if i >= len(self.chunks) or offset + size > self.starts[i + 1]:
+            return None if size else self.chunks[0][:0]
+        return self.chunks[i][offset - self.starts[i] : offset - self.starts[i] + size]
+
+    def copy(self, offset: int, rows: Sequence[memoryview]) -> None:
+        """Copy the bytes from ``offset`` on into ``rows``, in order, each byte once."""
+        i = bisect.bisect_right(self.starts, offset) - 1
+        for row in rows:
+            done = 0
+            while done < len(row):
+                lo = offset - self.starts[i]
+                n = min(len(row) - done, len(self.chunks[i]) - lo)
+                row[done : done + n] = self.chunks[i][lo : lo + n]
+                done, offset = done + n, offset + n
+                if offset == self.starts[i + 1]:
+                    i += 1
 
 
 def _views(layout: Layout, value: memoryview, t: int) -> list[np.ndarray]:
     """The arrays of a payload of ``t`` tokens, as NumPy views of its bytes."""
     out, offset = [], 0
     for d, d0, d1, d3 in layout._arrays():
-        dt = np.dtype(_DTYPES[d])
-        out.append(np.frombuffer(value, dt, d0 * d1 * t * d3, offset).reshape(d0, d1, t, d3))
-        offset += d0 * d1 * t * d3 * dt.itemsize
+        size = np.dtype(_DTYPES[d]).itemsize * d0 * d1 * t * d3
+        out.append(_shaped(value[offset : offset + size], d, d0, d1, t, d3))
+        offset += size
     return out
+
+
+def _shaped(data: memoryview, d: str, d0: int, d1: int, t: int, d3: int) -> np.ndarray:
+    return np.frombuffer(data, np.dtype(_DTYPES[d])).reshape(d0, d1, t, d3)
 
 
 def _tail_tokens(layout: Layout, nbytes: int) -> int | None:

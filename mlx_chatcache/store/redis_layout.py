@@ -83,6 +83,12 @@ class Keys:
         key = key.decode(errors="replace") if isinstance(key, bytes) else key
         return split_member(key[len(head) :]) if key.startswith(head) else None
 
+    def chunk_owner(self, key) -> tuple[str, str, str] | None:
+        """``(namespace, eid, version)`` of a chunk key, None for another key."""
+        parts = self.split("c", key)
+        head = parts[0].rsplit(":", 2) if parts else ()
+        return (head[0], head[1], head[2]) if len(head) == 3 else None
+
     @property
     def reconcile(self) -> str:
         return f"{self.prefix}:reconcile"

@@ -2,8 +2,8 @@
 
 Redis drops keys on its own: a manifest expires (TTL) or is evicted (a
 ``maxmemory`` policy), and so may a block value or its ``P:r`` hash. Nothing
-then releases the blocks such a manifest listed, and ``P:kbytes`` keeps
-counting values that are gone. :meth:`Reconciler.run` (one pass) puts it right
+then releases the blocks such a manifest listed or deletes its chunks before
+their own TTL, and ``P:kbytes`` keeps counting values that are gone. :meth:`Reconciler.run` (one pass) puts it right
 (key layout: :mod:`.redis_layout`):
 
 1. Blocks. It reads every manifest (SCAN and MGET in batches) and counts, per
@@ -20,15 +20,26 @@ counting values that are gone. :meth:`Reconciler.run` (one pass) puts it right
    value or crc32 is gone loses both, keeping its count: its entries are misses
    until it is written again, with its own crc32.
 2. Budget. ``P:lru``/``P:meta`` members whose manifest is gone are dropped.
-3. Bytes. ``P:kbytes`` is set to the size of the block values that exist, read
+3. Chunks. A chunk key (a tail, or part of a whole value) whose entry has no
+   manifest is deleted, unless its remaining TTL is above ``ttl`` (written or
+   refreshed less than ``GRACE`` seconds ago: its publish may be in flight) or
+   at most ``GRACE`` (a deleted entry's, expiring by itself, that readers in
+   flight may still read). In one WATCH/MULTI/EXEC transaction per
+   batch watching the chunks and their manifest keys, it reads both again: a
+   manifest published meanwhile aborts it (the publish transaction in turn
+   watches its chunks and writes them again when they are gone). Chunks of a
+   live manifest's other versions (replaced, expiring within ``GRACE``) are
+   left to expire.
+4. Bytes. ``P:kbytes`` is set to the size of the block values that exist, read
    while watching it (every write or delete of a value changes it in the same
    transaction, so one made meanwhile aborts the pass's and the read is made
    again).
 
 A count may come out too high (a manifest expiring during the pass; the next
 pass lowers it), never lower than the manifests listing the block. A pass
-costs a few SCANs of the tier's keys and two reads of every manifest when a
-block needs fixing, one otherwise, in batches of ``batch`` keys.
+costs a few SCANs of the tier's keys, two reads of every manifest when a
+block needs fixing, one otherwise, and an EXISTS and a PTTL per chunk, in
+batches of ``batch`` keys.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ class Report:
     freed: int = 0  # block values deleted (no manifest listed them, or one was unusable)
     recounted: int = 0  # block counts set to the manifests listing them
     forgotten: int = 0  # P:lru/P:meta members whose manifest was gone
+    chunks_freed: int = 0  # chunk keys deleted (their manifest was gone)
     kbytes: int | None = None  # P:kbytes after the pass (None: it kept changing)
     kbytes_drift: int = 0  # what P:kbytes was off by
 
@@ -73,6 +85,8 @@ class Reconciler:
         for g in range(0, len(todo), self.batch):
             self._fix(r, todo[g : g + self.batch], report)
         self._forget_gone(r, report)
+        for names in self._scan(r, "c"):
+            self._free_chunks(r, names, report)
         self._recount_bytes(r, report)
         return report
 
@@ -200,6 +214,38 @@ class Reconciler:
                 return len(gone)
             except self._watch_error:
                 return 0  # the next pass
+
+    def _orphans(self, r, names: list) -> list:
+        """The chunk keys of ``names`` to delete now (step 3 of the module doc)."""
+        owners = [(k, self.keys.chunk_owner(k)) for k in names]
+        owners = [(k, o) for k, o in owners if o]
+        pipe = r.pipeline(transaction=False)
+        for k, (ns, eid, _) in owners:
+            pipe.exists(self.keys.manifest(ns, eid))
+            pipe.pttl(k)
+        got = pipe.execute() if owners else []
+        grace, fresh = GRACE * 1000, self.ttl * 1000
+        return [k for i, (k, _) in enumerate(owners)
+                if not got[2 * i] and (got[2 * i + 1] == -1 or grace < got[2 * i + 1] <= fresh)]  # fmt: skip
+
+    def _free_chunks(self, r, names: list, report: Report) -> None:
+        todo = self._orphans(r, names)
+        for _ in range(_RETRIES):
+            if not todo:
+                return
+            owners = {self.keys.manifest(*self.keys.chunk_owner(k)[:2]) for k in todo}
+            with r.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(*todo, *owners)
+                    todo = self._orphans(r, todo)
+                    pipe.multi()
+                    if todo:
+                        pipe.delete(*todo)
+                    pipe.execute()
+                    report.chunks_freed += len(todo)
+                    return
+                except self._watch_error:
+                    continue
 
     def _manifest_key(self, name) -> str | None:
         name = name.decode(errors="replace") if isinstance(name, bytes) else name

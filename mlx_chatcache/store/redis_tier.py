@@ -31,10 +31,11 @@ values in Redis (key layout: :mod:`.redis_layout`):
   size: a damaged one counts in ``corrupt`` and is deleted with the entry
   (other entries listing it then miss); a block gone counts in ``missing``, the
   entry is deleted and a reconcile pass is called for (as when a lookup finds
-  a manifest gone: :mod:`.redis_reconcile`; ``reconciles`` and ``reclaimed``
-  count passes and the block values they freed). The cache is assembled from
-  the values as received: each byte copied once into the cache's own buffers
-  (the tail's chunks are joined first, one more copy of the tail alone).
+  a manifest gone: :mod:`.redis_reconcile`; ``reconciles``, ``reclaimed`` and
+  ``reclaimed_chunks`` count passes, the block values and the chunks of gone
+  manifests they freed). The cache is assembled from
+  the block values and the tail's chunks as received: each byte copied once,
+  into the cache's own buffers.
 
 When Redis is down, slow or restarting (:mod:`.redis_link`), every call
 returns "no hit"/"not stored" at once without touching the network until the
@@ -80,7 +81,7 @@ class RedisTier(Tier):
         d = SERVER_DEFAULTS
         super().__init__(d.redis_cache_bytes if budget is None else budget)
         self.counters.update({"missing": 0, "dropped": 0, "write_errors": 0, "lookup_errors": 0,
-                              "reconciles": 0, "reclaimed": 0})
+                              "reconciles": 0, "reclaimed": 0, "reclaimed_chunks": 0})
         self.url = url
         self.ttl = int(ttl or d.redis_ttl_seconds)
         self.chunk_bytes = int(chunk_bytes or d.redis_chunk_bytes)
@@ -201,7 +202,7 @@ class RedisTier(Tier):
             return None
         name = f"redis:{self.keys.manifest(m.namespace, m.eid)}"
         if m.layout is not None:  # blocks (checked) and a tail
-            cache = assemble(m.layout, values, b"".join(parts), self.block)
+            cache = assemble(m.layout, values, parts, self.block)
             if cache is None or cache[0].offset != len(m.tokens):
                 return None
             try:

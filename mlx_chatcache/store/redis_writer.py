@@ -10,9 +10,10 @@ queue drops the job and counts it in ``dropped``). Jobs:
   writes it), then in one WATCH/MULTI/EXEC transaction set the manifest, the
   block index keys, the LRU score, the size and the counts of the blocks it
   lists (those of a manifest it replaces are released in it: a count reaching
-  0 deletes the value and takes its bytes off ``P:kbytes``). A block freed
-  between its write and the transaction is written again. A reader sees the old manifest (whose chunks stay readable for
-  ``GRACE`` seconds) or the new one with all its chunks, never a mix; two
+  0 deletes the value and takes its bytes off ``P:kbytes``). A block or chunk
+  freed between its write and the transaction is written again. A reader sees
+  the old manifest (whose chunks stay readable for ``GRACE`` seconds) or the
+  new one with all its chunks, never a mix; two
   writers of one entry each publish a complete version and the last one wins.
   Entries the new one makes redundant (trimmable prefixes of it, whose block
   keys now all point to it) are deleted.
@@ -22,9 +23,10 @@ queue drops the job and counts it in ``dropped``). Jobs:
   (releasing its blocks; damaged block values are deleted), if it is still
   the version that was read.
 - reconcile (:mod:`.redis_reconcile`): a pass that recounts block holders from
-  the manifests Redis still holds, frees blocks no manifest lists and recounts
-  ``P:kbytes``. It runs when the writer is first idle, then after a job or
-  while idle every ``reconcile_seconds``, and as soon as the writer is free when
+  the manifests Redis still holds, frees blocks no manifest lists, deletes the
+  chunks of manifests that are gone and recounts ``P:kbytes``. It runs when the
+  writer is first idle, then after a job or while idle every
+  ``reconcile_seconds``, and as soon as the writer is free when
   a reader finds an entry or a block Redis dropped (``reconcile_soon``); a
   replica runs it only after claiming ``P:reconcile`` for ``reconcile_seconds``,
   so replicas together run one pass per period.
@@ -152,6 +154,7 @@ class RedisWriter:
         self.last_pass = report
         self._count("reconciles", 1)
         self._count("reclaimed", report.freed)
+        self._count("reclaimed_chunks", report.chunks_freed)
         return report
 
     # ------------------------------------------------------------------ jobs
@@ -170,7 +173,7 @@ class RedisWriter:
         chain = Chain(m.namespace, m.tokens, self.block)
         index = [self.keys.block(m.namespace, h) for h in chain.hashes] if m.trimmable else \
             [self.keys.end(m.namespace, chain.hashes[-1])]  # fmt: skip
-        replaced = self.link.run(lambda r: self._publish(r, m, index, values, stored))
+        replaced = self.link.run(lambda r: self._publish(r, m, chunks, index, values, stored))
         self._count("added", 1)
         self.link.run(lambda r: self._clean_up(r, m, chain, replaced, victims))
         return True
@@ -219,22 +222,28 @@ class RedisWriter:
                     except self._watch_error:
                         continue
 
-    def _publish(self, r, m: Manifest, index: list[str], values: dict[str, bytes], stored: set[str]) -> list:
+    def _publish(self, r, m: Manifest, chunks: list[bytes], index: list[str], values: dict[str, bytes],
+                 stored: set[str]) -> list:  # fmt: skip
         """Set the manifest, its index keys, LRU score, size and its blocks' counts
-        in one transaction (the blocks it replaces are released in it too)."""
+        in one transaction (the blocks it replaces are released in it too), which
+        commits only while its chunks and block values are all there (those freed
+        meanwhile are written again first)."""
         name, value = member(m.namespace, m.eid), index_value(len(m.tokens), m.eid)
-        mkey, ns = self.keys.manifest(m.namespace, m.eid), m.namespace
-        watched = [mkey] + [k for h in m.blocks for k in (self.keys.value(ns, h), self.keys.refs(ns, h))]
+        mkey, ns, own = self.keys.manifest(m.namespace, m.eid), m.namespace, self.keys.chunks(m)
+        watched = [mkey, *own] + [k for h in m.blocks for k in (self.keys.value(ns, h), self.keys.refs(ns, h))]
         meta = f"{m.nbytes}:{int(m.key is not None)}:{m.whole_bytes(self.block)}"
-        todo = {h: v for h, v in values.items() if h not in stored}
+        todo, lost = {h: v for h, v in values.items() if h not in stored}, False
         for _ in range(_RETRIES):
             self._write_values(r, ns, todo)
+            if lost:
+                self._write_chunks(r, m, chunks)
             with r.pipeline(transaction=True) as pipe:
                 try:
                     pipe.watch(*watched)
                     old = _manifest(pipe.get(mkey), m.namespace, m.eid)
                     todo = {h: values[h] for h in m.blocks if not pipe.exists(self.keys.value(ns, h))}
-                    if todo:
+                    lost = pipe.exists(*own) != len(own)
+                    if todo or lost:
                         continue  # freed meanwhile: write them again
                     dropped = [h for h in (old.blocks if old else ()) if h not in set(m.blocks)]
                     release, _ = self._releasing(pipe, ns, dropped)
@@ -253,7 +262,7 @@ class RedisWriter:
                     return pipe.execute()[: 1 + len(index)]
                 except self._watch_error:
                     continue
-        raise Unavailable("the Redis tier could not publish an entry: its blocks kept changing")
+        raise Unavailable("the Redis tier could not publish an entry: its blocks or chunks kept changing")
 
     def _releasing(self, pipe, ns: str, hashes) -> tuple[Callable, dict[str, int]]:
         """(Watching ``hashes``' keys) what to queue in the transaction that drops one
