@@ -348,7 +348,7 @@ class ServerConfig:
     cache_dir_name: str = "server-cache"  # under mlxcc_home() unless --cache-dir is given
     # the store's tiers share K/V in blocks of this many tokens (memory: 0 keeps whole entries), and the
     # Redis tier's hash chain finds prefixes at its multiples; 32 keeps 50 chats sharing a 1,000-token
-    # prompt within 1.11x of their unique tokens' bytes in every tier (64: 1.28x in Redis), see RESULTS.md
+    # prompt within 1.11x of their unique tokens' bytes in memory and Redis (64: 1.28x in Redis), see RESULTS.md
     store_block_tokens: int = 32
     # the disk tier's blocks are files: each costs a file's open, header and checks per checkout, so they
     # hold twice the tokens (a 1,200-token checkout reads 18 block files, not 37); 50 such chats stay
