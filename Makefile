@@ -16,13 +16,14 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
-# the same suite with MLX's bundled BLAS (the OpenBLAS swap turned off); CI runs both. The model-zoo
-# sweep runs once (in `make test`): it compares our caches with mlx-lm's on the same BLAS, so the BLAS
-# cannot change its verdict, and it is the longest part of a pass
+# the same suite with MLX's bundled BLAS (the OpenBLAS swap turned off); CI runs both. Run once (in
+# `make test`): the model-zoo sweep (it compares our caches with mlx-lm's on the same BLAS, so the BLAS
+# cannot change its verdict, and it is the longest part of a pass) and the tests marked blas_free
+# (files, hostile inputs, signals, messages, benchmark scripts, the web page: no numbers the BLAS makes)
 test-blas-off: $(STAMP)
-	MLXCC_BLAS=off $(PY) -m pytest -q -m 'not slow and not zoo'
+	MLXCC_BLAS=off $(PY) -m pytest -q --durations=20 -m 'not slow and not zoo and not blas_free'
 
 # mlx-lm's own tests folder, from the PyPI sdist of the installed version (tests/test_mlxlm_server_suite.py)
 mlxlm-tests: $(STAMP)

@@ -14,6 +14,8 @@ import pytest
 
 from mlx_chatcache.models.loading import demo_model_path
 
+pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
