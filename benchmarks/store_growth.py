@@ -27,7 +27,8 @@ One command (from the repository root):
 3. Checkout time per tier (median of ``--repeats``): find + fetch of one
    conversation's entry, every array evaluated; for the memory tiers also
    checkout + the first token fed (one ``update_and_fetch`` per layer), where
-   a whole entry's views get copied.
+   a whole entry's views get copied. Each checkout starts after the last
+   one's cache was released, so every tier meets the allocator alike.
 """
 
 from __future__ import annotations
@@ -307,7 +308,8 @@ def main(argv=None) -> int:
     text += md_table(["N", "unique K/V MB", "memory MB", "memory / unique", "blocks MB", "blocks / unique",
                       "disk MB", "disk / unique", "redis MB", "redis / unique"], rows)  # fmt: skip
     text += (f"\nCheckout of one conversation's entry (find + fetch, arrays evaluated; median of {args.repeats}, "
-             "the tiers taking turns). "
+             "the tiers taking turns, each after the last checkout's cache was released: a checkout made while "
+             "another cache is alive may get fresh pages from the allocator and pay a fault per page, whichever tier). "
              "The whole-entry memory tier returns views of its entry (the copy is made by the cache's first "
              "update: '+ first token'), the block tier makes its one copy at checkout (with the room the cache "
              "grows into, so the first token is written in place), disk reads the entry's tail and block files, "
