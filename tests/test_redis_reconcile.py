@@ -7,6 +7,7 @@ undercount a block nor take a published entry's chunks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -68,6 +69,24 @@ def stored_tier(llama_model, tiers, redis_server, n):
     for tokens, cache in convs:
         assert tier.add(scope(model), tokens, cache, None) and tier.flush(30)
     return model, client, scope(model).namespace, tier, convs
+
+
+@contextlib.contextmanager
+def racing_passes(replica):
+    """Reconcile passes run back to back on ``replica`` while the block runs; yields their reports."""
+    stop, passes = threading.Event(), []
+
+    def run():
+        while not stop.is_set():
+            passes.append(replica.writer.reconcile())
+
+    racer = threading.Thread(target=run)
+    racer.start()
+    try:
+        yield passes
+    finally:
+        stop.set()
+        racer.join(60)
 
 
 def test_entries_redis_dropped_give_back_their_blocks_and_shared_ones_stay(llama_model, tiers, redis_server):  # noqa: F811
@@ -193,15 +212,7 @@ def test_passes_racing_replicas_never_miscount(llama_model, tiers, redis_server)
     ns = scope(model).namespace
     replicas = [tiers(queue_size=16, reconcile_seconds=HOUR) for _ in range(3)]
     convs = [kv.conversation(i, unique=40) for i in range(12)]
-    stop, passes = threading.Event(), []
-
-    def reconcile():
-        while not stop.is_set():
-            passes.append(replicas[2].writer.reconcile())
-
-    racer = threading.Thread(target=reconcile)
-    racer.start()
-    try:
+    with racing_passes(replicas[2]) as passes:
         for i, (tokens, cache) in enumerate(convs):
             assert replicas[i % 3].add(scope(model), tokens, cache, None)
         assert all(t.flush(60) for t in replicas)
@@ -211,9 +222,6 @@ def test_passes_racing_replicas_never_miscount(llama_model, tiers, redis_server)
             t, c = kv.conversation(100 + i, unique=40)
             replicas[(i + 1) % 3].add(scope(model), t, c, None)
         assert all(t.flush(60) for t in replicas)
-    finally:
-        stop.set()
-        racer.join(60)
     assert len(passes) >= 2 and sum(t.stats()["write_errors"] for t in replicas) == 0
     assert len(keys(client, "m")) == 12
     assert_consistent(client, ns)
@@ -247,24 +255,13 @@ def test_an_entry_and_its_extension_published_back_to_back_keep_their_blocks_whi
     ns = scope(model).namespace
     writer, other = tiers(queue_size=64, reconcile_seconds=HOUR), tiers(reconcile_seconds=HOUR)
     finals = [kv.conversation(i, unique=150) for i in range(8)]
-    stop, passes = threading.Event(), []
-
-    def reconcile():
-        while not stop.is_set():
-            passes.append(other.writer.reconcile())
-
-    racer = threading.Thread(target=reconcile)
-    racer.start()
-    try:
+    with racing_passes(other) as passes:
         for i, (tokens, cache) in enumerate(finals):
             n = len(tokens) - 90  # the prompt: a prefix ending inside a block
             prompt = [KVCache.from_flat_state([a[:, :, :n] for a in c.flat_state()], (str(n),)) for c in cache]
             assert writer.add(scope(model), tokens[:n], prompt, None)
             assert writer.add(scope(model), tokens, cache, f"conversation {i}")
         assert writer.flush(60)
-    finally:
-        stop.set()
-        racer.join(60)
     other.writer.reconcile()
     assert len(passes) >= 2 and len(keys(client, "m")) == len(finals)
     assert_consistent(client, ns)
@@ -377,15 +374,7 @@ def test_passes_racing_replicas_never_lose_a_published_entrys_chunks(llama_model
         aged(t)  # every chunk written is one a pass may delete once its manifest is gone
     convs = [kv.conversation(i, unique=40) for i in range(12)]
     added = [kv.conversation(100 + i, unique=40) for i in range(0, 12, 3)]
-    stop, passes = threading.Event(), []
-
-    def reconcile():
-        while not stop.is_set():
-            passes.append(replicas[2].writer.reconcile())
-
-    racer = threading.Thread(target=reconcile)
-    racer.start()
-    try:
+    with racing_passes(replicas[2]) as passes:
         for i, (tokens, cache) in enumerate(convs):
             assert replicas[i % 3].add(scope(model), tokens, cache, None)
         assert all(t.flush(60) for t in replicas)
@@ -395,9 +384,6 @@ def test_passes_racing_replicas_never_lose_a_published_entrys_chunks(llama_model
             client.delete(manifest_key(client, convs[i + 1][0], ns))
             replicas[(i + 1) % 3].add(scope(model), *added[i // 3], None)
         assert all(t.flush(60) for t in replicas)
-    finally:
-        stop.set()
-        racer.join(60)
     assert len(passes) >= 2 and sum(t.stats()["write_errors"] for t in replicas) == 0
     replicas[2].writer.reconcile()
     assert len(keys(client, "m")) == 12 - 4 - 4 + 4

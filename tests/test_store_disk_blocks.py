@@ -153,19 +153,26 @@ def test_block_entries_another_process_adds_are_found_and_a_smaller_budget_keeps
     assert_serves(small, a)
 
 
+def orphans(folder, held):
+    """What a writer killed between its block files and its entry file leaves: two blocks
+    no entry names, one an hour old and one new; ``held`` (the entries' blocks) aged as the old one.
+    Returns (old, new, an hour ago)."""
+    old, fresh = block_path(folder, "a" * 32), block_path(folder, "b" * 32)
+    shutil.copy(held[0], old)
+    shutil.copy(held[0], fresh)
+    past = time.time() - 3600
+    for p in [old, *held]:  # the held blocks are as old: their entry keeps them
+        os.utime(p, (past, past))
+    return old, fresh, past
+
+
 def test_block_files_no_entry_names_are_deleted_at_start_once_old_enough(tmp_path):
     tokens = list(range(1, 101))
     tier = DiskTier(tmp_path, 1 << 40, block_tokens=32)
     assert tier.add(SCOPE, tokens, cache_of(tokens), None)
     held = sorted((tmp_path / BLOCKS).iterdir())
     assert len(held) == 3
-    # what a writer killed between its block files and its entry file leaves: blocks nobody names
-    old, fresh = block_path(tmp_path, "a" * 32), block_path(tmp_path, "b" * 32)
-    shutil.copy(held[0], old)
-    shutil.copy(held[0], fresh)
-    past = time.time() - 3600
-    for p in [old, *held]:  # the held blocks are as old: their entry keeps them
-        os.utime(p, (past, past))
+    old, fresh, past = orphans(tmp_path, held)
     restarted = DiskTier(tmp_path, 1 << 40, block_tokens=32, orphan_seconds=600)
     assert restarted.stats()["orphans_removed"] == 1
     assert not old.exists() and fresh.exists()  # a live writer's new blocks are left alone
@@ -193,13 +200,7 @@ def test_a_running_tier_deletes_old_orphan_block_files_on_a_find_miss_at_most_ev
     server = DiskTier(tmp_path, 1 << 40, rescan_seconds=0, block_tokens=32, orphan_seconds=600)
     assert server.add(SCOPE, tokens, cache_of(tokens), None)
     held = sorted((tmp_path / BLOCKS).iterdir())
-    # a command next to the server, killed between its block files and its entry file
-    old, fresh = block_path(tmp_path, "a" * 32), block_path(tmp_path, "b" * 32)
-    shutil.copy(held[0], old)
-    shutil.copy(held[0], fresh)
-    past = time.time() - 3600
-    for p in [old, *held]:  # the held blocks are as old: their entry keeps them
-        os.utime(p, (past, past))
+    old, fresh, past = orphans(tmp_path, held)  # a command next to the server, killed mid-write
     clock[0] += 299  # the folder was looked at less than orphan_seconds / 2 ago (when the tier opened it)
     assert server.find(SCOPE, miss, None) is None
     assert old.exists() and server.stats()["orphans_removed"] == 0
