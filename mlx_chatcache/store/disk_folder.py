@@ -73,14 +73,20 @@ def claim_folder(folder: str | os.PathLike) -> Path:
     return folder
 
 
-def read_entry(path: Path) -> tuple[Entry, int] | None:
-    """``(entry, mtime_ns)`` of the store entry in ``path``, or None (see the module doc)."""
+def read_entry(path: Path, os_errors: bool = False) -> tuple[Entry, int] | None:
+    """``(entry, mtime_ns)`` of the store entry in ``path``, or None (see the module doc);
+    with ``os_errors``, a file that cannot be read (an OSError: gone, or an I/O error)
+    raises it instead of being None."""
     if not path.name.endswith(".safetensors") or path.name.startswith("."):
         return None
     try:
         stat = path.stat()
         info = read_cache_info(path)
-    except (ChatCacheError, OSError):
+    except ChatCacheError:
+        return None
+    except OSError:
+        if os_errors:
+            raise
         return None
     entry = entry_of(info, path, stat.st_size)
     return None if entry is None else (entry, stat.st_mtime_ns)

@@ -28,8 +28,10 @@ their own TTL, and ``P:kbytes`` keeps counting values that are gone. :meth:`Reco
    batch watching the chunks and their manifest keys, it reads both again: a
    manifest published meanwhile aborts it (the publish transaction in turn
    watches its chunks and writes them again when they are gone). Chunks of a
-   live manifest's other versions (replaced, expiring within ``GRACE``) are
-   left to expire.
+   live manifest's other versions are left to expire by their TTL. The rule
+   reads a chunk's age from its TTL, so replicas sharing a Redis must share
+   ``redis_ttl_seconds`` (a replica with a longer one deletes in-flight chunks,
+   which their publish then writes again; one with a shorter one frees none).
 4. Bytes. ``P:kbytes`` is set to the size of the block values that exist, read
    while watching it (every write or delete of a value changes it in the same
    transaction, so one made meanwhile aborts the pass's and the read is made
