@@ -193,9 +193,11 @@ def read_cache_info(path: str | os.PathLike) -> CacheFileInfo:
 def verify_cache_file(path: str | os.PathLike) -> bool:
     """Read every tensor's bytes of ``path`` and check the file against its checksums
     (without MLX): True when it carries them and they all match, False when it carries
-    none (an older file, an mlx-lm file); damage raises CacheFileError."""
+    none (an older file, an mlx-lm file); damage raises CacheFileError (a header that
+    lost its checksums must still be one of those files, whole)."""
     header = read_header(path)
     if header.checksums is None:
+        info_from_header(header)
         return False
     ranges = {name: (e.begin, e.end) for name, e in header.tensors.items()}
     check_file_tensors(header.path, header.data_start, ranges, header.checksums)
