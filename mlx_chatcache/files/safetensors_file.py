@@ -106,12 +106,21 @@ def read_header(path: str | os.PathLike) -> Header:
     if not path.is_file():
         raise CacheFileError(f"cache file not found: {path}; check the path")
     with open(path, "rb") as f:
-        identity = _identity(os.fstat(f.fileno()))
-        head = f.read(9)
-        if not _looks_like_safetensors(head):
-            raise not_safetensors(path)
-        f.seek(8)
-        raw = f.read(_declared_header_size(path, head[:8], identity[2]))
+        return _header_of_open(f, path)
+
+
+def _header_of_open(f, path: Path) -> Header:
+    """The validated header of the open file ``f`` (named ``path``), with its identity."""
+    identity = _identity(os.fstat(f.fileno()))
+    f.seek(0)
+    head = f.read(9)
+    if not _looks_like_safetensors(head):
+        raise not_safetensors(path)
+    n = _declared_header_size(path, head[:8], identity[2])
+    f.seek(8)
+    raw = f.read(n)
+    if len(raw) != n:
+        raise _bad(path, "the file ended early")
     return _parse_header(path, raw, identity[2], identity)
 
 
@@ -299,20 +308,12 @@ def start_read_into(path: str | os.PathLike, place: Callable[[Header], list[list
     path = Path(path)
     f = open(path, "rb", buffering=0)
     try:
-        fd = f.fileno()
-        st = os.fstat(fd)
-        head = os.pread(fd, 9, 0)
-        if not _looks_like_safetensors(head):
-            raise not_safetensors(path)
-        n = _declared_header_size(path, head[:8], st.st_size)
-        raw = os.pread(fd, n, 8)
-        if len(raw) != n:
-            raise _bad(path, "the file ended early")
-        header = _parse_header(path, raw, st.st_size, _identity(st))
+        header = _header_of_open(f, path)
         if header.checksums is None:
             raise damaged(path, "it carries no checksums")
         dest = place(header)
-        if len(dest) != len(header.tensors) or sum(b.nbytes for t in dest for b in t) != st.st_size - header.data_start:
+        size = sum(b.nbytes for t in dest for b in t)
+        if len(dest) != len(header.tensors) or size != header.file_size - header.data_start:
             raise _bad(path, "its tensors do not fit the buffers they are read into")
     except BaseException:
         f.close()
