@@ -11,7 +11,7 @@ queue drops the job and counts it in ``dropped``). Jobs:
   block index keys, the LRU score, the size and the counts of the blocks it
   lists (those of a manifest it replaces are released in it: a count reaching
   0 deletes the value and takes its bytes off ``P:kbytes``). A block or chunk
-  freed between its write and the transaction is written again. A reader sees
+  freed between its write and the transaction is written again in it. A reader sees
   the old manifest (whose chunks stay readable for ``GRACE`` seconds) or the
   new one with all its chunks, never a mix; two
   writers of one entry each publish a complete version and the last one wins.
@@ -212,45 +212,50 @@ class RedisWriter:
                         if not made:
                             break
                         pipe.multi()
-                        for h, v in made:
-                            pipe.set(self.keys.value(ns, h), v, ex=self.ttl + GRACE)
-                            pipe.hset(self.keys.refs(ns, h), "crc", crc32(v))
-                            pipe.expire(self.keys.refs(ns, h), self.ttl + GRACE)
-                        pipe.incrby(self.keys.block_bytes, sum(len(v) for _, v in made))
+                        self._queue_values(pipe, ns, made)
                         pipe.execute()
                         break
                     except self._watch_error:
                         continue
 
+    def _queue_values(self, pipe, ns: str, made: list[tuple[str, bytes]]) -> None:
+        """Queue the writes of block values ``made`` (not stored yet): each value, its crc32, their bytes."""
+        for h, v in made:
+            pipe.set(self.keys.value(ns, h), v, ex=self.ttl + GRACE)
+            pipe.hset(self.keys.refs(ns, h), "crc", crc32(v))
+            pipe.expire(self.keys.refs(ns, h), self.ttl + GRACE)
+        if made:
+            pipe.incrby(self.keys.block_bytes, sum(len(v) for _, v in made))
+
     def _publish(self, r, m: Manifest, chunks: list[bytes], index: list[str], values: dict[str, bytes],
                  stored: set[str]) -> list:  # fmt: skip
         """Set the manifest, its index keys, LRU score, size and its blocks' counts
-        in one transaction (the blocks it replaces are released in it too), which
-        commits only while its chunks and block values are all there (those freed
-        meanwhile are written again first)."""
+        in one transaction (the blocks it replaces are released in it too). Its
+        chunks and block values are written before; those freed meanwhile are
+        written again inside the transaction, so a publish never races a
+        reconcile pass twice for them (it is tried again only when a watched key
+        changed)."""
         name, value = member(m.namespace, m.eid), index_value(len(m.tokens), m.eid)
         mkey, ns, own = self.keys.manifest(m.namespace, m.eid), m.namespace, self.keys.chunks(m)
         watched = [mkey, *own] + [k for h in m.blocks for k in (self.keys.value(ns, h), self.keys.refs(ns, h))]
         meta = f"{m.nbytes}:{int(m.key is not None)}:{m.whole_bytes(self.block)}"
-        todo, lost = {h: v for h, v in values.items() if h not in stored}, False
+        self._write_values(r, ns, {h: v for h, v in values.items() if h not in stored})
         for _ in range(_RETRIES):
-            self._write_values(r, ns, todo)
-            if lost:
-                self._write_chunks(r, m, chunks)
             with r.pipeline(transaction=True) as pipe:
                 try:
                     pipe.watch(*watched)
                     old = _manifest(pipe.get(mkey), m.namespace, m.eid)
-                    todo = {h: values[h] for h in m.blocks if not pipe.exists(self.keys.value(ns, h))}
-                    lost = pipe.exists(*own) != len(own)
-                    if todo or lost:
-                        continue  # freed meanwhile: write them again
+                    gone = [(h, values[h]) for h in m.blocks if not pipe.exists(self.keys.value(ns, h))]
+                    lost = [j for j, k in enumerate(own) if not pipe.exists(k)]
                     dropped = [h for h in (old.blocks if old else ()) if h not in set(m.blocks)]
                     release, _ = self._releasing(pipe, ns, dropped)
                     pipe.multi()
                     pipe.set(mkey, m.encode(), ex=self.ttl, get=True)
                     for k in index:
                         pipe.set(k, value, ex=self.ttl, get=True)
+                    self._queue_values(pipe, ns, gone)  # freed since they were written
+                    for j in lost:
+                        pipe.set(own[j], chunks[j], ex=self.ttl + GRACE)
                     pipe.zadd(self.keys.lru, {name: time.time()})
                     pipe.hset(self.keys.meta, name, meta)
                     for h in [h for h in m.blocks if h not in set(old.blocks if old else ())]:
