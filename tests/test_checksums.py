@@ -264,3 +264,31 @@ def test_a_damaged_disk_tier_entry_is_a_miss(llama_model, tmp_path):
     store = PromptStore([DiskTier(tmp_path, 1 << 30)])
     assert store.checkout(scope, model, tokens + [9])[1] is None
     assert store.tiers[0].stats()["corrupt"] == 1
+
+
+def test_a_tensor_table_like_the_last_files_is_shared_and_any_other_is_checked(saved, tmp_path):
+    """``start_read_into(like=...)``: a file whose tensor table equals the one read before
+    shares its validated entries and is read whole; a table that differs (here, two
+    tensors over one byte range) is validated on its own and refused."""
+    from mlx_chatcache.files.safetensors_file import read_into, start_read_into
+
+    p, data, _ = saved
+    twin = tmp_path / "twin.safetensors"
+    twin.write_bytes(data)
+
+    def place(header):
+        return [[memoryview(bytearray(t.end - t.begin))] for t in header.tensors.values()]
+
+    first = read_into(p, place)
+    second = start_read_into(twin, place, like=first)
+    assert second.header.tensors is first.tensors
+    assert second.finish().checksums == first.checksums
+    n, header = _split(data)
+    a, b = "layer.0.0", "layer.0.1"  # the first layer's keys and values
+    assert header[a]["dtype"] == header[b]["dtype"] and header[a]["shape"] == header[b]["shape"]
+    header[b]["data_offsets"] = header[a]["data_offsets"]
+    raw = json.dumps(header).encode()
+    lying = tmp_path / "lying.safetensors"
+    lying.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+    with pytest.raises(CacheFileError, match="overlaps"):
+        start_read_into(lying, place, like=first)

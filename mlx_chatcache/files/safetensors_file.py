@@ -91,6 +91,7 @@ class Header:
     identity: tuple = ()  # (st_dev, st_ino, st_size, st_mtime_ns) of the validated file
     data: bytes | None = field(default=None, repr=False)  # the whole file, when it was read from memory
     checksums: dict[str, int] | None = None  # each tensor's CRC32, when the file carries them (verified header)
+    table: dict | None = field(default=None, repr=False, compare=False)  # the JSON its ``tensors`` were read from
 
 
 def _bad(path: Path, what: str) -> CacheFileError:
@@ -109,8 +110,9 @@ def read_header(path: str | os.PathLike) -> Header:
         return _header_of_open(f, path)
 
 
-def _header_of_open(f, path: Path) -> Header:
-    """The validated header of the open file ``f`` (named ``path``), with its identity."""
+def _header_of_open(f, path: Path, like: Header | None = None) -> Header:
+    """The validated header of the open file ``f`` (named ``path``), with its identity
+    (``like``: :func:`_parse_header`)."""
     identity = _identity(os.fstat(f.fileno()))
     f.seek(0)
     head = f.read(9)
@@ -121,7 +123,7 @@ def _header_of_open(f, path: Path) -> Header:
     raw = f.read(n)
     if len(raw) != n:
         raise _bad(path, "the file ended early")
-    return _parse_header(path, raw, identity[2], identity)
+    return _parse_header(path, raw, identity[2], identity, like)
 
 
 def read_header_bytes(data: bytes, name: str) -> Header:
@@ -144,7 +146,10 @@ def _declared_header_size(path: Path, head: bytes, size: int) -> int:
     return n
 
 
-def _parse_header(path: Path, raw: bytes, size: int, identity: tuple = ()) -> Header:
+def _parse_header(path: Path, raw: bytes, size: int, identity: tuple = (), like: Header | None = None) -> Header:
+    """The validated header whose JSON is ``raw``, of a file of ``size`` bytes. A tensor
+    table equal to that of ``like`` (a header validated before, over as many data bytes)
+    validates the same: the result shares ``like.tensors``."""
     try:
         header = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError):  # bad UTF-8 or JSON, too-long integers, deep nesting
@@ -154,26 +159,14 @@ def _parse_header(path: Path, raw: bytes, size: int, identity: tuple = ()) -> He
     metadata = _parse_metadata(path, header.pop("__metadata__", None) or {})
     n = len(raw)
     data_len = size - 8 - n
-    last = _last_table
-    if last is not None and last[0] == data_len and last[1] == header:  # e.g. the next block file of a cache
-        tensors = last[2]
+    if like is not None and like.file_size - like.data_start == data_len and like.table == header:
+        tensors = like.tensors
     else:
         tensors = {name: _parse_entry(path, name, e, data_len) for name, e in header.items()}
         _check_ranges(path, tensors, data_len)
         tensors = dict(sorted(tensors.items(), key=lambda x: x[1].begin))  # in file order
-        _remember_table((data_len, header, tensors))
     sums = header_checksums(path, raw, metadata, tensors)
-    return Header(path, tensors, metadata, 8 + n, size, identity, checksums=sums)
-
-
-# the last tensor table validated, (data length, its JSON, its entries): a header
-# whose table is equal to it validates the same (block files of one cache share theirs)
-_last_table: tuple[int, dict, dict[str, TensorEntry]] | None = None
-
-
-def _remember_table(table: tuple[int, dict, dict[str, TensorEntry]]) -> None:
-    global _last_table
-    _last_table = table
+    return Header(path, tensors, metadata, 8 + n, size, identity, checksums=sums, table=header)
 
 
 def _looks_like_safetensors(head: bytes) -> bool:
@@ -293,11 +286,14 @@ def read_into(path: str | os.PathLike, place: Callable[[Header], list[list[memor
     return start_read_into(path, place).finish()
 
 
-def start_read_into(path: str | os.PathLike, place: Callable[[Header], list[list[memoryview]]]) -> PendingRead:
+def start_read_into(path: str | os.PathLike, place: Callable[[Header], list[list[memoryview]]],
+                    like: Header | None = None) -> PendingRead:  # fmt: skip
     """Open ``path`` and validate its header; the :class:`PendingRead` returned reads the data.
 
     The header is parsed and validated as :func:`read_header` does and must carry
-    checksums. ``place(header)`` gives, for each tensor in file order (``header.tensors``),
+    checksums (``like``: a header validated before, whose tensor table this file's
+    is expected to equal, e.g. the previous block file of one cache: an equal one
+    is not validated again, and the header shares ``like.tensors``). ``place(header)`` gives, for each tensor in file order (``header.tensors``),
     the buffers it is read into (it may raise to refuse the header): writable byte
     buffers (``memoryview`` of format ``B``) whose sizes add up to the tensor's bytes,
     taken in order. A file that is short, lacks checksums or does not fit the buffers
@@ -308,7 +304,7 @@ def start_read_into(path: str | os.PathLike, place: Callable[[Header], list[list
     path = Path(path)
     f = open(path, "rb", buffering=0)
     try:
-        header = _header_of_open(f, path)
+        header = _header_of_open(f, path, like)
         if header.checksums is None:
             raise damaged(path, "it carries no checksums")
         dest = place(header)

@@ -172,6 +172,10 @@ class DiskTier(Tier):
         for name, mtime in listing.items():
             if self._named.get(name, (None,))[0] != mtime:
                 self._read(self.folder / name)
+        return self._held()
+
+    def _held(self) -> set[str]:
+        """The blocks the entry files read so far name."""
         return {b for _, blocks in self._named.values() for b in blocks}
 
     def _scan(self, evict: bool) -> None:
@@ -189,7 +193,7 @@ class DiskTier(Tier):
             else:
                 found.append(read)
         if not self._unsure:
-            self._remove_orphans({b for entry, _ in found for b, _ in entry.blocks})
+            self._remove_orphans(self._held())
         total, kept, held, gone = 0, [], set(), []
         for entry, _ in sorted(found, key=lambda x: -x[1]):  # newest first
             adds = entry.nbytes + sum(n for b, n in entry.blocks if b not in held)
@@ -353,7 +357,7 @@ class DiskTier(Tier):
             if not shapes or any(len(s) != 4 for s in shapes):
                 raise ChatCacheError(f"{header.path}: its layers are not K/V arrays")
             specs = [(getattr(mx, DTYPES[header.tensors[x].dtype][1]), s[0], s[1], s[3]) for x, s in zip(names, shapes)]
-            places.append(_Places(Assembly(kinds, metas, counts, specs, n)))
+            places.append(_Places(Assembly(kinds, metas, counts, specs, n), names))
             t = shapes[0][2]  # the tail's tokens: the blocks hold the rest, in equal parts
             if not paths or (n - t) % len(paths) or (n - t) // len(paths) <= t:
                 raise ChatCacheError(f"{header.path}: its {t} tail tokens do not fit {len(paths)} blocks of {n} tokens")
@@ -362,13 +366,16 @@ class DiskTier(Tier):
 
         bad.append(entry.payload)
         read_into(entry.payload, tail)
+        like = None  # the last block file's header: the next one's tensor table is expected to equal it
         with ThreadPoolExecutor(min(os.cpu_count() or 1, MAX_THREADS)) as pool:  # reads and sums free the GIL
             for first in range(0, len(paths), _OPEN_FILES):
                 started = []
                 try:
                     for i in range(first, min(first + _OPEN_FILES, len(paths))):  # the headers, here
                         bad.append(paths[i])
-                        started.append(start_read_into(paths[i], places[0].block(scope, i, entry.blocks[i][0], sizes[0])))
+                        place = places[0].block(scope, i, entry.blocks[i][0], sizes[0])
+                        started.append(start_read_into(paths[i], place, like))
+                        like = started[-1].header
                 except BaseException:
                     for read in started:
                         read.close()
@@ -415,9 +422,8 @@ def _touch(path: Path) -> bool:
 class _Places:
     """Where the tensors of a block entry's files go in its :class:`~.blocks.Assembly`."""
 
-    def __init__(self, asm: Assembly):
-        self.asm = asm
-        self.names = [f"layer.{i}.{j}" for i, c in enumerate(asm.counts) for j in range(c)]
+    def __init__(self, asm: Assembly, names: list[str]):
+        self.asm, self.names = asm, names  # names: the files' tensor of each of the assembly's arrays
         self.checked = None  # (tensor table, tokens) last checked: block files of one entry share one
         self.order: list[int] = []  # the checked table's tensors, in file order, as buffer indices
 
