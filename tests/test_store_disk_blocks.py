@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -183,6 +184,32 @@ def test_block_files_no_entry_names_are_deleted_at_start_once_old_enough(tmp_pat
         os.utime(p, (past, past))
     tier.add(SCOPE, tokens + [7] * 40, cache_of(tokens + [7] * 40), None)
     assert all(p.stat().st_mtime > past + 60 for p in held)
+
+
+def test_an_orphan_a_writer_uses_again_while_it_is_collected_is_kept(tmp_path, monkeypatch):
+    """A writer touches an old orphan block to use it again just after the collector
+    checked its age: the block stays (an untouched one still goes, and nothing is left
+    aside)."""
+    tokens = list(range(1, 101))
+    tier = DiskTier(tmp_path, 1 << 40, block_tokens=32)
+    assert tier.add(SCOPE, tokens, cache_of(tokens), None)
+    held = sorted((tmp_path / BLOCKS).iterdir())
+    old, fresh, past = orphans(tmp_path, held)
+    other = block_path(tmp_path, "c" * 32)
+    shutil.copy(old, other)
+    os.utime(other, (past, past))
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(src) == old:
+            os.utime(old)  # a writer uses it again, now
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    restarted = DiskTier(tmp_path, 1 << 40, block_tokens=32, orphan_seconds=600)
+    assert restarted.stats()["orphans_removed"] == 1 and old.exists() and not other.exists()
+    assert sorted((tmp_path / BLOCKS).iterdir()) == sorted([*held, old, fresh])
+    assert_serves(restarted, tokens)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import mlx.core as mx
 from ..cache import cache_class, can_trim_prompt_cache
 from ..config import SERVER_DEFAULTS
 from ..errors import ChatCacheError
-from ..files.atomic import remove_stale_temp_files_in
+from ..files.atomic import make_temp_file, remove_stale_temp_files_in
 from ..files.checksum import MAX_THREADS
 from ..files.mlxcc_format import check_cache_fits_model, info_from_header, load_cache_file, save_prompt_cache
 from ..files.safetensors_file import DTYPES, read_into, start_read_into
@@ -75,7 +75,9 @@ class DiskTier(Tier):
     file in the folder (every namespace, every process) before any block file's
     age; a writer touches the block files it uses again and writes new ones
     before its entry file, so a live writer's blocks are never deleted (as long
-    as it writes its entry file within ``orphan_seconds`` of its blocks).
+    as it writes its entry file within ``orphan_seconds`` of its blocks). An
+    orphan is moved aside before it is deleted and put back if a writer touched
+    it meanwhile (a reader of that writer's entry in those microseconds misses).
 
     A block entry's checkout copies each stored byte once: its entry file's tail
     and its block files are read (``os.preadv``) straight into the cache's own
@@ -223,12 +225,10 @@ class DiskTier(Tier):
         old = time.time() - self.orphan_seconds
         for e in candidates:
             try:
-                if e.stat().st_mtime >= old:
-                    continue
-                os.unlink(e.path)
+                if e.stat().st_mtime < old and _collect(Path(e.path), old):
+                    self.counters["orphans_removed"] += 1
             except OSError:
                 continue  # removed meanwhile
-            self.counters["orphans_removed"] += 1
 
     def fetch(self, entry, scope, expected):
         path = entry.payload
@@ -408,6 +408,25 @@ def _unlink(path: Path) -> None:
         Path(path).unlink(missing_ok=True)
     except OSError:
         pass
+
+
+def _collect(path: Path, old: float) -> bool:
+    """Delete the orphan block file ``path`` unless a writer uses it again meanwhile
+    (True: deleted). A writer touches a block it uses again before its entry file
+    names it, and writes it again when it is gone; so the file is first moved
+    aside, then deleted only if it was still last changed before ``old`` (else it
+    is put back)."""
+    aside = make_temp_file(path, path.parent)  # a killed collector's is a stale temp file
+    try:
+        os.replace(path, aside)
+    except OSError:
+        _unlink(Path(aside))
+        raise
+    if os.stat(aside).st_mtime >= old:
+        os.replace(aside, path)
+        return False
+    os.unlink(aside)
+    return True
 
 
 def _touch(path: Path) -> bool:
