@@ -216,11 +216,12 @@ def test_passes_racing_replicas_never_miscount(llama_model, tiers, redis_server)
         for i, (tokens, cache) in enumerate(convs):
             assert replicas[i % 3].add(scope(model), tokens, cache, None)
         assert all(t.flush(60) for t in replicas)
-        for i in range(0, 12, 3):
-            m = replicas[0].find(scope(model), convs[i][0] + [1], None)[0].payload
-            replicas[i % 3].writer.submit(lambda m=m: replicas[0].writer.discard(m))
+        for k, i in enumerate(range(0, 12, 3)):  # each replica in turn deletes, the next one adds
+            m = replicas[k % 3].find(scope(model), convs[i][0] + [1], None)[0].payload
+            w = replicas[k % 3].writer
+            w.submit(lambda m=m, w=w: w.discard(m))
             t, c = kv.conversation(100 + i, unique=40)
-            replicas[(i + 1) % 3].add(scope(model), t, c, None)
+            replicas[(k + 1) % 3].add(scope(model), t, c, None)
         assert all(t.flush(60) for t in replicas)
     assert len(passes) >= 2 and sum(t.stats()["write_errors"] for t in replicas) == 0
     assert len(keys(client, "m")) == 12
@@ -387,11 +388,12 @@ def test_passes_racing_replicas_never_lose_a_published_entrys_chunks(llama_model
         for i, (tokens, cache) in enumerate(convs):
             assert replicas[i % 3].add(scope(model), tokens, cache, None)
         assert all(t.flush(60) for t in replicas)
-        for i in range(0, 12, 3):  # deletes, entries Redis drops, and new publishes, racing the passes
-            m = replicas[0].find(scope(model), convs[i][0] + [1], None)[0].payload
-            replicas[i % 3].writer.submit(lambda m=m: replicas[0].writer.discard(m))
+        for k, i in enumerate(range(0, 12, 3)):  # deletes, entries Redis drops, new publishes, racing the passes
+            m = replicas[k % 3].find(scope(model), convs[i][0] + [1], None)[0].payload
+            w = replicas[k % 3].writer
+            w.submit(lambda m=m, w=w: w.discard(m))
             client.delete(manifest_key(client, convs[i + 1][0], ns))
-            replicas[(i + 1) % 3].add(scope(model), *added[i // 3], None)
+            replicas[(k + 1) % 3].add(scope(model), *added[k], None)
         assert all(t.flush(60) for t in replicas)
     assert len(passes) >= 2 and sum(t.stats()["write_errors"] for t in replicas) == 0
     replicas[2].writer.reconcile()
@@ -405,3 +407,35 @@ def test_passes_racing_replicas_never_lose_a_published_entrys_chunks(llama_model
         got = fetched(reader, model, tokens)
         assert all(np.array_equal(x, y) for x, y in zip(arrays(got), arrays(cache)))
     assert reader.stats()["missing"] == reader.stats()["corrupt"] == 0
+
+
+def test_a_touch_of_a_version_replaced_meanwhile_leaves_its_chunks_to_their_grace(llama_model, tiers, redis_server):  # noqa: F811
+    """A hit's touch reads the entry's version, then another replica publishes the entry
+    again before the touch lands: the touch does nothing, so the old version's chunks
+    still expire within GRACE."""
+    from mlx_chatcache.store import redis_writer
+    from mlx_chatcache.store.redis_layout import GRACE
+
+    model, _ = llama_model
+    kv, client, ns = KV(model), redis_server.client(), scope(model).namespace
+    reader, other = tiers(reconcile_seconds=HOUR), tiers(reconcile_seconds=HOUR)
+    tokens, cache = kv.conversation(0)
+    assert reader.add(scope(model), tokens, cache, None) and reader.flush(30)
+    m = reader.find(scope(model), tokens + [1], None)[0].payload
+    old_chunks, armed, real = chunks_of(client, ns, tokens), [True], redis_writer.decode_manifest
+
+    def decode(*args):
+        got = real(*args)
+        if armed and armed.pop():  # between the touch's read and its writes
+            assert other.add(scope(model), tokens, cache, None) and other.flush(30)
+        return got
+
+    redis_writer.decode_manifest = decode
+    try:
+        reader.writer.touch(m)
+    finally:
+        redis_writer.decode_manifest = real
+    assert not armed and json.loads(client.get(manifest_key(client, tokens, ns)))["version"] != m.version
+    assert old_chunks and all(client.pttl(k) <= GRACE * 1000 for k in old_chunks)
+    got = fetched(reader, model, tokens)
+    assert all(np.array_equal(x, y) for x, y in zip(arrays(got), arrays(cache)))

@@ -17,8 +17,8 @@ queue drops the job and counts it in ``dropped``). Jobs:
   writers of one entry each publish a complete version and the last one wins.
   Entries the new one makes redundant (trimmable prefixes of it, whose block
   keys now all point to it) are deleted.
-- ``touch``: a hit refreshes an entry's TTLs and LRU score (if it is still
-  the version that was read).
+- ``touch``: a hit refreshes an entry's TTLs and LRU score (in a transaction
+  that commits only while the entry is still the version that was read).
 - ``discard``: delete an entry a reader found corrupt or missing a block
   (releasing its blocks; damaged block values are deleted), if it is still
   the version that was read.
@@ -345,21 +345,28 @@ class RedisWriter:
         index = [self.keys.block(m.namespace, h) for h in chain.hashes] if m.trimmable else \
             [self.keys.end(m.namespace, chain.hashes[-1])]  # fmt: skip
 
+        mkey = self.keys.manifest(m.namespace, m.eid)
+
         def run(r):
-            current = decode_manifest(r.get(self.keys.manifest(m.namespace, m.eid)) or b"", m.namespace, m.eid)
-            if current is None or current.version != m.version:
-                return  # replaced or deleted since it was read: keep the old chunks' grace period
-            pipe = r.pipeline(transaction=False)
-            pipe.expire(self.keys.manifest(m.namespace, m.eid), self.ttl)
-            for k in self.keys.chunks(m):
-                pipe.expire(k, self.ttl + GRACE)
-            for k in index:
-                pipe.expire(k, self.ttl)
-            for h in m.blocks:
-                pipe.expire(self.keys.value(m.namespace, h), self.ttl + GRACE)
-                pipe.expire(self.keys.refs(m.namespace, h), self.ttl + GRACE)
-            pipe.zadd(self.keys.lru, {member(m.namespace, m.eid): time.time()}, xx=True)
-            pipe.execute()
+            with r.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(mkey)
+                    current = decode_manifest(pipe.get(mkey) or b"", m.namespace, m.eid)
+                    if current is None or current.version != m.version:
+                        return  # replaced or deleted since it was read: keep the old chunks' grace period
+                    pipe.multi()
+                    pipe.expire(mkey, self.ttl)
+                    for k in self.keys.chunks(m):
+                        pipe.expire(k, self.ttl + GRACE)
+                    for k in index:
+                        pipe.expire(k, self.ttl)
+                    for h in m.blocks:
+                        pipe.expire(self.keys.value(m.namespace, h), self.ttl + GRACE)
+                        pipe.expire(self.keys.refs(m.namespace, h), self.ttl + GRACE)
+                    pipe.zadd(self.keys.lru, {member(m.namespace, m.eid): time.time()}, xx=True)
+                    pipe.execute()
+                except self._watch_error:
+                    return  # replaced or deleted meanwhile: as above
 
         self.link.run(run)
 
