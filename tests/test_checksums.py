@@ -268,8 +268,9 @@ def test_a_damaged_disk_tier_entry_is_a_miss(llama_model, tmp_path):
 
 def test_a_tensor_table_like_the_last_files_is_shared_and_any_other_is_checked(saved, tmp_path):
     """``start_read_into(like=...)``: a file whose tensor table equals the one read before
-    shares its validated entries and is read whole; a table that differs (here, two
-    tensors over one byte range) is validated on its own and refused."""
+    shares its validated entries and is read whole; a table that differs (two tensors
+    over one byte range; offsets written as floats, equal in Python; the same table over
+    more data bytes) is validated on its own and refused."""
     from mlx_chatcache.files.safetensors_file import read_into, start_read_into
 
     p, data, _ = saved
@@ -286,9 +287,23 @@ def test_a_tensor_table_like_the_last_files_is_shared_and_any_other_is_checked(s
     n, header = _split(data)
     a, b = "layer.0.0", "layer.0.1"  # the first layer's keys and values
     assert header[a]["dtype"] == header[b]["dtype"] and header[a]["shape"] == header[b]["shape"]
-    header[b]["data_offsets"] = header[a]["data_offsets"]
-    raw = json.dumps(header).encode()
     lying = tmp_path / "lying.safetensors"
-    lying.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+
+    def write(h, tail=b""):
+        raw = json.dumps(h).encode()
+        lying.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :] + tail)
+
+    offsets = header[b]["data_offsets"]
+    header[b]["data_offsets"] = header[a]["data_offsets"]
+    write(header)
     with pytest.raises(CacheFileError, match="overlaps"):
+        start_read_into(lying, place, like=first)
+    header[b]["data_offsets"] = [float(o) for o in offsets]
+    assert {k: v for k, v in header.items() if k != "__metadata__"} == json.loads(first.table)
+    write(header)
+    with pytest.raises(CacheFileError, match="invalid data offsets"):
+        start_read_into(lying, place, like=first)
+    header[b]["data_offsets"] = offsets
+    write(header, tail=b"\0" * 4)
+    with pytest.raises(CacheFileError, match="unexplained bytes"):
         start_read_into(lying, place, like=first)

@@ -439,3 +439,29 @@ def test_a_touch_of_a_version_replaced_meanwhile_leaves_its_chunks_to_their_grac
     assert old_chunks and all(client.pttl(k) <= GRACE * 1000 for k in old_chunks)
     got = fetched(reader, model, tokens)
     assert all(np.array_equal(x, y) for x, y in zip(arrays(got), arrays(cache)))
+
+
+def test_block_values_a_pass_frees_before_their_publish_are_written_again_in_it(llama_model, tiers, redis_server):  # noqa: F811
+    """A writer slower than GRACE: a pass frees the block values it wrote (no manifest
+    lists them yet) before its manifest is published; the publish writes them again in
+    its transaction, counts their bytes once, and the entry is served."""
+    model, _ = llama_model
+    kv, client, ns = KV(model), redis_server.client(), scope(model).namespace
+    other, writer = tiers(reconcile_seconds=HOUR), tiers(reconcile_seconds=HOUR)
+    real, passes = writer.writer._write_values, []
+
+    def write_values(r, ns_, values):
+        real(r, ns_, values)
+        for h in values:  # written more than GRACE seconds ago
+            r.pexpire(writer.keys.value(ns_, h), writer.ttl * 1000 - 1)
+        passes.append(other.writer.reconcile())
+
+    writer.writer._write_values = write_values
+    tokens, cache = kv.conversation(0)
+    assert writer.add(scope(model), tokens, cache, None) and writer.flush(30)
+    assert len(passes) == 1 and passes[0].freed == len(Chain(ns, tokens, BLOCK).hashes) > 0
+    assert writer.stats()["write_errors"] == 0 and writer.stats()["added"] == 1
+    assert_consistent(client, ns)
+    got = fetched(other, model, tokens)
+    assert all(np.array_equal(x, y) for x, y in zip(arrays(got), arrays(cache)))
+    assert other.stats()["missing"] == other.stats()["corrupt"] == 0

@@ -21,7 +21,7 @@ files with it), in scatter reads, then checks them where they landed;
 ``start_read_into`` does the header part now and hands back the reading and
 checking, for another thread.
 
-Writing (atomic: temp file + fsync + rename) lives in :mod:`.atomic_write`.
+Writing (atomic: temp file + fsync + rename) lives in :mod:`.atomic`.
 A file that does not start like a safetensors file (a text file) is refused
 as "not a safetensors file", not by its byte counts.
 """
@@ -91,7 +91,7 @@ class Header:
     identity: tuple = ()  # (st_dev, st_ino, st_size, st_mtime_ns) of the validated file
     data: bytes | None = field(default=None, repr=False)  # the whole file, when it was read from memory
     checksums: dict[str, int] | None = None  # each tensor's CRC32, when the file carries them (verified header)
-    table: dict | None = field(default=None, repr=False, compare=False)  # the JSON its ``tensors`` were read from
+    table: str | None = field(default=None, repr=False, compare=False)  # the JSON of ``tensors``, canonical
 
 
 def _bad(path: Path, what: str) -> CacheFileError:
@@ -148,8 +148,9 @@ def _declared_header_size(path: Path, head: bytes, size: int) -> int:
 
 def _parse_header(path: Path, raw: bytes, size: int, identity: tuple = (), like: Header | None = None) -> Header:
     """The validated header whose JSON is ``raw``, of a file of ``size`` bytes. A tensor
-    table equal to that of ``like`` (a header validated before, over as many data bytes)
-    validates the same: the result shares ``like.tensors``."""
+    table written exactly as that of ``like`` (a header validated before, over as many
+    data bytes; compared as canonical JSON, so ``4096.0`` or ``false`` never pass for
+    ``4096`` or ``0``) validates the same: the result shares ``like.tensors``."""
     try:
         header = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError):  # bad UTF-8 or JSON, too-long integers, deep nesting
@@ -159,14 +160,15 @@ def _parse_header(path: Path, raw: bytes, size: int, identity: tuple = (), like:
     metadata = _parse_metadata(path, header.pop("__metadata__", None) or {})
     n = len(raw)
     data_len = size - 8 - n
-    if like is not None and like.file_size - like.data_start == data_len and like.table == header:
+    table = json.dumps(header, sort_keys=True, separators=(",", ":"))
+    if like is not None and like.file_size - like.data_start == data_len and like.table == table:
         tensors = like.tensors
     else:
         tensors = {name: _parse_entry(path, name, e, data_len) for name, e in header.items()}
         _check_ranges(path, tensors, data_len)
         tensors = dict(sorted(tensors.items(), key=lambda x: x[1].begin))  # in file order
     sums = header_checksums(path, raw, metadata, tensors)
-    return Header(path, tensors, metadata, 8 + n, size, identity, checksums=sums, table=header)
+    return Header(path, tensors, metadata, 8 + n, size, identity, checksums=sums, table=table)
 
 
 def _looks_like_safetensors(head: bytes) -> bool:
@@ -293,8 +295,8 @@ def start_read_into(path: str | os.PathLike, place: Callable[[Header], list[list
     The header is parsed and validated as :func:`read_header` does and must carry
     checksums (``like``: a header validated before, whose tensor table this file's
     is expected to equal, e.g. the previous block file of one cache: an equal one
-    is not validated again, and the header shares ``like.tensors``). ``place(header)`` gives, for each tensor in file order (``header.tensors``),
-    the buffers it is read into (it may raise to refuse the header): writable byte
+    is not validated again, and the header shares ``like.tensors``).
+    ``place(header)`` gives, for each tensor in file order (``header.tensors``), the buffers it is read into (it may raise to refuse the header): writable byte
     buffers (``memoryview`` of format ``B``) whose sizes add up to the tensor's bytes,
     taken in order. A file that is short, lacks checksums or does not fit the buffers
     raises CacheFileError; one that cannot be opened or read (gone, too many open files,

@@ -77,7 +77,8 @@ class DiskTier(Tier):
     before its entry file, so a live writer's blocks are never deleted (as long
     as it writes its entry file within ``orphan_seconds`` of its blocks). An
     orphan is moved aside before it is deleted and put back if a writer touched
-    it meanwhile (a reader of that writer's entry in those microseconds misses).
+    it meanwhile (a reader of that writer's entry in those microseconds finds
+    the block gone and drops the entry, as when a block file was deleted).
 
     A block entry's checkout copies each stored byte once: its entry file's tail
     and its block files are read (``os.preadv``) straight into the cache's own
@@ -422,9 +423,13 @@ def _collect(path: Path, old: float) -> bool:
     except OSError:
         _unlink(Path(aside))
         raise
-    if os.stat(aside).st_mtime >= old:
-        os.replace(aside, path)
-        return False
+    try:
+        if os.stat(aside).st_mtime >= old:
+            os.replace(aside, path)
+            return False
+    except OSError:
+        _unlink(Path(aside))  # a writer that finds the block gone writes it again
+        raise
     os.unlink(aside)
     return True
 

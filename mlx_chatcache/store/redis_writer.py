@@ -6,8 +6,8 @@ queue drops the job and counts it in ``dropped``). Jobs:
 - ``publish``: keep the byte budget (:meth:`plan`: least recently used entries
   out, no entry evicting more than its own size, pinned entries last, expired
   ones forgotten), write the chunks under the write's own version and the
-  block values not stored yet (SET NX: one value per chain hash, whoever
-  writes it), then in one WATCH/MULTI/EXEC transaction set the manifest, the
+  block values not stored yet (one value per chain hash, whoever writes it
+  first), then in one WATCH/MULTI/EXEC transaction set the manifest, the
   block index keys, the LRU score, the size and the counts of the blocks it
   lists (those of a manifest it replaces are released in it: a count reaching
   0 deletes the value and takes its bytes off ``P:kbytes``). A block or chunk
@@ -245,8 +245,12 @@ class RedisWriter:
                 try:
                     pipe.watch(*watched)
                     old = _manifest(pipe.get(mkey), m.namespace, m.eid)
-                    gone = [(h, values[h]) for h in m.blocks if not pipe.exists(self.keys.value(ns, h))]
-                    lost = [j for j, k in enumerate(own) if not pipe.exists(k)]
+                    there = r.pipeline(transaction=False)  # one round trip while the keys are watched
+                    for k in [self.keys.value(ns, h) for h in m.blocks] + own:
+                        there.exists(k)
+                    got = there.execute()
+                    gone = [(h, values[h]) for h, e in zip(m.blocks, got) if not e]
+                    lost = [j for j, e in enumerate(got[len(m.blocks) :]) if not e]
                     dropped = [h for h in (old.blocks if old else ()) if h not in set(m.blocks)]
                     release, _ = self._releasing(pipe, ns, dropped)
                     pipe.multi()
@@ -366,7 +370,7 @@ class RedisWriter:
                     pipe.zadd(self.keys.lru, {member(m.namespace, m.eid): time.time()}, xx=True)
                     pipe.execute()
                 except self._watch_error:
-                    return  # replaced or deleted meanwhile: as above
+                    return  # replaced, deleted or touched meanwhile: the next hit touches it
 
         self.link.run(run)
 
