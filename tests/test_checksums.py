@@ -270,7 +270,7 @@ def test_a_tensor_table_like_the_last_files_is_shared_and_any_other_is_checked(s
     """``start_read_into(like=...)``: a file whose tensor table equals the one read before
     shares its validated entries and is read whole; a table that differs (two tensors
     over one byte range; offsets written as floats, equal in Python; the same table over
-    more data bytes) is validated on its own and refused."""
+    more data bytes; a 1 written as true) is validated on its own and refused."""
     from mlx_chatcache.files.safetensors_file import read_into, start_read_into
 
     p, data, _ = saved
@@ -299,11 +299,18 @@ def test_a_tensor_table_like_the_last_files_is_shared_and_any_other_is_checked(s
     with pytest.raises(CacheFileError, match="overlaps"):
         start_read_into(lying, place, like=first)
     header[b]["data_offsets"] = [float(o) for o in offsets]
-    assert {k: v for k, v in header.items() if k != "__metadata__"} == json.loads(first.table)
+    assert {k: v for k, v in header.items() if k != "__metadata__"} == first.table
     write(header)
     with pytest.raises(CacheFileError, match="invalid data offsets"):
         start_read_into(lying, place, like=first)
     header[b]["data_offsets"] = offsets
+    assert header[b]["shape"][0] == 1
+    header[b]["shape"][0] = True
+    assert {k: v for k, v in header.items() if k != "__metadata__"} == first.table
+    write(header)
+    with pytest.raises(CacheFileError, match="invalid shape"):
+        start_read_into(lying, place, like=first)
+    header[b]["shape"][0] = 1
     write(header, tail=b"\0" * 4)
     with pytest.raises(CacheFileError, match="unexplained bytes"):
         start_read_into(lying, place, like=first)

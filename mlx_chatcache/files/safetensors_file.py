@@ -91,7 +91,7 @@ class Header:
     identity: tuple = ()  # (st_dev, st_ino, st_size, st_mtime_ns) of the validated file
     data: bytes | None = field(default=None, repr=False)  # the whole file, when it was read from memory
     checksums: dict[str, int] | None = None  # each tensor's CRC32, when the file carries them (verified header)
-    table: str | None = field(default=None, repr=False, compare=False)  # the JSON of ``tensors``, canonical
+    table: dict | None = field(default=None, repr=False, compare=False)  # the JSON ``tensors`` were read from
 
 
 def _bad(path: Path, what: str) -> CacheFileError:
@@ -148,11 +148,12 @@ def _declared_header_size(path: Path, head: bytes, size: int) -> int:
 
 def _parse_header(path: Path, raw: bytes, size: int, identity: tuple = (), like: Header | None = None) -> Header:
     """The validated header whose JSON is ``raw``, of a file of ``size`` bytes. A tensor
-    table written exactly as that of ``like`` (a header validated before, over as many
-    data bytes; compared as canonical JSON, so ``4096.0`` or ``false`` never pass for
-    ``4096`` or ``0``) validates the same: the result shares ``like.tensors``."""
+    table equal to that of ``like`` (a header validated before, over as many data bytes)
+    validates the same: the result shares ``like.tensors``. Equal means exactly: a JSON
+    fraction is parsed as :class:`_Fraction` (never equal to an int) and a header that
+    spells ``true`` or ``false`` anywhere is validated on its own."""
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), parse_float=_Fraction)
     except (ValueError, RecursionError):  # bad UTF-8 or JSON, too-long integers, deep nesting
         raise _bad(path, "header is not JSON") from None
     if not isinstance(header, dict):
@@ -160,15 +161,20 @@ def _parse_header(path: Path, raw: bytes, size: int, identity: tuple = (), like:
     metadata = _parse_metadata(path, header.pop("__metadata__", None) or {})
     n = len(raw)
     data_len = size - 8 - n
-    table = json.dumps(header, sort_keys=True, separators=(",", ":"))
-    if like is not None and like.file_size - like.data_start == data_len and like.table == table:
+    if (like is not None and like.file_size - like.data_start == data_len and like.table == header
+            and b"true" not in raw and b"false" not in raw):  # fmt: skip
         tensors = like.tensors
     else:
         tensors = {name: _parse_entry(path, name, e, data_len) for name, e in header.items()}
         _check_ranges(path, tensors, data_len)
         tensors = dict(sorted(tensors.items(), key=lambda x: x[1].begin))  # in file order
     sums = header_checksums(path, raw, metadata, tensors)
-    return Header(path, tensors, metadata, 8 + n, size, identity, checksums=sums, table=table)
+    return Header(path, tensors, metadata, 8 + n, size, identity, checksums=sums, table=header)
+
+
+class _Fraction(str):
+    """A JSON number with a fraction or an exponent, kept as its text: no header field
+    may hold one (each check refuses its type), and it never equals an int."""
 
 
 def _looks_like_safetensors(head: bytes) -> bool:
