@@ -302,9 +302,10 @@ def start_read_into(path: str | os.PathLike, place: Callable[[Header], list[list
     checksums (``like``: a header validated before, whose tensor table this file's
     is expected to equal, e.g. the previous block file of one cache: an equal one
     is not validated again, and the header shares ``like.tensors``).
-    ``place(header)`` gives, for each tensor in file order (``header.tensors``), the buffers it is read into (it may raise to refuse the header): writable byte
-    buffers (``memoryview`` of format ``B``) whose sizes add up to the tensor's bytes,
-    taken in order. A file that is short, lacks checksums or does not fit the buffers
+    ``place(header)`` gives, for each tensor in file order (``header.tensors``), the
+    buffers it is read into (it may raise to refuse the header): writable byte buffers
+    (``memoryview`` of format ``B``) whose sizes add up to the tensor's bytes, taken in
+    order. A file that is short, lacks checksums or does not fit the buffers
     raises CacheFileError; one that cannot be opened or read (gone, too many open files,
     an I/O error) raises the OSError: its bytes are not known to be wrong. The file is
     closed either way.
