@@ -346,19 +346,12 @@ class ServerConfig:
     memory_cache_bytes: int = 2_000_000_000  # memory tier budget (0: no memory tier)
     disk_cache_bytes: int = 16_000_000_000  # disk tier budget (0: no disk tier)
     cache_dir_name: str = "server-cache"  # under mlxcc_home() unless --cache-dir is given
-    # the store's tiers share K/V in blocks of this many tokens (memory: 0 keeps whole entries), and the
-    # Redis tier's hash chain finds prefixes at its multiples; 32 keeps 50 chats sharing a 1,000-token
-    # prompt within 1.11x of their unique tokens' bytes in memory and Redis (64: 1.28x in Redis), see RESULTS.md
-    store_block_tokens: int = 32
-    # the disk tier's blocks are files: each costs a file's open, header and checks per checkout, so they
-    # hold twice the tokens (a 1,200-token checkout reads 18 block files, not 37); 50 such chats stay
-    # within 1.2x of their unique tokens' bytes on disk, see RESULTS.md
-    disk_block_tokens: int = 64
-    disk_rescan_seconds: float = 1.0  # a disk tier looks for entries other processes added at most this often
-    # a block file no entry file names is deleted once it is this old, when a disk tier opens its folder
-    # and by its rescan (at most every half of this); a writer killed between its blocks and its entry
-    # left it, a live writer's are newer
-    disk_orphan_seconds: float = 600.0
+    # every tier keeps a cache of plain K/V layers as blocks of this many tokens, named by their hash
+    # chain (a block is one value: a file on disk, a key in Redis); see benchmarks/RESULTS.md for the
+    # trade: 50 chats sharing a 1,000-token prompt within 1.25x of their unique tokens' bytes, and a disk
+    # checkout opening one file per block
+    store_block_tokens: int = 64
+    disk_rescan_seconds: float = 1.0  # a disk tier looks for values other processes added at most this often
     max_queue: int = 64  # requests waiting for the generation worker; more get HTTP 503
     # rows decoded together in one model call (1: one request at a time); decoding on a CPU
     # is bound by reading the weights, which a call does once for all its rows: on the demo
@@ -367,19 +360,14 @@ class ServerConfig:
     max_stop_sequences: int = 4  # as OpenAI's API
     max_n: int = MAX_CHOICES  # choices one request may ask for (each a generation on its own cache copy)
     retry_after_s: int = 1  # the Retry-After of a 503 (queue full)
-    # the Redis tier (--cache-redis; shared by replicas), see mlx_chatcache/store/redis_tier.py
-    redis_cache_bytes: int = 8 << 30  # byte budget of all entries under the key prefix
-    redis_ttl_seconds: int = 24 * 3600  # an entry unused this long expires
-    redis_chunk_bytes: int = 16 << 20  # values are split in chunks of this size (Redis caps one at 512 MiB)
-    redis_share_blocks: bool = True  # plain KV caches are stored as block values entries share
+    # the Redis tier (--cache-redis; shared by replicas), see mlx_chatcache/store/redis_tier.py; Redis's own
+    # maxmemory and eviction policy bound what it holds
+    redis_ttl_seconds: int = 24 * 3600  # a value unused this long expires
     redis_key_prefix: str = "mlxcc"
-    redis_write_queue: int = 8  # entries waiting for the background writer; more are dropped (counted)
+    redis_write_queue: int = 8  # puts waiting for the background writer; more are dropped (counted)
     redis_socket_timeout: float = 1.0  # seconds per Redis operation before the tier counts Redis as down
     redis_connect_timeout: float = 0.5
     redis_backoff_seconds: tuple[float, float] = (0.5, 30.0)  # first and longest wait before reconnecting
-    # the replicas together run one pass recounting block holders and bytes from what Redis still
-    # holds (entries expired or evicted by Redis itself) this often, see store/redis_reconcile.py
-    redis_reconcile_seconds: float = 60.0
 
 
 SERVER_DEFAULTS = ServerConfig()

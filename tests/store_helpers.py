@@ -12,17 +12,17 @@ from mlx_chatcache.config import CacheShape
 from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.files.tokens import common_prefix_len
 from mlx_chatcache.generation.templates import feed_all
-from mlx_chatcache.store.tiers import make_scope
+from mlx_chatcache.store.store import make_scope
 from tiny_models import VOCAB_SIZE
 
 SETTINGS = {"max_kv_size": None, "keep": 4}
 
 
-def checked_out(store, sc, model, prompt, key=None):
+def checked_out(store, sc, model, prompt):
     """What ``store.checkout`` hands out for ``prompt`` (the default shape): None on a
     miss, else its ``state`` (a PromptCache), ``cache``, ``tokens``, ``tier`` and
     ``served``: the prompt tokens (but the last) its tokens share, the prefix a hit gives."""
-    state, tier = store.checkout(sc, model, prompt, key=key)
+    state, tier = store.checkout(sc, model, prompt)
     assert isinstance(state, PromptCache) and len(state.cache) == len(PromptCache.new(model).cache)
     if tier is None:
         assert state.tokens == [], "a miss hands out an empty cache"
@@ -55,3 +55,34 @@ def scope(model, settings=SETTINGS):
 
 def arrays(cache):
     return [np.array(a) for c in cache for a in c.flat_state()]
+
+
+def synthetic(tokens, layers=2, heads=2, dim=4):
+    """``KVCache`` layers holding ``tokens`` whose K/V at position ``p`` are a function of
+    ``(tokens[p], p)`` alone: caches sharing a prefix hold it bit for bit, whatever the BLAS."""
+    import mlx.core as mx
+
+    from mlx_chatcache.cache import KVCache
+
+    n = len(tokens)
+    base = mx.array([t * 1000.0 + p for p, t in enumerate(tokens)], dtype=mx.float32).reshape(1, 1, n, 1)
+    out = []
+    for i in range(layers):
+        grid = mx.arange(heads * dim, dtype=mx.float32).reshape(1, heads, 1, dim) / 64 + i
+        k, v = base + grid, -(base + grid)
+        out.append(KVCache.from_flat_state([k, v], (str(n),)))
+    return out
+
+
+def served(entries, query, block):
+    """What the store serves of ``query`` (a prompt but its last token) from entries of
+    block caches holding ``entries`` (token lists): the leading run of ``block``-token
+    blocks some entry shares with it, then the longest entry that ends within the next
+    block and that ``query`` starts with."""
+    run = 0
+    while any(len(e) >= (run + 1) * block and e[: (run + 1) * block] == query[: (run + 1) * block] for e in entries) \
+            and (run + 1) * block <= len(query):  # fmt: skip
+        run += 1
+    r = run * block
+    tails = [len(e) for e in entries if r < len(e) < r + block and len(e) <= len(query) and e == query[: len(e)]]
+    return max(tails, default=r)

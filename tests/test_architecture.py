@@ -269,7 +269,7 @@ WRITERS = {"write_atomic", "write_file_atomic", "save_prompt_cache", "save_mlx_l
 WRITER_HOMES = {
     f"{PKG}.files.atomic", f"{PKG}.files.mlxcc_format", f"{PKG}.files.mlxlm", f"{PKG}.files.cache_file",
     f"{PKG}.files.lock",
-    f"{PKG}.store.disk",  # DiskTier: its own marked folder (store/disk_folder.py)
+    f"{PKG}.store.disk",  # DiskTier: its own marked folder
     PKG,  # the public re-export of save_prompt_cache
 }
 LOCK_USERS = {f"{PKG}.chat.session_catalog"}  # 'sessions rm' deletes a session under its lock (no write)

@@ -420,7 +420,7 @@ def _refusal_files(d, other_model, tmp_path):
     from mlx_chatcache.files.prompt_cache import PromptCache
     from mlx_chatcache.models.loading import load
     from mlx_chatcache.store.disk import DiskTier
-    from mlx_chatcache.store.tiers import make_scope
+    from mlx_chatcache.store.store import PromptStore, make_scope
 
     sys_f = tmp_path / "sys.safetensors"
     cache_prompt(d, sys_f, "--system-prompt", SYSTEM)
@@ -433,9 +433,9 @@ def _refusal_files(d, other_model, tmp_path):
     stored = PromptCache.load(sys_f, load(str(d))[0])
     entry = tmp_path / "entry.safetensors"
     save_prompt_cache(entry, stored.cache, tokens=stored.tokens, model=stored.fingerprint)
-    disk = DiskTier(tmp_path / "store", None, block_tokens=4)  # a block entry: its file holds the tail only
-    assert disk.add(make_scope(stored.fingerprint, {}), stored.tokens, stored.cache, None)
-    (block_entry,) = (tmp_path / "store").glob("*.safetensors")
+    store = PromptStore([DiskTier(tmp_path / "store", None)], block_tokens=4)  # blocks and a tail: store values
+    assert store.put(make_scope(stored.fingerprint, {}), stored.tokens, stored.cache) == {"disk": True}
+    block_entry = next((tmp_path / "store").glob("b*.safetensors"))
     mlxlm = tmp_path / "mlxlm.safetensors"
     save_prompt_cache(mlxlm, stored.cache, format="mlx-lm")
     notes = tmp_path / "notes.txt"
@@ -445,7 +445,7 @@ def _refusal_files(d, other_model, tmp_path):
         "raw text": (raw, (), "chat needs a chat cache", True),
         "mlx-lm file": (mlxlm, (), "does not say which tokens it holds", True),
         "store entry": (entry, (), "store entry", True),
-        "block store entry": (block_entry, (), "store entry", True),
+        "block store value": (block_entry, (), "store entry", True),
         "other window": (win, ("--max-kv-size", "32"), "max_kv_size=64", True),
         "window on an unbounded file": (sys_f, ("--max-kv-size", "64"), "max_kv_size=None", True),
         "other kv bits": (q8, ("--kv-bits", "4"), "kv_bits=8", True),

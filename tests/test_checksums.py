@@ -127,24 +127,6 @@ def test_damaged_tensor_is_named(saved, tmp_path):
         load_prompt_cache(p)
 
 
-def test_threaded_verification_agrees(saved, tmp_path, monkeypatch):
-    """Big files are verified over threads: the same verdicts, tensor for tensor."""
-    path, data, cache = saved
-    monkeypatch.setattr(checksum, "PARALLEL_BYTES", 0)
-    loaded = load_prompt_cache(path)
-    assert all(mx.array_equal(x, y) for a, b in zip(cache, loaded) for x, y in zip(a.flat_state(), b.flat_state()))
-    _, h = _split(data)
-    sums = json.loads(h["__metadata__"][TENSORS_KEY])
-    for name in sums:
-        b, e = h[name]["data_offsets"]
-        if e > b:
-            at = 8 + _split(data)[0] + (b + e) // 2
-            p = tmp_path / "bad.safetensors"
-            p.write_bytes(data[:at] + bytes([data[at] ^ 0x80]) + data[at + 1 :])
-            with pytest.raises(CacheFileError, match=f"tensor '{name}' does not match"):
-                load_prompt_cache(p)
-
-
 def _strip(h, version="3"):
     h["__metadata__"].pop(HEADER_KEY)
     h["__metadata__"].pop(TENSORS_KEY)
@@ -239,23 +221,21 @@ def test_a_damaged_session_is_refused_and_left_alone(llama_model, tmp_path):
     assert bad.read_bytes() == data
 
 
-def test_a_damaged_disk_tier_entry_is_a_miss(llama_model, tmp_path):
-    """A store entry whose array bytes were overwritten (same size, header intact)
+def test_a_damaged_disk_tier_value_is_a_miss(llama_model, tmp_path):
+    """A store value whose array bytes were overwritten (same size, header intact)
     is never served: the lookup misses and counts it corrupt."""
     from mlx_chatcache.files.prompt_cache import PromptCache
     from mlx_chatcache.generation.templates import feed_all
-    from mlx_chatcache.store.store import PromptStore
     from mlx_chatcache.store.disk import DiskTier
-    from mlx_chatcache.store.tiers import make_scope
+    from mlx_chatcache.store.store import PromptStore, make_scope
 
     model, _ = llama_model
     tokens = [3 + (i * 7) % 300 for i in range(20)]
     state = PromptCache.new(model)
     feed_all(model, state, tokens, 512)
     scope = make_scope(model.fingerprint, {"max_kv_size": None, "keep": 4})
-    disk = DiskTier(tmp_path, 1 << 30)
-    disk.add(scope, tokens, state.cache, key=None)
-    path = disk.index.get(scope.namespace, tuple(tokens)).payload
+    PromptStore([DiskTier(tmp_path, 1 << 30)]).put(scope, tokens, state.cache)
+    (path,) = tmp_path.glob("e*.safetensors")  # 20 tokens: no full block, one entry value
     data = path.read_bytes()
     n, _ = _split(data)
     at = 8 + n + 16  # the first live token's K/V of the first tensor in the file
@@ -263,27 +243,16 @@ def test_a_damaged_disk_tier_entry_is_a_miss(llama_model, tmp_path):
     assert path.read_bytes() != data
     store = PromptStore([DiskTier(tmp_path, 1 << 30)])
     assert store.checkout(scope, model, tokens + [9])[1] is None
-    assert store.tiers[0].stats()["corrupt"] == 1
+    assert store.tiers[0].stats()["corrupt"] == 1 and not path.exists()
 
 
-def test_a_tensor_table_like_the_last_files_is_shared_and_any_other_is_checked(saved, tmp_path):
-    """``start_read_into(like=...)``: a file whose tensor table equals the one read before
-    shares its validated entries and is read whole; a table that differs (two tensors
-    over one byte range; offsets written as floats, equal in Python; the same table over
-    more data bytes; a 1 written as true) is validated on its own and refused."""
-    from mlx_chatcache.files.safetensors_file import read_into, start_read_into
+def test_a_lying_tensor_table_is_refused(saved, tmp_path):
+    """A header whose tensor table lies (two tensors over one byte range; offsets
+    written as floats, equal in Python; a 1 written as true; more data bytes than the
+    tensors explain) is refused by the header parser, before any data is read."""
+    from mlx_chatcache.files.safetensors_file import read_header
 
     p, data, _ = saved
-    twin = tmp_path / "twin.safetensors"
-    twin.write_bytes(data)
-
-    def place(header):
-        return [[memoryview(bytearray(t.end - t.begin))] for t in header.tensors.values()]
-
-    first = read_into(p, place)
-    second = start_read_into(twin, place, like=first)
-    assert second.header.tensors is first.tensors
-    assert second.finish().checksums == first.checksums
     n, header = _split(data)
     a, b = "layer.0.0", "layer.0.1"  # the first layer's keys and values
     assert header[a]["dtype"] == header[b]["dtype"] and header[a]["shape"] == header[b]["shape"]
@@ -297,20 +266,18 @@ def test_a_tensor_table_like_the_last_files_is_shared_and_any_other_is_checked(s
     header[b]["data_offsets"] = header[a]["data_offsets"]
     write(header)
     with pytest.raises(CacheFileError, match="overlaps"):
-        start_read_into(lying, place, like=first)
+        read_header(lying)
     header[b]["data_offsets"] = [float(o) for o in offsets]
-    assert {k: v for k, v in header.items() if k != "__metadata__"} == first.table
     write(header)
     with pytest.raises(CacheFileError, match="invalid data offsets"):
-        start_read_into(lying, place, like=first)
+        read_header(lying)
     header[b]["data_offsets"] = offsets
     assert header[b]["shape"][0] == 1
     header[b]["shape"][0] = True
-    assert {k: v for k, v in header.items() if k != "__metadata__"} == first.table
     write(header)
     with pytest.raises(CacheFileError, match="invalid shape"):
-        start_read_into(lying, place, like=first)
+        read_header(lying)
     header[b]["shape"][0] = 1
     write(header, tail=b"\0" * 4)
     with pytest.raises(CacheFileError, match="unexplained bytes"):
-        start_read_into(lying, place, like=first)
+        read_header(lying)

@@ -29,7 +29,8 @@ from mlx_chatcache.generation.checkout import prompt_scope
 from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.store.store import PromptStore
 from mlx_chatcache.store.disk import DiskTier
-from mlx_chatcache.store.tiers import MemoryTier, compact_copy
+from mlx_chatcache.cache import compact_copy
+from mlx_chatcache.store.tiers import MemoryTier
 from store_helpers import tokens_of
 
 

@@ -19,9 +19,11 @@ openai = pytest.importorskip("openai")
 
 from server_process import ServerProcess  # noqa: E402
 
+from mlx_chatcache.config import SERVER_DEFAULTS  # noqa: E402
 from mlx_chatcache.files.tokens import common_prefix_len  # noqa: E402
 from mlx_chatcache.generation.text import stream_generate  # noqa: E402
 from mlx_chatcache.generation.templates import render_chat  # noqa: E402
+from store_helpers import served  # noqa: E402
 
 MAX_TOKENS = 12
 FIRST = [{"role": "system", "content": "Keep your answers short."},
@@ -55,11 +57,13 @@ def _config(max_tokens):
 
 
 def expected_cached(llama_model, turn1, reply_ids, turn2) -> int:
-    """What the server holds after turn 1 (prompt + reply but its last token,
-    which is never fed) shared with turn 2's prompt."""
+    """What the store serves turn 2's prompt of what the server stored after turn 1: its
+    prompt + reply but the reply's last token (never fed), and the prompt, and the prompt
+    but its last token, served exactly (:func:`store_helpers.served`)."""
     _, tokenizer = llama_model
-    held = render_chat(tokenizer, turn1) + reply_ids[:-1]
-    return common_prefix_len(held, render_chat(tokenizer, turn2))
+    prompt = render_chat(tokenizer, turn1)
+    held = [prompt + reply_ids[:-1], prompt, prompt[:-1]]
+    return served(held, render_chat(tokenizer, turn2)[:-1], SERVER_DEFAULTS.store_block_tokens)
 
 
 @pytest.fixture(scope="module")

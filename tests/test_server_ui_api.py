@@ -18,7 +18,7 @@ from server_process import ServerProcess
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.server.history import ServedTokens, StatsHistory
 from mlx_chatcache.server.worker import GenerationWorker, Job
-from mlx_chatcache.store.index import Entry, EntryIndex, Pin
+from mlx_chatcache.store.tiers import PINNED_ENTRIES, Pin, Pins
 from mlx_chatcache.store.store import PromptStore
 from mlx_chatcache.store.disk import DiskTier
 
@@ -196,8 +196,8 @@ def test_redis_served_tokens_are_reported_as_redis(llama_model):
 
     model, tokenizer = llama_model
     prompt = list(range(5, 45))
-    tier = RedisTier("redis://fake", 1 << 30, client=fakeredis.FakeRedis(server=fakeredis.FakeServer()), block=16)
-    worker = GenerationWorker(model, tokenizer, PromptStore([tier]), DEFAULTS, 4)
+    tier = RedisTier("redis://fake", client=fakeredis.FakeRedis(server=fakeredis.FakeServer()))
+    worker = GenerationWorker(model, tokenizer, PromptStore([tier], block_tokens=16), DEFAULTS, 4)
     try:
         assert _run(worker, prompt)["cached_tier"] is None
         worker.store.flush()
@@ -212,19 +212,19 @@ def test_redis_served_tokens_are_reported_as_redis(llama_model):
         tier.close()
 
 
-def test_pins_per_key_follow_adds_and_evictions():
-    index = EntryIndex(1000)
-    a1 = Entry("ns", (1, 2, 3), 100, True, "a")
-    a2 = Entry("ns", (1, 2, 3, 4, 5), 300, True, "a")
-    b = Entry("ns", (7, 8), 200, True, "b")
-    free = Entry("ns", (9,), 50, True)
-    for e in (a1, a2, b, free):
-        index.add(e, [])
-    assert index.pinned_count() == 3
-    assert index.pins() == {"a": Pin(2, 5, 400), "b": Pin(1, 2, 200)}
-    index.remove(a2)
-    index.remove(b)
-    assert index.pins() == {"a": Pin(1, 3, 100)} and index.pinned_count() == 1
+def test_pins_per_key_follow_puts():
+    """A key pins the values of the last PINNED_ENTRIES entries it put; a value two keys
+    pin stays pinned until neither does."""
+    pins = Pins()
+    pins.pin("a", 3, ["b1", "e1"])
+    pins.pin("a", 5, ["b1", "b2", "e2"])
+    pins.pin("b", 2, ["b1", "e3"])
+    sizes = {"b1": 100, "b2": 100, "e1": 10, "e2": 20, "e3": 30}
+    assert pins.report(sizes.get) == {"a": Pin(2, 5, 230), "b": Pin(1, 2, 130)}
+    for i in range(PINNED_ENTRIES):
+        pins.pin("a", 1, [f"x{i}"])
+    assert "e1" not in pins and "e2" not in pins and "b2" not in pins and "b1" in pins  # "b" still pins b1
+    assert pins.report(lambda k: 1)["a"] == Pin(PINNED_ENTRIES, 1, PINNED_ENTRIES)
 
 
 def test_stats_history_keeps_one_sample_per_period_in_a_bounded_ring():

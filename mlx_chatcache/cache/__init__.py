@@ -328,6 +328,15 @@ def copy_prompt_cache(cache: Sequence[BaseCache]) -> list[BaseCache]:
     return [c.with_arrays(c.flat_state()) for c in cache]
 
 
+def compact_copy(cache: Sequence[BaseCache]) -> list[BaseCache]:
+    """A copy of ``cache`` whose arrays hold the live tokens only, in buffers of
+    their own (a slice would keep the whole source buffer alive), each layer storing
+    what it is fed next as its source does (``BaseCache.with_arrays``)."""
+    out = [c.with_arrays([mx.contiguous(a) for a in c.flat_state()]) for c in cache]
+    mx.eval([c.eval_arrays() for c in out])
+    return out
+
+
 def prompt_cache_nbytes(cache: Sequence[BaseCache]) -> int:
     return sum(c.nbytes for c in cache)
 
@@ -338,6 +347,7 @@ def cache_offset(cache: Sequence[BaseCache]) -> int:
 
 
 __all__ = [
+    "compact_copy",
     "BaseCache",
     "KVCache",
     "QuantizedKVCache",

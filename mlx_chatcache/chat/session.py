@@ -99,7 +99,8 @@ from ..models.context import check_prompt_fits, context_warning
 from .rollback import SessionRollback
 from .session_file import SessionRecord, kept_copies, load_session, save_session
 from ..store.store import PromptStore
-from ..store.tiers import Scope, Tier
+from ..store.store import Scope
+from ..store.tiers import Tier
 
 MIN_WINDOW = 8  # tokens a rotating window must hold beyond the pinned system prompt
 

@@ -43,7 +43,8 @@ from ..models.fingerprint import ModelFingerprint
 if TYPE_CHECKING:  # imported where a session is loaded: names, paths and locks need no MLX or mlx-lm
     from ..files.registry import CacheFileInfo
     from ..files.prompt_cache import PromptCache
-    from ..store.tiers import Scope, Tier
+    from ..store.store import Scope
+    from ..store.tiers import Tier
     from .checkpoints import Checkpoint
 
 SESSION_FORMAT = 1

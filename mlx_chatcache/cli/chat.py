@@ -175,7 +175,6 @@ def _prebuilt_header(args, path: Path | None, label: str | None):
     from ..errors import CacheFormatError
     from ..files.mlxcc_format import read_cache_info
     from ..generation.checkout import scope_of
-    from ..store.disk_folder import is_block_entry
     from ..store.named_file import CacheFileTier
     from .generate import file_config
 
@@ -183,7 +182,7 @@ def _prebuilt_header(args, path: Path | None, label: str | None):
     if path is not None and path.exists():
         raise UsageError(f"session {label} exists: resume it without --prompt-cache-file, or pick a new name")
     info = read_cache_info(f)
-    if info.tokens is None and not is_block_entry(info):  # a block entry is refused as a store entry below
+    if info.tokens is None:
         raise CacheFormatError(
             f"{f} does not say which tokens it holds (written by {info.layout}); chat needs a file "
             "made by 'mlxcc cache-prompt'"

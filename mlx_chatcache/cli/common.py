@@ -259,7 +259,7 @@ def check_cache_dir(cache_dir: str | None) -> None:
     """Make or adopt ``--cache-dir`` (a one-line UsageError when it cannot be used),
     so its errors come before the model is loaded."""
     if cache_dir is not None:
-        from ..store.disk_folder import claim_folder
+        from ..store.disk import claim_folder
 
         claim_folder(os.path.expanduser(cache_dir))
 

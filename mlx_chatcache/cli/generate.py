@@ -69,7 +69,7 @@ from .progress import ProgressBar
 if TYPE_CHECKING:
     from ..files.prompt_cache import PromptCache
     from ..store.store import PromptStore
-    from ..store.tiers import Scope
+    from ..store.store import Scope
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -174,13 +174,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, prompt: str, save: Claim | None) -> int:
-    from ..store.disk_folder import is_block_entry
-
     info = read_cache_info(args.prompt_cache_file) if args.prompt_cache_file else None
     config = check_window_flags(file_config(args, info))  # before the model loads
     args.json_schema = read_json_schema(args.json_schema)
     model, tokenizer = load_model(args)
-    if info is not None and info.tokens is None and not is_block_entry(info):
+    if info is not None and info.tokens is None:
         job = _start_untokenized(args, model, tokenizer, config, prompt, save)
     else:
         job = _start(args, model, tokenizer, config, info, prompt, save)

@@ -73,9 +73,9 @@ def add_parser(sub) -> None:
     p.add_argument("--disk-cache-bytes", type=byte_size, default=S.disk_cache_bytes,
                    help=f"disk tier budget; 0 turns it off (default {human_bytes(S.disk_cache_bytes)})")
     p.add_argument("--cache-redis", metavar="URL",
-                   help="a Redis tier shared by replicas, e.g. redis://127.0.0.1:6379/0 (needs the redis "
-                   f"package; budget {human_bytes(S.redis_cache_bytes)}, entries expire after "
-                   f"{S.redis_ttl_seconds} s)")
+                   help="a Redis tier shared by replicas, e.g. redis://127.0.0.1:6379/0, or any node of a "
+                   "Redis Cluster (needs the redis package; Redis's maxmemory and eviction policy bound it; "
+                   f"values expire {S.redis_ttl_seconds} s after their last use)")
     p.add_argument("--context-length", type=positive_int,
                    help="tokens a request may use, prompt plus reply (default: the model's own)")
     p.add_argument("--max-queue", type=positive_int, default=S.max_queue,

@@ -13,19 +13,17 @@ exactly (the header parser checks that). :func:`checksummed` adds both keys
 (the header's as a placeholder) before a write; :func:`seal_file` /
 :func:`seal_bytes` fill in the header's value once the header bytes exist.
 :func:`header_checksums` checks a parsed header and returns the tensors'
-sums, which :func:`check_tensors` compares with each array read. :func:`crc32` is
-the project's one checksum (the Redis tier checks its chunks with it too): it finds
-damage, it does not authenticate (anyone can recompute it).
+sums, which a reader compares with each tensor's bytes
+(:func:`~.safetensors_file.read_host`). :func:`crc32` is the project's one
+checksum: it finds damage, it does not authenticate (anyone can recompute it).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,8 +37,6 @@ TENSORS_KEY = "mlxcc.tensor_crc32"
 PLACEHOLDER = "00000000"
 # the key and its value (any 8 characters) in the JSON header, whatever the spacing
 _FIELD = re.compile(rb'"mlxcc\.header_crc32"[ \t\n\r]*:[ \t\n\r]*"([^"\\]{8})"')
-PARALLEL_BYTES = 16 << 20  # below this a thread pool costs more than it saves
-MAX_THREADS = 8
 _HEX = re.compile(r"[0-9a-f]{8}")
 _HEXES = re.compile(r"[0-9a-f]*")
 
@@ -57,33 +53,6 @@ def array_crc32(a: mx.array) -> int:
     if not view.c_contiguous:
         view = memoryview(mx.contiguous(a))
     return crc32(view)
-
-
-def live_crc32(a: mx.array, tokens: int) -> int:
-    """CRC32 of the first ``tokens`` slots (axis 2) of the 4-D array ``a``, in
-    row order: the bytes a file holding exactly those slots stores."""
-    import numpy as np
-
-    rows = a.shape[0] * a.shape[1]
-    flat = np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8).reshape(rows, -1)
-    real = flat.shape[1] // a.shape[2] * tokens
-    crc = 0
-    for r in range(rows):
-        crc = crc32(flat[r, :real], crc)
-    return crc
-
-
-def arrays_crc32(arrays: list[mx.array]) -> list[int]:
-    """:func:`array_crc32` of each array, spread over threads when there is enough
-    to share (zlib releases the GIL; mlx is only touched on this thread)."""
-    views = [memoryview(a) for a in arrays]
-    if any(not v.c_contiguous for v in views):
-        return [array_crc32(a) for a in arrays]
-    workers = min(len(views), os.cpu_count() or 1, MAX_THREADS)
-    if workers < 2 or sum(v.nbytes for v in views) < PARALLEL_BYTES:
-        return [crc32(v) for v in views]
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(crc32, views))
 
 
 def checksummed(arrays: dict[str, mx.array], metadata: dict[str, str]) -> dict[str, str]:
@@ -162,22 +131,3 @@ def header_checksums(path: Path, raw: bytes, metadata: dict[str, str], names) ->
     ):
         raise damaged(path, "its tensor checksums do not list its tensors")
     return {k: int(v, 16) for k, v in sums.items()}
-
-
-def check_file_tensors(path: Path, data_start: int, ranges: dict[str, tuple[int, int]],
-                       expected: dict[str, int]) -> None:  # fmt: skip
-    """:func:`check_tensors` over the file's own bytes (``ranges``: each tensor's byte range in
-    the data section), one tensor at a time and without MLX: for commands that only inspect."""
-    with open(path, "rb") as f:
-        for name, (begin, end) in ranges.items():
-            f.seek(data_start + begin)
-            if crc32(f.read(end - begin)) != expected[name]:
-                raise damaged(path, f"tensor {name!r} does not match its checksum")
-
-
-def check_tensors(path: Path, arrays: dict[str, mx.array], expected: dict[str, int]) -> None:
-    """Raise :func:`damaged` unless each array read as ``name`` has the checksum ``expected[name]``."""
-    names = list(arrays)
-    for name, got in zip(names, arrays_crc32([arrays[n] for n in names])):
-        if got != expected[name]:
-            raise damaged(path, f"tensor {name!r} does not match its checksum")

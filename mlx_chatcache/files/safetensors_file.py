@@ -4,22 +4,14 @@
 handed us: the declared header size, JSON, dtypes, shapes and byte ranges are all
 checked against the real file size before a byte of tensor data is read, so a
 lying header can neither crash the process nor make it allocate more than the
-file holds. ``read_arrays`` then reads the tensors of exactly the file whose
-header was validated (same device, inode, size and mtime) with ``mx.load``,
-which reads straight into the arrays (one copy, like mlx-lm's loader), and
-checks every array's shape and dtype against the validated header.
+file holds. ``read_header_bytes`` does the same for a file held in memory (a
+store value). ``read_host`` then reads the tensors of exactly the file whose
+header was validated (same device, inode, size and mtime) into host buffers,
+with room to grow where asked, and ``read_arrays`` makes MLX arrays of them.
 
 A header carrying checksums (:mod:`.checksum`) is checked against its own
-when it is parsed, and every array read against its tensor's checksum.
-
-``read_header_bytes`` does the same for a file held in memory (a value from a
-remote store): same checks, no file.
-
-``read_into`` reads a checksummed file's tensors straight into buffers of the
-caller's (rows of a larger array: a store puts a cache together from block
-files with it), in scatter reads, then checks them where they landed;
-``start_read_into`` does the header part now and hands back the reading and
-checking, for another thread.
+when it is parsed, and every tensor read against its checksum where its bytes
+landed, before anything becomes an MLX array.
 
 Writing (atomic: temp file + fsync + rename) lives in :mod:`.atomic`.
 A file that does not start like a safetensors file (a text file) is refused
@@ -28,18 +20,18 @@ as "not a safetensors file", not by its byte counts.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
 import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from ..errors import CacheFileError, CacheFormatError, clipped
-from .checksum import check_tensors, crc32, damaged, header_checksums, live_crc32
-from .grown_read import GrownView
+from .checksum import crc32, damaged, header_checksums
 
 if TYPE_CHECKING:  # mlx loads when arrays are read or written: parsing a header needs none
     import mlx.core as mx
@@ -65,6 +57,8 @@ DTYPES: dict[str, tuple[int, str]] = {
     "I64": (8, "int64"),
     "BOOL": (1, "bool_"),
 }
+# the NumPy dtype a tensor is read into on the host (bfloat16, which NumPy lacks, as its bits)
+NUMPY_DTYPES = {name: np.dtype("uint16" if name == "BF16" else mlx) for name, (_, mlx) in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -91,7 +85,6 @@ class Header:
     identity: tuple = ()  # (st_dev, st_ino, st_size, st_mtime_ns) of the validated file
     data: bytes | None = field(default=None, repr=False)  # the whole file, when it was read from memory
     checksums: dict[str, int] | None = None  # each tensor's CRC32, when the file carries them (verified header)
-    table: dict | None = field(default=None, repr=False, compare=False)  # the JSON ``tensors`` were read from
 
 
 def _bad(path: Path, what: str) -> CacheFileError:
@@ -110,9 +103,8 @@ def read_header(path: str | os.PathLike) -> Header:
         return _header_of_open(f, path)
 
 
-def _header_of_open(f, path: Path, like: Header | None = None) -> Header:
-    """The validated header of the open file ``f`` (named ``path``), with its identity
-    (``like``: :func:`_parse_header`)."""
+def _header_of_open(f, path: Path) -> Header:
+    """The validated header of the open file ``f`` (named ``path``), with its identity."""
     identity = _identity(os.fstat(f.fileno()))
     f.seek(0)
     head = f.read(9)
@@ -123,7 +115,7 @@ def _header_of_open(f, path: Path, like: Header | None = None) -> Header:
     raw = f.read(n)
     if len(raw) != n:
         raise _bad(path, "the file ended early")
-    return _parse_header(path, raw, identity[2], identity, like)
+    return _parse_header(path, raw, identity[2], identity)
 
 
 def read_header_bytes(data: bytes, name: str) -> Header:
@@ -146,35 +138,21 @@ def _declared_header_size(path: Path, head: bytes, size: int) -> int:
     return n
 
 
-def _parse_header(path: Path, raw: bytes, size: int, identity: tuple = (), like: Header | None = None) -> Header:
-    """The validated header whose JSON is ``raw``, of a file of ``size`` bytes. A tensor
-    table equal to that of ``like`` (a header validated before, over as many data bytes)
-    validates the same: the result shares ``like.tensors``. Equal means exactly: a JSON
-    fraction is parsed as :class:`_Fraction` (never equal to an int) and a header that
-    spells ``true`` or ``false`` anywhere is validated on its own."""
+def _parse_header(path: Path, raw: bytes, size: int, identity: tuple = ()) -> Header:
+    """The validated header whose JSON is ``raw``, of a file of ``size`` bytes."""
     try:
-        header = json.loads(raw.decode("utf-8"), parse_float=_Fraction)
+        header = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError):  # bad UTF-8 or JSON, too-long integers, deep nesting
         raise _bad(path, "header is not JSON") from None
     if not isinstance(header, dict):
         raise _bad(path, "header is not a JSON object")
     metadata = _parse_metadata(path, header.pop("__metadata__", None) or {})
-    n = len(raw)
-    data_len = size - 8 - n
-    if (like is not None and like.file_size - like.data_start == data_len and like.table == header
-            and b"true" not in raw and b"false" not in raw):  # fmt: skip
-        tensors = like.tensors
-    else:
-        tensors = {name: _parse_entry(path, name, e, data_len) for name, e in header.items()}
-        _check_ranges(path, tensors, data_len)
-        tensors = dict(sorted(tensors.items(), key=lambda x: x[1].begin))  # in file order
+    data_len = size - 8 - len(raw)
+    tensors = {name: _parse_entry(path, name, e, data_len) for name, e in header.items()}
+    _check_ranges(path, tensors, data_len)
+    tensors = dict(sorted(tensors.items(), key=lambda x: x[1].begin))  # in file order
     sums = header_checksums(path, raw, metadata, tensors)
-    return Header(path, tensors, metadata, 8 + n, size, identity, checksums=sums, table=header)
-
-
-class _Fraction(str):
-    """A JSON number with a fraction or an exponent, kept as its text: no header field
-    may hold one (each check refuses its type), and it never equals an int."""
+    return Header(path, tensors, metadata, 8 + len(raw), size, identity, checksums=sums)
 
 
 def _looks_like_safetensors(head: bytes) -> bool:
@@ -239,26 +217,36 @@ def _check_ranges(path: Path, tensors: dict[str, TensorEntry], data_len: int) ->
 
 
 def read_arrays(header: Header, names=None, slots: dict[str, int] | None = None) -> dict[str, mx.array]:
-    """Read (and evaluate) the tensors ``names`` (default: all) of a validated header.
+    """Read the tensors ``names`` (default: all) of a validated header as evaluated MLX arrays.
 
-    ``slots``: tensor name -> slots on axis 2 to read that 4-D tensor into
-    (room to grow after its own, zeroed; see :mod:`.grown_read`): one
-    allocation and one pass, as without room. Room larger than the tensor's
-    own slots is not made (a file never makes the reader allocate more than
-    twice its bytes): such a tensor is read as it is.
+    ``slots``: tensor name -> slots on axis 2 to read that 4-D tensor into (room to
+    grow after its own, zeroed). Room larger than the tensor's own slots is not made
+    (a file never makes the reader allocate more than twice its bytes): such a
+    tensor is read as it is.
 
-    The file is opened once and checked to be the one ``read_header`` validated
-    (a file replaced or rewritten since is refused). ``mx.load`` then reads it
-    through ``/proc/self/fd`` (the same open file, not the path, where /proc
-    exists) directly into the arrays: about 1.7x faster than reading each range
-    into a bytes object and copying it into an mx.array. Its own header parse
-    must agree with ours on every tensor's shape and dtype.
+    The bytes are read into host buffers (:func:`read_host`), checked there, and then
+    become MLX arrays: one read, one copy into the device's memory, whatever the device.
     """
     import mlx.core as mx
 
+    out = {}
+    for name, host in read_host(header, names, slots).items():
+        a = mx.array(host)
+        out[name] = a.view(mx.bfloat16) if header.tensors[name].dtype == "BF16" else a
+    mx.eval(list(out.values()))
+    return out
+
+
+def read_host(header: Header, names=None, slots: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+    """The tensors ``names`` of a validated header as NumPy arrays (bfloat16 as its
+    16 bits), with ``slots`` as :func:`read_arrays` takes them, each checked against the
+    file's checksum (when it carries them) where its bytes landed.
+
+    A file is opened once and checked to be the one ``read_header`` validated (a file
+    replaced or rewritten since is refused); its data is read with scatter reads
+    (``os.preadv``) straight into the buffers' rows. A header read from memory
+    (:func:`read_header_bytes`) is copied from its bytes."""
     names = list(header.tensors) if names is None else list(names)
-    if not names:
-        return {}
     slots = {n: k for n, k in (slots or {}).items()
              if n in names and len(header.tensors[n].shape) == 4 and _room_ok(header.tensors[n].shape[2], k)}
     path = header.path
@@ -268,91 +256,68 @@ def read_arrays(header: Header, names=None, slots: dict[str, int] | None = None)
             f"{path} holds {need / 1e9:.1f} GB of arrays (with room to grow), more than this machine's "
             f"memory ({limit / 1e9:.1f} GB): it cannot be loaded here (or it is damaged)"
         )
+    out = {n: _buffer(header.tensors[n], slots.get(n)) for n in names}
+    rows = {n: _live_rows(out[n], header.tensors[n]) for n in names}
     if header.data is not None:
-        return _read_arrays_bytes(header, names, slots)
-    changed = "the file changed since its header was read; load it again"
+        data = memoryview(header.data)
+        for n in names:
+            t, at = header.tensors[n], header.data_start + header.tensors[n].begin
+            for row in rows[n]:
+                row[:] = data[at : at + row.nbytes]
+                at += row.nbytes
+    else:
+        _read_file(header, [(header.tensors[n], rows[n]) for n in names])
+    if header.checksums is not None:
+        for n in names:
+            crc = 0
+            for row in rows[n]:
+                crc = crc32(row, crc)
+            if crc != header.checksums[n]:
+                raise damaged(path, f"tensor {n!r} does not match its checksum")
+    return out
+
+
+def check_data(header: Header) -> None:
+    """Check every tensor of a checksummed header read from memory (:func:`read_header_bytes`)
+    against its checksum, where its bytes are (no copy)."""
+    data = memoryview(header.data)
+    for name, t in header.tensors.items():
+        if crc32(data[header.data_start + t.begin : header.data_start + t.end]) != header.checksums[name]:
+            raise damaged(header.path, f"tensor {name!r} does not match its checksum")
+
+
+def _buffer(t: TensorEntry, slots: int | None) -> np.ndarray:
+    """A host buffer for tensor ``t`` (with ``slots`` on axis 2: the room after its own zeroed)."""
+    shape = t.shape if slots is None else (*t.shape[:2], slots, *t.shape[3:])
+    buf = np.empty(shape, dtype=NUMPY_DTYPES[t.dtype])
+    if slots is not None:
+        buf[:, :, t.shape[2] :] = 0
+    return buf
+
+
+def _live_rows(buf: np.ndarray, t: TensorEntry) -> list[memoryview]:
+    """The bytes of ``buf`` that tensor ``t``'s file bytes go to, in file order (one row
+    per index of the first two axes when ``buf`` has room, else one)."""
+    flat = memoryview(buf).cast("B")
+    if buf.shape == t.shape:
+        return [flat]
+    step, live = flat.nbytes // (t.shape[0] * t.shape[1]), t.end - t.begin
+    live //= t.shape[0] * t.shape[1]
+    return [flat[r : r + live] for r in range(0, flat.nbytes, step)]
+
+
+def _read_file(header: Header, parts: list[tuple[TensorEntry, list[memoryview]]]) -> None:
+    path, changed = header.path, "the file changed since its header was read; load it again"
     try:
         with open(path, "rb", buffering=0) as f:
             if header.identity and _identity(os.fstat(f.fileno())) != header.identity:
                 raise _bad(path, changed)
-            proc = f"/proc/self/fd/{f.fileno()}"
-            if slots:
-                loaded = mx.load(GrownView(f, header, slots), format="safetensors")
-            else:
-                loaded = mx.load(proc if os.path.exists(proc) else str(path), format="safetensors")
-            out = _checked_arrays(header, names, loaded, changed, slots)
+            for t, rows in sorted(parts, key=lambda p: p[0].begin):
+                _read_exactly_into(f, header.data_start + t.begin, [r for r in rows if r.nbytes], path)
             if header.identity and _identity(os.fstat(f.fileno())) != header.identity:
                 raise _bad(path, changed)
-    except (RuntimeError, ValueError, OSError) as e:  # short read, file vanished, ...
+    except OSError as e:  # the file vanished, an I/O error
         raise _bad(path, f"file shrank or changed while reading: {e}") from None
-    return out
-
-
-def read_into(path: str | os.PathLike, place: Callable[[Header], list[list[memoryview]]]) -> Header:
-    """Read the tensors of the safetensors file ``path`` into the caller's buffers:
-    :func:`start_read_into`, then its ``finish()``, on this thread."""
-    return start_read_into(path, place).finish()
-
-
-def start_read_into(path: str | os.PathLike, place: Callable[[Header], list[list[memoryview]]],
-                    like: Header | None = None) -> PendingRead:  # fmt: skip
-    """Open ``path`` and validate its header; the :class:`PendingRead` returned reads the data.
-
-    The header is parsed and validated as :func:`read_header` does and must carry
-    checksums (``like``: a header validated before, whose tensor table this file's
-    is expected to equal, e.g. the previous block file of one cache: an equal one
-    is not validated again, and the header shares ``like.tensors``).
-    ``place(header)`` gives, for each tensor in file order (``header.tensors``), the
-    buffers it is read into (it may raise to refuse the header): writable byte buffers
-    (``memoryview`` of format ``B``) whose sizes add up to the tensor's bytes, taken in
-    order. A file that is short, lacks checksums or does not fit the buffers
-    raises CacheFileError; one that cannot be opened or read (gone, too many open files,
-    an I/O error) raises the OSError: its bytes are not known to be wrong. The file is
-    closed either way.
-    """
-    path = Path(path)
-    f = open(path, "rb", buffering=0)
-    try:
-        header = _header_of_open(f, path, like)
-        if header.checksums is None:
-            raise damaged(path, "it carries no checksums")
-        dest = place(header)
-        size = sum(b.nbytes for t in dest for b in t)
-        if len(dest) != len(header.tensors) or size != header.file_size - header.data_start:
-            raise _bad(path, "its tensors do not fit the buffers they are read into")
-    except BaseException:
-        f.close()
-        raise
-    return PendingRead(f, header, dest)
-
-
-class PendingRead:
-    """An open file whose header :func:`start_read_into` validated and placed.
-
-    ``finish()`` (on any thread: reads and checksums free the GIL) reads the data
-    section straight into the buffers with scatter reads (``os.preadv``: the one
-    copy), checks each tensor against its checksum where it landed, closes the
-    file and returns the header; a short read or a checksum that does not match
-    raises CacheFileError, a read that fails the OSError (the buffers then hold
-    part of the file). ``close()`` drops it unread."""
-
-    def __init__(self, f, header: Header, dest: list[list[memoryview]]):
-        self._f, self.header, self._dest = f, header, dest
-
-    def finish(self) -> Header:
-        header, path = self.header, self.header.path
-        with self._f:
-            _read_exactly_into(self._f, header.data_start, [b for t in self._dest for b in t if b.nbytes], path)
-        for name, tensor in zip(header.tensors, self._dest):
-            crc = 0
-            for b in tensor:
-                crc = crc32(b, crc)
-            if crc != header.checksums[name]:
-                raise damaged(path, f"tensor {name!r} does not match its checksum")
-        return header
-
-    def close(self) -> None:
-        self._f.close()
 
 
 def _read_exactly_into(f, offset: int, bufs: list[memoryview], path: Path) -> None:
@@ -382,39 +347,6 @@ def _room_ok(own: int, slots: int) -> bool:
 def _bytes_read(t: TensorEntry, slots: int | None) -> int:
     """Bytes the array of ``t`` takes once read (into ``slots`` on axis 2 when given)."""
     return (t.end - t.begin) if slots is None else (t.end - t.begin) // t.shape[2] * slots
-
-
-def _read_arrays_bytes(header: Header, names: list[str], slots: dict[str, int]) -> dict[str, mx.array]:
-    import mlx.core as mx
-
-    try:
-        source = io.BytesIO(header.data)
-        loaded = mx.load(GrownView(source, header, slots) if slots else source, format="safetensors")
-        return _checked_arrays(header, names, loaded, "mlx read it differently", slots)
-    except (RuntimeError, ValueError) as e:
-        raise _bad(header.path, f"arrays could not be read: {e}") from None
-
-
-def _checked_arrays(header: Header, names: list[str], loaded: dict, why: str,
-                    slots: dict[str, int]) -> dict[str, mx.array]:  # fmt: skip
-    """``loaded[name]`` for ``names``, each checked against the validated header
-    (shape, with ``slots`` where given, dtype and, when it has them, checksum), evaluated."""
-    import mlx.core as mx
-
-    out = {}
-    for name in names:
-        t, a = header.tensors[name], loaded.get(name)
-        shape = t.shape if name not in slots else (*t.shape[:2], slots[name], *t.shape[3:])
-        if a is None or tuple(a.shape) != shape or a.dtype != getattr(mx, DTYPES[t.dtype][1]):
-            raise _bad(header.path, why)
-        out[name] = a
-    mx.eval(list(out.values()))
-    if header.checksums is not None:
-        check_tensors(header.path, {n: a for n, a in out.items() if n not in slots}, header.checksums)
-        for name in slots:
-            if live_crc32(out[name], header.tensors[name].shape[2]) != header.checksums[name]:
-                raise damaged(header.path, f"tensor {name!r} does not match its checksum")
-    return out
 
 
 def memory_limit() -> int | None:

@@ -16,7 +16,7 @@ Contract
 - :func:`shared_tiers` is the tier ``--cache-dir DIR`` adds to a command:
   the disk tier a server run with the same ``--cache-dir`` uses (our file
   format), or nothing. DIR must be a store folder (new, empty, marked or a
-  server's: see :mod:`mlx_chatcache.store.disk_folder`; else a one-line
+  server's: see :func:`mlx_chatcache.store.disk.claim_folder`; else a one-line
   UsageError). A command has no byte budget there: it never evicts, it
   only adds its entries; the server owning DIR enforces its budget.
 - :meth:`PromptStore.checkout <mlx_chatcache.store.store.PromptStore.checkout>`
@@ -43,7 +43,8 @@ from ..config import GenerationConfig
 from ..models.fingerprint import ModelFingerprint
 from ..store.store import PromptStore
 from ..store.disk import DiskTier
-from ..store.tiers import Scope, Tier, make_scope
+from ..store.store import Scope, make_scope
+from ..store.tiers import Tier
 from ..files.prompt_cache import PromptCache
 
 

@@ -47,8 +47,8 @@ from ..generation.batch import BatchRow, DecodeBatch, batch_refusal
 from ..generation.loop import consistent_on_error, prefill
 from ..generation.sample import make_logits_processors, make_sampler
 from ..generation.text import as_tokenizer_wrapper, next_segment, stop_token_ids
-from ..store.tiers import compact_copy
-from .worker import MAX_PENDING, ChoiceOutput, GenerationWorker, Job, choice_config
+from ..cache import compact_copy
+from .worker import MAX_PENDING, ChoiceOutput, GenerationWorker, Job, prompt_ends, choice_config
 
 log = logging.getLogger("mlxcc.serve")
 
@@ -277,7 +277,7 @@ class BatchScheduler:
                                "choices": choices}))  # fmt: skip
         for st in a.states or ([a.state] if a.state else []):
             if st.tokens:
-                w._put(st.tokens, st.cache, job.key)
+                w._put(st.tokens, st.cache, job.key, ends=prompt_ends(job))
         self._counted()
         w._flush(MAX_PENDING)
 

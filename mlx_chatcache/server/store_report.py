@@ -5,10 +5,11 @@ Contract
 --------
 :func:`store_report` is a JSON-ready dict:
 
-- ``tiers``: per tier (fastest first) ``name``, ``bytes`` and ``budget``,
-  ``entries``, ``pinned_entries`` (null when the tier cannot tell: Redis),
-  ``blocks`` (null: not counted), ``hits``, ``evicted``, ``refused`` and
-  ``served_tokens`` (prompt tokens it served, exact);
+- ``tiers``: per tier (fastest first) ``name``, ``bytes`` and ``budget`` (Redis:
+  its own memory use and ``maxmemory``), ``entries`` (entry values: tails and whole
+  caches), ``blocks`` (block values), ``pinned_entries`` (null where the tier cannot
+  tell: Redis, which counts no values), ``hits`` (values read), ``evicted``,
+  ``refused`` and ``served_tokens`` (prompt tokens it served, exact);
 - ``lookups``, ``misses``, ``pending_writes`` (the store's), ``prompt_tokens``
   and ``cached_tokens`` (every job's, in total);
 - ``pinned_keys`` and ``pins``: the keys pinning the most bytes (at most
@@ -35,16 +36,17 @@ def store_report(worker: GenerationWorker) -> dict:
     totals = worker.served.totals()
     worker.history.sample(totals)
     store = worker.store
-    tiers = []
-    for tier in (t for t in store.tiers if not t.named):  # a server's store has no named file
+    tiers, held = [], store.pins()
+    for tier in store.tiers:
         s = tier.stats()
+        pinned = [by_tier[tier.name].entries for by_tier in held.values() if tier.name in by_tier]
         tiers.append({"name": tier.name, "bytes": s["bytes"], "budget": s["budget"], "entries": s["entries"],
-                      "pinned_entries": s.get("pinned_entries"), "blocks": None, "hits": s["hits"],
-                      "evicted": s["evicted"], "refused": s["refused"],
+                      "blocks": s["blocks"], "pinned_entries": sum(pinned) if s["entries"] is not None else None,
+                      "hits": s["hits"], "evicted": s["evicted"], "refused": s["refused"],
                       "served_tokens": totals["by_tier"].get(tier.name, 0)})  # fmt: skip
     pins = [{"key_sha256": key_digest(key), "entries": sum(p.entries for p in by_tier.values()),
              "tokens": max(p.tokens for p in by_tier.values()), "bytes": sum(p.nbytes for p in by_tier.values()),
-             "tiers": list(by_tier)} for key, by_tier in store.pins().items()]  # fmt: skip
+             "tiers": list(by_tier)} for key, by_tier in held.items()]  # fmt: skip
     pins.sort(key=lambda p: -p["bytes"])
     return {"tiers": tiers, "lookups": store.lookups, "misses": store.misses, "pending_writes": len(store.pending),
             "prompt_tokens": totals["prompt_tokens"], "cached_tokens": totals["cached_tokens"],

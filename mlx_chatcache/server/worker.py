@@ -67,7 +67,8 @@ from ..generation.sample import LogitsProcessor, make_logits_processors
 from ..generation.stops import StopMatcher
 from ..generation.text import stream_generate
 from ..store.store import PromptStore
-from ..store.tiers import Scope, compact_copy
+from ..cache import compact_copy
+from ..store.store import Scope
 from .history import ServedTokens, StatsHistory
 
 log = logging.getLogger("mlxcc.serve")
@@ -250,7 +251,7 @@ class GenerationWorker:
             self._put(job.prompt[: job.boundary], checkpoint, job.key)
         for st in states[: max(len(choices), 1)]:  # the copies of choices never started hold nothing new
             if st.tokens:
-                self._put(st.tokens, st.cache, job.key)
+                self._put(st.tokens, st.cache, job.key, ends=prompt_ends(job))
 
     def _choice_states(self, job: Job, state: PromptCache) -> list[PromptCache]:
         """The state each choice generates on: ``state`` itself for one choice; for more,
@@ -270,11 +271,11 @@ class GenerationWorker:
         copies = [compact_copy(base) for _ in range(job.n - 2)] + [base]
         return [state] + [PromptCache(c, list(state.tokens), state.shape) for c in copies]
 
-    def _put(self, tokens, cache, key, memory_only: bool = False) -> None:
-        """Store a cache (``memory_only``: in the memory tier alone); a failing tier
-        (a full disk) is logged, the client has its reply."""
+    def _put(self, tokens, cache, key, memory_only: bool = False, ends=()) -> None:
+        """Store a cache (``memory_only``: in the memory tier alone; ``ends``: shorter prefixes
+        served exactly too); a failing tier (a full disk) is logged, the client has its reply."""
         try:
-            self.store.put(self.scope, tokens, cache, key, defer=True, memory_only=memory_only)
+            self.store.put(self.scope, tokens, cache, key, defer=True, memory_only=memory_only, ends=ends)
         except (ChatCacheError, OSError) as e:
             self.stats["store_errors"] = self.stats.get("store_errors", 0) + 1
             log.warning("could not store a prompt cache: %s", e)
@@ -282,7 +283,7 @@ class GenerationWorker:
     def _checkout(self, job: Job) -> tuple[PromptCache, int, str | None]:
         """The longest stored prefix of the prompt, trimmed to it, its length and
         the tier it came from (None: no token did)."""
-        state, tier = self.store.checkout(self.scope, self.model, job.prompt, self.config.shape, job.key)
+        state, tier = self.store.checkout(self.scope, self.model, job.prompt, self.config.shape)
         cached = 0 if tier is None else reuse_prefix(state, job.prompt, self.model)
         return state, cached, ("memory" if tier == "pending" else tier) if cached else None
 
@@ -346,6 +347,13 @@ class GenerationWorker:
             pairs = sorted(zip(logprobs[ids].tolist(), ids.tolist()), key=lambda p: (-p[0], p[1]))
             best = [(self.tokenizer.decode([i]), i, lp) for lp, i in pairs]
         return TokenLogprob(self.tokenizer.decode([token]), token, logprobs[token].item(), best, offset)
+
+
+def prompt_ends(job: Job) -> tuple[int, int]:
+    """The prefixes of a job's stored cache served exactly besides all of it: its prompt
+    (the next turn starts with it, however it spells this reply) and its prompt but the
+    last token (what the same prompt asked again reuses)."""
+    return len(job.prompt) - 1, len(job.prompt)
 
 
 class ChoiceOutput:

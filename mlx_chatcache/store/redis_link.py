@@ -1,7 +1,9 @@
 """The Redis tier's connection: fail fast, log once, reconnect with backoff.
 
-:class:`RedisLink` wraps one ``redis.Redis`` client (its connection pool is
-shared by the generation worker and the tier's writer thread). ``run(fn)``
+:class:`RedisLink` wraps one client (its connection pool is shared by the
+generation worker and the tier's writer thread): ``redis.Redis``, or, once the
+first call finds ``cluster_enabled`` in ``INFO cluster``, ``redis.cluster.RedisCluster``
+over the whole cluster the URL names a node of. ``run(fn)``
 calls ``fn(client)``; when Redis is unreachable, slow (a socket timeout) or was
 restarted (a dead pooled connection), the call raises :class:`Unavailable`, the
 link counts Redis as down and refuses calls without touching the network until
@@ -40,24 +42,29 @@ def redis_module():
     return redis
 
 
-def connect(url: str, socket_timeout: float, connect_timeout: float):
-    """A ``redis.Redis`` client for ``url`` (no connection is made yet)."""
+def connect(url: str, socket_timeout: float, connect_timeout: float, cluster: bool = False):
+    """A client for ``url`` (no connection is made yet): a cluster client with ``cluster``."""
     redis = redis_module()
     from redis.backoff import NoBackoff
+    from redis.cluster import RedisCluster
     from redis.retry import Retry
 
+    timeouts = {"socket_timeout": socket_timeout, "socket_connect_timeout": connect_timeout,
+                "retry": Retry(NoBackoff(), 0)}  # fmt: skip
     try:
-        return redis.Redis.from_url(
-            url, socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0,
-        )  # fmt: skip
+        if cluster:
+            return RedisCluster.from_url(url, **timeouts)
+        return redis.Redis.from_url(url, health_check_interval=0, **timeouts)
     except ValueError as e:
         raise UsageError(f"--cache-redis {url!r} is not a Redis URL ({e}); use redis://host:port/db") from None
 
 
 class RedisLink:
-    def __init__(self, client, url: str, backoff: tuple[float, float], clock: Callable[[], float] = time.monotonic):
-        self.client, self.url = client, url
+    def __init__(self, client, url: str, backoff: tuple[float, float], clock: Callable[[], float] = time.monotonic,
+                 make_cluster: Callable[[], object] | None = None):  # fmt: skip
+        """``make_cluster``: the cluster client to use when ``client``'s server is a cluster node."""
+        self.client, self.url, self._make_cluster = client, url, make_cluster
+        self.cluster = False
         self.first_delay, self.max_delay = backoff
         self._clock = clock
         self._lock = threading.Lock()
@@ -76,6 +83,8 @@ class RedisLink:
         if not self.available():
             raise Unavailable(f"Redis at {self.url} is down; retrying later")
         try:
+            if self._make_cluster is not None:
+                self._detect()
             result = fn(self.client)
         except self._errors as e:
             self._failed(e)
@@ -83,6 +92,13 @@ class RedisLink:
         if self.down:
             self._recovered()
         return result
+
+    def _detect(self) -> None:
+        """Use the cluster client when the server is a cluster node (asked once, on the first call that connects)."""
+        if self.client.info("cluster").get("cluster_enabled"):
+            self.client.close()
+            self.client, self.cluster = self._make_cluster(), True
+        self._make_cluster = None
 
     def _failed(self, e: Exception) -> None:
         with self._lock:
@@ -112,7 +128,8 @@ class RedisLink:
 
 
 def _errors() -> tuple[type[BaseException], ...]:
-    """What counts as "Redis cannot be used": connection loss, timeouts, a
-    server that refuses (loading its dump, out of memory, read-only replica)."""
+    """What counts as "Redis cannot be used": every error of redis-py (connection loss,
+    timeouts, a server that refuses: loading its dump, out of memory, a read-only
+    replica, a cluster slot whose master is down) and of the socket."""
     redis = redis_module()
-    return (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError)
+    return (redis.RedisError, OSError)

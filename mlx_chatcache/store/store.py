@@ -1,138 +1,243 @@
-"""The prompt-cache store: tiers (memory, then disk, then a remote tier) behind
-one lookup/put interface.
+"""The prompt-cache store: content-addressed values in tiers (memory, then disk,
+then Redis) behind one checkout/put interface.
 
 Contract
 --------
-``PromptStore(tiers)``; tiers are asked in order (fastest first).
+``PromptStore(tiers, block_tokens)``; tiers are asked in order (fastest first).
 
-- :meth:`PromptStore.checkout` ``(scope, model, prompt, shape, key)`` returns
+- :meth:`PromptStore.checkout` ``(scope, model, prompt, shape)`` returns
   ``(state, tier)``: a :class:`~mlx_chatcache.files.prompt_cache.PromptCache` of
-  ``model`` and ``shape`` the caller owns, holding the cache and exact token ids
-  of the entry that serves the longest prefix of ``prompt[:-1]`` (the last
-  prompt token is always left to feed, so the model yields logits; an earlier
-  tier wins ties), and the name of its tier; on a miss an empty one and None.
-  Entries pinned by ``key`` (a conversation id) are preferred. An entry that turns
-  out unusable (a corrupt file) is dropped and counted, and the next best is
-  tried: the caller sees a shorter hit or none, never an error. Caches whose
-  deferred file write is still pending are found too (tier ``"pending"``).
-  The cache may hold more tokens than the prefix it serves; the caller trims
-  it (``reuse_prefix``), which is what makes the hit length exact.
-- :meth:`PromptStore.put` ``(scope, tokens, cache, key)`` stores a cache
-  holding ``tokens`` in every tier: the memory tier keeps a copy (shared
-  blocks and a tail, or a compact copy), file tiers write a file; ``cache`` stays the caller's. With ``defer=True``
-  the file writes wait in :attr:`PromptStore.pending` (sharing the memory
-  tier's copy) until :meth:`PromptStore.flush`, so a server writes when it
-  has nothing else to do (and before it exits). A trimmable entry replaces the stored entries
-  it extends (their tokens are a prefix of its own); ``key`` (a conversation
-  id) pins it: pinned entries outlive unpinned ones under eviction, and a
-  lookup with that key prefers them. With ``memory_only=True`` only the memory
-  tier keeps it (a cache for the requests of this process, e.g. a prompt whose
-  request is still running; files and the Redis tier get its final entry).
-- Named tiers (:class:`~.named_file.CacheFileTier`: a file the user named,
-  ``mlxcc generate --prompt-cache-file``, a chat session file) are strict:
-  their ``find``/``fetch`` raise instead of missing. ``put`` writes them at
-  once (never deferred), also for an empty cache, and passes them
-  ``prompt`` (the :class:`~mlx_chatcache.files.prompt_cache.PromptCache` being
-  stored: the messages or text its tokens are, settings, user metadata); an
-  error there is raised. With
-  ``on_error``, a failing anonymous tier (a full shared disk) is reported to
-  it, ``on_error(tier, error)``, and the other tiers are still written.
-- :meth:`PromptStore.stats` (counters per tier) and :meth:`PromptStore.pins`
-  (what each key pins, per tier) may be read from another thread.
-- What a hit returns holds the same tokens the prompt would otherwise have
-  been fed with: generation results do not depend on whether there was a hit
-  (up to the floating-point differences of feeding a prompt in other chunks).
+  ``model`` and ``shape`` the caller owns, holding the longest prefix of
+  ``prompt[:-1]`` the store can serve (the last prompt token is always left to
+  feed, so the model yields logits) and its exact token ids, and the name of the
+  slowest tier it took values from; on a miss an empty one and None. For a cache of
+  plain ``KVCache`` layers the lookup walks the prompt's chain of blocks
+  (:mod:`.chain`) and takes the leading run of blocks every tier together holds,
+  then the longest entry tail after them that the prompt starts with; any other
+  cache is one whole value, served to a prompt it is a prefix of. A value that is
+  missing is a miss, one that is damaged (or not what its key names) is dropped
+  from its tier and counted ``corrupt``: a shorter hit, never an error or a wrong
+  token. Values found in a slower tier are kept in the memory tier too.
+- :meth:`PromptStore.put` ``(scope, tokens, cache, key)`` stores a cache holding
+  ``tokens`` in every tier: its blocks no tier holds yet and its tail (or the whole
+  cache) as values; ``cache`` stays the caller's. ``key`` (a conversation id)
+  pins the entry in the memory and disk tiers (:class:`~.tiers.Pins`). With
+  ``defer=True`` the writes to the disk and Redis tiers wait in
+  :attr:`PromptStore.pending` until :meth:`PromptStore.flush`, so a server writes
+  when it has nothing else to do (and before it exits); with ``memory_only=True``
+  only the memory tier keeps it. With ``on_error``, a failing tier (a full shared
+  disk) is reported to it, ``on_error(tier, error)``, and the others are still written.
+- :meth:`PromptStore.stats` and :meth:`PromptStore.pins` may be read from another thread.
+- What a hit returns holds the same tokens the prompt would otherwise have been fed
+  with: results do not depend on whether there was a hit (up to the floating-point
+  differences of feeding a prompt in other chunks).
 
-All other calls must come from one thread (the server's generation worker, or the
-one of ``mlxcc generate``/``mlxcc chat``, which build a store of the named
-file and, with ``--cache-dir``, the disk tier a server uses).
+All other calls come from one thread (the server's generation worker, or the one of
+``mlxcc generate``/``mlxcc chat``, whose store is the disk tier of ``--cache-dir``).
+Each tier evicts by itself: the memory tier an LRU by bytes, the disk tier a sweep
+by modification time, Redis its ``maxmemory`` policy and TTL.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache
+from ..cache import BaseCache, KVCache
 from ..cache.cache_kv import hold_kv_in
-from ..config import CacheShape
+from ..config import SERVER_DEFAULTS, CacheShape
 from ..errors import ChatCacheError
+from ..files.mlxcc_format import check_cache_fits_model
 from ..files.prompt_cache import PromptCache
-from .index import Entry, Pin
+from ..models.fingerprint import ModelFingerprint
+from .chain import Chain
 from .disk import DiskTier
-from .tiers import MemoryTier, Scope, Tier, compact_copy
+from .tiers import MemoryTier, Pin, Tier
+from .values import Value, assemble, cut, decode, encode, splittable, whole
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Which model and cache shape values belong to: ``namespace`` keys them,
+    ``fingerprint`` is written into and checked against values, ``settings``
+    (max_kv_size, keep, KV quantization and, for a command's or server's scope,
+    the weight policy) are hashed into the namespace and written with each value,
+    so ``mlxcc cache info`` can say what made it."""
+
+    namespace: str
+    fingerprint: ModelFingerprint
+    settings: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+def make_scope(fingerprint: ModelFingerprint, settings: dict) -> Scope:
+    ident = json.dumps(
+        {"weights": fingerprint.weights_hash, "tokenizer": fingerprint.tokenizer_hash, **settings}, sort_keys=True
+    )
+    return Scope(hashlib.sha256(ident.encode()).hexdigest()[:32], fingerprint, dict(settings))
 
 
 class PromptStore:
-    def __init__(self, tiers: Sequence[Tier] = ()):
+    def __init__(self, tiers: Sequence[Tier] = (), block_tokens: int = SERVER_DEFAULTS.store_block_tokens):
         self.tiers = list(tiers)
-        self.pending: deque = deque()  # deferred file writes: (tier, scope, tokens, cache, key)
+        self.block_tokens = block_tokens
+        self.memory = next((t for t in self.tiers if isinstance(t, MemoryTier)), None)
+        self.pending: deque = deque()  # deferred writes: (tier, values, pin)
+        fast = [t for t in self.tiers if t is self.memory]
+        self._sources = fast + [_Pending(self.pending)] + [t for t in self.tiers if t is not self.memory]
         self.lookups = 0
         self.misses = 0
 
+    def _splits(self, scope: Scope, kinds: Sequence[type]) -> bool:
+        """Whether caches of these layer classes are kept in blocks in ``scope``."""
+        return all(k is KVCache for k in kinds) and not scope.settings.get("kv_bits")
+
+    # ------------------------------------------------------------------ checkout
     def checkout(self, scope: Scope, model, prompt: Sequence[int], shape: CacheShape | None = None,
-                 key: str | None = None) -> tuple[PromptCache, str | None]:  # fmt: skip
-        """``(state, tier)``: the longest stored prefix of ``prompt`` (see the module
-        doc); ``state.tokens`` may run past the prompt."""
+                 ) -> tuple[PromptCache, str | None]:  # fmt: skip
+        """``(state, tier)``: the longest stored prefix of ``prompt`` (see the module doc)."""
         state = PromptCache.new(model, shape)
         self.lookups += 1
-        query = list(prompt[:-1])
-        tried = 0
-        while tried < 16:  # each failed fetch drops an entry; bounded all the same
-            best = self._best(scope, query, key)
-            if best is None:
-                break
-            tier, entry, _ = best
-            # a deferred write not done yet: its cache is at hand
-            cache = copy_prompt_cache(entry.payload) if tier is None else tier.fetch(entry, scope, state.cache)
-            if cache is not None:  # holding what it is fed next in the shape's K/V dtype
-                state.cache[:], state.tokens[:] = hold_kv_in(cache, state.shape.kv_dtype), entry.tokens
-                return state, "pending" if tier is None else tier.name
-            tried += 1
+        query = [int(t) for t in prompt[:-1]]
+        if scope.namespace and query and self.tiers:
+            chain = Chain(scope.namespace, query, self.block_tokens)
+            if self._splits(scope, [type(c) for c in state.cache]):
+                found = self._blocks(scope, chain, query, state.cache)
+            else:
+                found = self._whole(scope, chain, query, state.cache)
+            if found is not None:
+                cache, n, tier = found
+                state.cache[:], state.tokens[:] = hold_kv_in(cache, state.shape.kv_dtype), query[:n]
+                return state, tier
         self.misses += 1
         return state, None
 
-    def _best(self, scope, query, key):
-        best = None
-        for tier in self.tiers:
-            found = tier.find(scope, query, key)
-            if found and (best is None or found[1] > best[2]):
-                best = (tier, found[0], found[1])
-        for _, sc, tokens, cache, _ in self.pending:  # e.g. evicted from memory before its file was written
-            if sc.namespace != scope.namespace:
-                continue
-            entry = Entry(sc.namespace, tokens, 0, can_trim_prompt_cache(cache), None, cache)
-            n = entry.serves(query)
-            if n and (best is None or n > best[2]):
-                best = (None, entry, n)
-        return best
+    def _blocks(self, scope, chain: Chain, query: list[int], expected: list[BaseCache]):
+        b = self.block_tokens
+        keys = chain.blocks
+        where = self._locate(keys)
+        run = next((i for i, t in enumerate(where) if t is None), len(keys))
+        values = self._fetch(scope, keys[:run], where[:run], lambda i, v: v.start == i * b and v.tokens ==
+                             query[i * b : (i + 1) * b])  # fmt: skip
+        tiers = where[: len(values)]
+        r = len(values) * b
+        tails = [chain.entry(n) for n in range(min(len(query), r + b - 1), r, -1)]
+        for k, t in zip(tails, self._locate(tails)):
+            if t is not None:
+                tail = self._fetch(scope, [k], [t], lambda _, v: v.start == r and v.tokens == query[r : v.end])
+                if tail:
+                    values, tiers = values + tail, tiers + [t]
+                    break
+        if not values:
+            return None
+        try:
+            cache = assemble(values)
+            check_cache_fits_model(cache, expected, f"store value {values[-1].key}")
+        except ChatCacheError:  # values that passed their checks but do not fit together, or the model
+            for v, t in zip(values, tiers):
+                self._corrupt(t, v.key)
+            return None
+        return cache, values[-1].end, self._slowest(tiers)
 
-    def put(self, scope: Scope, tokens: Sequence[int], cache: list[BaseCache], key: str | None = None,
-            defer: bool = False, prompt: PromptCache | None = None,
-            on_error: Callable[[Tier, Exception], None] | None = None, memory_only: bool = False) -> dict:  # fmt: skip
-        """Store ``cache`` (holding ``tokens``) in every tier (``memory_only``: in the
-        memory tier alone); ``{tier: stored?}`` (None: a deferred write, still
-        pending). See the module doc for named tiers, ``prompt`` and ``on_error``."""
-        tokens = tuple(tokens)
-        stored = {}
-        for tier in self.tiers:
-            if tier.named and not memory_only:
-                stored[tier.name] = tier.add(scope, tokens, cache, key, prompt)
-        if not tokens:
-            return stored
-        anonymous = [t for t in self.tiers if not t.named and (isinstance(t, MemoryTier) or not memory_only)]
-        files = [t for t in anonymous if not isinstance(t, MemoryTier)]
-        if defer and files:
-            cache = compact_copy(cache)  # one copy, shared by the memory tier and the pending writes
-        for tier in anonymous:
+    def _whole(self, scope, chain: Chain, query: list[int], expected: list[BaseCache]):
+        keys = [chain.entry(n) for n in range(len(query), 0, -1)]
+        for k, t in zip(keys, self._locate(keys)):
+            if t is None:
+                continue
+            found = self._fetch(scope, [k], [t], lambda _, v: v.start == 0 and v.tokens == query[: v.end])
+            if not found:
+                continue
             try:
-                if isinstance(tier, MemoryTier):
-                    stored[tier.name] = tier.add(scope, tokens, cache, key, compact=defer and bool(files))
-                elif defer:
-                    self.pending.append((tier, scope, tokens, cache, key))
-                    stored[tier.name] = None
-                else:
-                    stored[tier.name] = tier.add(scope, tokens, cache, key)
+                cache = whole(found[0], scope.fingerprint)
+                check_cache_fits_model(cache, expected, f"store value {k}")
+            except ChatCacheError:
+                self._corrupt(t, k)
+                continue
+            return cache, found[0].end, t.name
+        return None
+
+    def _locate(self, keys: list[str]) -> list[Tier | None]:
+        """Per key, the first tier holding it (None: none does)."""
+        where: list[Tier | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for tier in self._sources:
+            if not todo:
+                break
+            for i, held in zip(todo, tier.has([keys[i] for i in todo])):
+                if held:
+                    where[i] = tier
+            todo = [i for i in todo if where[i] is None]
+        return where
+
+    def _fetch(self, scope, keys: list[str], where: list[Tier], fits: Callable[[int, Value], bool]) -> list[Value]:
+        """The values of ``keys`` from their tiers, up to the first that is missing or
+        bad (``fits(i, value)`` False, or damaged: dropped and counted)."""
+        got: dict[str, object] = {}
+        for tier in {id(t): t for t in where}.values():
+            mine = [k for k, t in zip(keys, where) if t is tier]
+            got.update(zip(mine, tier.get(mine)))
+        out, found = [], {}
+        for i, (k, t) in enumerate(zip(keys, where)):
+            item = got[k]
+            if item is None:
+                break
+            try:
+                value = item if isinstance(item, Value) else decode(k, item, scope)
+            except ChatCacheError:
+                value = None
+            if value is None or not fits(i, value):
+                self._corrupt(t, k)
+                break
+            out.append(value)
+            if t is not self.memory:
+                found[k] = value
+        if found and self.memory is not None:
+            self.memory.put(found)
+        return out
+
+    def _corrupt(self, tier: Tier, key: str) -> None:
+        tier.drop(key)
+        tier.counters["corrupt"] += 1
+
+    def _slowest(self, tiers: list[Tier]) -> str:
+        return max(tiers, key=self._sources.index).name
+
+    # ------------------------------------------------------------------ put
+    def put(self, scope: Scope, tokens: Sequence[int], cache: list[BaseCache], key: str | None = None,
+            defer: bool = False, memory_only: bool = False,
+            on_error: Callable[[Tier, Exception], None] | None = None, ends: Sequence[int] = ()) -> dict:  # fmt: skip
+        """Store ``cache`` (holding ``tokens``) in every tier (``memory_only``: in the memory
+        tier alone); ``{tier: stored?}`` (None: a deferred write, still pending). ``ends``:
+        shorter prefixes of ``tokens`` to serve exactly too (a prompt whose reply follows:
+        the next turn starts with the prompt even where it spells the reply otherwise);
+        a cache kept in blocks stores their tails, any other cache ignores them."""
+        tokens = [int(t) for t in tokens]
+        targets = [t for t in self.tiers if t is self.memory or not memory_only]
+        n = len(tokens)
+        if not n or not scope.namespace or not targets:
+            return {}
+        chain, b = Chain(scope.namespace, tokens, self.block_tokens), self.block_tokens
+        split = self._splits(scope, [type(c) for c in cache])
+        if split and not splittable(cache, n):
+            return {t.name: False for t in targets}
+        if split:  # (key, first token, end) of each value
+            ranges = [(k, i * b, (i + 1) * b) for i, k in enumerate(chain.blocks)]
+            tails = sorted({e for e in (*ends, n) if 0 < e <= n and e % b})
+            ranges += [(chain.entry(e), e - e % b, e) for e in tails]
+        else:
+            ranges = [(chain.entry(n), 0, n)]
+        values = self._values(scope, tokens, cache, split, ranges, targets)
+        stored = {}
+        for tier in targets:
+            if defer and tier is not self.memory:
+                self.pending.append((tier, values, (key, n)))
+                stored[tier.name] = None
+                continue
+            try:
+                self._write(tier, values, (key, n))
+                stored[tier.name] = True
             except (ChatCacheError, OSError) as e:
                 if on_error is None:
                     raise
@@ -140,29 +245,52 @@ class PromptStore:
                 stored[tier.name] = False
         return stored
 
+    def _values(self, scope, tokens: list[int], cache, split: bool, ranges: list[tuple[str, int, int]],
+                targets) -> dict[str, Value]:  # fmt: skip
+        """The value of each ``(key, start, end)``: the memory tier's, or made from ``cache``
+        (``split``: ``KVCache`` layers cut from it; else all of it) when a tier lacks it."""
+        keys = [k for k, _, _ in ranges]
+        held = dict(zip(keys, self.memory.get(keys))) if self.memory is not None else {}
+        local = [t for t in targets if t is self.memory or isinstance(t, DiskTier)]
+        needed = set(keys) if len(local) < len(targets) else set()  # a remote tier gets every value
+        for t in local:
+            needed.update(k for k, h in zip(keys, t.has(keys)) if not h)
+        out = {}
+        for k, start, end in ranges:
+            if held.get(k) is not None:
+                out[k] = held[k]
+            elif k in needed:
+                layers = cut(cache, start, end) if split else cache
+                out[k] = decode(k, encode(scope, k, layers, tokens[start:end], start), scope, check=False)
+        return out
+
+    def _write(self, tier: Tier, values: dict[str, Value], pin: tuple[str | None, int]) -> None:
+        name, n = pin
+        if name is not None and values:
+            tier.pin(name, n, list(values))
+        tier.put(values)
+
     def flush(self, keep: int = 0, until=None) -> int:
         """Do pending writes, oldest first, until ``keep`` are left (or ``until()``
         says stop); returns how many were written."""
         done = 0
         while len(self.pending) > keep and not (until and until()):
-            tier, scope, tokens, cache, key = self.pending.popleft()
-            tier.add(scope, tokens, copy_prompt_cache(cache), key)  # a copy: writing pads its buffers
+            tier, values, pin = self.pending.popleft()
+            self._write(tier, values, pin)
             done += 1
         return done
 
+    # ------------------------------------------------------------------ state
     def stats(self) -> dict:
         return {"lookups": self.lookups, "misses": self.misses, "pending_writes": len(self.pending),
                 **{t.name: t.stats() for t in self.tiers}}  # fmt: skip
 
     def pins(self) -> dict[str, dict[str, Pin]]:
-        """Per pinning key, what each tier holds for it (tiers that index their
-        entries here: not the Redis tier, whose entries other replicas share).
-        Safe to call from another thread (see :meth:`~.index.EntryIndex.pins`)."""
+        """Per pinning key, what each tier holds for it (not the Redis tier: see its module doc)."""
         out: dict[str, dict[str, Pin]] = {}
         for tier in self.tiers:
-            if not tier.named:
-                for key, pin in tier.index.pins().items():
-                    out.setdefault(key, {})[tier.name] = pin
+            for key, pin in tier.pins().items():
+                out.setdefault(key, {})[tier.name] = pin
         return out
 
     def close(self) -> None:
@@ -170,8 +298,32 @@ class PromptStore:
             tier.close()
 
 
-def build_store(memory_bytes: int, disk_bytes: int, cache_dir, redis_url: str | None = None,
-                redis_bytes: int | None = None) -> PromptStore:  # fmt: skip
+class _Pending(Tier):
+    """The values of deferred writes (``PromptStore.pending``), served as the memory tier
+    serves its own until they are written."""
+
+    name = "memory"
+
+    def __init__(self, pending: deque):
+        super().__init__(None)
+        self._pending = pending
+
+    def _held(self) -> dict[str, Value]:
+        return {k: v for _, values, _ in self._pending for k, v in values.items()}
+
+    def has(self, keys):
+        held = self._held()
+        return [k in held for k in keys]
+
+    def get(self, keys):
+        held = self._held()
+        return [held.get(k) for k in keys]
+
+    def drop(self, key):
+        """(Values made here are never damaged.)"""
+
+
+def build_store(memory_bytes: int, disk_bytes: int, cache_dir, redis_url: str | None = None) -> PromptStore:
     """A store with a memory tier (unless ``memory_bytes`` is 0), a disk tier
     in ``cache_dir`` (unless ``disk_bytes`` is 0 or ``cache_dir`` is None) and a
     Redis tier at ``redis_url`` (when given; needs the ``redis`` package)."""
@@ -183,8 +335,8 @@ def build_store(memory_bytes: int, disk_bytes: int, cache_dir, redis_url: str | 
     if redis_url:
         from .redis_tier import RedisTier  # the redis package is optional
 
-        tiers.append(RedisTier(redis_url, redis_bytes))
+        tiers.append(RedisTier(redis_url))
     return PromptStore(tiers)
 
 
-__all__ = ["PromptStore", "build_store"]
+__all__ = ["PromptStore", "Scope", "build_store", "make_scope"]

@@ -1,196 +1,181 @@
-"""The store's tiers behind one interface: memory (live cache objects) here,
-a disk directory (cache files in our format) in :mod:`.disk`.
+"""The store's tiers behind one interface, and the memory tier.
 
 Contract of a tier (:class:`Tier`)
 ----------------------------------
-- ``find(scope, query, key) -> (Entry, n) | None``: the entry serving the
-  longest prefix of ``query`` in ``scope`` (see :mod:`.index`);
-- ``fetch(entry, scope, expected) -> list[BaseCache] | None``: an independent
-  cache holding exactly ``entry.tokens`` (the caller may change it freely), or
-  None when the entry turned out unusable (then it is dropped and counted in
-  ``stats()["corrupt"]``, unless its disk file was simply gone); ``expected`` is an empty cache the model makes, to
-  check layer kinds against;
-- ``add(scope, tokens, cache, key) -> bool``: store a cache holding ``tokens``
-  (False: refused by the budget rule). The memory tier keeps shared blocks
-  and a tail, or a compact copy (:class:`MemoryTier`), the disk tier writes
-  block files and an entry file, or one file (:class:`~.disk.DiskTier`);
-  ``cache`` stays the caller's;
-- ``stats() -> dict``: entries, bytes, budget and counters;
-- ``close()``: at shutdown (a no-op but for the Redis tier).
+A tier maps keys (:mod:`.chain`) to values (:mod:`.values`) and evicts by itself:
 
-A *named* tier (``named = True``: :class:`~.named_file.CacheFileTier`, one
-cache file the user named) is strict instead: what it cannot serve raises
-rather than being a miss, it is never evicted, and its ``add`` also takes the
-file's contents (messages, text, settings, user metadata).
+- ``has(keys) -> list[bool]``: which keys it holds now (a later ``get`` may still miss);
+- ``get(keys) -> list[Value | bytes | None]``: each value (checked already, or its
+  bytes for the store to check), None for a miss; a hit counts as a use (LRU);
+- ``put(values)``: keep the :class:`~.values.Value` s (``{key: value}``) it does not
+  hold, and count a use of those it holds; it may refuse or evict what it likes;
+- ``drop(key)``: forget a value found damaged;
+- ``pin(name, tokens, keys)``: the values of the entry of ``tokens`` tokens that pinning
+  key ``name`` (a conversation) put last outlive unpinned ones here (see :class:`Pins`);
+- ``stats()``, ``pins()`` (per name, a :class:`Pin`) and ``close()``.
 
-Every tier holds entries within its byte budget (:class:`EntryIndex`). Only
-the generation worker calls tiers (they are not thread-safe; the disk tier
-does MLX work to write files). The Redis tier (:mod:`.redis_tier`) implements
-the same methods over serialized files; its own writer thread does no MLX work.
+Tiers are called by the thread that owns the store (the generation worker); ``stats``
+and ``pins`` may be read from another. The memory tier is :class:`MemoryTier`; the
+disk tier is :class:`~.disk.DiskTier`, the Redis tier :class:`~.redis_tier.RedisTier`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import dataclass, field
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Sequence
 
-import mlx.core as mx
-import numpy as np
+from .values import Value
 
-from ..cache import BaseCache, can_trim_prompt_cache, copy_prompt_cache, prompt_cache_nbytes
-from ..config import SERVER_DEFAULTS
-from ..models.fingerprint import ModelFingerprint
-from .blocks import Blocked, assemble, host_view, nbytes, split, splittable
-from .chain import Chain
-from .index import Entry, EntryIndex
+PINNED_ENTRIES = 4  # entries each pinning key keeps pinned (a chat turn puts its prompt and its reply)
 
 
 @dataclass(frozen=True)
-class Scope:
-    """Which model and cache shape entries belong to: ``namespace`` keys them,
-    ``fingerprint`` is written into and checked against files, ``settings``
-    (max_kv_size, keep, KV quantization and, for a command's or server's
-    scope, the weight policy) are hashed into the namespace and written with
-    each entry, so ``mlxcc cache info`` can say what made it."""
+class Pin:
+    """The entries pinned to one key: how many, the longest one's tokens, their values' bytes."""
 
-    namespace: str
-    fingerprint: ModelFingerprint
-    settings: dict = field(default_factory=dict, hash=False, compare=False)
+    entries: int
+    tokens: int
+    nbytes: int
 
 
-def make_scope(fingerprint: ModelFingerprint, settings: dict) -> Scope:
-    ident = json.dumps(
-        {"weights": fingerprint.weights_hash, "tokenizer": fingerprint.tokenizer_hash, **settings}, sort_keys=True
-    )
-    return Scope(hashlib.sha256(ident.encode()).hexdigest()[:32], fingerprint, dict(settings))
+class Pins:
+    """The values each pinning key holds: those of the last :data:`PINNED_ENTRIES` entries it put."""
+
+    def __init__(self):
+        self._names: dict[str, OrderedDict[str, tuple[int, tuple[str, ...]]]] = {}
+        self._held: Counter[str] = Counter()  # value key -> entries pinning it
+
+    def pin(self, name: str, tokens: int, keys: Sequence[str]) -> None:
+        entries = self._names.setdefault(name, OrderedDict())
+        entry = keys[-1]
+        if entry in entries:
+            self._held.subtract(entries.pop(entry)[1])
+        entries[entry] = (tokens, tuple(keys))
+        self._held.update(keys)
+        while len(entries) > PINNED_ENTRIES:
+            self._held.subtract(entries.popitem(last=False)[1][1])
+        self._held = +self._held  # drop the keys no entry pins any more
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._held
+
+    def report(self, size_of) -> dict[str, Pin]:
+        """Per name, what it pins (``size_of(key)``: a value's bytes here, 0 when absent)."""
+        out = {}
+        for name, entries in list(self._names.items()):
+            held = list(entries.values())
+            nbytes = sum(size_of(k) for k in {k for _, keys in held for k in keys})
+            out[name] = Pin(len(held), max(t for t, _ in held), nbytes)
+        return out
 
 
 class Tier:
     name = "tier"
-    named = False  # a file the user named (see the module doc)
 
-    def __init__(self, budget: int):
-        self.index = EntryIndex(budget)
-        self.counters = {"hits": 0, "hit_tokens": 0, "added": 0, "refused": 0, "evicted": 0, "corrupt": 0}
+    def __init__(self, budget: int | None):
+        self.budget = budget
+        self.pinned = Pins()
+        self.counters = {"hits": 0, "added": 0, "refused": 0, "evicted": 0, "corrupt": 0}
 
-    def find(self, scope: Scope, query: Sequence[int], key: str | None) -> tuple[Entry, int] | None:
-        return self.index.longest(scope.namespace, query, key)
-
-    def fetch(self, entry: Entry, scope: Scope, expected: Sequence[BaseCache]) -> list[BaseCache] | None:
+    def has(self, keys: Sequence[str]) -> list[bool]:
         raise NotImplementedError
 
-    def add(self, scope: Scope, tokens: Sequence[int], cache: list[BaseCache], key: str | None) -> bool:
+    def get(self, keys: Sequence[str]) -> list[Value | bytes | None]:
         raise NotImplementedError
+
+    def put(self, values: dict[str, Value]) -> None:
+        raise NotImplementedError
+
+    def drop(self, key: str) -> None:
+        raise NotImplementedError
+
+    def pin(self, name: str, tokens: int, keys: Sequence[str]) -> None:
+        self.pinned.pin(name, tokens, keys)
+
+    def pins(self) -> dict[str, Pin]:
+        return {}
 
     def stats(self) -> dict:
-        return {"entries": len(self.index), "bytes": self.index.nbytes, "budget": self.index.budget,
-                "pinned_entries": self.index.pinned_count(), **self.counters}  # fmt: skip
+        return {"budget": self.budget, **self.counters}
 
     def close(self) -> None:
-        """Finish background work (the Redis tier's queued writes) and let go of connections."""
-
-    # shared by the tiers
-    def _covered(self, entry: Entry) -> Entry | None:
-        """A stored trimmable entry that extends ``entry``'s tokens (and so serves
-        everything it would), pinned to the same key or ``entry`` unpinned."""
-        found = self.index.longest(entry.namespace, entry.tokens, entry.key)
-        if found is None:
-            return None
-        other, n = found
-        if n == len(entry.tokens) < len(other.tokens) and other.trimmable and other.key in (None, entry.key):
-            return other
-        return None
-
-    def _admit(self, entry: Entry) -> bool:
-        """Insert ``entry`` under the budget rule, dropping what it supersedes."""
-        replaced = self.index.get(entry.namespace, entry.tokens)
-        dropping = self.index.superseded(entry) + ([replaced] if replaced is not None else [])
-        victims = self.index.plan(entry.nbytes, entry.pinned, dropping, entry.blocks)
-        if victims is None:
-            self.counters["refused"] += 1
-            return False
-        for old in dropping + victims:
-            self._drop(old, keep_payload_of=entry)
-        self.counters["evicted"] += len(victims)
-        self.index.add(entry, [])
-        self.counters["added"] += 1
-        return True
-
-    def _drop(self, entry: Entry, keep_payload_of: Entry | None = None) -> None:
-        self.index.remove(entry)
-
-    def _hit(self, entry: Entry) -> None:
-        self.index.touch(entry)
-        self.counters["hits"] += 1
-        self.counters["hit_tokens"] += len(entry.tokens)
+        """Finish background work (queued writes) and let go of connections."""
 
 
 class MemoryTier(Tier):
-    """Cache objects in memory; ``fetch`` returns a copy, so entries never change.
-
-    With ``block_tokens`` (default ``SERVER_DEFAULTS.store_block_tokens``), a
-    cache of plain K/V layers is kept as shared blocks of that many tokens plus
-    its tail (:mod:`.blocks`): entries sharing a prefix hold its blocks once,
-    and the budget counts each block once (:class:`~.index.EntryIndex`). A cache
-    that cannot be split (see :func:`~.blocks.splittable`), or any cache when
-    ``block_tokens`` is 0, is kept whole: a compact copy (live tokens only, in
-    buffers of its own, so ``nbytes`` is what it really holds)."""
+    """Values in this process, least recently used evicted first within ``budget`` bytes.
+    Pinned values go only after every unpinned one, and only for another pinned put;
+    a value larger than the budget, or one that would evict pinned values for an
+    unpinned put, is refused (counted)."""
 
     name = "memory"
 
-    def __init__(self, budget: int, block_tokens: int = SERVER_DEFAULTS.store_block_tokens):
+    def __init__(self, budget: int):
         super().__init__(budget)
-        self.block_tokens = block_tokens
-        self._values: dict[str, list[mx.array]] = {}  # block id -> its arrays
-        self._host: dict[str, list[np.ndarray]] = {}  # block id -> NumPy views of them (for assemble)
-        self._loose: set[str] = set()  # blocks that may have lost their last entry
+        self._values: OrderedDict[str, Value] = OrderedDict()  # least recently used first
+        self.nbytes = 0
 
-    def fetch(self, entry, scope, expected):
-        self._hit(entry)
-        if isinstance(entry.payload, Blocked):
-            return assemble(entry.payload, [self._host[b] for b, _ in entry.blocks])
-        return copy_prompt_cache(entry.payload)
+    def has(self, keys):
+        return [k in self._values for k in keys]
 
-    def add(self, scope, tokens, cache, key, compact: bool = False):
-        """``compact``: ``cache`` is a compact copy already, kept as it is when stored whole."""
-        covering = self._covered(Entry(scope.namespace, tuple(tokens), 0, True, key))
-        if covering is not None:
-            self.index.touch(covering)
-            return True
-        trimmable = can_trim_prompt_cache(cache)
-        if self.block_tokens > 0 and splittable(cache, len(tokens)):
-            chain = Chain(scope.namespace, tokens, self.block_tokens)
-            new, blocked = split(cache, chain, self._values.__contains__)
-            self._values.update(new)
-            self._host.update((h, [host_view(a) for a in v]) for h, v in new.items())
-            self._loose.update(new)
-            blocks = tuple((h, nbytes(self._values[h])) for h in chain.hashes)
-            entry = Entry(scope.namespace, tuple(tokens), blocked.nbytes, trimmable, key, blocked, blocks)
-        else:
-            compact = cache if compact else compact_copy(cache)
-            entry = Entry(scope.namespace, tuple(tokens), prompt_cache_nbytes(compact), trimmable, key, compact)
-        try:
-            return self._admit(entry)
-        finally:
-            for b in self._loose:
-                if not self.index.has_block(b):
-                    self._values.pop(b, None)
-                    self._host.pop(b, None)
-            self._loose.clear()
+    def get(self, keys):
+        out = []
+        for k in keys:
+            v = self._values.get(k)
+            if v is not None:
+                self._values.move_to_end(k)
+                self.counters["hits"] += 1
+            out.append(v)
+        return out
 
-    def _drop(self, entry, keep_payload_of=None):
-        self._loose.update(self.index.remove(entry))
+    def put(self, values):
+        pinned = any(k in self.pinned for k in values)
+        for k, v in values.items():
+            if k in self._values:
+                self._values.move_to_end(k)
+            elif self._room(len(v.data), pinned):
+                self._values[k] = v
+                self.nbytes += len(v.data)
+                self.counters["added"] += 1
+            else:
+                self.counters["refused"] += 1
 
-    def stats(self) -> dict:
-        return {**super().stats(), "blocks": len(self._values), "block_tokens": self.block_tokens}
+    def _room(self, need: int, pinned: bool) -> bool:
+        """Evict until ``need`` more bytes fit; False (nothing evicted) when they cannot."""
+        over = self.nbytes + need - self.budget
+        if over <= 0 or need > self.budget:
+            return need <= self.budget
+        victims = []
+        for k in self._evictable(pinned):
+            victims.append(k)
+            over -= len(self._values[k].data)
+            if over <= 0:
+                break
+        if over > 0:
+            return False
+        for k in victims:
+            self.drop(k)
+        self.counters["evicted"] += len(victims)
+        return True
+
+    def _evictable(self, pinned: bool):
+        """Keys in eviction order: unpinned ones (least recently used first), then pinned ones for a pinned put."""
+        yield from (k for k in self._values if k not in self.pinned)
+        if pinned:
+            yield from (k for k in self._values if k in self.pinned)
+
+    def drop(self, key):
+        v = self._values.pop(key, None)
+        if v is not None:
+            self.nbytes -= len(v.data)
+
+    def pins(self):
+        return self.pinned.report(lambda k: len(v.data) if (v := self._values.get(k)) is not None else 0)
+
+    def stats(self):
+        blocks = sum(1 for k in list(self._values) if k[0] == "b")
+        return {**super().stats(), "entries": len(self._values) - blocks, "blocks": blocks, "bytes": self.nbytes}
 
 
-def compact_copy(cache: Sequence[BaseCache]) -> list[BaseCache]:
-    """A copy of ``cache`` whose arrays hold the live tokens only, in buffers of
-    their own (a slice would keep the whole source buffer alive), each layer storing
-    what it is fed next as its source does (``BaseCache.with_arrays``)."""
-    out = [c.with_arrays([mx.contiguous(a) for a in c.flat_state()]) for c in cache]
-    mx.eval([c.eval_arrays() for c in out])
-    return out
+__all__ = ["MemoryTier", "Pin", "Pins", "Tier"]

@@ -66,7 +66,7 @@ function renderTiers(store) {
   }
   const rate = store.lookups > 0 ? ` (${Math.round((100 * (store.lookups - store.misses)) / store.lookups)}% found)` : "";
   $("summary").textContent = `lookups ${num(store.lookups)} · misses ${num(store.misses)}${rate} · ` +
-    `pending writes ${num(store.pending)} · updated ${new Date().toLocaleTimeString()}`;
+    `pending writes ${num(store.pending_writes)} · updated ${new Date().toLocaleTimeString()}`;
 }
 
 /** sha256 prefixes (12 hex) of this browser's conversation keys; empty where crypto.subtle is missing
