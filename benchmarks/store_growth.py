@@ -16,19 +16,19 @@ One command (from the repository root):
    ``2 x n_layer x n_tokens x n_embd_k_gqa x 2`` bytes stands for it (its state
    also holds the last logits and a small header, not counted).
 2. Store growth: N = 1, 10, 50 conversations sharing a 1,000-token system
-   prompt with 200 unique tokens each, put into the memory tier (whole entries,
-   and shared blocks of ``--block`` tokens: the default), the disk tier
-   (a temp folder, shared block files of ``--disk-block`` tokens) and the Redis tier (a ``redis-server`` started on a free
-   loopback port; "n/a" without the binary or the ``redis`` package). Store
-   bytes per tier (memory: the tier's byte count; disk: the entry and block files' sizes;
-   Redis: the sum of ``MEMORY USAGE`` over its keys) against the K/V bytes of
-   the unique tokens (1,000 + 200 N). The caches' K/V are random values in the
-   model's layer shapes and dtype (the bytes do not depend on the values).
-3. Checkout time per tier (median of ``--repeats``): find + fetch of one
-   conversation's entry, every array evaluated; for the memory tiers also
-   checkout + the first token fed (one ``update_and_fetch`` per layer), where
-   a whole entry's views get copied. Each checkout starts after the last
-   one's cache was released, so every tier meets the allocator alike.
+   prompt with 200 unique tokens each, put into the memory tier, the disk tier
+   (a temp folder) and the Redis tier (a ``redis-server`` started on a free
+   loopback port; "n/a" without the binary or the ``redis`` package), each as
+   blocks of ``--block`` tokens and tails. Store bytes per tier (memory: its
+   values' bytes; disk: its files' sizes; Redis: the sum of ``MEMORY USAGE``
+   over its keys) against the K/V bytes of the unique tokens (1,000 + 200 N).
+   The caches' K/V are random values in the model's layer shapes and dtype (the
+   bytes do not depend on the values).
+3. Checkout time per tier (median of ``--repeats``): the store's checkout of one
+   conversation (blocks and tail, checked and put together with room to grow)
+   against the same cache kept as one whole value in the same tier, each to the
+   first token fed (one ``update_and_fetch`` per layer). Each checkout starts
+   after the last one's cache was released, so every tier meets the allocator alike.
 """
 
 from __future__ import annotations
@@ -142,17 +142,19 @@ def random_conversation(base, unique: int, seed: int):
     return out
 
 
-TIMED = ("memory", "blocks", "disk, whole", "disk", "redis, whole", "redis")
+TIERS = ("memory", "disk", "redis")
 
 
-def store_growth(model, fingerprint, counts, shared: int, unique: int, repeats: int, folder: Path, block: int,
-                 disk_block: int):
+def store_growth(model, fingerprint, counts, shared: int, unique: int, repeats: int, folder: Path, block: int):
     import mlx.core as mx
     import numpy as np
 
     from mlx_chatcache.cache import make_prompt_cache
+    from mlx_chatcache.store.chain import Chain
     from mlx_chatcache.store.disk import DiskTier
-    from mlx_chatcache.store.tiers import MemoryTier, make_scope
+    from mlx_chatcache.store.store import PromptStore, make_scope
+    from mlx_chatcache.store.tiers import MemoryTier
+    from mlx_chatcache.store.values import decode, encode, whole
 
     scope = make_scope(fingerprint, {"max_kv_size": None, "keep": None})
     rng = np.random.default_rng(11)
@@ -163,68 +165,69 @@ def store_growth(model, fingerprint, counts, shared: int, unique: int, repeats: 
         c.trim(c.offset)
     base = random_conversation(base, shared, 1)
     per_token = kv_bytes_per_token(base)
-    tiers = {"memory": MemoryTier(1 << 50, block_tokens=0), "blocks": MemoryTier(1 << 50, block_tokens=block),
-             "disk": DiskTier(folder / "disk", 1 << 50, block_tokens=disk_block)}  # fmt: skip
+    tiers = {"memory": MemoryTier(1 << 50), "disk": DiskTier(folder / "disk", 1 << 50)}
+    whole_tiers = {"memory": MemoryTier(1 << 50), "disk": DiskTier(folder / "disk-whole", 1 << 50)}
     redis, why = _redis(folder)
     if redis is not None:
         from mlx_chatcache.store.redis_tier import RedisTier
 
-        tiers["redis"] = RedisTier(redis.url, 1 << 50, block=block)
-    # the whole-entry disk and Redis tiers of before, holding conversation 0 only: its checkout time
-    whole = {"disk, whole": DiskTier(folder / "disk-whole", 1 << 50, block_tokens=0)}
-    if redis is not None:
-        whole["redis, whole"] = RedisTier(redis.url, 1 << 50, block=block, prefix="whole", share_blocks=False)
+        tiers["redis"] = RedisTier(redis.url)
+        whole_tiers["redis"] = RedisTier(redis.url, prefix="whole")
+    stores = {name: PromptStore([t], block_tokens=block) for name, t in tiers.items()}
     rows, convs = [], []
     for i in range(max(counts)):
         tokens = shared_ids + rng.integers(1000, 2000, unique).tolist()
         cache = random_conversation(base, unique, 100 + i)
-        for t in [*tiers.values(), *(whole.values() if i == 0 else ())]:
-            t.add(scope, tokens, cache, None)
-            if t.name == "redis":
-                t.flush()
+        for name, store in stores.items():
+            store.put(scope, tokens, cache)
+            if name == "redis":
+                tiers[name].flush()
+        if i == 0:  # conversation 0 as one whole value too: what a checkout of blocks is held against
+            key = Chain(scope.namespace, tokens, block).entry(len(tokens))
+            value = decode(key, encode(scope, key, cache, tokens, 0), scope, check=False)
+            for t in whole_tiers.values():
+                t.put({key: value})
+                if t.name == "redis":
+                    t.flush()
         convs.append(tokens)
         if i + 1 in counts:
             uniq = (shared + unique * (i + 1)) * per_token
             row = [i + 1, f"{uniq / 1e6:.1f}"]
-            for name in ("memory", "blocks", "disk", "redis"):
+            for name in TIERS:
                 b = _tier_bytes(name, tiers.get(name), redis, SERVER_DEFAULTS.redis_key_prefix)
                 row += ["n/a", "n/a"] if b is None else [f"{b / 1e6:.1f}", f"{b / uniq:.2f}x"]
             rows.append(row)
         del cache
     query = convs[0] + [7]
-    tiers.update(whole)
-    timed, times = {}, {}
-    for name in TIMED:
-        t = tiers.get(name)
-        if t is None:
-            times[name] = [name, "n/a", "n/a", why]
-        elif t.find(scope, query, None) is None:  # Redis finds prefixes at multiples of its block
-            times[name] = [name, "n/a", "n/a", "no hit for this length"]
-        else:
-            timed[name] = ([], [])
+
+    def blocks(name):
+        state, _ = stores[name].checkout(scope, model, query)
+        return state.cache, len(state.tokens)
+
+    def one_value(name):
+        (got,) = whole_tiers[name].get([key])
+        v = got if name == "memory" else decode(key, got, scope)
+        return whole(v, fingerprint), len(v.tokens)
+
+    runs = {(name, how): ([], []) for name in tiers for how in ("whole", "blocks")}
     for _ in range(repeats):  # the tiers take turns, so a busy moment of the machine hits them alike
-        for name, (runs, fed) in timed.items():
-            t = tiers[name]
+        for (name, how), (took, fed) in runs.items():
             t0 = time.perf_counter()
-            entry, n = t.find(scope, query, None)
-            got = t.fetch(entry, scope, make_prompt_cache(model))
+            got, n = (one_value if how == "whole" else blocks)(name)
             mx.eval([c.eval_arrays() for c in got])
-            runs.append(time.perf_counter() - t0)
-            if name in ("memory", "blocks"):
-                # the next token's K/V in buffers of their own (as a model makes them): views of the
-                # cache's own buffer would keep it shared, so the update could not write it in place
-                one = [(c.state[0][:, :, :1] + 0, c.state[1][:, :, :1] + 0) for c in got]
-                mx.eval(one)
-                t1 = time.perf_counter()
-                mx.eval([c.update_and_fetch(k, v) for c, (k, v) in zip(got, one)])
-                fed.append(runs[-1] + time.perf_counter() - t1)
-            # released before the next tier's checkout, so each starts with the allocator as the last left it
-            # (a checkout made while another cache is alive may get fresh pages, costing every page a fault)
+            took.append(time.perf_counter() - t0)
+            # the next token's K/V in buffers of their own, as a model makes them
+            one = [(c.state[0][:, :, :1] + 0, c.state[1][:, :, :1] + 0) for c in got]
+            mx.eval(one)
+            t1 = time.perf_counter()
+            mx.eval([c.update_and_fetch(k, v) for c, (k, v) in zip(got, one)])
+            fed.append(took[-1] + time.perf_counter() - t1)
+            # released before the next checkout, so each starts with the allocator as the last left it
             del got
-            times[name] = [name, f"{median(runs) * 1e3:.1f}", f"{median(fed) * 1e3:.1f}" if fed else "",
-                           f"{n} tokens served, entry of {len(entry.tokens)}"]  # fmt: skip
-    times = [times[name] for name in TIMED if name in times]
-    for t in tiers.values():
+    times = [[name, how, f"{median(took) * 1e3:.1f}", f"{median(fed) * 1e3:.1f}", f"{n} tokens"]
+             for (name, how), (took, fed) in runs.items()]  # fmt: skip
+    times += [[name, "", "n/a", "n/a", why] for name in TIERS if name not in tiers]
+    for t in [*tiers.values(), *whole_tiers.values()]:
         t.close()
     if redis is not None:
         redis.stop()
@@ -248,29 +251,29 @@ def _redis(folder: Path):
 def _tier_bytes(name: str, tier, redis, prefix: str) -> int | None:
     if tier is None:
         return None
-    if name in ("memory", "blocks"):
+    if name == "memory":
         return tier.stats()["bytes"]
     if name == "disk":
-        return sum(p.stat().st_size for p in tier.folder.rglob("*.safetensors"))  # entry and block files
+        return sum(p.stat().st_size for p in tier.folder.glob("*.safetensors"))  # block and entry files
     r = redis.client()
     return sum(r.memory_usage(k, samples=0) or 0 for k in r.scan_iter(match=f"{prefix}:*", count=1000))
 
 
 def _verdict(rows, times) -> str:
-    """Each tier against the targets: bytes at the largest N (1.25x), checkout against the
-    whole entry's (1.2x; memory counted to the first token fed)."""
+    """Each tier against the targets: bytes at the largest N (1.25x the unique K/V), and a
+    checkout of blocks against one of the whole value, counted to the first token fed (1.2x)."""
     last = rows[-1]
-    ms = {r[0]: (r[2] or r[1]) for r in times}
+    fed = {(r[0], r[1]): r[3] for r in times}
 
-    def ratio(a: str, b: str) -> str:
+    def ratio(name: str) -> str:
         try:
-            return f"{float(ms[a]) / float(ms[b]):.2f}x"
+            return f"{float(fed[name, 'blocks']) / float(fed[name, 'whole']):.2f}x"
         except (KeyError, ValueError):
             return "n/a"
 
-    return (f"\nAt N = {last[0]} (target 1.25x the unique K/V): memory blocks {last[5]}, disk {last[7]}, "
-            f"Redis {last[9]}. Checkout against the whole entry's (target 1.2x): memory {ratio('blocks', 'memory')} "
-            f"(to the first token fed), disk {ratio('disk', 'disk, whole')}, Redis {ratio('redis', 'redis, whole')}.\n")
+    return (f"\nAt N = {last[0]} (target 1.25x the unique K/V): memory {last[3]}, disk {last[5]}, Redis {last[7]}. "
+            f"Checkout of blocks against the whole value's, to the first token fed (target 1.2x): memory "
+            f"{ratio('memory')}, disk {ratio('disk')}, Redis {ratio('redis')}.\n")
 
 
 def main(argv=None) -> int:
@@ -281,9 +284,7 @@ def main(argv=None) -> int:
     ap.add_argument("--unique", type=int, default=200, help="unique tokens per conversation (default 200)")
     ap.add_argument("--repeats", type=int, default=11, help="checkouts timed per tier (median; default 11)")
     ap.add_argument("--block", type=int, default=SERVER_DEFAULTS.store_block_tokens,
-                    help="the block and Redis tiers' tokens per block (default: the memory tier's)")
-    ap.add_argument("--disk-block", type=int, default=SERVER_DEFAULTS.disk_block_tokens,
-                    help="the disk tier's tokens per block file (default: the disk tier's)")
+                    help="tokens per block (default: the store's)")
     args = ap.parse_args(argv)
     counts = sorted({int(x) for x in args.counts.split(",") if x})
     t_start = time.perf_counter()
@@ -291,35 +292,27 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="mlxcc-growth-") as tmp:
         chat_rows, llama_how = saved_chat(model, tok, Path(tmp))
         rows, times, per_token, redis_why = store_growth(model, fingerprint, counts, args.shared, args.unique,
-                                                         args.repeats, Path(tmp), args.block,
-                                                         args.disk_block)  # fmt: skip
+                                                         args.repeats, Path(tmp), args.block)  # fmt: skip
     text = header_block("Store growth: bytes per token and per conversation") + f"\nModel: {desc}.\n\n"
     text += f"Saved chat ({SAVED_CHAT_TOKENS} tokens, `save_prompt_cache`); {llama_how}.\n\n"
     text += md_table(["K/V", "tokens", "file MB", "KB / token", "K/V MB", "header bytes", "file / K/V",
                       "file / llama.cpp"], chat_rows)  # fmt: skip
     text += (f"\nStore: N conversations = a shared {args.shared}-token system prompt + {args.unique} unique tokens "
              f"each ({per_token} K/V bytes per token); 'unique K/V' = the K/V bytes of {args.shared} + "
-             f"{args.unique} N tokens; 'memory' stores whole entries (every entry holds its whole prefix); "
-             f"'blocks' is the memory tier with shared blocks of {args.block} tokens (each "
-             f"entry: its blocks' references + its tail); 'disk' keeps blocks of {args.disk_block} tokens as files "
-             f"(each block file once, plus an entry file per entry holding its tail); Redis shares block values of {args.block} tokens, "
-             "counted with every key's overhead (`MEMORY USAGE`)."
+             f"{args.unique} N tokens. Every tier keeps the same values: blocks of {args.block} tokens named by "
+             "their hash chain (stored once, whoever shares them) and each entry's tail; memory counts its values' "
+             "bytes, disk its files' sizes, Redis every key with its overhead (`MEMORY USAGE`)."
              + (f" Redis: n/a ({redis_why})." if redis_why else "") + "\n\n")  # fmt: skip
-    text += md_table(["N", "unique K/V MB", "memory MB", "memory / unique", "blocks MB", "blocks / unique",
-                      "disk MB", "disk / unique", "redis MB", "redis / unique"], rows)  # fmt: skip
-    text += (f"\nCheckout of one conversation's entry (find + fetch, arrays evaluated; median of {args.repeats}, "
-             "the tiers taking turns, each after the last checkout's cache was released: a checkout made while "
-             "another cache is alive may get fresh pages from the allocator and pay a fault per page, whichever tier). "
-             "The whole-entry memory tier returns views of its entry (the copy is made by the cache's first "
-             "update: '+ first token'), the block tier makes its one copy at checkout (with the room the cache "
-             "grows into, so the first token is written in place), disk reads the entry's tail and block files, "
-             "Redis its blocks and tail:\n\n")
-    text += md_table(["tier", "checkout ms", "+ first token ms", "note"], times)
+    text += md_table(["N", "unique K/V MB", "memory MB", "memory / unique", "disk MB", "disk / unique",
+                      "redis MB", "redis / unique"], rows)  # fmt: skip
+    text += (f"\nCheckout of conversation 0 (median of {args.repeats}, the tiers taking turns, each after the "
+             "last checkout's cache was released): 'blocks' is the store's checkout (the values found, read, "
+             "checked and put together with room to grow), 'whole' the same cache kept as one value in the same "
+             "tier (read, checked and loaded with room to grow); '+ first token' adds one token fed to every layer:\n\n")
+    text += md_table(["tier", "kept as", "checkout ms", "+ first token ms", "served"], times)
     text += ("\nTargets: a saved chat within 1.05x its K/V bytes ('file / K/V') and, with float16 K/V, "
-             "within 1.05x llama.cpp's ('file / llama.cpp'); the store within 1.25x the unique K/V, "
-             "which whole-entry tiers cannot meet (every entry holds the shared prompt): the block memory tier, "
-             "disk and Redis are built for it (with their whole-entry tiers of before timed beside them); a block checkout within 1.2x of a whole entry's, "
-             "counted to the first token fed (both then hold one copy).\n")
+             "within 1.05x llama.cpp's ('file / llama.cpp'); the store within 1.25x the unique K/V in every "
+             "tier; a checkout of blocks within 1.2x of the whole value's, counted to the first token fed.\n")
     text += _verdict(rows, times)
     return finish("store_growth", text, args, t_start)
 

@@ -235,7 +235,13 @@ def load_cache_file(path: str | os.PathLike, *, model: ModelFingerprint | None =
 def load_prompt_cache_bytes(data: bytes, name: str, *, model: ModelFingerprint | None = None):
     """:func:`load_prompt_cache` for a file held in memory (``name`` stands for
     its path in messages): the same checks. Returns ``(cache, CacheFileInfo)``."""
-    return _load(read_header_bytes(data, name), model, name)
+    return load_header(read_header_bytes(data, name), model=model)
+
+
+def load_header(header: Header, *, model: ModelFingerprint | None = None):
+    """``(cache, CacheFileInfo)`` of the file whose validated header is ``header`` (its
+    arrays read as :func:`load_prompt_cache` reads them; ``header.checked``: not checked again)."""
+    return _load(header, model, str(header.path))
 
 
 def _load(header: Header, model: ModelFingerprint | None, what: str):

@@ -21,12 +21,11 @@ as "not a safetensors file", not by its byte counts.
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -61,8 +60,7 @@ DTYPES: dict[str, tuple[int, str]] = {
 NUMPY_DTYPES = {name: np.dtype("uint16" if name == "BF16" else mlx) for name, (_, mlx) in DTYPES.items()}
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -85,6 +83,7 @@ class Header:
     identity: tuple = ()  # (st_dev, st_ino, st_size, st_mtime_ns) of the validated file
     data: bytes | None = field(default=None, repr=False)  # the whole file, when it was read from memory
     checksums: dict[str, int] | None = None  # each tensor's CRC32, when the file carries them (verified header)
+    checked: bool = False  # its tensors were checked against their checksums already (a store value)
 
 
 def _bad(path: Path, what: str) -> CacheFileError:
@@ -185,22 +184,25 @@ def _parse_metadata(path: Path, meta) -> dict[str, str]:
     return meta
 
 
+_ENTRY_FIELDS = {"dtype", "shape", "data_offsets"}
+
+
 def _parse_entry(path: Path, name: str, e, data_len: int) -> TensorEntry:
-    if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+    if type(e) is not dict or e.keys() != _ENTRY_FIELDS:
         raise _bad(path, f"tensor {name!r} entry is malformed")
     dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in DTYPES:
+    if type(dtype) is not str or dtype not in DTYPES:
         raise _bad(path, f"tensor {name!r} has unsupported dtype {dtype!r}")
-    if (
-        not isinstance(shape, list)
-        or len(shape) > MAX_DIMS
-        or not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)
-    ):
+    nbytes = DTYPES[dtype][0]
+    if type(shape) is not list or len(shape) > MAX_DIMS:
         raise _bad(path, f"tensor {name!r} has an invalid shape")
-    if not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs):
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= MAX_DIM:
+            raise _bad(path, f"tensor {name!r} has an invalid shape")
+        nbytes *= d
+    if type(offs) is not list or len(offs) != 2 or type(offs[0]) is not int or type(offs[1]) is not int:
         raise _bad(path, f"tensor {name!r} has invalid data offsets")
     begin, end = offs
-    nbytes = math.prod(shape) * DTYPES[dtype][0]
     if not 0 <= begin <= end <= data_len or end - begin != nbytes:
         raise _bad(path, f"tensor {name!r} byte range {offs} does not fit its shape or the file")
     return TensorEntry(name, dtype, tuple(shape), begin, end)
@@ -267,7 +269,7 @@ def read_host(header: Header, names=None, slots: dict[str, int] | None = None) -
                 at += row.nbytes
     else:
         _read_file(header, [(header.tensors[n], rows[n]) for n in names])
-    if header.checksums is not None:
+    if header.checksums is not None and not header.checked:
         for n in names:
             crc = 0
             for row in rows[n]:
@@ -277,13 +279,14 @@ def read_host(header: Header, names=None, slots: dict[str, int] | None = None) -
     return out
 
 
-def check_data(header: Header) -> None:
-    """Check every tensor of a checksummed header read from memory (:func:`read_header_bytes`)
-    against its checksum, where its bytes are (no copy)."""
+def check_data(header: Header) -> Header:
+    """``header`` (checksummed, read from memory: :func:`read_header_bytes`), marked ``checked``
+    once every tensor matched its checksum where its bytes are (no copy)."""
     data = memoryview(header.data)
     for name, t in header.tensors.items():
         if crc32(data[header.data_start + t.begin : header.data_start + t.end]) != header.checksums[name]:
             raise damaged(header.path, f"tensor {name!r} does not match its checksum")
+    return replace(header, checked=True)
 
 
 def _buffer(t: TensorEntry, slots: int | None) -> np.ndarray:
@@ -298,6 +301,8 @@ def _buffer(t: TensorEntry, slots: int | None) -> np.ndarray:
 def _live_rows(buf: np.ndarray, t: TensorEntry) -> list[memoryview]:
     """The bytes of ``buf`` that tensor ``t``'s file bytes go to, in file order (one row
     per index of the first two axes when ``buf`` has room, else one)."""
+    if not buf.nbytes:
+        return []
     flat = memoryview(buf).cast("B")
     if buf.shape == t.shape:
         return [flat]

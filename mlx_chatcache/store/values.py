@@ -25,7 +25,7 @@ which then become MLX arrays (one copy into the device's memory, whatever the de
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import mlx.core as mx
@@ -33,28 +33,24 @@ import numpy as np
 
 from ..cache import BaseCache, KVCache
 from ..errors import CacheFormatError
-from ..files.mlxcc_format import info_from_header, load_prompt_cache_bytes, prompt_cache_bytes
-from ..files.registry import CacheFileInfo
+from ..files.mlxcc_format import FORMAT_NAME, FORMAT_VERSION, load_header, prompt_cache_bytes
+from ..files.registry import parse_tokens
 from ..files.safetensors_file import NUMPY_DTYPES, Header, check_data, read_header_bytes
 
 
 @dataclass(frozen=True)
 class Value:
-    """A checked value: its key, bytes, header, what it says, and its token range."""
+    """A checked value: its key, bytes, header, the tokens it holds and where they start."""
 
     key: str
     data: bytes
     header: Header
-    info: CacheFileInfo
+    tokens: list[int]
     start: int
 
     @property
-    def tokens(self) -> list[int]:
-        return self.info.tokens
-
-    @property
     def end(self) -> int:
-        return self.start + len(self.info.tokens)
+        return self.start + len(self.tokens)
 
 
 def splittable(cache: Sequence[BaseCache], n: int) -> bool:
@@ -75,63 +71,73 @@ def cut(cache: Sequence[BaseCache], start: int, stop: int) -> list[BaseCache]:
 
 
 def decode(key: str, data: bytes, scope, check: bool = True) -> Value:
-    """The value ``key`` of ``scope`` in ``data``; ChatCacheError when it is damaged or
-    is not that value (``check``: every tensor's bytes against its checksum too)."""
+    """The value ``key`` of ``scope`` in ``data``; CacheFormatError (a ChatCacheError) when it
+    is damaged or is not that value (``check``: every tensor's bytes against its checksum
+    too; without, ``data`` was made here). Only the header's store fields are read: a
+    whole cache's layers are checked as a file's when it is loaded (:func:`whole`), a
+    block's by :func:`assemble`."""
     header = read_header_bytes(data, f"store value {key}")
-    info = info_from_header(header)
-    meta = info.metadata
-    start = meta.get("store.start", "")
-    if (meta.get("store.key") != key or meta.get("store.namespace") != scope.namespace or info.layout != "mlxcc"
-            or info.tokens is None or not start.isdigit() or header.checksums is None):  # fmt: skip
+    meta, start = header.metadata, header.metadata.get("user.store.start", "")
+    if (meta.get("user.store.key") != key or meta.get("user.store.namespace") != scope.namespace
+            or meta.get("mlxcc.format") != FORMAT_NAME or meta.get("mlxcc.format_version") != str(FORMAT_VERSION)
+            or not start.isdigit() or header.checksums is None):  # fmt: skip
         raise CacheFormatError(f"store value {key} is not that value of this store")
-    if check:
-        check_data(header)
-    return Value(key, data, header, info, int(start))
+    tokens = parse_tokens(header.path, meta.get("mlxcc.tokens"))
+    if tokens is None:
+        raise CacheFormatError(f"store value {key} lists no tokens")
+    header = check_data(header) if check else replace(header, checked=True)
+    return Value(key, data, header, tokens, int(start))
 
 
 def whole(value: Value, fingerprint) -> list[BaseCache]:
     """The layers of the whole-cache value ``value`` (read with room to grow)."""
-    cache, _ = load_prompt_cache_bytes(value.data, f"store value {value.key}", model=fingerprint)
+    cache, _ = load_header(value.header, model=fingerprint)
     return cache
 
 
 def assemble(values: Sequence[Value]) -> list[BaseCache]:
     """The cache the consecutive block values ``values`` (and a tail) hold together:
-    ``KVCache`` layers of every token, in buffers with the room they grow into."""
-    n = values[-1].end
-    first = values[0]
-    layers = first.info.extra["layers"]
-    names = [f"layer.{i}.{j}" for i, (_, count) in enumerate(layers) for j in range(count)]
-    for v in values:  # checked values of one scope: a layout that differs is a foreign value
-        if v.info.classes != first.info.classes or [c for _, c in v.info.extra["layers"]] != [c for _, c in layers]:
-            raise CacheFormatError(f"store value {v.key} does not hold the layers of {first.key}")
+    ``KVCache`` layers of every token, in buffers with the room they grow into.
+    CacheFormatError when a value does not hold such layers, alike."""
+    n, first = values[-1].end, values[0]
+    layers = _kv_layers(first)
+    names = [f"layer.{i}.{j}" for i in range(layers) for j in (0, 1)]
     slots = KVCache.grown_slots(n)
-    arrays, at = [], 0
+    for v in values[1:]:
+        if _kv_layers(v) != layers:
+            raise CacheFormatError(f"store value {v.key} does not hold the layers of {first.key}")
+    raw = [np.frombuffer(v.data, dtype=np.uint8, offset=v.header.data_start) for v in values]
+    arrays = []
     for name in names:
-        t = first.header.tensors[name]
-        parts = [_tensor(v, name, t) for v in values]
-        buf = np.empty((*t.shape[:2], slots, t.shape[3]), dtype=parts[0].dtype)
+        like = first.header.tensors[name]
+        dtype, (d0, d1, _, d3) = NUMPY_DTYPES[like.dtype], like.shape
+        parts = []
+        for v, flat in zip(values, raw):
+            t = v.header.tensors[name]
+            if t.dtype != like.dtype or t.shape != (d0, d1, v.end - v.start, d3):
+                raise CacheFormatError(f"store value {v.key}: tensor {name} does not fit the cache")
+            parts.append(flat[t.begin : t.end].view(dtype).reshape(t.shape))
+        buf = np.empty((d0, d1, slots, d3), dtype=dtype)
         np.concatenate(parts, axis=2, out=buf[:, :, :n])
         buf[:, :, n:] = 0
         a = mx.array(buf)
-        arrays.append(a.view(mx.bfloat16) if t.dtype == "BF16" else a)
+        arrays.append(a.view(mx.bfloat16) if like.dtype == "BF16" else a)
     mx.eval(arrays)
-    out = []
-    for _, count in layers:
-        out.append(KVCache.from_flat_state(arrays[at : at + count], (str(n),)))
-        at += count
-    return out
+    return [KVCache.from_flat_state(arrays[2 * i : 2 * i + 2], (str(n),)) for i in range(layers)]
 
 
-def _tensor(v: Value, name: str, like) -> np.ndarray:
-    """Tensor ``name`` of ``v`` (a view of its bytes), checked to be ``like``'s but for its tokens."""
-    t = v.header.tensors.get(name)
-    if t is None or t.dtype != like.dtype or len(t.shape) != 4 or t.shape[2] != v.end - v.start \
-            or t.shape[:2] != like.shape[:2] or t.shape[3] != like.shape[3]:  # fmt: skip
-        raise CacheFormatError(f"store value {v.key}: tensor {name} does not fit the cache")
-    host = np.frombuffer(v.data, dtype=NUMPY_DTYPES[t.dtype], count=int(np.prod(t.shape)),
-                         offset=v.header.data_start + t.begin)  # fmt: skip
-    return host.reshape(t.shape)
+def _kv_layers(v: Value) -> int:
+    """How many ``KVCache`` layers of two 4-D arrays each ``v`` holds (CacheFormatError: other layers)."""
+    meta, tensors = v.header.metadata, v.header.tensors
+    n = meta.get("mlxcc.num_layers", "")
+    layers = int(n) if n.isdigit() else 0
+    names = {f"layer.{i}.{j}" for i in range(layers) for j in (0, 1)}
+    if not layers or set(tensors) != names or any(len(t.shape) != 4 for t in tensors.values()) or any(
+        meta.get(f"mlxcc.layer.{i}.class") != "KVCache" or meta.get(f"mlxcc.layer.{i}.arrays") != "2"
+        for i in range(layers)
+    ):  # fmt: skip
+        raise CacheFormatError(f"store value {v.key} does not hold K/V layers")
+    return layers
 
 
 __all__ = ["Value", "assemble", "cut", "decode", "encode", "splittable", "whole"]
