@@ -36,7 +36,7 @@ def store_report(worker: GenerationWorker) -> dict:
     worker.history.sample(totals)
     store = worker.store
     tiers = []
-    for tier in (t for t in store.tiers if not t.named):  # a server's store has no named file
+    for tier in store.tiers:
         s = tier.stats()
         tiers.append({"name": tier.name, "bytes": s["bytes"], "budget": s["budget"], "entries": s["entries"],
                       "pinned_entries": s.get("pinned_entries"), "blocks": None, "hits": s["hits"],

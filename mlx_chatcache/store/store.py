@@ -28,15 +28,8 @@ Contract
   lookup with that key prefers them. With ``memory_only=True`` only the memory
   tier keeps it (a cache for the requests of this process, e.g. a prompt whose
   request is still running; files and the Redis tier get its final entry).
-- Named tiers (:class:`~.named_file.CacheFileTier`: a file the user named,
-  ``mlxcc generate --prompt-cache-file``, a chat session file) are strict:
-  their ``find``/``fetch`` raise instead of missing. ``put`` writes them at
-  once (never deferred), also for an empty cache, and passes them
-  ``prompt`` (the :class:`~mlx_chatcache.files.prompt_cache.PromptCache` being
-  stored: the messages or text its tokens are, settings, user metadata); an
-  error there is raised. With
-  ``on_error``, a failing anonymous tier (a full shared disk) is reported to
-  it, ``on_error(tier, error)``, and the other tiers are still written.
+- With ``on_error``, a failing tier (a full shared disk) is reported to it,
+  ``on_error(tier, error)``, and the other tiers are still written.
 - :meth:`PromptStore.stats` (counters per tier) and :meth:`PromptStore.pins`
   (what each key pins, per tier) may be read from another thread.
 - What a hit returns holds the same tokens the prompt would otherwise have
@@ -44,8 +37,8 @@ Contract
   (up to the floating-point differences of feeding a prompt in other chunks).
 
 All other calls must come from one thread (the server's generation worker, or the
-one of ``mlxcc generate``/``mlxcc chat``, which build a store of the named
-file and, with ``--cache-dir``, the disk tier a server uses).
+one of ``mlxcc generate``/``mlxcc chat``, which build a store of the disk tier
+a server uses, ``--cache-dir``).
 """
 
 from __future__ import annotations
@@ -108,23 +101,20 @@ class PromptStore:
         return best
 
     def put(self, scope: Scope, tokens: Sequence[int], cache: list[BaseCache], key: str | None = None,
-            defer: bool = False, prompt: PromptCache | None = None,
-            on_error: Callable[[Tier, Exception], None] | None = None, memory_only: bool = False) -> dict:  # fmt: skip
+            defer: bool = False, on_error: Callable[[Tier, Exception], None] | None = None,
+            memory_only: bool = False) -> dict:  # fmt: skip
         """Store ``cache`` (holding ``tokens``) in every tier (``memory_only``: in the
         memory tier alone); ``{tier: stored?}`` (None: a deferred write, still
-        pending). See the module doc for named tiers, ``prompt`` and ``on_error``."""
+        pending). See the module doc for ``on_error``."""
         tokens = tuple(tokens)
         stored = {}
-        for tier in self.tiers:
-            if tier.named and not memory_only:
-                stored[tier.name] = tier.add(scope, tokens, cache, key, prompt)
         if not tokens:
             return stored
-        anonymous = [t for t in self.tiers if not t.named and (isinstance(t, MemoryTier) or not memory_only)]
-        files = [t for t in anonymous if not isinstance(t, MemoryTier)]
+        tiers = [t for t in self.tiers if isinstance(t, MemoryTier) or not memory_only]
+        files = [t for t in tiers if not isinstance(t, MemoryTier)]
         if defer and files:
             cache = compact_copy(cache)  # one copy, shared by the memory tier and the pending writes
-        for tier in anonymous:
+        for tier in tiers:
             try:
                 if isinstance(tier, MemoryTier):
                     stored[tier.name] = tier.add(scope, tokens, cache, key, compact=defer and bool(files))
@@ -160,9 +150,8 @@ class PromptStore:
         Safe to call from another thread (see :meth:`~.index.EntryIndex.pins`)."""
         out: dict[str, dict[str, Pin]] = {}
         for tier in self.tiers:
-            if not tier.named:
-                for key, pin in tier.index.pins().items():
-                    out.setdefault(key, {})[tier.name] = pin
+            for key, pin in tier.index.pins().items():
+                out.setdefault(key, {})[tier.name] = pin
         return out
 
     def close(self) -> None:
