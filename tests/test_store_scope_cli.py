@@ -22,7 +22,7 @@ from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.generation.templates import render_chat
 from mlx_chatcache.generation.checkout import prompt_scope, put_prompt
 from mlx_chatcache.models.loading import load
-from mlx_chatcache.store.named_file import CacheFileTier, recorded_shape
+from mlx_chatcache.files.named_file import recorded_shape
 from mlx_chatcache.store.store import PromptStore
 from mlx_chatcache.store.disk import DiskTier
 from mlx_chatcache.store.disk_folder import read_entry
@@ -94,14 +94,14 @@ def test_put_prompt_keeps_disagreeing_layers_out_of_shared_tiers(llama_model, tm
     state = PromptCache.new(model)
     state.cache[:], state.tokens[:] = filled(model, tokens), tokens
     quantize_prompt_cache(state.cache, 64, 8)
-    disk, named = DiskTier(tmp_path / "D", 10**9), CacheFileTier(None, tmp_path / "f.safetensors")
+    store, named = PromptStore([DiskTier(tmp_path / "D", 10**9)]), tmp_path / "f.safetensors"
     warnings = []
     state.messages, state.settings = [], {}  # what the named file records
-    put_prompt(PromptStore([named, disk]), prompt_scope(model, DEFAULTS), state, warnings.append)
+    put_prompt(store, prompt_scope(model, DEFAULTS), state, warnings.append, named=named)
     assert entries(tmp_path / "D") == [] and len(warnings) == 1 and "kv_bits=None" in warnings[0]
-    assert (tmp_path / "f.safetensors").exists()  # the named file is what the user asked for
+    assert named.exists()  # the named file is what the user asked for
     # under its own settings it is shared
-    put_prompt(PromptStore([named, disk]), prompt_scope(model, DEFAULTS.updated(kv_bits=8)), state, warnings.append)
+    put_prompt(store, prompt_scope(model, DEFAULTS.updated(kv_bits=8)), state, warnings.append, named=named)
     assert len(entries(tmp_path / "D")) == 1 and len(warnings) == 1
 
 

@@ -52,10 +52,11 @@ Files and the store
 :meth:`ChatSession.load` reads it back and refuses a session made with another
 model (:class:`~mlx_chatcache.errors.ModelMismatchError`);
 :meth:`ChatSession.from_prompt_cache` starts a new chat from a prebuilt chat
-cache (``mlxcc cache-prompt``), reusing every held token that matches. Save and
-load go through the prompt-cache store (:mod:`mlx_chatcache.store`), the file
-being a strict named tier. ``shared`` tiers (``mlxcc chat --cache-dir``: the disk tier a server
-uses) get the cache on every save, and a turn that starts with an empty cache
+cache (``mlxcc cache-prompt``), reusing every held token that matches. The file
+is written and read as a :class:`~mlx_chatcache.files.prompt_cache.PromptCache`
+(``save``/``load``: strict). ``shared`` tiers (``mlxcc chat --cache-dir``: the
+disk tier a server uses, through the prompt-cache store :mod:`mlx_chatcache.store`)
+get the cache on every save, and a turn that starts with an empty cache
 (a new session, after ``/clear`` or a new system prompt) starts from their
 longest prefix of its prompt: a new chat whose system prompt (or first
 messages) a server or another chat already processed reuses them. A new
@@ -440,10 +441,10 @@ class ChatSession(SessionRollback):
                              template_args=self.template_args, stop=self.stop)  # fmt: skip
 
     def save(self, path: str | os.PathLike | None) -> list[str]:
-        """Write the session to ``path`` atomically (a previous file survives any failure),
-        through the store: ``path`` as a named file tier (None: none), and the shared tiers.
-        Returns one line for each shared tier that could not take the cache (the file was written)."""
-        return save_session(path, self.record(), self.fingerprint, self.shared.tiers)
+        """Write the session to ``path`` atomically (a previous file survives any failure;
+        None: no file), and put its cache into the shared tiers. Returns one line for each
+        shared tier that could not take the cache (the file was written)."""
+        return save_session(path, self.record(), self.fingerprint, self.shared)
 
     @classmethod
     def load(

@@ -2,10 +2,12 @@
 
 Files
 -----
-A session file is one cache file (see ``docs/cache-format.md``), written
-atomically through the door (:func:`~mlx_chatcache.files.cache_file.write`): the cache,
-its token ids, the messages, the model fingerprint and, in the user metadata
-key ``session``, a JSON object with the settings and the bookkeeping of a
+A session file is one cache file (see ``docs/cache-format.md``), a
+:class:`~mlx_chatcache.files.prompt_cache.PromptCache` written with its ``save``
+(atomically, through the door) and read with its ``load``: the cache, its token
+ids, the messages, the model fingerprint, the layer copies of the newest
+checkpoints and, in the user metadata key ``session``, a JSON object with the
+settings and the bookkeeping of a
 :class:`~mlx_chatcache.chat.session.ChatSession` (a :class:`SessionRecord`).
 :func:`save_session` writes a record (a previous file survives any failure);
 :func:`load_session` reads one back for a model and refuses, in one line each:
@@ -41,10 +43,8 @@ from ..errors import CacheFileError, ModelMismatchError, SessionError, UsageErro
 from ..models.fingerprint import ModelFingerprint
 
 if TYPE_CHECKING:  # imported where a session is loaded: names, paths and locks need no MLX or mlx-lm
-    from ..files.registry import CacheFileInfo
     from ..files.prompt_cache import PromptCache
-    from ..store.store import Scope
-    from ..store.tiers import Tier
+    from ..store.store import PromptStore, Scope
     from .checkpoints import Checkpoint
 
 SESSION_FORMAT = 1
@@ -89,33 +89,31 @@ def session_metadata(record: SessionRecord, snapshot_index: Sequence[int] = ()) 
 
 
 def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
-                 fingerprint: ModelFingerprint | None, shared: Sequence[Tier] = ()) -> list[str]:  # fmt: skip
-    """Write ``record`` to ``path`` atomically: its prompt cache, with the
-    conversation as its messages and the session JSON as user metadata. It goes
-    through the prompt-cache store: ``path`` is a named file tier (its errors are
-    raised; None: no file), and ``shared`` tiers (``--cache-dir``) get the cache
-    too; returns one line for each shared tier that could not take it.
+                 fingerprint: ModelFingerprint | None, shared: PromptStore | None = None) -> list[str]:  # fmt: skip
+    """Write ``record`` to ``path`` atomically (None: no file): its prompt cache, with the
+    conversation as its messages and the session JSON as user metadata
+    (:meth:`~mlx_chatcache.files.prompt_cache.PromptCache.save`; its errors are raised).
+    The ``shared`` store's tiers (``--cache-dir``) get the cache too; returns one line
+    for each that could not take it.
 
     ``path`` is the chat's :class:`~mlx_chatcache.files.cache_file.Claim` of its
     session file, or a path claimed as the caller's own (``mine``: a session
     there is replaced; a file another process holds, or one that is not a
     cache, is refused) for the write."""
     from ..generation.checkout import put_prompt
-    from ..store.named_file import CacheFileTier
-    from ..store.store import PromptStore
 
     if path is not None and not isinstance(path, Claim):
         with claim(path, mine=True) as held:
             return save_session(held, record, fingerprint, shared)
     snapshots, index = kept_copies(record.checkpoints)
     prompt = dataclasses.replace(  # the session's cache as its file holds it (sharing layers and tokens)
-        record.state, settings=record.state.shape.recording(record.state.settings, record.config),
+        record.state, fingerprint=fingerprint,
+        settings=record.state.shape.recording(record.state.settings, record.config),
         metadata={SESSION_KEY: json.dumps(session_metadata(record, index), ensure_ascii=False)},
         snapshots=snapshots,
     )
-    store = PromptStore([CacheFileTier(None, path, what="session"), *(shared if fingerprint is not None else ())])
     problems: list[str] = []
-    put_prompt(store, session_scope(fingerprint, record), prompt, warn=problems.append)
+    put_prompt(shared, session_scope(fingerprint, record), prompt, problems.append, named=path)
     return problems
 
 
@@ -158,9 +156,11 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
     """The session saved at ``path``, for ``model``; ``overrides`` change sampling
     settings; a cache-shape setting (:data:`~mlx_chatcache.config.SHAPE_KEYS`: the
     window, the KV quantization) other than the session's is refused in one line.
-    The record comes from the file's header; its cache is checked out of a
-    prompt-cache store whose one tier is the file (strict: a file of another
-    model, or layers the model does not make, are one-line errors)."""
+    The record comes from the file's header; its cache is read with
+    :meth:`~mlx_chatcache.files.prompt_cache.PromptCache.load` (strict: a file of
+    another model, or layers the model does not make, are one-line errors)."""
+    from ..files.prompt_cache import PromptCache
+
     if not os.path.isfile(path):
         raise SessionError(f"session file not found: {path}")
     info = read_cache_info(path)
@@ -182,10 +182,10 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
     config = _parse_config(path, meta.get("settings"), notes)
     config = config.windowed(_parse_window(path, meta))
     overrides = overrides or {}
-    # the shape flags ask for: the file tier refuses a cache made otherwise (as for any cache file)
+    # the shape flags ask for: loading refuses a cache made otherwise (as for any cache file)
     config = config.updated(**{k: v for k, v in overrides.items() if k in SHAPE_KEYS and k != "keep"})
     try:
-        state = _checkout(path, model, info, config)
+        state = PromptCache.load(path, model, config.shape, what="session", header=info)
     except UsageError as e:  # other cache-shape settings than the session's
         raise SessionError(str(e)) from None
     config = config.updated(**{k: v for k, v in overrides.items() if k not in SHAPE_KEYS})
@@ -197,23 +197,6 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
     return SessionRecord(state, config, pending, text, checkpoints, attempt if _is_int(attempt) else 0,
                          notes=notes, branch_of=parse_branch_of(meta, path), template_args=template_args,
                          stop=stop)  # fmt: skip
-
-
-def _checkout(path, model, info: CacheFileInfo, config: GenerationConfig) -> PromptCache:
-    """The session's cache, holding exactly the tokens its header ``info`` lists, from
-    the file as a strict store tier."""
-    from ..generation.checkout import prompt_scope
-    from ..store.named_file import CacheFileTier
-    from ..store.store import PromptStore
-
-    store = PromptStore([CacheFileTier(path, None, what="session", header=info)])
-    tokens = info.tokens
-    scope = prompt_scope(model, config)
-    # -1: an id no cache holds, past the end, so that every one of ``tokens`` can be served
-    state, _ = store.checkout(scope, model, [*tokens, -1], config.shape)
-    if state.tokens != list(tokens):  # only an empty session is not served (the file tier is strict)
-        raise CacheFileError(f"{path}: the session's cache could not be read back; the file is damaged")
-    return state
 
 
 def _parse_session_json(path, raw: str) -> dict:

@@ -174,8 +174,7 @@ def _prebuilt_header(args, path: Path | None, label: str | None):
     take the file's). Raises one line for anything else."""
     from ..errors import CacheFormatError
     from ..files.mlxcc_format import read_cache_info
-    from ..generation.checkout import scope_of
-    from ..store.named_file import CacheFileTier
+    from ..files.named_file import check_named_file
     from .generate import file_config
 
     f = args.prompt_cache_file
@@ -198,24 +197,21 @@ def _prebuilt_header(args, path: Path | None, label: str | None):
             "'mlxcc cache-prompt', or pass the store's folder as --cache-dir"
         )
     config = file_config(args, info)  # F's window and KV settings; a different --max-kv-size is refused
-    # the named-file tier's shape check (other KV settings are refused), without the model: no fingerprint
-    CacheFileTier(f, None, header=info).find(scope_of(None, config), [*info.tokens, -1], None)
+    check_named_file(info, f, shape=config.shape)  # other KV settings are refused; the model is checked on load
     return info, config
 
 
 def _from_prebuilt(args, model, tokenizer, shared, info, config):
     """A new chat session holding the cache of ``--prompt-cache-file`` (read, never written)."""
     from ..chat.session import ChatSession
-    from ..errors import CacheFileError, ModelMismatchError
+    from ..errors import ModelMismatchError
     from ..files.prompt_cache import PromptCache
 
     f = args.prompt_cache_file
-    try:
-        prompt = PromptCache.load(f, model)  # fingerprint, layers and token ids checked
+    try:  # fingerprint, settings, layers and token ids (those of the header read before) checked
+        prompt = PromptCache.load(f, model, config.shape, header=info)
     except ModelMismatchError as e:
         raise ModelMismatchError(f"{f}: {e}") from None
-    if prompt.tokens != info.tokens:
-        raise CacheFileError(f"{f} changed while it was read; run the command again")
     session = ChatSession.from_prompt_cache(model, tokenizer, prompt, config=config, shared=shared)
     if args.system_prompt is not None and args.system_prompt != (session.system_prompt or ""):
         session.set_system_prompt(args.system_prompt)

@@ -11,16 +11,20 @@ only, never into ``--cache-dir``). A store entry (token ids without messages or
 text: a ``--cache-dir`` file) is refused, in one line. The files it reads and
 writes are locked like a chat session's.
 
-The files go through the prompt-cache store (:mod:`mlx_chatcache.store`),
-the interface ``mlxcc serve`` uses: the named files are one strict file tier
-(:class:`~mlx_chatcache.store.named_file.CacheFileTier`: another model's file,
-other cache settings or a damaged file are one-line errors) and
-``--cache-dir DIR`` adds the disk tier a server with the same ``--cache-dir``
-uses. The longest cached prefix of the prompt is checked out of the store,
-and prompt and reply are put back into every tier (``--save-prompt-cache``
-and DIR). A file's window and KV settings shape the run unless flags give them
-(other values are refused); an older file that does not record its KV settings
-is taken to have those of its quantized layers.
+The named files are read and written as
+:class:`~mlx_chatcache.files.prompt_cache.PromptCache` values, strictly
+(another model's file, other cache settings or a damaged file are one-line
+errors: :mod:`mlx_chatcache.files.named_file`), and ``--cache-dir DIR`` adds
+the disk tier a server with the same ``--cache-dir`` uses, through the
+prompt-cache store (:mod:`mlx_chatcache.store`), the interface ``mlxcc serve``
+uses. The longer cached prefix of the prompt, of ``--prompt-cache-file`` and
+of DIR, is used (the file on a tie:
+:func:`~mlx_chatcache.generation.checkout.checkout_prompt`), and prompt and
+reply are written to ``--save-prompt-cache`` and put into DIR
+(:func:`~mlx_chatcache.generation.checkout.put_prompt`). A file's window and
+KV settings shape the run unless flags give them (other values are refused);
+an older file that does not record its KV settings is taken to have those of
+its quantized layers.
 
 The save path is claimed before the model is loaded
 (:func:`~mlx_chatcache.files.cache_file.claim`: writable, not open in a chat;
@@ -104,7 +108,7 @@ def file_config(args, info: CacheFileInfo | None) -> GenerationConfig:
     config = config_from_args(args)
     if info is None or info.tokens is None:  # mlx-lm's files: shaped by their layers (untokenized)
         return config
-    from ..store.named_file import recorded_shape
+    from ..files.named_file import recorded_shape
 
     # an older file's KV quantization is read off its layers
     made = CacheShape.recorded(recorded_shape(info), args.prompt_cache_file)
@@ -196,24 +200,17 @@ class _Job:
     tokens: list[int]  # the full prompt
     state: PromptCache  # what it starts from (a stored prefix, or empty), with the prompt's messages or text
     config: GenerationConfig
-    store: PromptStore  # the named files' tier, then --cache-dir's
+    store: PromptStore  # --cache-dir's tier (none without it)
     scope: Scope  # the store scope of this model and cache shape
-    tier: str | None  # where the prefix came from (None: nowhere)
+    tier: str | None  # where the prefix came from ("file": --prompt-cache-file; None: nowhere)
+    save: Claim | None  # --save-prompt-cache
     shared: bool = True  # put the result into --cache-dir too (False: its tokens were only assumed)
 
 
-def _store(args, named) -> PromptStore:
-    """The run's store: the named files' tier first, then --cache-dir's disk tier."""
-    from ..generation.checkout import shared_tiers
-    from ..store.store import PromptStore
-
-    return PromptStore([named, *shared_tiers(args.cache_dir)])
-
-
 def _start(args, model, tokenizer, config, info, prompt, save: Claim | None) -> _Job:
-    """The named file (strict) and --cache-dir behind one store; the longest stored prefix."""
-    from ..generation.checkout import prompt_scope
-    from ..store.named_file import CacheFileTier
+    """The longer cached prefix of the named file (strict) and --cache-dir."""
+    from ..generation.checkout import checkout_prompt, prompt_scope, shared_tiers
+    from ..store.store import PromptStore
 
     if info is None:
         messages, text = (None, "") if args.ignore_chat_template else ([], None)
@@ -225,27 +222,27 @@ def _start(args, model, tokenizer, config, info, prompt, save: Claim | None) -> 
     else:
         messages, text = info.messages, info.text
     tokens, messages, text = build_prompt(args, tokenizer, messages, text, prompt)
-    store = _store(args, CacheFileTier(args.prompt_cache_file, save, header=info))
+    store = PromptStore(shared_tiers(args.cache_dir))
     scope = prompt_scope(model, config)
-    state, tier = store.checkout(scope, model, tokens, config.shape)
+    state, tier = checkout_prompt(store, scope, model, tokens, config.shape, args.prompt_cache_file, info)
     state.messages, state.text = messages, text
     state.settings = {**(info.settings if info else {}), **state.settings}  # what the file recorded, written back
-    return _Job(tokens, state, config, store, scope, tier)
+    return _Job(tokens, state, config, store, scope, tier, save)
 
 
 def _start_untokenized(args, model, tokenizer, config, prompt, save: Claim | None) -> _Job:
     """An mlx-lm file (no token ids): taken to hold the prompt's first tokens (untokenized)."""
     from ..generation.untokenized import adopt_prompt_prefix, load_untokenized
-    from ..generation.checkout import prompt_scope
-    from ..store.named_file import CacheFileTier
+    from ..generation.checkout import prompt_scope, shared_tiers
+    from ..store.store import PromptStore
 
     stored = load_untokenized(args.prompt_cache_file, model, args.ignore_chat_template)
     config = config.shaped(adopt(args, layer_shape(stored)))
     tokens, stored.messages, stored.text = build_prompt(args, tokenizer, stored.messages, stored.text, prompt)
     sys.stderr.write(adopt_prompt_prefix(stored, tokens, model, args.prompt_cache_file) + "\n")
-    store = _store(args, CacheFileTier(None, save))
+    store = PromptStore(shared_tiers(args.cache_dir))
     scope = prompt_scope(model, config)
-    return _Job(tokens, stored, config, store, scope, "file", shared=False)
+    return _Job(tokens, stored, config, store, scope, "file", save, shared=False)
 
 
 def _generate(args, model, tokenizer, job: _Job) -> int:
@@ -276,7 +273,7 @@ def _generate(args, model, tokenizer, job: _Job) -> int:
     else:
         state.text += text
     state.settings = state.shape.recording(state.settings, job.config)
-    put_prompt(job.store, job.scope, state, shared=job.shared,
+    put_prompt(job.store, job.scope, state, named=job.save, shared=job.shared,
                warn=lambda line: sys.stderr.write(f"mlxcc: warning: {line}\n"))  # fmt: skip
     if args.verbose and last is not None:
         report(last, job.state, job.tier, runtime_lines(model))

@@ -1,8 +1,8 @@
 """Runs of token ids, as caches hold them: how much of a prompt a cache already has.
 
-:func:`common_prefix_len` is the one common-prefix length of the package (the store's trie, index
-and named-file tier, prefix reuse, chat, ``mlxcc cache diff``). Standard library only, so code that
-reads only file headers can use it without loading MLX.
+:func:`common_prefix_len` is the one common-prefix length of the package (the store's trie and
+index, what a named file serves, prefix reuse, chat, ``mlxcc cache diff``). Standard library only,
+so code that reads only file headers can use it without loading MLX.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """Prompt caches through the store (:class:`~mlx_chatcache.store.store.PromptStore`),
 the one interface ``mlxcc serve``'s worker, ``mlxcc generate`` and chat
-sessions use to find and keep caches.
+sessions use to find and keep caches, and beside it the cache file a user
+named (read and written as a :class:`~mlx_chatcache.files.prompt_cache.PromptCache`).
 
 Contract
 --------
 - ``config.shape`` (:class:`~mlx_chatcache.config.CacheShape`) is what shapes a cache (the window, KV
   quantization); every named file mlxcc writes records them
-  (:meth:`~mlx_chatcache.config.CacheShape.recording`), so the strict file tier
+  (:meth:`~mlx_chatcache.config.CacheShape.recording`), so loading one
+  (:meth:`PromptCache.load <mlx_chatcache.files.prompt_cache.PromptCache.load>`)
   can refuse a run with other ones. :func:`prompt_scope` is the store :class:`~mlx_chatcache.store.tiers.Scope`
   of a model, those settings and the weight policy applied to the model
   (``--weights``: it changes the arithmetic, so a shared entry of another
@@ -19,33 +21,42 @@ Contract
   server's: see :func:`mlx_chatcache.store.disk.claim_folder`; else a one-line
   UsageError). A command has no byte budget there: it never evicts, it
   only adds its entries; the server owning DIR enforces its budget.
-- :meth:`PromptStore.checkout <mlx_chatcache.store.store.PromptStore.checkout>`
-  (called with a scope made here) hands out the longest cached prefix of a prompt
-  as a :class:`~mlx_chatcache.files.prompt_cache.PromptCache`, not yet trimmed to
-  the prompt: :func:`~mlx_chatcache.generation.prompt.reuse_prefix` (which
+- :func:`checkout_prompt` hands out the longest cached prefix of a prompt as a
+  :class:`~mlx_chatcache.files.prompt_cache.PromptCache`, from the store's
+  tiers (:meth:`PromptStore.checkout <mlx_chatcache.store.store.PromptStore.checkout>`)
+  or a named file (read strictly: its errors are raised, whether or not it
+  serves), not yet trimmed to the prompt:
+  :func:`~mlx_chatcache.generation.prompt.reuse_prefix` (which
   ``stream_generate`` calls) does that, and says how many tokens were reused.
-- :func:`put_prompt` stores a prompt cache in every tier, the named file with
-  its messages or text, settings and metadata; a shared tier that fails is reported, in one line, to ``warn``
-  (the named file is what the user asked for: its errors are raised). The
-  shared tiers are skipped when ``shared=False`` (a cache whose tokens were
-  only assumed, mlx-lm's files) and, with one line to ``warn``, when the
-  cache's layers are not what the scope's KV quantization makes (a quantized
+- :func:`put_prompt` writes a prompt cache to the named file, when there is one
+  (:meth:`PromptCache.save <mlx_chatcache.files.prompt_cache.PromptCache.save>`,
+  through the door: also an empty cache; its errors are raised: the file is what
+  the user asked for), then puts it into the store's tiers; a tier that fails is
+  reported, in one line, to ``warn``. The store's tiers are skipped for an empty
+  cache, a model without a fingerprint, when ``shared=False`` (a cache whose
+  tokens were only assumed, mlx-lm's files) and, with one line to ``warn``, when
+  the cache's layers are not what the scope's KV quantization makes (a quantized
   cache under an unquantized scope would change other runs' answers).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Sequence
 
-from ..cache import kv_quantization_mismatch
-from ..config import GenerationConfig
+from ..cache import can_trim_prompt_cache, kv_quantization_mismatch
+from ..config import CacheShape, GenerationConfig
+from ..files.cache_file import Claim
+from ..files.mlxcc_format import read_cache_info
+from ..files.named_file import check_named_file
+from ..files.prompt_cache import PromptCache
+from ..files.registry import CacheFileInfo
+from ..files.tokens import common_prefix_len
 from ..models.fingerprint import ModelFingerprint
 from ..store.store import PromptStore
 from ..store.disk import DiskTier
 from ..store.store import Scope, make_scope
 from ..store.tiers import Tier
-from ..files.prompt_cache import PromptCache
 
 
 def prompt_scope(model, config: GenerationConfig) -> Scope:
@@ -75,24 +86,56 @@ def shared_tiers(cache_dir: str | os.PathLike | None) -> list[Tier]:
     return [DiskTier(os.path.expanduser(cache_dir), None)]
 
 
-def put_prompt(store: PromptStore, scope: Scope, state: PromptCache, warn: Callable[[str], None],
-               shared: bool = True) -> None:  # fmt: skip
-    """Store ``state`` in every tier of ``store`` (see the module doc)."""
+def checkout_prompt(store: PromptStore, scope: Scope, model, prompt: Sequence[int], shape: CacheShape,
+                    named: str | os.PathLike | None = None,
+                    header: CacheFileInfo | None = None) -> tuple[PromptCache, str | None]:  # fmt: skip
+    """``(state, tier)`` as :meth:`PromptStore.checkout` returns them, with the cache
+    file ``named`` (``header``: its header as the caller read it) as one more source,
+    tier ``"file"``: the longer usable prefix of ``prompt[:-1]`` wins, the named file a
+    tie. The named file's header is checked whether or not it serves; its tokens serve
+    as far as they are a prefix of the prompt, all of them, or fewer when its cache can
+    be trimmed back. Each source is read only when it may win."""
+    query = list(prompt[:-1])
+    n, full = 0, False  # what the named file can serve; whether it serves all it holds
+    if named is not None:
+        header = read_cache_info(named) if header is None else header
+        check_named_file(header, named, fingerprint=scope.fingerprint, shape=shape)
+        n = common_prefix_len(header.tokens, query)
+        full = n == len(header.tokens)
+    shared: tuple[PromptCache, str | None] | None = None
+    if not (full and n == len(query)):  # else nothing serves more than the named file
+        shared = store.checkout(scope, model, prompt, shape)
+        if common_prefix_len(shared[0].tokens, query) > n:
+            return shared
+    if n:
+        state = PromptCache.load(named, model, shape, header=header)
+        if full or can_trim_prompt_cache(state.cache):  # trimmed back to n by reuse_prefix
+            return state, "file"
+    return shared or (PromptCache.new(model, shape), None)
+
+
+def put_prompt(store: PromptStore | None, scope: Scope, state: PromptCache, warn: Callable[[str], None],
+               named: Claim | str | os.PathLike | None = None, shared: bool = True) -> None:  # fmt: skip
+    """Write ``state`` to the named file ``named`` (its claim, or a path claimed for the
+    write; None: none), then put it into the tiers of ``store`` (None: none; see the
+    module doc)."""
+    if named is not None:
+        state.save(named)
+    shared = shared and store is not None and bool(store.tiers) and bool(state.tokens) \
+        and scope.fingerprint is not None  # fmt: skip
+    if not shared:
+        return
+    s = scope.settings
+    why = kv_quantization_mismatch(state.cache, s.get("kv_bits"), s.get("kv_group_size"),
+                                   s.get("quantized_kv_start") or 0)  # fmt: skip
+    if why is not None:
+        warn(f"the prompt cache was not stored in the {', '.join(t.name for t in store.tiers)} tier: {why}")
+        return
 
     def failed(tier: Tier, e: Exception) -> None:
         warn(f"the prompt cache was not stored in the {tier.name} tier: {e}")
 
-    anonymous = [t for t in store.tiers if not t.named]
-    if anonymous and shared:
-        s = scope.settings
-        why = kv_quantization_mismatch(state.cache, s.get("kv_bits"), s.get("kv_group_size"),
-                                       s.get("quantized_kv_start") or 0)  # fmt: skip
-        if why is not None:
-            warn(f"the prompt cache was not stored in the {', '.join(t.name for t in anonymous)} tier: {why}")
-            shared = False
-    if not shared:
-        store = PromptStore([t for t in store.tiers if t.named])
-    store.put(scope, state.tokens, state.cache, prompt=state, on_error=failed)
+    store.put(scope, state.tokens, state.cache, on_error=failed)
 
 
-__all__ = ["prompt_scope", "scope_of", "shared_tiers", "put_prompt"]
+__all__ = ["prompt_scope", "scope_of", "shared_tiers", "checkout_prompt", "put_prompt"]
