@@ -1,7 +1,7 @@
 """The disk tier's folder (``--cache-dir``, ``mlxcc serve --cache-dir``) is the store's own:
 a folder holding other files is refused (one line, before the model loads, nothing
-touched), a server's folder is adopted, only store entries are ever deleted, and a
-command deletes none (tiny models)."""
+touched), a folder of store values alone is adopted, only store values are ever deleted,
+and a command deletes none (tiny models)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,16 @@ from store_helpers import arrays, checked_out, filled, scope, tokens_of
 
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.errors import UsageError
-from mlx_chatcache.store.disk_folder import MARKER
+from mlx_chatcache.store.disk import MARKER, DiskTier
 from mlx_chatcache.store.store import PromptStore
-from mlx_chatcache.store.disk import DiskTier
+
+
+def put(tier, model, tokens):
+    return PromptStore([tier]).put(scope(model), tokens, filled(model, tokens))
+
+
+def values(folder):
+    return sorted(p.name for p in folder.glob("[be]*.safetensors"))
 
 
 def snapshot(folder):
@@ -57,56 +64,57 @@ def test_unusable_paths_are_one_line(tmp_path):
     assert a_file.read_bytes() == b"x"
 
 
-def test_a_server_folder_from_before_the_marker_is_adopted(llama_model, tmp_path):
+def test_a_folder_of_store_values_alone_is_adopted(llama_model, tmp_path):
     model, _ = llama_model
     folder, base = tmp_path / "server", tokens_of(30)
     want = arrays(filled(model, base))
-    DiskTier(folder, 1 << 30).add(scope(model), base, filled(model, base), key=None)
+    put(DiskTier(folder, 1 << 30), model, base)
     assert (folder / MARKER).exists()
-    (folder / MARKER).unlink()  # as a server of an older version left it
+    (folder / MARKER).unlink()  # someone deleted the marker
     (folder / ".x.safetensors.abc123-1.abcdefgh.tmp.safetensors").write_bytes(b"")  # a killed write's temp file
     restarted = DiskTier(folder, 1 << 30)
-    assert (folder / MARKER).exists() and len(restarted.index) == 1
+    assert (folder / MARKER).exists() and restarted.stats()["entries"] == 1
     got = checked_out(PromptStore([restarted]), scope(model), model, base + [7])
     assert got.tier == "disk" and got.served == 30
-    np.testing.assert_array_equal(arrays(got.cache), want)
+    np.testing.assert_array_equal([a[:, :, :30] for a in arrays(got.cache)], want)
 
 
-def test_a_marked_folder_keeps_what_is_not_an_entry(llama_model, user_files, tmp_path):
-    """Even over budget, the scan deletes only store entries (oldest first)."""
+def test_a_marked_folder_keeps_what_is_not_a_store_value(llama_model, user_files, tmp_path):
+    """Even over budget, a sweep deletes only store values (least recently used first)."""
     model, _ = llama_model
     folder = tmp_path / "store"
     seqs = [tokens_of(20, start=s) for s in (10, 60, 110)]
     disk = DiskTier(folder, 1 << 30)
     for s in seqs:
-        disk.add(scope(model), s, filled(model, s), key=None)
+        put(disk, model, s)
     for name in ("model.safetensors", "s.safetensors"):  # the user put them there later
         shutil.copy(user_files / name, folder / name)
     (folder / "gone.safetensors").symlink_to(tmp_path / "missing")  # stat fails: skipped, no error
     foreign = {n: b for n, b in snapshot(folder).items() if n in ("model.safetensors", "s.safetensors")}
-    size = max(e.nbytes for e in disk.index.entries())
+    size = max(p.stat().st_size for p in folder.glob("e*.safetensors"))
     small = DiskTier(folder, size + size // 2)  # a server restarted with a smaller budget
-    assert len(small.index) == 1 and small.stats()["evicted"] == 2 and small.stats()["foreign"] == 3
+    assert len(values(folder)) == 1 and small.stats()["evicted"] == 2 and small.stats()["foreign"] == 3
     assert {n: b for n, b in snapshot(folder).items() if n in foreign} == foreign
     assert (folder / "gone.safetensors").is_symlink()
 
 
 def test_a_command_tier_evicts_nothing(llama_model, tmp_path):
-    """Budget None (a command on a server's folder): the scan and add keep every entry; the
+    """Budget None (a command on a server's folder): opening and adding keep every value; the
     same folder under a server's small budget would lose some."""
     model, _ = llama_model
     folder = tmp_path / "server"
     seqs = [tokens_of(20, start=s) for s in (10, 60, 110, 160)]
     server = DiskTier(folder, 1 << 30)
     for s in seqs[:3]:
-        server.add(scope(model), s, filled(model, s), key=None)
-    size = max(e.nbytes for e in server.index.entries())
+        put(server, model, s)
+    size = max(p.stat().st_size for p in folder.glob("e*.safetensors"))
     before = set(snapshot(folder))
     command = DiskTier(folder, None)
-    assert len(command.index) == 3 and command.stats()["evicted"] == 0
-    assert command.add(scope(model), seqs[3], filled(model, seqs[3]), key=None)
-    assert before < set(snapshot(folder)) and len(list(folder.glob("*.safetensors"))) == 4
-    assert len(DiskTier(folder, size + size // 2).index) == 1  # a server's budget does evict
+    assert command.stats()["entries"] == 3 and command.stats()["evicted"] == 0
+    assert put(command, model, seqs[3]) == {"disk": True}
+    assert before < set(snapshot(folder)) and len(values(folder)) == 4
+    DiskTier(folder, size + size // 2)  # a server's budget does evict
+    assert len(values(folder)) == 1
 
 
 # ------------------------------------------------------------------ the commands
@@ -179,10 +187,10 @@ def test_a_command_on_a_server_folder_deletes_nothing(tiny_model_dirs, llama_mod
     folder = tmp_path / "server"
     server = DiskTier(folder, 1 << 30)
     for s in (10, 60, 110):
-        server.add(scope(model), tokens_of(20, start=s), filled(model, tokens_of(20, start=s)), key=None)
+        put(server, model, tokens_of(20, start=s))
     before = snapshot(folder)
     argv = ["generate", "--model", str(tiny_model_dirs["llama"]), "-p", "Name a river.", "-m", "6",
             "--cache-dir", str(folder)]  # fmt: skip
     assert main(argv) == 0, capsys.readouterr().err
     after = snapshot(folder)
-    assert all(after.get(n) == b for n, b in before.items()) and len(after) == len(before) + 1
+    assert all(after.get(n) == b for n, b in before.items()) and len(after) > len(before)  # and its own values

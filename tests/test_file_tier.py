@@ -167,7 +167,7 @@ def test_put_writes_the_named_file_first_and_reports_shared_failures(llama_model
     f = tmp_path / "c.safetensors"
 
     class FullDisk(DiskTier):
-        def add(self, scope, tokens, cache, key):
+        def put(self, values):
             raise ChatCacheError("no space left on device")
 
     base = tokens_of(16)

@@ -17,8 +17,9 @@ from mlx_chatcache.cli.main import main
 from mlx_chatcache.files.tokens import common_prefix_len
 from mlx_chatcache.generation.templates import render_chat
 from mlx_chatcache.generation.text import stream_generate
-from mlx_chatcache.config import DEFAULTS
+from mlx_chatcache.config import DEFAULTS, SERVER_DEFAULTS
 from mlx_chatcache.models.loading import load
+from store_helpers import served as store_served
 
 SYSTEM = "You are a terse assistant who answers about rivers and mountains of the world."
 STATS = re.compile(r"\[stats\] prompt: (\d+) new \+ (\d+) reused tokens \((\d+) recomputed\)")
@@ -42,11 +43,13 @@ def generate_args(model_dir, prompt, *flags):
 
 
 def system_tokens(model_dir) -> int:
-    """Tokens every prompt with SYSTEM shares (the rendered system message and the user header)."""
+    """Tokens of the rendered system message: what every prompt with SYSTEM starts with, and
+    what the store serves them exactly (the user header after it is a block's part at most)."""
     _, tok = load(str(model_dir))
+    head = render_chat(tok, [{"role": "system", "content": SYSTEM}], add_generation_prompt=False)
     a = render_chat(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "A"}])
-    b = render_chat(tok, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Z"}])
-    return common_prefix_len(a, b)
+    assert a[: len(head)] == head
+    return len(head)
 
 
 def test_generate_reuses_a_prefix_another_process_stored(tiny_model_dirs, tmp_path, capsys):
@@ -54,7 +57,8 @@ def test_generate_reuses_a_prefix_another_process_stored(tiny_model_dirs, tmp_pa
     first = subprocess.run([sys.executable, "-m", "mlx_chatcache", *generate_args(d, "Name a river.", "--cache-dir",
                             str(folder))], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert first.returncode == 0, first.stderr
-    assert len(list(folder.glob("*.safetensors"))) == 1
+    stored = set(folder.glob("[be]*.safetensors"))  # the run's values: its blocks and tails
+    assert stored
     code, warm, err = run_cli(capsys, *generate_args(d, "Name a mountain.", "--cache-dir", str(folder), "-v"))
     assert code == 0, err
     code, cold, cold_err = run_cli(capsys, *generate_args(d, "Name a mountain.", "-v"))
@@ -62,9 +66,8 @@ def test_generate_reuses_a_prefix_another_process_stored(tiny_model_dirs, tmp_pa
     assert reused_of(cold_err) == 0
     assert reused_of(err) >= system_tokens(d) > 0 and "prefix from the disk tier" in err
     assert warm == cold and warm.strip()
-    # the second call's cache went into the folder too; it shares the system prompt, so it did not
-    # replace the first one (only a cache that extends another replaces it)
-    assert len(list(folder.glob("*.safetensors"))) == 2
+    # the second call's values went into the folder too, beside the first call's
+    assert stored < set(folder.glob("[be]*.safetensors"))
 
 
 def test_rolling_file_and_cache_dir_together(tiny_model_dirs, tmp_path, capsys):
@@ -132,7 +135,10 @@ def test_generate_and_serve_share_the_disk_tier(tiny_model_dirs, llama_model, tm
         c = openai.OpenAI(base_url=s.base_url, api_key="unused", timeout=60, max_retries=0)
         r = c.chat.completions.create(model=s.model_id, messages=served, temperature=0, max_tokens=8)
         assert s.health()["store"]["disk"]["hits"] == 1
-    assert r.usage.prompt_tokens_details.cached_tokens == common_prefix_len(held, render_chat(tok, served)) > 0
+    prompt = render_chat(tok, mine)  # generate stored it all, its prompt (but the last token) and system prompt
+    entries = [held, prompt, prompt[:-1], prompt[: system_tokens(d)]]
+    want = store_served(entries, render_chat(tok, served)[:-1], SERVER_DEFAULTS.store_block_tokens)
+    assert r.usage.prompt_tokens_details.cached_tokens == want >= system_tokens(d) > 0
 
 
 # ------------------------------------------------------------------ mlxcc chat
@@ -158,7 +164,7 @@ def test_new_chat_reuses_what_another_chat_put_in_the_cache_dir(tiny_model_dirs,
     d, folder = tiny_model_dirs["llama"], str(tmp_path / "shared")
     rc, _, err = chat(d, "Good morning!\n", "--cache-dir", folder)  # no --session: the folder still gets it
     assert rc == 0 and stats(err)[0][1] == 0
-    assert len(list((tmp_path / "shared").glob("*.safetensors"))) == 1
+    assert list((tmp_path / "shared").glob("[be]*.safetensors"))  # the chat's values
     turns = "What is the capital of Italy?\nAnd of France?\n"
     rc, warm, err = chat(d, turns, "--cache-dir", folder, "--session", "s")
     assert rc == 0, err

@@ -25,11 +25,11 @@ from mlx_chatcache.models.loading import load
 from mlx_chatcache.files.named_file import recorded_shape
 from mlx_chatcache.store.store import PromptStore
 from mlx_chatcache.store.disk import DiskTier
-from mlx_chatcache.store.disk_folder import read_entry
 
 
 def entries(folder):
-    return sorted(folder.glob("*.safetensors"))
+    """The store's values in ``folder``."""
+    return sorted(folder.glob("[be]*.safetensors"))
 
 
 # ------------------------------------------------------------------ P1-2: KV quantization
@@ -179,13 +179,13 @@ def test_mlx_lm_file_cache_is_not_shared(tiny_model_dirs, tmp_path, capsys):
 def test_store_entry_as_prompt_cache_file_is_refused(tiny_model_dirs, tmp_path, capsys):
     d, folder = tiny_model_dirs["llama"], tmp_path / "D"
     assert run_cli(capsys, *generate_args(d, "Tell me about rivers", "--cache-dir", str(folder)))[0] == 0
-    (entry,) = entries(folder)
-    info = read_cache_info(entry)
-    assert read_entry(entry)[0].tokens and info.messages is None and info.text is None
-    code, out, err = run_cli(capsys, *generate_args(d, "And lakes?", "--prompt-cache-file", str(entry)))
-    assert code != 0 and out == ""
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "store entry" in lines[0] and "--cache-dir" in lines[0], err
+    for entry in entries(folder):  # blocks and tails alike
+        info = read_cache_info(entry)
+        assert info.metadata["store.key"] == entry.stem and info.tokens and info.messages is None and info.text is None
+        code, out, err = run_cli(capsys, *generate_args(d, "And lakes?", "--prompt-cache-file", str(entry)))
+        assert code != 0 and out == ""
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "store entry" in lines[0] and "--cache-dir" in lines[0], err
 
 
 @pytest.mark.parametrize("flag", ["--ignore-chat-template", None])

@@ -93,7 +93,7 @@ from ..errors import SessionError, UsageError
 from ..files.tokens import common_prefix_len
 from ..files.prompt_cache import PromptCache
 from ..generation.prompt import reuse_prefix
-from ..generation.templates import chat_text, encode_text, has_chat_template
+from ..generation.templates import chat_text, encode_text, has_chat_template, system_end
 from ..generation.checkout import scope_of
 from ..generation.text import as_tokenizer_wrapper
 from ..models.context import check_prompt_fits, context_warning
@@ -444,7 +444,8 @@ class ChatSession(SessionRollback):
         """Write the session to ``path`` atomically (a previous file survives any failure;
         None: no file), and put its cache into the shared tiers. Returns one line for each
         shared tier that could not take the cache (the file was written)."""
-        return save_session(path, self.record(), self.fingerprint, self.shared)
+        start = system_end(self.tokenizer, self.messages, self.state.tokens, self.template_args)
+        return save_session(path, self.record(), self.fingerprint, self.shared, ends=(start,) if start else ())
 
     @classmethod
     def load(

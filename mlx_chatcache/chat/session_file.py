@@ -89,7 +89,8 @@ def session_metadata(record: SessionRecord, snapshot_index: Sequence[int] = ()) 
 
 
 def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
-                 fingerprint: ModelFingerprint | None, shared: PromptStore | None = None) -> list[str]:  # fmt: skip
+                 fingerprint: ModelFingerprint | None, shared: PromptStore | None = None,
+                 ends: Sequence[int] = ()) -> list[str]:  # fmt: skip
     """Write ``record`` to ``path`` atomically (None: no file): its prompt cache, with the
     conversation as its messages and the session JSON as user metadata
     (:meth:`~mlx_chatcache.files.prompt_cache.PromptCache.save`; its errors are raised).
@@ -104,7 +105,7 @@ def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
 
     if path is not None and not isinstance(path, Claim):
         with claim(path, mine=True) as held:
-            return save_session(held, record, fingerprint, shared)
+            return save_session(held, record, fingerprint, shared, ends)
     snapshots, index = kept_copies(record.checkpoints)
     prompt = dataclasses.replace(  # the session's cache as its file holds it (sharing layers and tokens)
         record.state, fingerprint=fingerprint,
@@ -113,7 +114,7 @@ def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
         snapshots=snapshots,
     )
     problems: list[str] = []
-    put_prompt(shared, session_scope(fingerprint, record), prompt, problems.append, named=path)
+    put_prompt(shared, session_scope(fingerprint, record), prompt, problems.append, named=path, ends=ends)
     return problems
 
 

@@ -273,11 +273,23 @@ def _generate(args, model, tokenizer, job: _Job) -> int:
     else:
         state.text += text
     state.settings = state.shape.recording(state.settings, job.config)
-    put_prompt(job.store, job.scope, state, named=job.save, shared=job.shared,
+    put_prompt(job.store, job.scope, state, named=job.save, shared=job.shared, ends=_ends(args, tokenizer, job),
                warn=lambda line: sys.stderr.write(f"mlxcc: warning: {line}\n"))  # fmt: skip
     if args.verbose and last is not None:
         report(last, job.state, job.tier, runtime_lines(model))
     return 0
+
+
+def _ends(args, tokenizer, job: _Job) -> tuple[int, ...]:
+    """What else of the run's cache ``--cache-dir`` serves exactly: the prompt (the next turn
+    starts with it), the prompt but its last token (the same prompt asked again) and its
+    system prompt (what other conversations share)."""
+    from ..generation.templates import system_end
+
+    n, messages = len(job.tokens), job.state.messages
+    template = None if messages is None else read_json_arg(args.chat_template_config, "--chat-template-config")
+    start = None if messages is None else system_end(tokenizer, messages[:-1], job.tokens, template)
+    return tuple(e for e in (start, n - 1, n) if e)
 
 
 def interrupted(printed: bool, save_path: str | None) -> int:

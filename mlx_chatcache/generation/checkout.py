@@ -115,10 +115,11 @@ def checkout_prompt(store: PromptStore, scope: Scope, model, prompt: Sequence[in
 
 
 def put_prompt(store: PromptStore | None, scope: Scope, state: PromptCache, warn: Callable[[str], None],
-               named: Claim | str | os.PathLike | None = None, shared: bool = True) -> None:  # fmt: skip
+               named: Claim | str | os.PathLike | None = None, shared: bool = True,
+               ends: Sequence[int] = ()) -> None:  # fmt: skip
     """Write ``state`` to the named file ``named`` (its claim, or a path claimed for the
-    write; None: none), then put it into the tiers of ``store`` (None: none; see the
-    module doc)."""
+    write; None: none), then put it into the tiers of ``store`` (None: none; ``ends``:
+    shorter prefixes served exactly too, see :meth:`PromptStore.put`; see the module doc)."""
     if named is not None:
         state.save(named)
     shared = shared and store is not None and bool(store.tiers) and bool(state.tokens) \
@@ -135,7 +136,7 @@ def put_prompt(store: PromptStore | None, scope: Scope, state: PromptCache, warn
     def failed(tier: Tier, e: Exception) -> None:
         warn(f"the prompt cache was not stored in the {tier.name} tier: {e}")
 
-    store.put(scope, state.tokens, state.cache, on_error=failed)
+    store.put(scope, state.tokens, state.cache, on_error=failed, ends=ends)
 
 
 __all__ = ["prompt_scope", "scope_of", "shared_tiers", "checkout_prompt", "put_prompt"]

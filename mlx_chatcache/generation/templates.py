@@ -29,6 +29,20 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
     return encode_text(tokenizer, text)
 
 
+def system_end(tokenizer, messages: list[dict], prompt: list[int], template_kwargs: dict | None = None) -> int | None:
+    """How many tokens of ``prompt`` (``messages`` rendered) its leading system messages make,
+    when other messages follow and the template renders them alone as a prefix of ``prompt``
+    (else None): where conversations sharing a system prompt meet, token for token."""
+    k = next((i for i, m in enumerate(messages) if not isinstance(m, dict) or m.get("role") != "system"), 0)
+    if not 0 < k < len(messages):
+        return None
+    try:
+        head = render_chat(tokenizer, messages[:k], add_generation_prompt=False, template_kwargs=template_kwargs)
+    except Exception:  # a template that cannot render a system message alone
+        return None
+    return len(head) if 0 < len(head) < len(prompt) and prompt[: len(head)] == head else None
+
+
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 

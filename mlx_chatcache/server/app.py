@@ -163,7 +163,7 @@ async def _complete(service: Service, request: HTTPRequest, parse):
     session = request.headers.get("x-session-id")
     if req.cache_key is None and session:
         req.cache_key = session
-    prompt, boundary = await service.prepare(req)
+    prompt, boundary, start = await service.prepare(req)
     config = service.job_config(req, len(prompt))
     events: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
@@ -174,7 +174,8 @@ async def _complete(service: Service, request: HTTPRequest, parse):
 
     processors, postprocess = service.job_hooks(req)
     job = Job(prompt, config, emit, req.stop, boundary, req.cache_key, n=req.n, logprobs=req.logprobs,
-              top_logprobs=req.top_logprobs or 0, processors=processors, postprocess=postprocess)  # fmt: skip
+              top_logprobs=req.top_logprobs or 0, processors=processors, postprocess=postprocess,
+              system_end=start)  # fmt: skip
     try:
         service.worker.submit(job)
     except QueueFull:

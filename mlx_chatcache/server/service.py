@@ -12,7 +12,8 @@ base :class:`GenerationConfig` and the :class:`GenerationWorker`, with its
   ``model`` mean the served model;
 - :meth:`Service.prepare` renders and tokenizes a request (chat template for
   chats) and returns the prompt's token ids and, for chats, the *boundary*:
-  how many of them end the last message (before the generation prompt);
+  how many of them end the last message (before the generation prompt), and
+  how many its leading system messages make (:func:`~mlx_chatcache.generation.templates.system_end`);
   ``tools`` reach the chat template unless ``tool_choice`` is ``"none"``;
   it runs on one tokenizer thread, off the event loop and off the worker;
   a token id the model does not have (a completion's ids) is a 400 here,
@@ -38,7 +39,7 @@ from pathlib import Path
 from ..config import SERVER_DEFAULTS, GenerationConfig, SettingError, check_setting
 from ..errors import ChatCacheError, TokenIdError, one_line
 from ..generation.text import encode_prompt
-from ..generation.templates import has_chat_template, render_chat
+from ..generation.templates import has_chat_template, render_chat, system_end
 from ..generation.token_ids import check_token_ids
 from ..models.context import model_context_length
 from ..store.store import PromptStore
@@ -117,14 +118,14 @@ class Service:
             raise RequestError(404, f"the model '{name}' does not exist here; this server serves "
                                f"'{self.model_id}' (see GET /v1/models)", "model", "model_not_found")  # fmt: skip
 
-    async def prepare(self, req: Request) -> tuple[list[int], int | None]:
+    async def prepare(self, req: Request) -> tuple[list[int], int | None, int | None]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenize, self._prepare, req)
 
-    def _prepare(self, req: Request) -> tuple[list[int], int | None]:
+    def _prepare(self, req: Request) -> tuple[list[int], int | None, int | None]:
         try:
             if req.kind == "completion":
-                return self._checked(encode_prompt(self.tokenizer, req.prompt), "prompt"), None
+                return self._checked(encode_prompt(self.tokenizer, req.prompt), "prompt"), None, None
             if not has_chat_template(self.tokenizer):
                 raise RequestError(400, "this model has no chat template; use /v1/completions", "messages")
             kwargs = {"tools": req.tools} if req.tools and req.tool_choice != "none" else None
@@ -138,7 +139,7 @@ class Service:
         except Exception as e:  # a chat template's own error (jinja raises its own kinds)
             raise RequestError(400, f"the chat template refused these messages: {_described(e)}", "messages") from e
         boundary = len(head) if head == prompt[: len(head)] else None
-        return self._checked(prompt, "messages"), boundary
+        return self._checked(prompt, "messages"), boundary, system_end(self.tokenizer, req.messages, prompt, kwargs)
 
     def _checked(self, ids: list[int], param: str) -> list[int]:
         try:

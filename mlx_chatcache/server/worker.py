@@ -122,6 +122,7 @@ class Job:
     top_logprobs: int = 0  # with logprobs: how many of the most likely tokens each carries
     processors: Callable[[], list[LogitsProcessor]] | None = None
     postprocess: Callable[[str], tuple[str | None, list]] | None = None
+    system_end: int | None = None  # prompt tokens of its leading system messages (chat; None: none)
     submitted: float = field(default_factory=time.perf_counter)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -349,11 +350,12 @@ class GenerationWorker:
         return TokenLogprob(self.tokenizer.decode([token]), token, logprobs[token].item(), best, offset)
 
 
-def prompt_ends(job: Job) -> tuple[int, int]:
+def prompt_ends(job: Job) -> tuple[int, ...]:
     """The prefixes of a job's stored cache served exactly besides all of it: its prompt
-    (the next turn starts with it, however it spells this reply) and its prompt but the
-    last token (what the same prompt asked again reuses)."""
-    return len(job.prompt) - 1, len(job.prompt)
+    (the next turn starts with it, however it spells this reply), its prompt but the last
+    token (what the same prompt asked again reuses) and its system prompt (what other
+    conversations share)."""
+    return tuple(e for e in (job.system_end, len(job.prompt) - 1, len(job.prompt)) if e)
 
 
 class ChoiceOutput:
