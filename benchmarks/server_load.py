@@ -215,6 +215,7 @@ def engine_run(name: str, argv: list[str], env: dict, health: str, model_id: str
             if poller:
                 h = server.get("/health")
                 info[f"store_{phase}"] = h["store"]
+                info[f"served_{phase}"] = {t["name"]: t["served_tokens"] for t in server.get("/v1/store")["tiers"]}
                 info[f"max_memory_bytes_{phase}"] = poller.max_bytes
                 info[f"queue_wait_{phase}"] = (h["queue_wait_s_total"], h["queue_wait_s_max"], h["jobs"])
     info.update(rows=rows, errors=errors, replies=[[m["content"] for m in c if m["role"] == "assistant"] for c in convs])
@@ -295,11 +296,11 @@ def report(engines: list[dict], args, desc: str, elapsed: float) -> str:
                f"(restarted: {_mb(e.get('peak_rss_mb_restart'))})"
         if "store_run" in e:
             mem = e["store_run"].get("memory", {})
-            disk = e["store_restart"].get("disk", {})
+            disk = e["served_restart"].get("disk", 0)
             wait_total, wait_max, jobs = e["queue_wait_run"]
             line += (f"; store memory max {e['max_memory_bytes_run'] / 1e6:.1f} MB of {mem.get('budget', 0) / 1e6:.0f} MB "
                      f"budget ({mem.get('evicted', 0)} evicted, {mem.get('refused', 0)} refused); after the restart "
-                     f"{disk.get('hits', 0)} disk hits; queue wait mean {wait_total / max(jobs, 1) * 1000:.0f} ms, "
+                     f"{disk} prompt tokens served from disk; queue wait mean {wait_total / max(jobs, 1) * 1000:.0f} ms, "
                      f"max {wait_max * 1000:.0f} ms")  # fmt: skip
         out.append(line)
         for err in e["errors"][:5]:

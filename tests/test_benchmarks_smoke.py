@@ -116,7 +116,7 @@ def test_server_load_smoke(tmp_path):
               "--write-results", "--results", str(results), timeout=300)
     assert re.search(r"^\| turn +\| prompt tok +\| mlxcc \+ store +\| mlxcc, no store", out, re.M)
     assert "mlxcc + store: 4 requests, 0 errors" in out and "mlxcc, no store: 4 requests, 0 errors" in out
-    assert "after the restart 2 disk hits" in out
+    assert re.search(r"after the restart [1-9]\d* prompt tokens served from disk", out), out
     assert "replies of mlxcc + store identical to mlxcc, no store: 4/4" in out
     assert "<!-- BEGIN server_load_c2 -->" in results.read_text()
     assert re.search(r"^\| 1 +\| \d+ +\| \d+ \(\d+\) \[\d+\]", out, re.M)  # TTFT (cached) [server's part]
@@ -157,13 +157,12 @@ def test_store_growth_smoke(tmp_path):
               "--write-results", "--results", str(results))
     assert re.search(r"^\| K/V +\| tokens +\| file MB", out, re.M)
     assert len(re.findall(r"^\| (as made: float32|cast: float16) ", out, re.M)) == 2
-    store_rows = re.findall(r"^\| ([12]) +\| [\d.]+ +\| [\d.]+ +\| ([\d.]+)x", out, re.M)
-    assert [n for n, _ in store_rows] == ["1", "2"]
-    assert float(store_rows[1][1]) > float(store_rows[0][1])  # whole entries: the shared prompt stored twice
-    blocks = re.findall(r"^\| ([12]) +\| [\d.]+ +\| [\d.]+ +\| ([\d.]+)x +\| [\d.]+ +\| ([\d.]+)x", out, re.M)
-    assert float(blocks[1][2]) <= 1.25 < float(blocks[1][1])  # shared blocks: the shared prompt stored once
-    assert re.search(r"^\| blocks +\| [\d.]+ +\| [\d.]+ ", out, re.M)
-    assert re.search(r"^\| memory +\| [\d.]+ ", out, re.M) and re.search(r"^\| disk +\| [\d.]+ ", out, re.M)
+    rows = re.findall(r"^\| ([12]) +\| [\d.]+ +\| [\d.]+ +\| ([\d.]+)x +\| [\d.]+ +\| ([\d.]+)x", out, re.M)
+    assert [n for n, *_ in rows] == ["1", "2"]
+    assert all(float(r) <= 1.25 for r in rows[1][1:])  # the shared prompt's block stored once, in memory and on disk
+    for tier in ("memory", "disk"):
+        for kept in ("whole", "blocks"):
+            assert re.search(rf"^\| {tier} +\| {kept} +\| [\d.]+ +\| [\d.]+ +\| 72 tokens", out, re.M), out
     assert "llama" in out and "- command: " in out
     assert "<!-- BEGIN store_growth -->" in results.read_text()
 

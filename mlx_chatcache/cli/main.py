@@ -85,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     except ChatCacheError as e:
         sys.stderr.write(f"mlxcc: error: {e}\n")
         return 1
+    except ImportError as e:
+        if "mlx" not in f"{e.name} {e}":
+            raise
+        sys.stderr.write(f"mlxcc: error: MLX cannot load here ({e}); on Linux install it with a backend: "
+                         "pip install 'mlx-chatcache[cpu]', or 'mlx-chatcache[cuda]' for an NVIDIA GPU\n")  # fmt: skip
+        return 1
     except KeyboardInterrupt:
         sys.stderr.write("mlxcc: interrupted\n")
         return 130

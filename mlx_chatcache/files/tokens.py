@@ -1,7 +1,7 @@
 """Runs of token ids, as caches hold them: how much of a prompt a cache already has.
 
-:func:`common_prefix_len` is the one common-prefix length of the package (the store's trie and
-index, what a named file serves, prefix reuse, chat, ``mlxcc cache diff``). Standard library only,
+:func:`common_prefix_len` is the one common-prefix length of the package (what a named file
+serves, prefix reuse, chat, ``mlxcc cache diff``). Standard library only,
 so code that reads only file headers can use it without loading MLX.
 """
 

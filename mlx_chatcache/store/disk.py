@@ -129,7 +129,7 @@ class DiskTier(Tier):
         self._files, self.foreign = files, foreign
 
     def _bytes(self) -> int:
-        return sum(size for size, _ in self._files.values())
+        return sum(size for size, _ in list(self._files.values()))  # (a copy: stats may run on another thread)
 
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}{_SUFFIX}"
