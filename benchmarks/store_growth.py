@@ -171,8 +171,8 @@ def store_growth(model, fingerprint, counts, shared: int, unique: int, repeats: 
     if redis is not None:
         from mlx_chatcache.store.redis_tier import RedisTier
 
-        tiers["redis"] = RedisTier(redis.url)
-        whole_tiers["redis"] = RedisTier(redis.url, prefix="whole")
+        tiers["redis"] = RedisTier(redis.url, socket_timeout=30)  # a busy machine must not turn reads into misses
+        whole_tiers["redis"] = RedisTier(redis.url, prefix="whole", socket_timeout=30)
     stores = {name: PromptStore([t], block_tokens=block) for name, t in tiers.items()}
     rows, convs = [], []
     for i in range(max(counts)):

@@ -57,9 +57,10 @@ def arrays(cache):
     return [np.array(a) for c in cache for a in c.flat_state()]
 
 
-def synthetic(tokens, layers=2, heads=2, dim=4):
+def synthetic(tokens, layers=2, heads=2, dim=4, dims=None):
     """``KVCache`` layers holding ``tokens`` whose K/V at position ``p`` are a function of
-    ``(tokens[p], p)`` alone: caches sharing a prefix hold it bit for bit, whatever the BLAS."""
+    ``(tokens[p], p)`` alone: caches sharing a prefix hold it bit for bit, whatever the BLAS
+    (``dims``: each layer's head size, when they differ)."""
     import mlx.core as mx
 
     from mlx_chatcache.cache import KVCache
@@ -67,8 +68,8 @@ def synthetic(tokens, layers=2, heads=2, dim=4):
     n = len(tokens)
     base = mx.array([t * 1000.0 + p for p, t in enumerate(tokens)], dtype=mx.float32).reshape(1, 1, n, 1)
     out = []
-    for i in range(layers):
-        grid = mx.arange(heads * dim, dtype=mx.float32).reshape(1, heads, 1, dim) / 64 + i
+    for i, d in enumerate(dims or [dim] * layers):
+        grid = mx.arange(heads * d, dtype=mx.float32).reshape(1, heads, 1, d) / 64 + i
         k, v = base + grid, -(base + grid)
         out.append(KVCache.from_flat_state([k, v], (str(n),)))
     return out

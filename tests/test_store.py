@@ -112,6 +112,17 @@ def test_a_missing_or_damaged_value_shortens_the_hit_and_never_raises(kind, tmp_
         assert hit(store, base + [1]) == (0, None) and store.tiers[0].stats()["corrupt"] == 1
 
 
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_layers_of_several_head_sizes_are_put_together_exactly(kind, tmp_path):
+    store = PromptStore(tiers_of(kind, tmp_path), block_tokens=B)
+    base = tokens_of(30)
+    store.put(SC, base, synthetic(base, dims=[4, 8]))
+    state, tier = store.checkout(SC, STUB, base + [1])
+    assert tier == kind and state.tokens == base
+    for got, want in zip(arrays(state.cache), arrays(synthetic(base, dims=[4, 8]))):
+        np.testing.assert_array_equal(got[:, :, :30], want)
+
+
 def test_values_found_on_disk_are_kept_in_memory_and_a_restart_serves_them(tmp_path):
     base = tokens_of(30)
     put(PromptStore([DiskTier(tmp_path, 1 << 30)], block_tokens=B), base, key="conv")
