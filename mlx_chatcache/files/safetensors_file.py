@@ -335,7 +335,7 @@ def _read_exactly_into(f, offset: int, bufs: list[memoryview], path: Path) -> No
             f.seek(offset)
             got = f.readinto(bufs[i])
         if not got:
-            raise _bad(path, "the file ended early")
+            raise _bad(path, "the file shrank or changed while reading: it ended early")
         offset += got
         while got:
             if got >= bufs[i].nbytes:
