@@ -1,7 +1,7 @@
 """A cache's K/V dtype (``kv_dtype``, --kv-dtype): the cache holds its keys/values
 in it in every path (prefill, decode, trim, save and load, a rotating window's wrap,
-quantized scales), so reusing a cache gives exactly the logits of a run without it;
-files record it, store scopes hash it, a bad value is one line."""
+quantized scales), so reusing a cache gives exactly the logits of a run without it that
+feeds the same chunks; files record it, store scopes hash it, a bad value is one line."""
 
 from __future__ import annotations
 
