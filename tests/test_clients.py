@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from server_process import ServerProcess
 from scripted_model import build_scripted_model
+from server_process import ServerProcess
 from tiny_models import build_tiny_model
 
 openai = pytest.importorskip("openai")
