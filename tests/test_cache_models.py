@@ -207,7 +207,7 @@ def max_err(a, b) -> float:
 
 
 def assert_close_by_window(got, want, cache, start=0):
-    """Rows are positions ``start..``: bit-exact-ish while within every window,
+    """Rows are positions ``start..``: float32 rounding while within every window,
     reordered sums past it (see the module docstring for the tolerances)."""
     window, bits = min_window(cache), bits_of(cache)
     beyond = max((Q_BEYOND_TOL[b] for b in bits), default=BEYOND_TOL)
