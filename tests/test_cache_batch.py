@@ -1,10 +1,11 @@
 """Batches of our caches (mlx-lm's batched generation): ``merge`` several
 one-sequence caches, run the model on the batch, ``extract`` each row back.
 
-Invariants: one model step on the batch gives each row the logits it gets alone;
-a row extracted is our one-sequence class holding exactly its tokens (no padding
-of other rows) and its offset, and continues like the cache that never left; the
-batch methods keep the rows they say they keep.
+Invariants: one model step on the batch gives each row the logits it gets alone (to
+float32 rounding, ``TOL``) and its greedy token; a row extracted is our one-sequence
+class holding exactly its tokens (no padding of other rows) and its offset, and
+continues like the cache that never left; the batch methods keep the rows they say
+they keep.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from mlx_chatcache.cache import (
 from mlx_chatcache.errors import UnsupportedCacheError
 
 LENGTHS = (0, 5, 17)
-TOL = 1e-5
+# A batch and a row alone multiply different numbers of rows and attend over differently padded
+# keys, so they agree to float32 rounding, not bit for bit: on logits <= ~9 measured <= 7.6e-6
+# (OpenBLAS, Xeon AVX-512) and <= 5.7e-6 (bundled BLAS); asserted < 3e-5, with equal greedy tokens.
+TOL = 3e-5
 
 
 def _max_diff(a: mx.array, b: mx.array) -> float:
@@ -80,6 +84,7 @@ def test_merged_kv_caches_step_as_each_row_alone_and_extract_as_our_class(make_t
     for i, n in enumerate(LENGTHS):
         alone = _step(model, solo[i], [tokens[i]])
         assert _max_diff(together[i], alone[0]) < TOL, (n, _max_diff(together[i], alone[0]))
+        assert together[i].argmax().item() == alone[0].argmax().item()
 
     for i, n in enumerate(LENGTHS):
         row = [c.extract(i) for c in batch]
@@ -129,7 +134,8 @@ def test_caches_of_fed_prompts_step_as_each_row_alone(make_tiny_model, kind):
     tokens = [17, 19, 23]
     together = _step(model, batch, tokens)
     for i in range(3):
-        assert _max_diff(together[i], _step(model, solo[i], [tokens[i]])[0]) < TOL
+        alone = _step(model, solo[i], [tokens[i]])[0]
+        assert _max_diff(together[i], alone) < TOL and together[i].argmax().item() == alone.argmax().item()
     for i in range(3):
         row = [c.extract(i) for c in batch]
         for layer, own in zip(row, solo[i]):

@@ -15,8 +15,8 @@ Tolerances (float32, logits of magnitude <= ~6; measured on mlx 0.32.4 CPU,
 prompt seeds 0-2):
 
 - while every rotating layer is within its window the cached logits equal the
-  reference bit for bit (measured 0.0; SSM chunked vs one call 7.2e-6);
-  asserted <= 1e-5;
+  reference to float32 rounding (bundled BLAS: measured 0.0; SSM chunked vs one
+  call 7.2e-6); asserted <= 1e-5 (OpenBLAS: see ``OPENBLAS`` below);
 - past a window a ring buffer holds keys in another order than the reference,
   so attention sums in another order: measured <= 1.4e-5; asserted <= 5e-5;
 - quantized caches vs their quantize-dequantize reference: within the window
@@ -207,7 +207,7 @@ def max_err(a, b) -> float:
 
 
 def assert_close_by_window(got, want, cache, start=0):
-    """Rows are positions ``start..``: bit-exact-ish while within every window,
+    """Rows are positions ``start..``: float32 rounding while within every window,
     reordered sums past it (see the module docstring for the tolerances)."""
     window, bits = min_window(cache), bits_of(cache)
     beyond = max((Q_BEYOND_TOL[b] for b in bits), default=BEYOND_TOL)

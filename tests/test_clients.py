@@ -1,9 +1,9 @@
 """OpenAI clients against a real ``mlxcc serve`` (tests/server_process.py) on tiny models
 with tool templates: a two-turn conversation with a tool call (turn 1 forced by
 ``tool_choice``, so deterministic even with random weights; a next turn with the tools
-reuses turn 1's prompt), structured output, and the refusals. llm cannot send ``tool_choice``: its two
-turns run in ``auto`` on a tiny model taught the conversation. langchain-openai, llm and
-litellm run when installed (``pip install -e '.[clients]'``)."""
+reuses turn 1's prompt), structured output, and the refusals. llm cannot send ``tool_choice``:
+its two turns run in ``auto`` on a tiny model built to say them (tests/scripted_model.py).
+langchain-openai, llm and litellm run when installed (``pip install -e '.[clients]'``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from scripted_model import build_scripted_model
 from server_process import ServerProcess
 from tiny_models import build_tiny_model
 
@@ -184,7 +185,7 @@ def _llm_model(tmp_path, monkeypatch, server):
 
 def test_llm_schema_and_tools(server, tmp_path, monkeypatch):
     """llm sends tools but no tool_choice: on the random model its turn is checked to run
-    with the tools (the two turns with a call: the trained model below). Its schema prompt validates."""
+    with the tools (the two turns with a call: the scripted model below). Its schema prompt validates."""
     model = _llm_model(tmp_path, monkeypatch, server)
     person = model.prompt("Invent a person.", schema=PERSON, temperature=1.0)
     jsonschema.validate(json.loads(person.text()), PERSON)
@@ -197,58 +198,17 @@ def test_llm_schema_and_tools(server, tmp_path, monkeypatch):
     assert isinstance(chain.text(), str)
 
 
-# the tool llm sends for the Python function add below
-LLM_ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
-    "type": "object"}}}  # fmt: skip
 CALL_TEXT = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 ANSWER = "2 + 3 = 5."
 
 
-def _teach(folder, examples, steps=200):
-    """Train the tiny model in ``folder`` until greedy decoding answers each ``(prompt ids,
-    reply ids)`` with its reply; the weights are rewritten in place."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    import mlx.optimizers as optim
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(folder)
-    rows = [(mx.array(p + r[:-1]), mx.array(r), len(p) - 1) for p, r in examples]
-
-    def loss(m):
-        return sum(nn.losses.cross_entropy(m(x[None])[0, k:], y).mean() for x, y, k in rows)
-
-    step, opt = nn.value_and_grad(model, loss), optim.Adam(learning_rate=3e-3)
-    for _ in range(steps):
-        value, grads = step(model)
-        opt.update(model, grads)
-        mx.eval(model.parameters(), opt.state)
-        if value.item() < 1e-3:
-            break
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                        metadata={"format": "mlx"})  # fmt: skip
-
-
 def test_llm_two_turns_with_a_tool_call(tmp_path, monkeypatch):
-    """A model taught (here, in a few seconds) to call add and then to answer from the result:
+    """A model built to call add and then, once its context holds the call, to answer:
     llm's own tool chain runs both turns in ``auto``; the reply is parsed by the model's
     mlx-lm parser, and turn 2 reuses turn 1's cache."""
     if importlib.util.find_spec("llm") is None:  # imported later, once its plugins are switched off
         pytest.skip("llm is not installed")
-    from mlx_chatcache.generation.templates import encode_text, render_chat
-    from mlx_chatcache.models.loading import load
-
-    folder = build_tiny_model("llama", tmp_path / "taught", tool_format="json_tools")
-    _, tokenizer = load(str(folder))
-    turn1 = [QUESTION]
-    turn2 = turn1 + [{"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function",
-                      "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
-                     {"role": "tool", "tool_call_id": "call_0", "content": "5"}]  # fmt: skip
-    end = encode_text(tokenizer, "<|im_end|>")
-    _teach(folder, [(render_chat(tokenizer, m, template_kwargs={"tools": [LLM_ADD]}), encode_text(tokenizer, r) + end)
-                    for m, r in [(turn1, CALL_TEXT), (turn2, ANSWER)]])  # fmt: skip
+    folder = build_scripted_model(tmp_path / "scripted", CALL_TEXT, ANSWER, "</tool_call>")
     with ServerProcess(folder, tmp_path / "cache", "--max-tokens", "60") as server:
         model = _llm_model(tmp_path, monkeypatch, server)
         seen = []

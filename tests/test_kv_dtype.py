@@ -1,7 +1,7 @@
 """A cache's K/V dtype (``kv_dtype``, --kv-dtype): the cache holds its keys/values
 in it in every path (prefill, decode, trim, save and load, a rotating window's wrap,
-quantized scales), so reusing a cache gives exactly the logits of a run without it;
-files record it, store scopes hash it, a bad value is one line."""
+quantized scales), so reusing a cache gives exactly the logits of a run without it that
+feeds the same chunks; files record it, store scopes hash it, a bad value is one line."""
 
 from __future__ import annotations
 
@@ -113,19 +113,19 @@ def test_quantized_kv_scales_take_the_kv_dtype(kv_dtype, llama_model):
 def test_a_reused_cache_gives_exactly_the_logits_of_a_run_without_it(kv_dtype, llama_model, tmp_path):
     model, _ = llama_model
     prompt, more = tokens_of(30), tokens_of(6, start=11)
-    fresh = make_prompt_cache(model, kv_dtype=kv_dtype)
-    feed(model, fresh, prompt)
-    want = feed(model, fresh, more)
-    state = PromptCache.new(model, CacheShape(kv_dtype=kv_dtype))
-    feed_all(model, state, prompt, 2048)
-    state.save(tmp_path / "c.safetensors")
+
+    def prefilled(kv_dtype):  # both runs prefill alike: equal shapes give equal bits on any BLAS
+        state = PromptCache.new(model, CacheShape(kv_dtype=kv_dtype))
+        feed_all(model, state, prompt, 2048)
+        return state
+
+    want = feed(model, prefilled(kv_dtype).cache, more)
+    prefilled(kv_dtype).save(tmp_path / "c.safetensors")
     back = PromptCache.load(tmp_path / "c.safetensors", model)
     got = feed(model, back.cache, more)
     assert got.dtype == want.dtype and mx.array_equal(got, want).item()
     if kv_dtype != "float32":  # the dtype took effect: float32 K/V give other logits
-        other = make_prompt_cache(model, kv_dtype="float32")
-        feed(model, other, prompt)
-        assert not mx.array_equal(feed(model, other, more), want).item()
+        assert not mx.array_equal(feed(model, prefilled("float32").cache, more), want).item()
 
 
 @pytest.mark.parametrize("tier", ["memory", "disk"])

@@ -1,9 +1,9 @@
 """Continuous batching in ``mlxcc serve`` (mlx_chatcache/server/batch.py, generation/batch.py).
 
 Invariants: a job decoded in a batch gives the tokens, text, events and store entry it
-gives alone (greedy; the tiny model's batched products round like one row's, checked
-here token for token); a cancelled row leaves without changing the others; a model whose
-cache cannot be batched runs jobs one at a time and /health says why.
+gives alone (greedy and seeded: token for token; log-probabilities within 1e-4, as a
+batch's products may round unlike one row's); a cancelled row leaves without changing the
+others; a model whose cache cannot be batched runs jobs one at a time and /health says why.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from scripted_model import build_scripted_model
 from tiny_models import (
     IM_END,
     KINDS,
@@ -18,6 +19,9 @@ from tiny_models import (
 )
 
 from mlx_chatcache.models.fingerprint import ModelFingerprint, folder_fingerprint
+from mlx_chatcache.models.loading import load
+
+IM_END_ID = SPECIAL_TOKENS.index(IM_END)
 
 EXPECTED_CACHES = {
     "llama": [KVCache, KVCache],
@@ -164,3 +168,17 @@ def test_kv_caches_and_weights_quantize_in_32_and_64_groups(make_tiny_model):
     nn.quantize(model, group_size=64, bits=4)
     assert model(ids).shape == (1, ids.shape[1], VOCAB_SIZE)
 
+
+
+def test_a_scripted_model_says_its_first_reply_until_the_marker_is_in_the_prompt(tmp_path):
+    first, then = '<tool_call>{"name": "add"}</tool_call>', "Done: 5."
+    model, tokenizer = load(str(build_scripted_model(tmp_path / "s", first, then, "</tool_call>")))
+
+    def reply(text: str) -> str:
+        ids = greedy(model, chat_ids(tokenizer, text), n=8)
+        assert IM_END_ID in ids
+        return tokenizer.decode(ids[: ids.index(IM_END_ID)])
+
+    long = " and".join(["a short story about a cat"] * 60)  # the marker ~500 tokens back
+    assert reply("Hello, how are you?") == reply(long) == first
+    assert reply("It said </tool_call> 5") == reply("</tool_call>" + long) == then

@@ -338,7 +338,7 @@ _KIND_CONFIGS = {
 # -- weights ------------------------------------------------------------------
 
 
-def _parameter_templates(config: dict) -> dict[str, np.ndarray]:
+def parameter_templates(config: dict) -> dict[str, np.ndarray]:
     """mlx-lm's own parameters for ``config``: names, shapes, default values."""
     from mlx.utils import tree_flatten
 
@@ -360,7 +360,7 @@ def random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     """
     rng = np.random.default_rng(seed)
     weights = {}
-    for name, template in sorted(_parameter_templates(config).items()):
+    for name, template in sorted(parameter_templates(config).items()):
         weights[name] = _init_parameter(name, template, rng).astype(np.float32)
     return weights
 

@@ -18,9 +18,10 @@ uncached prompt, all but its last token, is fed by
 tier (concurrent requests sharing a system prompt pay for it once; files and
 Redis get the request's final entry) and its row joins the
 :class:`~mlx_chatcache.generation.batch.DecodeBatch`. Each tick feeds
-every row's token in one model call. A row emits exactly the events a job alone
-emits (``start``, ``piece``, ``done``/``error``; :class:`~.worker.ChoiceOutput`),
-and leaves the batch at once when it ends (stop token, stop string,
+every row's token in one model call. A row emits the events a job alone emits
+(``start``, ``piece``, ``done``/``error``; :class:`~.worker.ChoiceOutput`; its
+log-probabilities to float32 rounding, as a batch's products may round unlike
+one row's), and leaves the batch at once when it ends (stop token, stop string,
 ``max_tokens``, cancelled): its cache, prompt and reply but the last token, goes
 into the store under its ``prompt_cache_key``, as a job alone puts it.
 
