@@ -121,10 +121,10 @@ def create_app(service: Service, ui: str = "on", host: str = "127.0.0.1", keys: 
             service.stop()
 
     async def chat(request: HTTPRequest):
-        return await _complete(service, metrics, request, parse_chat)
+        return await _complete(service, metrics, drain, request, parse_chat)
 
     async def completions(request: HTTPRequest):
-        return await _complete(service, metrics, request, parse_completion)
+        return await _complete(service, metrics, drain, request, parse_completion)
 
     async def models(request: HTTPRequest):
         return JSONResponse({"object": "list", "data": [
@@ -187,7 +187,7 @@ async def _internal_error(request, exc: Exception):
 
 
 # ------------------------------------------------------------------ completions
-async def _complete(service: Service, metrics: ServerMetrics, request: HTTPRequest, parse):
+async def _complete(service: Service, metrics: ServerMetrics, drain: Drain, request: HTTPRequest, parse):
     try:
         raw = await request.body()
     except ClientDisconnect:  # the client hung up before sending its whole body
@@ -221,6 +221,7 @@ async def _complete(service: Service, metrics: ServerMetrics, request: HTTPReque
     except QueueFull:
         raise RequestError(503, "the server is busy (its request queue is full); retry later", None, "server_busy",
                            {"Retry-After": str(SERVER_DEFAULTS.retry_after_s)}) from None  # fmt: skip
+    drain.hold(job)  # cancelled if the drain's time runs out
     reply = Reply(req.kind, service.model_id, logprobs=req.logprobs)
     if req.stream:
         calls = (lambda: ToolCallStream(service.tokenizer, req.tools)) if service.uses_tools(req) else None

@@ -3,17 +3,18 @@
 Contract
 --------
 A :class:`Drain` counts the requests running (the HTTP layer's
-:meth:`Drain.running` context) and knows whether the server is draining.
-:class:`DrainingServer` is uvicorn's server with other signal handling:
+:meth:`Drain.running` context), holds their generation jobs (:meth:`Drain.hold`,
+weakly) and knows whether the server is draining. :class:`DrainingServer` is uvicorn's server with other signal handling:
 
 - the first SIGTERM or SIGINT starts the drain (one log line): the listening socket
   stays open, new requests get a 503 with ``Retry-After`` and ``GET /health`` a 503
   saying ``draining`` (the HTTP layer asks :attr:`Drain.draining`), running requests
   go on;
 - once none runs, or ``seconds`` after the signal, the server shuts down as uvicorn
-  does (requests still running then are cancelled: what they fed is stored); the
-  app's shutdown then stops the worker, which writes every pending store entry, and
-  the caller closes the store (flushing the Redis writer); the process exits 0;
+  does; jobs still running then are cancelled first (:meth:`Drain.cut`: the worker
+  stores what they fed, their clients see the connection end); the app's shutdown
+  then stops the worker, which writes every pending store entry, and the caller
+  closes the store (flushing the Redis writer); the process exits 0;
 - a second signal exits at once (status 128 + the signal's number), writing nothing more.
 """
 
@@ -25,6 +26,7 @@ import os
 import signal
 import sys
 import time
+import weakref
 from typing import Iterator
 
 import uvicorn
@@ -37,6 +39,7 @@ class Drain:
         self.seconds = seconds
         self.started: float | None = None  # time.monotonic() of the first signal
         self._running = 0  # changed and read on the event loop's thread (and read by signal handlers)
+        self._jobs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # the jobs of running requests
 
     @property
     def draining(self) -> bool:
@@ -56,6 +59,17 @@ class Drain:
         if self.started is None:
             return False
         return self._running == 0 or time.monotonic() - self.started >= self.seconds
+
+    def hold(self, job) -> None:
+        """Hold ``job`` (a :class:`~.worker.Job`) of a running request, to cancel if the time runs out."""
+        self._jobs[id(job)] = job
+
+    def cut(self) -> int:
+        """Cancel the jobs still running; how many there were."""
+        jobs = [job for job in list(self._jobs.values()) if not job.cancelled]
+        for job in jobs:
+            job.cancel()
+        return len(jobs)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -87,7 +101,8 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.drain.over():
             if self.drain.count:
-                log.warning("drain time is up: cancelling %d request(s); what they fed is stored", self.drain.count)
+                log.warning("drain time is up: cancelling %d request(s) (%d generating); what they fed is stored",
+                            self.drain.count, self.drain.cut())  # fmt: skip
             return True
         return await super().on_tick(counter)
 
