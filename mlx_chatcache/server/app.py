@@ -214,7 +214,7 @@ async def _complete(service: Service, metrics: ServerMetrics, drain: Drain, requ
     def finished(done: dict) -> None:
         t = done["timing"]
         first = job.submitted - request.state.arrived + t["queued_s"] + t["first_token_s"]
-        metrics.reply(first if done["completion_tokens"] else None, done)
+        metrics.reply(first if done["completion_tokens"] else None, job.token_gaps)
 
     try:
         service.worker.submit(job)

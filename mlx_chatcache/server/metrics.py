@@ -76,14 +76,13 @@ class ServerMetrics:
         self.requests.labels(endpoint, str(status)).inc()
         self.duration.labels(endpoint).observe(seconds)
 
-    def reply(self, first_token_s: float | None, done: dict) -> None:
-        """A job's ``done`` event (:mod:`.worker`): its time to the first token (None:
-        no token) and each choice's gaps between tokens."""
+    def reply(self, first_token_s: float | None, token_gaps: list[float]) -> None:
+        """A job that is done (:mod:`.worker`): its time to the first token (None: no
+        token) and the gaps between consecutive tokens of its choices."""
         if first_token_s is not None:
             self.ttft.observe(first_token_s)
-        for choice in done.get("choices") or ():
-            for gap in choice.get("token_gaps_s", ()):
-                self.token_gap.observe(gap)
+        for gap in token_gaps:
+            self.token_gap.observe(gap)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

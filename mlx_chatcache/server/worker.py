@@ -20,10 +20,10 @@ A job reports through ``job.emit(event)``, called on the worker thread, with:
 - ``("done", {"finish_reason", "prompt_tokens", "completion_tokens",
   "cached_tokens", "cached_tier", "timing", "choices"})`` at the end (``finish_reason``: choice
   0's; ``completion_tokens``: all choices'; ``choices``: per choice ``index``,
-  ``finish_reason``, ``completion_tokens``, ``token_gaps_s`` (seconds between its
-  consecutive tokens), and with ``job.postprocess`` its ``content`` and ``tool_calls``;
-  ``timing``: seconds queued, from leaving the queue to the first token, and in all),
-  or ``("error", message)``.
+  ``finish_reason``, ``completion_tokens``, and with ``job.postprocess`` its
+  ``content`` and ``tool_calls``; ``timing``: seconds queued, from leaving the
+  queue to the first token, and in all), or ``("error", message)``. By then
+  ``job.token_gaps`` holds the seconds between consecutive tokens of each choice.
 
 With ``job.n`` > 1 the prompt is fed once (all but its last token) and each
 choice ``i`` generates on its own copy of that cache, with seed ``seed + i``
@@ -130,6 +130,7 @@ class Job:
     system_end: int | None = None  # prompt tokens of its leading system messages (chat; None: none)
     tenant: str | None = None  # whose store entries it uses (:mod:`.auth`; None: the shared ones)
     request_id: str | None = None  # the HTTP request's id, in the log lines about the job
+    token_gaps: list[float] = field(default_factory=list)  # seconds between consecutive tokens of a choice
     submitted: float = field(default_factory=time.perf_counter)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -390,8 +391,7 @@ class ChoiceOutput:
     def __init__(self, worker: GenerationWorker, job: Job, index: int):
         self.worker, self.job, self.index = worker, job, index
         self.stops, self.n, self.text, self.offset, self.pending = StopMatcher(job.stop), 0, [], 0, []
-        self.gaps: list[float] = []  # seconds between consecutive tokens
-        self._last: float | None = None
+        self._last: float | None = None  # when its last token came
 
     def token(self, text: str, token: int, logprobs: mx.array, finish_reason: str | None) -> str | None:
         """Take a sampled token, its text and ``logprobs`` ``(V,)``; the reason the choice ends
@@ -400,7 +400,7 @@ class ChoiceOutput:
         self.worker.stats["tokens_generated"] += 1
         now = time.perf_counter()
         if self._last is not None:
-            self.gaps.append(now - self._last)
+            self.job.token_gaps.append(now - self._last)
         self._last = now
         job = self.job
         if job.logprobs and finish_reason != "stop":  # the stop token is no part of the reply
@@ -418,7 +418,7 @@ class ChoiceOutput:
         """The choice's entry of ``done["choices"]`` (text held back is sent first, unless cancelled)."""
         if finish != "cancelled":
             self._send(self.stops.flush())
-        choice = {"index": self.index, "finish_reason": finish, "completion_tokens": self.n, "token_gaps_s": self.gaps}
+        choice = {"index": self.index, "finish_reason": finish, "completion_tokens": self.n}
         if self.job.postprocess is not None and finish != "cancelled":
             choice["content"], choice["tool_calls"] = self.job.postprocess("".join(self.text))
             if choice["tool_calls"]:
