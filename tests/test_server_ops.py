@@ -10,6 +10,7 @@ import hashlib
 import hmac
 import json
 import sys
+import threading
 import time
 import logging
 import re
@@ -281,6 +282,27 @@ def test_metrics_count_what_the_requests_did(llama_model, tiny_model_dirs):
     assert m[("mlxcc_store_evictions_total", (("tier", "memory"),))] == mem["evicted"]
 
 
+def test_metrics_show_the_requests_waiting_for_the_worker(llama_model, tiny_model_dirs):
+    c = make_client(llama_model, tiny_model_dirs, max_batch=1)  # not entered: the worker has not started
+    replies = []
+    threads = [threading.Thread(target=lambda i=i: replies.append(complete(c, None, prompt=f"{i} {PROMPT}")))
+               for i in range(3)]  # fmt: skip
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while (m := metrics(c))[("mlxcc_queue_depth", ())] < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert m[("mlxcc_queue_depth", ())] == 3 and m[("mlxcc_requests_running", ())] == 3
+    assert m[("mlxcc_batch_rows_active", ())] == 0
+    c.service.start()
+    try:
+        for t in threads:
+            t.join(60)
+        assert len(replies) == 3 and metrics(c)[("mlxcc_queue_depth", ())] == 0
+    finally:
+        c.service.stop()
+
+
 def test_metrics_count_evictions_against_the_budget(llama_model, tiny_model_dirs):
     model, tok = llama_model
     service = Service(model, tok, str(tiny_model_dirs["llama"]), PromptStore([MemoryTier(200_000)]),
@@ -339,6 +361,18 @@ def test_the_workers_log_lines_carry_the_request_id(llama_model, tiny_model_dirs
     assert r.status_code == 500 and r.json()["request_id"] == "fails-1" and r.headers["x-request-id"] == "fails-1"
     failed = [x for x in map(json.loads, log_lines) if x["message"] == "generation failed"]
     assert len(failed) == 1 and failed[0]["request_id"] == "fails-1" and "a fault" in failed[0]["exception"]
+
+
+def test_an_internal_error_is_logged_once_with_the_request_id(llama_model, tiny_model_dirs, log_lines, monkeypatch):
+    with make_client(llama_model, tiny_model_dirs) as c:  # the test client raises what escapes the app
+        def broken(name):
+            raise RuntimeError("a fault while checking the model")
+
+        monkeypatch.setattr(c.service, "check_model", broken)
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"X-Request-Id": "fails-2"})
+    assert r.status_code == 500 and r.json()["request_id"] == "fails-2" and "see the server log" in r.text
+    errors = [x for x in map(json.loads, log_lines) if x["level"] == "error"]
+    assert len(errors) == 1 and errors[0]["request_id"] == "fails-2" and "a fault" in errors[0]["exception"]
 
 
 def test_json_log_lines_carry_the_request_id_of_work_on_other_threads():

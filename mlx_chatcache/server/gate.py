@@ -15,6 +15,8 @@ Contract
    everything they fetch needs the key) without a valid key is a 401 with
    ``WWW-Authenticate: Bearer``;
 4. the request runs (counted as running for the drain, but ``/health`` and ``/metrics``);
+   an exception it raises after its response started (the app's error handler answered
+   and logged it, with the id) ends there;
 5. one access line is logged (``METHOD path status seconds``, never a header or the
    query string) and the request counted in the metrics by endpoint and status.
 
@@ -72,13 +74,13 @@ class Gate:
             return await self.app(scope, receive, send)
         headers = scope.get("headers") or []
         rid = request_id(next((v for k, v in headers if k.lower() == b"x-request-id"), None))
-        arrived, status = time.perf_counter(), 500  # 500: the app failed before it answered
+        arrived, status, started = time.perf_counter(), 500, False  # 500: the app failed before it answered
         method, path = scope["method"], scope["path"]
 
         async def sending(message):
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
                 message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
             await send(message)
 
@@ -101,6 +103,10 @@ class Gate:
                 else:
                     with self.drain.running():
                         await self.app(scope, receive, sending)
+            except Exception:
+                if not started:  # uvicorn answers 500
+                    raise
+                # answered and logged, with the request's id, by the app's error handler: not again without it
             finally:
                 seconds = time.perf_counter() - arrived
                 self.metrics.request(self.endpoint(scope), status, seconds)
