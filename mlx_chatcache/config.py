@@ -227,6 +227,8 @@ REQUEST_RANGES: dict[str, Range] = {
 # the server settings checked by check_setting too (``mlxcc serve``'s flags)
 SERVER_RANGES: dict[str, Range] = {
     "max_batch": Range(1, 64, integer=True),  # rows decoded in one model call
+    "drain_seconds": Range(0.0, 3600.0),  # how long a stopping server lets running requests finish
+    "api_key_length": Range(1, 1024, integer=True),  # characters of an API key (printable ASCII, no spaces)
 }
 
 
@@ -359,7 +361,8 @@ class ServerConfig:
     max_batch: int = 8
     max_stop_sequences: int = 4  # as OpenAI's API
     max_n: int = MAX_CHOICES  # choices one request may ask for (each a generation on its own cache copy)
-    retry_after_s: int = 1  # the Retry-After of a 503 (queue full)
+    retry_after_s: int = 1  # the Retry-After of a 503 (queue full, or the server draining)
+    drain_seconds: float = 30.0  # on SIGTERM/SIGINT: how long running requests may still finish
     # the Redis tier (--cache-redis; shared by replicas), see mlx_chatcache/store/redis_tier.py; Redis's own
     # maxmemory and eviction policy bound what it holds
     redis_ttl_seconds: int = 24 * 3600  # a value unused this long expires

@@ -3,7 +3,7 @@
 ``ServerProcess(model, cache_dir, *flags)`` is a context manager: entering
 starts ``python -m mlx_chatcache serve --host 127.0.0.1 --port P ...`` and waits
 (at most ``start_timeout`` seconds) until ``GET /health`` answers; leaving
-stops it with SIGINT (uvicorn's graceful shutdown), then SIGKILL after
+stops it with SIGINT (the server drains: running requests finish), then SIGKILL after
 ``stop_timeout`` seconds. ``base_url`` is ``http://127.0.0.1:P/v1``.
 """
 

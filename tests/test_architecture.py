@@ -318,14 +318,14 @@ NEVER_A_FILE = {
     "kv_group_size", "quantized_kv_start", "prefill_step_size", "ignore_chat_template", "chat_template_config",
     "extra_eos_token", "force", "verbose", "json", "to", "n", "drop", "host", "port", "cache_bytes",
     "disk_cache_bytes", "cache_redis", "context_length", "max_queue", "max_batch", "log_level", "served_model_name",
-    "ui", "no_ui", "format", "stop",
+    "ui", "no_ui", "format", "stop", "api_key", "shared_store", "drain_seconds", "log_format",
 }
 NOT_DOORS = {
     "generate --prompt-file": "read", "cache-prompt --prompt-file": "read", "generate --json-schema": "read",
     "generate --prompt-cache-file": "read (locked while generate runs: files.cache_file.hold)",
     "chat --prompt-cache-file": "read only (the chat saves to its own session)",
     "generate --cache-dir": "the store's own marked folder", "chat --cache-dir": "the store's own marked folder",
-    "serve --cache-dir": "the store's own marked folder",
+    "serve --cache-dir": "the store's own marked folder", "serve --api-key-file": "read",
     "cache info FILE": "read", "cache convert INPUT": "read", "cache diff A": "read", "cache diff B": "read",
     "sessions show NAME": "read", "sessions rm NAME": "deleted under the session lock",
     "sessions export NAME": "read",

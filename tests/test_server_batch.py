@@ -459,9 +459,9 @@ def test_every_choice_of_a_one_token_prompt_holds_the_kv_dtype_asked(llama, max_
     worker, _ = make_worker(model, tok, config, max_batch)
     put, dtypes = worker._put, []
 
-    def recorded(tokens, cache, key, **how):
+    def recorded(job, tokens, cache, **how):
         dtypes.append({a.dtype for c in cache for a in c.flat_state()})
-        put(tokens, cache, key, **how)
+        put(job, tokens, cache, **how)
 
     worker._put = recorded
     try:

@@ -1,8 +1,9 @@
 """``mlxcc serve``: an OpenAI-compatible server (see :mod:`mlx_chatcache.server`).
 
-Thin: parses flags, loads the model, builds the prompt-cache store (memory
-tier, disk tier in ``--cache-dir``, Redis tier at ``--cache-redis``) and runs
-the server until interrupted.
+Thin: parses flags, gathers the API keys, sets up logging, loads the model,
+builds the prompt-cache store (memory tier, disk tier in ``--cache-dir``, Redis
+tier at ``--cache-redis``) and runs the server until a signal drains and stops
+it; the store is closed (its writers flushed) before the process exits.
 """
 
 from __future__ import annotations
@@ -40,15 +41,21 @@ def port_number(text: str) -> int:
     return port
 
 
-def max_batch(text: str) -> int:
-    """``--max-batch``: rows decoded together, in the range of ``config.SERVER_RANGES`` (an argparse type)."""
-    from ..config import SettingError, check_setting
+def server_setting(name: str):
+    """The argparse type of the flag of server setting ``name``: a number in its range
+    (``config.SERVER_RANGES``)."""
+    from ..config import SettingError, check_setting, range_of
 
-    try:
-        return check_setting("max_batch", int(text))
-    except ValueError as e:  # SettingError included
-        message = str(e) if isinstance(e, SettingError) else f"invalid integer: {text!r}"
-        raise argparse.ArgumentTypeError(message) from None
+    integer = range_of(name).integer
+
+    def parse(text: str):
+        try:
+            return check_setting(name, int(text) if integer else float(text))
+        except ValueError as e:  # SettingError included
+            message = str(e) if isinstance(e, SettingError) else f"invalid {'integer' if integer else 'number'}: {text!r}"
+            raise argparse.ArgumentTypeError(message) from None
+
+    return parse
 
 
 def add_parser(sub) -> None:
@@ -80,17 +87,34 @@ def add_parser(sub) -> None:
                    help="tokens a request may use, prompt plus reply (default: the model's own)")
     p.add_argument("--max-queue", type=positive_int, default=S.max_queue,
                    help=f"requests that may wait for the generator; more get HTTP 503 (default {S.max_queue})")
-    p.add_argument("--max-batch", type=max_batch, default=S.max_batch, metavar="N",
+    p.add_argument("--max-batch", type=server_setting("max_batch"), default=S.max_batch, metavar="N",
                    help="requests decoded together, 1 to 64; 1: one at a time (default "
                    f"{S.max_batch}: decoding reads the weights once per step for every row)")
     p.add_argument("--served-model-name", metavar="NAME", action="append", default=[],
                    help="another name clients may give as 'model' (repeatable; also listed by /v1/models). "
                    "The model's path and folder name, 'default_model' and an omitted 'model' always work")
+    p.add_argument("--api-key", metavar="KEY", action="append", default=[],
+                   help="a key clients must send, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' (repeatable; "
+                   "also MLXCC_API_KEY and --api-key-file). With keys, every request but GET /health, HEAD / and "
+                   "the chat page's files needs one, and each key's requests use store entries of their own "
+                   "(see --shared-store). A key is 1 to 1024 printable ASCII characters without spaces")
+    p.add_argument("--api-key-file", metavar="FILE",
+                   help="a file of keys, one per line (blank lines and lines starting with # are skipped)")
+    p.add_argument("--shared-store", action="store_true",
+                   help="let requests of different keys share store entries (default: each key has its own, so "
+                   "no request is served, or timed, by another key's cached prompts)")
+    p.add_argument("--drain-seconds", type=server_setting("drain_seconds"), default=S.drain_seconds, metavar="S",
+                   help="on SIGTERM or SIGINT, how long running requests may still finish, 0 to 3600; new ones get "
+                   "503 meanwhile; a second signal exits at once (default %(default)g)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level (default info)")
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="log lines as text or one JSON object each, for log collectors; every line about a "
+                   "request carries its id (the X-Request-Id the client sent, or one made; default text)")
     page = p.add_mutually_exclusive_group()
     page.add_argument("--ui", action="store_true", help="serve the chat page at / even when --host is not "
-                      "loopback (anyone who reaches the server can use it: there is no login)")
+                      "loopback (anyone who reaches the server can use it, unless API keys are set: then the "
+                      "page asks for one)")
     page.add_argument("--no-ui", action="store_true", help="no chat page at / (the API is unchanged)")
     add_sampling_args(p)
     add_cache_args(p)
@@ -100,10 +124,13 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import importlib.util
 
-    if not all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn")):
-        raise UsageError("mlxcc serve needs starlette and uvicorn: pip install 'mlx-chatcache[serve]'")
+    if not all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn", "prometheus_client")):
+        raise UsageError("mlxcc serve needs starlette, uvicorn and prometheus_client: "
+                         "pip install 'mlx-chatcache[serve]'")  # fmt: skip
     from ..models.loading import resolve_model_ref
     from ..server.app import listen_socket, serve
+    from ..server.auth import ApiKeys, gather_keys
+    from ..server.logs import configure_logging
     from ..server.service import Service
     from ..server.ui import ui_mode
     from ..store.store import build_store
@@ -111,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
     config = check_window_flags(config_from_args(args))  # before the model loads
     if any(not name.strip() for name in args.served_model_name):
         raise UsageError("--served-model-name needs a non-empty NAME")
+    keys = gather_keys(args.api_key, args.api_key_file)
+    configure_logging(args.log_level, args.log_format)
     cache_dir = args.cache_dir or default_cache_dir()
     if args.disk_cache_bytes > 0:
         check_cache_dir(str(cache_dir))  # a folder it cannot use is one line, before the model loads
@@ -123,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             service = Service(model, tokenizer, ref, store, config, args.max_queue, args.context_length,
                               served_names=tuple(args.served_model_name), max_batch=args.max_batch)  # fmt: skip
-            serve(service, sock, args.log_level, ui_mode(args.host, args.ui, args.no_ui))
+            serve(service, sock, args.log_level, ui_mode(args.host, args.ui, args.no_ui),
+                  ApiKeys(keys, args.shared_store) if keys else None, args.drain_seconds)  # fmt: skip
         finally:
             store.close()
     finally:

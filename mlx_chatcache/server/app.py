@@ -18,6 +18,11 @@ cache entries in the store.
 
 ``GET /v1/store`` is the store's read-only report (:mod:`.store_report`): tiers
 against their budgets, pins as key digests, tokens served and their history.
+``GET /metrics`` is the Prometheus text format (:mod:`.metrics`).
+
+Every request passes the :class:`~.gate.Gate` first (its id, the drain, the API
+key, the access line); :func:`create_app` returns the app behind it. While the
+server drains, ``GET /health`` is a 503 whose ``status`` is ``draining``.
 """
 
 from __future__ import annotations
@@ -39,11 +44,15 @@ from starlette.routing import Route
 
 from ..config import SERVER_DEFAULTS
 from ..errors import UsageError
+from .auth import ApiKeys
+from .drain import Drain, DrainingServer
+from .gate import Gate
+from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import Request, RequestError, error_body, parse_chat, parse_completion
 from .responses import Reply, sse
 from .service import Service
 from .store_report import store_report
-from .ui import announcement, ui_routes
+from .ui import announcement, is_loopback, ui_routes
 from .tools import ToolCallStream
 from .worker import Job, QueueFull
 
@@ -75,19 +84,34 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(service: Service, sock: socket.socket, log_level: str = "info", ui: str = "on") -> None:
-    """Run the app for ``service`` on ``sock`` (from :func:`listen_socket`) until interrupted (blocking);
-    ``ui`` is the page's mode (:func:`.ui.ui_mode`)."""
+def serve(service: Service, sock: socket.socket, log_level: str = "info", ui: str = "on", keys: ApiKeys | None = None,
+          drain_seconds: float = SERVER_DEFAULTS.drain_seconds) -> None:  # fmt: skip
+    """Run the app for ``service`` on ``sock`` (from :func:`listen_socket`) until a signal
+    ends its drain (:mod:`.drain`; blocking); ``ui`` is the page's mode (:func:`.ui.ui_mode`).
+    Logging is the caller's (:func:`.logs.configure_logging`)."""
     import uvicorn
 
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(create_app(service, ui, host), log_level=log_level, timeout_graceful_shutdown=10)
-    logging.getLogger("uvicorn.error").info("mlxcc serve listening on http://%s:%s (Ctrl-C stops it)", host, port)
-    logging.getLogger("uvicorn.error").info(announcement(ui, host, port))
-    uvicorn.Server(config).run(sockets=[sock])
+    drain = Drain(drain_seconds)
+    app = create_app(service, ui, host, keys, drain)
+    config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=1)  # the drain waited already  # fmt: skip
+    say = logging.getLogger("mlxcc.serve")
+    say.info("mlxcc serve listening on http://%s:%s (Ctrl-C or SIGTERM drains and stops it)", host, port)
+    say.info(announcement(ui, host, port, keys is not None))
+    if keys is None and not is_loopback(host):
+        say.warning("--host %s is not loopback and no API key is set: anyone who reaches port %s can use this "
+                    "server; set --api-key, --api-key-file or MLXCC_API_KEY", host, port)  # fmt: skip
+    DrainingServer(config, drain).run(sockets=[sock])
 
 
-def create_app(service: Service, ui: str = "on", host: str = "127.0.0.1") -> Starlette:
+def create_app(service: Service, ui: str = "on", host: str = "127.0.0.1", keys: ApiKeys | None = None,
+               drain: Drain | None = None) -> Gate:  # fmt: skip
+    """The ASGI app of ``service`` behind its :class:`~.gate.Gate` (``keys``: None, no key needed;
+    ``drain``: the one :func:`serve` signals, else one of its own)."""
+    drain = drain or Drain(SERVER_DEFAULTS.drain_seconds)
+    metrics = ServerMetrics(service.worker, drain)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         service.start()
@@ -97,10 +121,10 @@ def create_app(service: Service, ui: str = "on", host: str = "127.0.0.1") -> Sta
             service.stop()
 
     async def chat(request: HTTPRequest):
-        return await _complete(service, request, parse_chat)
+        return await _complete(service, metrics, drain, request, parse_chat)
 
     async def completions(request: HTTPRequest):
-        return await _complete(service, request, parse_completion)
+        return await _complete(service, metrics, drain, request, parse_completion)
 
     async def models(request: HTTPRequest):
         return JSONResponse({"object": "list", "data": [
@@ -109,20 +133,30 @@ def create_app(service: Service, ui: str = "on", host: str = "127.0.0.1") -> Sta
 
     async def health(request: HTTPRequest):
         w = service.worker
+        if drain.draining:
+            return JSONResponse({"status": "draining", "model": service.model_id, "running": drain.count},
+                                status_code=503, headers={"Retry-After": str(SERVER_DEFAULTS.retry_after_s)})  # fmt: skip
         # plain counters the worker updates; reading them is safe from this thread
         return JSONResponse({"status": "ok", "model": service.model_id, "ui": ui, "queued": w.waiting(), **w.stats,
                              "batch": service.batch.report(), "store": w.store.stats()})  # fmt: skip
+
+    async def store(request: HTTPRequest):
+        return JSONResponse(store_report(service.worker, request.state.tenant))
+
+    async def metrics_page(request: HTTPRequest):
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/store", lambda request: JSONResponse(store_report(service.worker)), methods=["GET"]),
+        Route("/v1/store", store, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_page, methods=["GET"]),
         *ui_routes(ui, host),  # the browser page (.ui)
     ]
     handlers = {RequestError: _request_error, HTTPException: _http_error, Exception: _internal_error}
-    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    return Gate(Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan), metrics, drain, keys)
 
 
 # ------------------------------------------------------------------ errors
@@ -153,7 +187,7 @@ async def _internal_error(request, exc: Exception):
 
 
 # ------------------------------------------------------------------ completions
-async def _complete(service: Service, request: HTTPRequest, parse):
+async def _complete(service: Service, metrics: ServerMetrics, drain: Drain, request: HTTPRequest, parse):
     try:
         raw = await request.body()
     except ClientDisconnect:  # the client hung up before sending its whole body
@@ -175,16 +209,23 @@ async def _complete(service: Service, request: HTTPRequest, parse):
     processors, postprocess = service.job_hooks(req)
     job = Job(prompt, config, emit, req.stop, boundary, req.cache_key, n=req.n, logprobs=req.logprobs,
               top_logprobs=req.top_logprobs or 0, processors=processors, postprocess=postprocess,
-              system_end=start)  # fmt: skip
+              system_end=start, tenant=request.state.tenant, request_id=request.state.request_id)  # fmt: skip
+
+    def finished(done: dict) -> None:
+        t = done["timing"]
+        first = job.submitted - request.state.arrived + t["queued_s"] + t["first_token_s"]
+        metrics.reply(first if done["completion_tokens"] else None, job.token_gaps)
+
     try:
         service.worker.submit(job)
     except QueueFull:
         raise RequestError(503, "the server is busy (its request queue is full); retry later", None, "server_busy",
                            {"Retry-After": str(SERVER_DEFAULTS.retry_after_s)}) from None  # fmt: skip
+    drain.hold(job)  # cancelled if the drain's time runs out
     reply = Reply(req.kind, service.model_id, logprobs=req.logprobs)
     if req.stream:
         calls = (lambda: ToolCallStream(service.tokenizer, req.tools)) if service.uses_tools(req) else None
-        return StreamingResponse(_stream(job, events, request, reply, req.include_usage, req.n, calls),
+        return StreamingResponse(_stream(job, events, request, reply, req.include_usage, req.n, calls, finished),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
     try:
         pieces, done = [], None
@@ -193,6 +234,7 @@ async def _complete(service: Service, request: HTTPRequest, parse):
                 pieces.append(value)
             elif kind == "done":
                 done = value
+                finished(done)
                 break
             elif kind == "error":
                 return _error(500, value)
@@ -235,11 +277,12 @@ async def _events(events: asyncio.Queue, request: HTTPRequest) -> AsyncIterator[
 
 
 async def _stream(job: Job, events, request, reply: Reply, include_usage: bool, n: int,
-                  calls: Callable[[], ToolCallStream] | None = None) -> AsyncIterator[str]:  # fmt: skip
+                  calls: Callable[[], ToolCallStream] | None, finished: Callable[[dict], None]) -> AsyncIterator[str]:  # fmt: skip
     """The chunks of ``n`` choices: a chat's role chunk per choice, one chunk per piece,
     each choice's finish, then the usage chunk (with ``include_usage``) and ``[DONE]``.
     With ``calls`` (a new splitter per choice) each choice's text is split into content
-    and ``delta.tool_calls`` (its pieces then carry no logprobs)."""
+    and ``delta.tool_calls`` (its pieces then carry no logprobs). ``finished`` is given
+    the job's ``done`` event."""
     splitters = {}
     try:
         if reply.kind == "chat":
@@ -257,6 +300,7 @@ async def _stream(job: Job, events, request, reply: Reply, include_usage: bool, 
                 yield sse(error_body(value, 500))
                 break
             elif kind == "done":
+                finished(value)
                 for index, splitter in sorted(splitters.items()):  # what each held back
                     text, found = splitter.finish()
                     if text or found:

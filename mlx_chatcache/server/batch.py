@@ -82,7 +82,7 @@ class BatchScheduler:
         self.prefilling: list[_Active] = []
         self.decode_tok_s, self._ticks = 0.0, 0
         self._held: Job | None = None  # a job that runs alone once the batch is empty
-        self._fed: list[tuple[list[int], list]] = []  # prompts that joined, to store: (tokens, layers)
+        self._fed: list[tuple[Job, list[int], list]] = []  # prompts that joined, to store: (job, tokens, layers)
         self._stopping = False
         self._stops = stop_token_ids(as_tokenizer_wrapper(worker.tokenizer))
         worker.batch = self
@@ -199,7 +199,7 @@ class BatchScheduler:
         """The job's choices join the batch: one row each, on copies of its prompt's cache."""
         config, job, w = a.job.config, a.job, self.worker
         if len(a.state.tokens) > a.cached:  # stored once the next decode call runs (see _decode_tick)
-            self._fed.append((list(a.state.tokens), list(a.state.cache)))
+            self._fed.append((job, list(a.state.tokens), list(a.state.cache)))
         base = compact_copy(a.state.cache) if job.n > 1 else None
         copies = [PromptCache(compact_copy(base), list(a.state.tokens), a.state.shape) for _ in range(job.n - 1)]
         a.states = [a.state, *copies]
@@ -224,8 +224,8 @@ class BatchScheduler:
                 self._failed(a.job, e)
             return
         now = time.perf_counter()
-        for tokens, cache in self._fed:  # prompts fed since the last tick: for the prompts after them
-            self.worker._put(tokens, cache, None, memory_only=True)
+        for job, tokens, cache in self._fed:  # prompts fed since the last tick: for the prompts after them
+            self.worker._put(job, tokens, cache, memory_only=True)
         self._fed.clear()
         self._ticks += 1
         if self._ticks % 256 == 0:  # as a job alone does every 256 tokens
@@ -278,7 +278,7 @@ class BatchScheduler:
                                "choices": choices}))  # fmt: skip
         for st in a.states or ([a.state] if a.state else []):
             if st.tokens:
-                w._put(st.tokens, st.cache, job.key, ends=prompt_ends(job))
+                w._put(job, st.tokens, st.cache, ends=prompt_ends(job))
         self._counted()
         w._flush(MAX_PENDING)
 
@@ -288,7 +288,7 @@ class BatchScheduler:
         if isinstance(e, ChatCacheError):
             job.emit(("error", str(e)))
         else:  # logged here, never shown to the client
-            log.error("generation failed", exc_info=e)
+            log.error("generation failed", exc_info=e, extra={"request_id": job.request_id})
             job.emit(("error", "internal error while generating; see the server log"))
         self._counted()
 

@@ -20,7 +20,8 @@ Messages have the roles ``system``, ``developer`` (read as ``system``), ``user``
 text, a call's ``arguments`` decoded to an object). ``model`` may be omitted. Text that is not valid
 Unicode (a lone surrogate from a ``\\ud800`` escape) is refused, naming its field. :func:`error_body` is
 the JSON every error response carries: ``{"error": {"message", "type",
-"param", "code"}}``. Nothing here touches the model.
+"param", "code"}, "request_id"}`` (the id while a request is handled, :mod:`.logs`).
+Nothing here touches the model.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import SERVER_DEFAULTS, SettingError, check_setting, range_of
+from .logs import current_request_id
 
 MAX_TEMPERATURE = 2.0  # OpenAI's API takes temperatures up to 2
 MAX_LOGIT_BIAS = 300  # entries
@@ -48,8 +50,11 @@ class RequestError(Exception):
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """The body of an error response; ``request_id`` beside ``error`` while a request is handled."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    rid = current_request_id()
+    return body if rid is None else {**body, "request_id": rid}
 
 
 @dataclass

@@ -16,7 +16,8 @@ Contract
   ``SERVER_DEFAULTS.store_report_pins``), each as ``key_sha256`` (the first 12
   hex digits of the SHA-256 of its UTF-8 bytes: keys may be user ids, so the
   key itself is never shown), ``entries``, ``tokens`` (its longest entry's),
-  ``bytes`` and ``tiers`` (their names);
+  ``bytes`` and ``tiers`` (their names); for a ``tenant`` (:mod:`.auth`), only the
+  keys its own requests pinned (``pinned_entries`` counts every key's);
 - ``history``: the worker's :class:`~.history.StatsHistory` samples, after
   sampling the totals now (one sample per period at most).
 
@@ -32,14 +33,16 @@ from ..config import SERVER_DEFAULTS
 from .worker import GenerationWorker
 
 
-def store_report(worker: GenerationWorker) -> dict:
+def store_report(worker: GenerationWorker, tenant: str | None = None) -> dict:
     totals = worker.served.totals()
     worker.history.sample(totals)
     store = worker.store
-    tiers, held = [], store.pins()
+    tiers, every = [], store.pins()
+    held = every if tenant is None else {name[len(tenant) + 1 :]: pin for name, pin in every.items()
+                                         if name.startswith(tenant + ":")}  # its own, by the key it gave (Job.pin)
     for tier in store.tiers:
         s = tier.stats()
-        pinned = [by_tier[tier.name].entries for by_tier in held.values() if tier.name in by_tier]
+        pinned = [by_tier[tier.name].entries for by_tier in every.values() if tier.name in by_tier]
         tiers.append({"name": tier.name, "bytes": s["bytes"], "budget": s["budget"], "entries": s["entries"],
                       "blocks": s["blocks"], "pinned_entries": sum(pinned) if s["entries"] is not None else None,
                       "hits": s["hits"], "evicted": s["evicted"], "refused": s["refused"],

@@ -58,13 +58,14 @@ def ui_mode(host: str, ui: bool = False, no_ui: bool = False) -> str:
     return "exposed" if ui else "off"
 
 
-def announcement(mode: str, host: str, port: int) -> str:
-    """The log line saying where the page is, or why it is off."""
+def announcement(mode: str, host: str, port: int, keys: bool = False) -> str:
+    """The log line saying where the page is, or why it is off (``keys``: API keys are needed)."""
     shown = f"[{host}]" if ":" in host else host
     if mode == "on":
-        return f"chat page: http://{shown}:{port}/"
+        return f"chat page: http://{shown}:{port}/" + (" (it asks for an API key)" if keys else "")
     if mode == "exposed":
-        return f"chat page: http://{shown}:{port}/ (reachable from other machines: no login)"
+        return f"chat page: http://{shown}:{port}/ (reachable from other machines: " + (
+            "it asks for an API key)" if keys else "no login)")
     if is_loopback(host):
         return "chat page off (--no-ui)"
     return f"chat page off (--host {host}: add --ui to serve it)"

@@ -22,13 +22,18 @@ A job reports through ``job.emit(event)``, called on the worker thread, with:
   0's; ``completion_tokens``: all choices'; ``choices``: per choice ``index``,
   ``finish_reason``, ``completion_tokens``, and with ``job.postprocess`` its
   ``content`` and ``tool_calls``; ``timing``: seconds queued, from leaving the
-  queue to the first token, and in all), or ``("error", message)``.
+  queue to the first token, and in all), or ``("error", message)``. By then
+  ``job.token_gaps`` holds the seconds between consecutive tokens of each choice.
 
 With ``job.n`` > 1 the prompt is fed once (all but its last token) and each
 choice ``i`` generates on its own copy of that cache, with seed ``seed + i``
 when the config has a seed: choice ``i`` is what a one-choice job with that
 seed gives (up to float rounding of the prompt's last token).
-``stats["prompt_tokens_computed"]`` counts the prompt tokens the model was fed.
+``stats["prompt_tokens_computed"]`` counts the prompt tokens the model was fed,
+``stats["tokens_generated"]`` the tokens sampled (every choice's, cancelled jobs' too).
+
+A job of a ``tenant`` (:mod:`.auth`) checks out and puts entries in that tenant's
+scope alone (:meth:`GenerationWorker.scope_of`), pinned under ``tenant:key``.
 
 ``job.cancel()`` (a client that went away) stops the job before it starts,
 during its prompt (between prefill chunks) or between tokens. Whatever a job
@@ -68,7 +73,7 @@ from ..generation.stops import StopMatcher
 from ..generation.text import stream_generate
 from ..store.store import PromptStore
 from ..cache import compact_copy
-from ..store.store import Scope
+from ..store.store import Scope, tenant_scope
 from .history import ServedTokens, StatsHistory
 
 log = logging.getLogger("mlxcc.serve")
@@ -123,11 +128,21 @@ class Job:
     processors: Callable[[], list[LogitsProcessor]] | None = None
     postprocess: Callable[[str], tuple[str | None, list]] | None = None
     system_end: int | None = None  # prompt tokens of its leading system messages (chat; None: none)
+    tenant: str | None = None  # whose store entries it uses (:mod:`.auth`; None: the shared ones)
+    request_id: str | None = None  # the HTTP request's id, in the log lines about the job
+    token_gaps: list[float] = field(default_factory=list)  # seconds between consecutive tokens of a choice
     submitted: float = field(default_factory=time.perf_counter)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
         self._cancelled.set()
+
+    @property
+    def pin(self) -> str | None:
+        """The name its entries are pinned under: its key, within its tenant's."""
+        if self.key is None or self.tenant is None:
+            return self.key
+        return f"{self.tenant}:{self.key}"
 
     @property
     def cancelled(self) -> bool:
@@ -145,13 +160,14 @@ class GenerationWorker:
     def __init__(self, model, tokenizer, store: PromptStore, config: GenerationConfig, max_queue: int):
         self.model, self.tokenizer, self.store, self.config = model, tokenizer, store, config
         self.scope: Scope = prompt_scope(model, config)  # model, cache settings, weight policy
+        self._scopes: dict[str, Scope] = {}  # per tenant
         self._queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self._thread = threading.Thread(target=self._loop, name="mlxcc-generation", daemon=True)
         self.batch = None  # a .batch.BatchScheduler, when one was attached
         self.served, self.history = ServedTokens(), StatsHistory()  # every job's prompt tokens and cached ones
         self.stats = {"jobs": 0, "cancelled": 0, "errors": 0, "busy": False, "peak_memory": 0,
                       "active_memory": 0, "queue_wait_s_total": 0.0, "queue_wait_s_max": 0.0,
-                      "prompt_tokens_computed": 0}  # fmt: skip
+                      "prompt_tokens_computed": 0, "tokens_generated": 0}  # fmt: skip
 
     def start(self) -> None:
         self._thread.start()
@@ -206,7 +222,7 @@ class GenerationWorker:
             job.emit(("error", str(e)))
         except Exception:  # logged here, never shown to the client
             self.stats["errors"] += 1
-            log.exception("generation failed")
+            log.exception("generation failed", extra={"request_id": job.request_id})
             job.emit(("error", "internal error while generating; see the server log"))
         finally:
             self.stats.update(busy=False, jobs=self.stats["jobs"] + 1,
@@ -249,10 +265,10 @@ class GenerationWorker:
                                "cached_tokens": cached, "cached_tier": tier, "timing": timing,
                                "choices": choices}))  # fmt: skip
         if checkpoint is not None:
-            self._put(job.prompt[: job.boundary], checkpoint, job.key)
+            self._put(job, job.prompt[: job.boundary], checkpoint)
         for st in states[: max(len(choices), 1)]:  # the copies of choices never started hold nothing new
             if st.tokens:
-                self._put(st.tokens, st.cache, job.key, ends=prompt_ends(job))
+                self._put(job, st.tokens, st.cache, ends=prompt_ends(job))
 
     def _choice_states(self, job: Job, state: PromptCache) -> list[PromptCache]:
         """The state each choice generates on: ``state`` itself for one choice; for more,
@@ -272,19 +288,29 @@ class GenerationWorker:
         copies = [compact_copy(base) for _ in range(job.n - 2)] + [base]
         return [state] + [PromptCache(c, list(state.tokens), state.shape) for c in copies]
 
-    def _put(self, tokens, cache, key, memory_only: bool = False, ends=()) -> None:
-        """Store a cache (``memory_only``: in the memory tier alone; ``ends``: shorter prefixes
-        served exactly too); a failing tier (a full disk) is logged, the client has its reply."""
+    def scope_of(self, job: Job) -> Scope:
+        """The store scope of ``job``'s entries: its tenant's, or the shared one."""
+        if job.tenant is None:
+            return self.scope
+        if job.tenant not in self._scopes:
+            self._scopes[job.tenant] = tenant_scope(self.scope, job.tenant)
+        return self._scopes[job.tenant]
+
+    def _put(self, job: Job, tokens, cache, memory_only: bool = False, ends=()) -> None:
+        """Store a cache of ``job`` in its scope, pinned under its key unless ``memory_only``
+        (then in the memory tier alone; ``ends``: shorter prefixes served exactly too); a
+        failing tier (a full disk) is logged, the client has its reply."""
         try:
-            self.store.put(self.scope, tokens, cache, key, defer=True, memory_only=memory_only, ends=ends)
+            self.store.put(self.scope_of(job), tokens, cache, None if memory_only else job.pin, defer=True,
+                           memory_only=memory_only, ends=ends)  # fmt: skip
         except (ChatCacheError, OSError) as e:
             self.stats["store_errors"] = self.stats.get("store_errors", 0) + 1
-            log.warning("could not store a prompt cache: %s", e)
+            log.warning("could not store a prompt cache: %s", e, extra={"request_id": job.request_id})
 
     def _checkout(self, job: Job) -> tuple[PromptCache, int, str | None]:
         """The longest stored prefix of the prompt, trimmed to it, its length and
         the tier it came from (None: no token did)."""
-        state, tier = self.store.checkout(self.scope, self.model, job.prompt, self.config.shape)
+        state, tier = self.store.checkout(self.scope_of(job), self.model, job.prompt, self.config.shape)
         cached = 0 if tier is None else reuse_prefix(state, job.prompt, self.model)
         return state, cached, ("memory" if tier == "pending" else tier) if cached else None
 
@@ -365,11 +391,17 @@ class ChoiceOutput:
     def __init__(self, worker: GenerationWorker, job: Job, index: int):
         self.worker, self.job, self.index = worker, job, index
         self.stops, self.n, self.text, self.offset, self.pending = StopMatcher(job.stop), 0, [], 0, []
+        self._last: float | None = None  # when its last token came
 
     def token(self, text: str, token: int, logprobs: mx.array, finish_reason: str | None) -> str | None:
         """Take a sampled token, its text and ``logprobs`` ``(V,)``; the reason the choice ends
         here ("stop", "length", "cancelled"), None when it goes on."""
         self.n += 1
+        self.worker.stats["tokens_generated"] += 1
+        now = time.perf_counter()
+        if self._last is not None:
+            self.job.token_gaps.append(now - self._last)
+        self._last = now
         job = self.job
         if job.logprobs and finish_reason != "stop":  # the stop token is no part of the reply
             self.pending.append(self.worker._logprob(token, logprobs, job.top_logprobs, self.offset))

@@ -79,6 +79,14 @@ def make_scope(fingerprint: ModelFingerprint, settings: dict) -> Scope:
     return Scope(hashlib.sha256(ident.encode()).hexdigest()[:32], fingerprint, dict(settings))
 
 
+def tenant_scope(scope: Scope, tenant: str) -> Scope:
+    """``scope`` for the entries of one tenant alone: its id (never a secret) is hashed into
+    the namespace and recorded with each value, so no other scope serves or finds them."""
+    if not scope.namespace:
+        return scope
+    return make_scope(scope.fingerprint, {**scope.settings, "tenant": tenant})
+
+
 class PromptStore:
     def __init__(self, tiers: Sequence[Tier] = (), block_tokens: int = SERVER_DEFAULTS.store_block_tokens):
         self.tiers = list(tiers)
@@ -339,4 +347,4 @@ def build_store(memory_bytes: int, disk_bytes: int, cache_dir, redis_url: str | 
     return PromptStore(tiers)
 
 
-__all__ = ["PromptStore", "Scope", "build_store", "make_scope"]
+__all__ = ["PromptStore", "Scope", "build_store", "make_scope", "tenant_scope"]

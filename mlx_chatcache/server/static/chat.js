@@ -4,22 +4,61 @@ import { finishedLength, renderMarkdown } from "./markdown.js";
 
 const STORE_KEY = "mlxcc.conversations";
 const CURRENT_KEY = "mlxcc.current";
+const API_KEY = "mlxcc.apiKey"; // sessionStorage: kept for this tab only
 const SETTINGS = ["temperature", "top_p", "max_tokens", "seed", "stop"];
 const $ = (id) => document.getElementById(id);
+
+let asking = null; // the pending question for the key, shared by every request that needs it
+
+/** Show the key form ("why" says why) and resolve once a key is entered. */
+function askKey(why) {
+  if (!asking) {
+    asking = new Promise((resolve) => {
+      const form = $("key-form");
+      $("key-why").textContent = why;
+      form.hidden = false;
+      $("key").focus();
+      form.addEventListener("submit", (event) => {
+        event.preventDefault();
+        const key = $("key").value.trim();
+        if (!key) return;
+        sessionStorage.setItem(API_KEY, key);
+        $("key").value = "";
+        form.hidden = true;
+        asking = null;
+        resolve();
+      }, { once: true });
+    });
+  }
+  return asking;
+}
+
+/** fetch() with this tab's API key; a 401 asks for the key (kept for the tab) and sends again. */
+export async function api(path, options = {}) {
+  for (;;) {
+    const key = sessionStorage.getItem(API_KEY);
+    const headers = { ...(options.headers || {}) };
+    if (key) headers.Authorization = "Bearer " + key;
+    const response = await fetch(path, { ...options, headers });
+    if (response.status !== 401) return response;
+    sessionStorage.removeItem(API_KEY);
+    await askKey(key ? "The key was refused: enter it again." : "This server needs an API key.");
+  }
+}
 
 /** Fill the header (model name, exposure banner); shared by both pages. Returns the model id. */
 export async function header() {
   let model = null;
   try {
-    const models = await (await fetch("/v1/models")).json();
+    const models = await (await api("/v1/models")).json();
     model = models.data[0].id;
     $("model").textContent = model;
   } catch {
     $("model").textContent = "(server not reachable)";
   }
   try {
-    const ui = await (await fetch("/v1/ui")).json();
-    if (ui.exposed) {
+    const ui = await (await api("/v1/ui")).json();
+    if (ui.exposed && !sessionStorage.getItem(API_KEY)) {
       const banner = $("exposed");
       banner.textContent = `This page is reachable from other machines (--host ${ui.host} --ui): anyone who ` +
         "reaches it can chat and read the store statistics; there is no login.";
@@ -234,7 +273,7 @@ async function send(text) {
   let firstAt = 0;
   let failure = null;
   try {
-    const response = await fetch("/v1/chat/completions", { method: "POST", body: JSON.stringify(body),
+    const response = await api("/v1/chat/completions", { method: "POST", body: JSON.stringify(body),
       headers: { "Content-Type": "application/json" }, signal: controller.signal });
     if (!response.ok) throw new Error(await errorText(response));
     for await (const obj of sseEvents(response.body.getReader())) {

@@ -1,7 +1,7 @@
 // The store page: read-only statistics of the prompt-cache store, polled every few seconds.
 // Reads GET /v1/store when the server has it, else the store part of GET /health; never any
 // cached tokens or text.
-import { header } from "./chat.js";
+import { api, header } from "./chat.js";
 
 const $ = (id) => document.getElementById(id);
 const COLORS = { memory: "#2a7ae2", disk: "#d9822b", redis: "#c0392b" };
@@ -167,9 +167,9 @@ function plot({ unit, data, share }) {
 }
 
 async function fetchStore() {
-  const rich = await fetch("/v1/store");
+  const rich = await api("/v1/store");
   if (rich.ok) return normalize(await rich.json(), false);
-  return normalize(await (await fetch("/health")).json(), true);
+  return normalize(await (await api("/health")).json(), true);
 }
 
 async function refresh() {
