@@ -160,7 +160,8 @@ def test_sigterm_lets_a_running_stream_finish_and_its_next_turn_is_a_hit(tiny_mo
         records = log_records(s)
     logged = json.dumps(records)
     assert KEY not in logged and "Traceback" not in logged
-    access = [r for r in records if r.get("request_id") == stream.request_id == "the-long-stream"]
+    access = [r for r in records if r.get("request_id") == stream.request_id == "the-long-stream"
+              and r["logger"] == "mlxcc.serve.access"]  # (its other lines: a busy machine's Redis timeouts)
     assert [(r["path"], r["status"]) for r in access] == [("/v1/chat/completions", 200)]
     assert sum("draining" in r["message"] for r in records) == 1
 
