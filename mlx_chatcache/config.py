@@ -1,4 +1,4 @@
-"""Every default of mlx_chatcache: generation settings in one dataclass, the
+"""Every default of mlx_chatcache (and its version): generation settings in one dataclass, the
 one default of a chat session that is not a generation setting, and the time
 budget of an interruptible model call.
 
@@ -12,6 +12,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+
+VERSION = "0.1.0"  # mlx_chatcache.__version__ (the package's, recorded in every cache file it writes)
 
 
 @dataclass(frozen=True)

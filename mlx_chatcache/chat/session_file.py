@@ -65,6 +65,7 @@ class SessionRecord:
     branch_of: dict | None = None  # {"session": name or path, "turns": n}: forked from there, at n turns
     template_args: dict | None = None  # extra arguments of the chat template
     stop: tuple[str, ...] = ()  # stop strings: a reply ends before the first
+    reread: list = dataclasses.field(default_factory=list)  # spans of ``pending`` read before (chat.held)
 
 
 # ------------------------------------------------------------------ save
@@ -79,13 +80,27 @@ def session_metadata(record: SessionRecord, snapshot_index: Sequence[int] = ()) 
         "keep": record.state.shape.keep,
         "pending": list(record.pending),
         "text": record.text,
-        "checkpoints": [[*c.to_json(), k] for c, k in zip(record.checkpoints, index)],
+        "checkpoints": [[*c.to_json(), k, *([_spans_json(c.reread)] if c.reread else [])]
+                        for c, k in zip(record.checkpoints, index)],
         "attempt": record.attempt,
         **({"source": record.source} if record.source else {}),
         **({"branch_of": record.branch_of} if record.branch_of else {}),
         **({"template_args": record.template_args} if record.template_args else {}),
         **({"stop": list(record.stop)} if record.stop else {}),
+        **({"reread": _spans_json(record.reread)} if record.reread else {}),
     }
+
+
+def _spans_json(spans) -> list[list[int]]:
+    return [[a, b] for a, b in spans]
+
+
+def _parse_spans(path, raw) -> list[tuple[int, int]]:
+    """Spans of positions as a session file records them (``[[start, end], ...]``)."""
+    if not (isinstance(raw, list) and all(isinstance(x, list) and len(x) == 2 and all(_is_int(v) for v in x)
+                                          and 0 <= x[0] <= x[1] for x in raw)):  # fmt: skip
+        raise CacheFileError(f"{path}: the session's recomputation spans are malformed; the file is damaged")
+    return [(a, b) for a, b in raw]
 
 
 def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
@@ -197,7 +212,7 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
     template_args, stop = _parse_template_and_stop(path, meta)
     return SessionRecord(state, config, pending, text, checkpoints, attempt if _is_int(attempt) else 0,
                          notes=notes, branch_of=parse_branch_of(meta, path), template_args=template_args,
-                         stop=stop)  # fmt: skip
+                         stop=stop, reread=_parse_spans(path, meta.get("reread", [])))  # fmt: skip
 
 
 def _parse_session_json(path, raw: str) -> dict:
@@ -273,11 +288,11 @@ def _parse_checkpoints(path, meta: dict, state: PromptCache) -> list[Checkpoint]
 
     checkpoints, index = [], []
     for ck in meta.get("checkpoints", []):
-        if not (isinstance(ck, list) and len(ck) in (4, 5) and all(_is_int(v) for v in ck[:4])
+        if not (isinstance(ck, list) and len(ck) in (4, 5, 6) and all(_is_int(v) for v in ck[:4])
                 and (len(ck) == 4 or type(ck[4]) is int and ck[4] >= -1)):  # fmt: skip
             raise CacheFileError(f"{path}: session checkpoints are malformed; the file is damaged")
-        checkpoints.append(Checkpoint(*ck[:4]))
-        index.append(ck[4] if len(ck) == 5 else -1)
+        checkpoints.append(Checkpoint(*ck[:4], reread=_parse_spans(path, ck[5]) if len(ck) == 6 else []))
+        index.append(ck[4] if len(ck) >= 5 else -1)
     if any(k >= 0 for k in index):
         snapshots = load_snapshots(path)
         for ck, k in zip(checkpoints, index):

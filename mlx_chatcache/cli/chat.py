@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=None) -> int:
     from ..chat.session import ChatSession  # imports mlx-lm: only when the chat starts, not for --help
+    from .chat_report import cost_text
     from .chat_input import StreamReader, TerminalReader
     from .repl import ChatREPL, history_file
 
@@ -129,15 +130,12 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=N
         session = ChatSession.load(path, model, tokenizer, overrides=overrides, shared=shared)
         for line in session.load_notes:
             _note(line)
-        _note(
-            f"resumed session {label}: {plural(session.num_turns, 'turn')}, "
-            f"{plural(session.cached_tokens, 'token')} in the cache, 0 tokens recomputed"
-        )
+        _note(f"resumed session {label}: {plural(session.num_turns, 'turn')}, {cost_text(session)}")
         for line in recap(session.messages):
             _note(line)
         if args.system_prompt is not None and args.system_prompt != (session.system_prompt or ""):
             session.set_system_prompt(args.system_prompt)
-            _note("[new system prompt: the conversation will be re-read on the next turn]")
+            _note(f"[new system prompt: {cost_text(session)}]")
     else:
         session = ChatSession(model, tokenizer, system_prompt=args.system_prompt, config=config_from_args(args),
                               shared=shared, template_args=template, stop=args.stop or ())  # fmt: skip
@@ -215,7 +213,9 @@ def _from_prebuilt(args, model, tokenizer, shared, info, config):
     session = ChatSession.from_prompt_cache(model, tokenizer, prompt, config=config, shared=shared)
     if args.system_prompt is not None and args.system_prompt != (session.system_prompt or ""):
         session.set_system_prompt(args.system_prompt)
-        _note(f"[new system prompt: the cache of {f} is not used; its messages will be read on the first turn]")
+        from .chat_report import cost_text
+
+        _note(f"[new system prompt: the cache of {f} keeps its common start; {cost_text(session)}]")
         return session
     _note(f"[started from {f}: {plural(len(prompt.tokens), 'token')} in the cache, 0 tokens recomputed]")
     window = prompt.shape
