@@ -124,7 +124,7 @@ class SessionRollback:
         # rendered again; the cache keeps its common start
         del self.messages[i:]
         trimmable = can_trim_prompt_cache(self.state.cache)
-        self._rebase(None)
+        self.rebase(None)
         return RollbackResult("rerender" if trimmable else "recompute", overlap(self.reread, 0, len(self.tokens)))
 
     def user_message_index(self, n: int | None) -> int:

@@ -354,7 +354,7 @@ class ChatSession(SessionRollback):
     def set_system_prompt(self, text: str | None) -> None:
         """Replace the system prompt. History stays: its held tokens wait in ``pending``
         behind the new system prompt, and the cache keeps the common start
-        (:meth:`_rebase`); the next turn feeds the rest."""
+        (:meth:`rebase`); the next turn feeds the rest."""
         text = text or None
         if text == self.system_prompt:
             return
@@ -364,20 +364,20 @@ class ChatSession(SessionRollback):
             self.messages.pop(0)
         if text is not None:
             self.messages.insert(0, {"role": "system", "content": text})
-        self._rebase(old, fresh=self.config.max_kv_size is not None and self.pinned_tokens() != keep)
+        self.rebase(old, fresh=self.config.max_kv_size is not None and self.pinned_tokens() != keep)
 
     def set_template_args(self, args: dict | None) -> None:
         """Replace the chat template's extra arguments; the conversation is rendered again
-        and the cache keeps the common start (:meth:`_rebase`)."""
+        and the cache keeps the common start (:meth:`rebase`)."""
         if (args or None) != self.template_args:
             old = self._rendered()
             self.template_args = args or None
-            self._rebase(old, fresh=self.config.max_kv_size is not None)
+            self.rebase(old, fresh=self.config.max_kv_size is not None)
 
     def clear(self) -> None:
         """Forget the conversation; the system prompt stays, and so does the cache's part of it."""
         self.messages = self.messages[:1] if self.system_prompt is not None else []
-        self._rebase(None)
+        self.rebase(None)
         self.attempt = 0
 
     def _rendered(self) -> tuple[str, int]:
@@ -386,7 +386,7 @@ class ChatSession(SessionRollback):
         text = self.render(self.messages, add_generation_prompt=False) if self.messages else ""
         return text, history_start(self.tokenizer, self.messages, text, self.template_args)
 
-    def _rebase(self, old: tuple[str, int] | None, fresh: bool = False) -> None:
+    def rebase(self, old: tuple[str, int] | None, fresh: bool = False) -> None:
         """Hold the tokens of the conversation rendered now (:func:`~mlx_chatcache.chat.held.rebased`;
         ``old``: its rendering before the change). The cache keeps its common start with them
         (``fresh``: a new cache, for a window that pins another count); ``pending`` the rest,

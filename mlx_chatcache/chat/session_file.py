@@ -13,10 +13,13 @@ settings and the bookkeeping of a
 :func:`load_session` reads one back for a model and refuses, in one line each:
 a missing file and a cache file that is not a session or uses a newer session
 format (:class:`SessionError`), a file made with another model
-(:class:`ModelMismatchError`), damaged session metadata
-(:class:`CacheFileError`). A saved setting of the right type but outside its
-range (:data:`~mlx_chatcache.config.RANGES`; an older version may have saved
-it) is dropped, the default used, and said in one line of the record's ``notes``.
+(:class:`ModelMismatchError`), a header that cannot be read (:class:`CacheFileError`:
+nothing to repair from) and a damaged cache or session metadata under a header
+that reads whole (:class:`DamagedSessionError`: :func:`stored_session` reads the
+conversation and settings it still holds, to repair it). A saved setting of the
+right type but outside its range (:data:`~mlx_chatcache.config.RANGES`; an older
+version may have saved it) is dropped, the default used, and said in one line of
+the record's ``notes``.
 
 Names
 -----
@@ -31,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -179,7 +183,11 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
 
     if not os.path.isfile(path):
         raise SessionError(f"session file not found: {path}")
-    info = read_cache_info(path)
+    try:
+        info = read_cache_info(path)
+    except CacheFileError as e:  # the header: the conversation cannot be read either
+        raise CacheFileError(f"{path} cannot be read ({damage_detail(str(e), path)}), nor can the conversation it "
+                             "held, so it cannot be repaired; start a new session") from None  # fmt: skip
     fingerprint = getattr(model, "fingerprint", None)
     try:
         if fingerprint is not None:
@@ -194,25 +202,98 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
             f"'mlxcc generate --prompt-cache-file {path}')"
         )
     meta = _parse_session_json(path, raw)
-    notes: list[str] = []
-    config = _parse_config(path, meta.get("settings"), notes)
-    config = config.windowed(_parse_window(path, meta))
-    overrides = overrides or {}
-    # the shape flags ask for: loading refuses a cache made otherwise (as for any cache file)
-    config = config.updated(**{k: v for k, v in overrides.items() if k in SHAPE_KEYS and k != "keep"})
-    try:
-        state = PromptCache.load(path, model, config.shape, what="session", header=info)
-    except UsageError as e:  # other cache-shape settings than the session's
-        raise SessionError(str(e)) from None
-    config = config.updated(**{k: v for k, v in overrides.items() if k not in SHAPE_KEYS})
-    pending, text = _parse_text(path, meta)
-    checkpoints = _parse_checkpoints(path, meta, state)
-    attempt = meta.get("attempt", 0)
-    state.messages, state.text = info.messages, None
-    template_args, stop = _parse_template_and_stop(path, meta)
+    try:  # the header read above holds the conversation: what fails below can be repaired from it
+        notes: list[str] = []
+        config = _parse_config(path, meta.get("settings"), notes)
+        config = config.windowed(_parse_window(path, meta))
+        overrides = overrides or {}
+        # the shape flags ask for: loading refuses a cache made otherwise (as for any cache file)
+        config = config.updated(**{k: v for k, v in overrides.items() if k in SHAPE_KEYS and k != "keep"})
+        try:
+            state = PromptCache.load(path, model, config.shape, what="session", header=info)
+        except UsageError as e:  # other cache-shape settings than the session's
+            raise SessionError(str(e)) from None
+        config = config.updated(**{k: v for k, v in overrides.items() if k not in SHAPE_KEYS})
+        pending, text = _parse_text(path, meta)
+        checkpoints = _parse_checkpoints(path, meta, state)
+        attempt = meta.get("attempt", 0)
+        state.messages, state.text = info.messages, None
+        template_args, stop = _parse_template_and_stop(path, meta)
+        reread = _parse_spans(path, meta.get("reread", []))
+    except CacheFileError as e:
+        raise DamagedSessionError(path, damage_detail(str(e), path), len(info.messages)) from None
     return SessionRecord(state, config, pending, text, checkpoints, attempt if _is_int(attempt) else 0,
                          notes=notes, branch_of=parse_branch_of(meta, path), template_args=template_args,
-                         stop=stop, reread=_parse_spans(path, meta.get("reread", [])))  # fmt: skip
+                         stop=stop, reread=reread)  # fmt: skip
+
+
+class DamagedSessionError(CacheFileError):
+    """A session whose cache cannot be loaded (its bytes changed, or its layers disagree) while
+    its header, with the conversation and the settings, reads whole: it can be repaired from
+    them (:func:`stored_session`, ``mlxcc sessions repair``). ``detail`` says what is wrong."""
+
+    def __init__(self, path, detail: str, messages: int):
+        self.path, self.detail, self.messages = path, detail, messages
+        super().__init__(f"{path} is damaged ({detail}); its {messages} messages are intact: repair it with "
+                         f"'mlxcc sessions repair {repair_ref(path)}' (the cache is computed again from them)")
+
+
+def repair_ref(path) -> str:
+    """How ``mlxcc sessions repair`` names the session at ``path``: its name, or its path
+    (with a ``/``, which no session name has)."""
+    name = session_name(Path(path))
+    if name != str(path):
+        return name
+    return name if "/" in name else os.path.join(".", name)
+
+
+def damage_detail(text: str, path) -> str:
+    """What an error about the file at ``path`` says is wrong: its first parenthesised
+    detail, else its text without the path and the remedy."""
+    body = text.replace(str(path), "").strip(" :;")
+    m = re.search(r"\(([^()]*)\)", body)
+    return m.group(1) if m else clipped(body.split("; ")[0], 120)
+
+
+def stored_session(path: str | os.PathLike, model) -> SessionRecord:
+    """What the session at ``path`` holds besides its cache, from its header alone (a session
+    whose arrays are damaged): the conversation, the settings, the window, the template
+    arguments, stop strings and branch. ``state`` is a new empty cache of that window holding
+    the messages; a setting that cannot be read is dropped (a line in ``notes``). Raises as
+    :func:`load_session` does for a header that cannot be read or is not a session's."""
+    from ..files.prompt_cache import PromptCache
+
+    info = read_cache_info(path)
+    fingerprint = getattr(model, "fingerprint", None)
+    if fingerprint is not None:
+        try:
+            fingerprint.check(info.model, what="session")
+        except ModelMismatchError as e:
+            raise ModelMismatchError(f"{path}: {e}") from None
+    if info.messages is None or SESSION_KEY not in info.metadata:
+        raise SessionError(f"{path} is a cache file, not a chat session: there is no conversation to repair it from")
+    notes: list[str] = []
+    meta = _readable(path, notes, "the session's settings", lambda: _parse_session_json(path, info.metadata[SESSION_KEY]), {})
+    config = _readable(path, notes, "the sampling settings", lambda: _parse_config(path, meta.get("settings"), notes),
+                       DEFAULTS)  # fmt: skip
+    window = _readable(path, notes, "the window", lambda: _parse_window(path, meta), CacheShape())
+    template_args, stop = _readable(path, notes, "the template arguments and stop strings",
+                                    lambda: _parse_template_and_stop(path, meta), (None, ()))  # fmt: skip
+    config = config.windowed(window)
+    state = PromptCache.new(model, config.shape)
+    state.messages = [dict(m) for m in info.messages]
+    return SessionRecord(state, config, [], "", [], 0, source=meta.get("source") if isinstance(meta.get("source"), dict)
+                         else None, notes=notes, branch_of=parse_branch_of(meta, path), template_args=template_args,
+                         stop=stop)  # fmt: skip
+
+
+def _readable(path, notes: list[str], what: str, parse, default):
+    """``parse()``, or ``default`` with a line in ``notes`` when the file holds it damaged."""
+    try:
+        return parse()
+    except CacheFileError:
+        notes.append(f"warning: {path}: {what} could not be read; the defaults are used")
+        return default
 
 
 def _parse_session_json(path, raw: str) -> dict:
@@ -377,6 +458,10 @@ __all__ = [
     "kept_copies",
     "save_session",
     "load_session",
+    "stored_session",
+    "DamagedSessionError",
+    "damage_detail",
+    "repair_ref",
     "session_name",
     "session_path",
     "sessions_dir",

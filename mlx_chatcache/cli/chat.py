@@ -25,7 +25,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..chat.session_file import session_path
+from ..chat.session_file import DamagedSessionError, session_path
+from ..config import SHAPE_KEYS
 from ..files.cache_file import claim
 from ..errors import SessionError, UsageError
 from ..files.atomic import remove_stale_temp_files
@@ -127,7 +128,11 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=N
             _note(f"new session {label} (saved after every turn to {path})")
     elif path is not None and path.exists():
         overrides = config_overrides(args)
-        session = ChatSession.load(path, model, tokenizer, overrides=overrides, shared=shared)
+        try:
+            session = ChatSession.load(path, model, tokenizer, overrides=overrides, shared=shared)
+        except DamagedSessionError as e:
+            session = _offer_repair(e, label, model, tokenizer, shared, held)
+            session.update_settings({k: v for k, v in overrides.items() if k not in SHAPE_KEYS})
         for line in session.load_notes:
             _note(line)
         _note(f"resumed session {label}: {plural(session.num_turns, 'turn')}, {cost_text(session)}")
@@ -163,6 +168,29 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=N
         session_label=label,
     )
     return repl.run()
+
+
+def _offer_repair(damaged, label: str, model, tokenizer, shared, held):
+    """On a terminal, ask to repair the damaged session (its cache computed again from its
+    messages, with progress, and saved); else, or when declined, the one-line error says how."""
+    from ..chat.repair import repair_session
+    from .progress import ProgressBar
+
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        raise damaged
+    sys.stderr.write(f"session {label} is damaged ({damaged.detail}); its {plural(damaged.messages, 'message')} "
+                     "are intact. Compute its cache again from them now? [Y/n] ")  # fmt: skip
+    sys.stderr.flush()
+    if sys.stdin.readline().strip().lower() not in ("", "y", "yes"):
+        raise damaged
+    bar = ProgressBar("repair", stream=sys.stderr)
+    try:
+        session = repair_session(held.path, model, tokenizer, progress=bar.update, shared=shared)
+    finally:
+        bar.close()
+    session.save(held)
+    _note(f"[repaired: {plural(session.cached_tokens, 'token')} computed again and saved]")
+    return session
 
 
 def _prebuilt_header(args, path: Path | None, label: str | None):

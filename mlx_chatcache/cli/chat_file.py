@@ -117,7 +117,7 @@ class ChatFile:
     def load(self, session: ChatSession, name: str) -> ChatSession:
         """``/load FILE``: the session saved in FILE, which the chat is saved to from now on
         (its claim replaces this chat's); nothing is written."""
-        _check_loadable(name)
+        check_session_file(name, f"/load {name}", LOAD_HINT)
         own = self.covers(name)
         # mine: this chat's session from now on; whatever FILE holds is checked by the load
         new = self.held if own else claim(name, mine=True, label=name, required=True)
@@ -191,24 +191,27 @@ class ChatFile:
                   f"(resume it with 'mlxcc chat {again}')]")  # fmt: skip
 
 
-def _check_loadable(name: str) -> None:
-    """A one-line UsageError for a FILE ``/load`` cannot continue: missing, a folder, not a
-    cache file, or a cache file that is not a chat session (a damaged one is the load's to report)."""
+LOAD_HINT = "/load takes a session file that 'mlxcc chat' or /save wrote ('mlxcc sessions' lists the named ones)"
+
+
+def check_session_file(name: str | os.PathLike, command: str, hint: str) -> None:
+    """A one-line UsageError (``command: why; hint``) for a file that cannot be a chat session:
+    missing, a folder, not a cache file, or a cache file that is not a session. A damaged one
+    passes: loading it says what is wrong, and how to repair it."""
     from ..files.mlxcc_format import read_cache_info
 
     path = Path(name).expanduser()
-    hint = "/load takes a session file that 'mlxcc chat' or /save wrote ('mlxcc sessions' lists the named ones)"
     if not path.is_file():
-        raise UsageError(f"/load {name}: {'it is a folder' if path.is_dir() else 'no such file'}; {hint}")
+        raise UsageError(f"{command}: {'it is a folder' if path.is_dir() else 'no such file'}; {hint}")
     if cache_file_kind(path) is None:
-        raise UsageError(f"/load {name}: it is not a prompt cache file; {hint}")
+        raise UsageError(f"{command}: it is not a prompt cache file; {hint}")
     try:
         info = read_cache_info(path)
     except ChatCacheError:
-        return  # damaged: the load says so, and how to repair it
+        return  # damaged: the load says so
     if not is_session(info):
-        raise UsageError(f"/load {name}: it is a prompt cache, not a chat session; {hint} (start a chat "
-                         f"from it with 'mlxcc chat --prompt-cache-file {name}')")  # fmt: skip
+        raise UsageError(f"{command}: it is a prompt cache, not a chat session; {hint} (start a chat from it "
+                         f"with 'mlxcc chat --prompt-cache-file {name}')")  # fmt: skip
 
 
-__all__ = ["ChatFile"]
+__all__ = ["ChatFile", "LOAD_HINT", "check_session_file"]
