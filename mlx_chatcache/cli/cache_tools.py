@@ -31,7 +31,8 @@ def add_actions(csub) -> None:
         description="Keep the first N tokens of a cache file (with --drop: remove the last N, as "
         "mlx-lm's trim_prompt_cache does). A chat cache keeps its token ids but not its messages, "
         "so a later generate reuses the common prefix. Refused for caches that cannot drop tokens "
-        "(recurrent layers, a rotating window that has wrapped) and for chat sessions.",
+        "(recurrent layers, a rotating window that has wrapped), and for a chat session in place "
+        "(with --output its first tokens become a prompt cache, not a session).",
     )
     trim.add_argument("file", help="the cache file")
     trim.add_argument("n", type=non_negative_int, metavar="N", help="tokens to keep (with --drop: to remove from the end)")
@@ -67,9 +68,10 @@ def run_trim(args: argparse.Namespace) -> int:
     in_place = args.output is None
     # in place, FILE is replaced only by its own trimmed cache: it must be one, and not a session (below)
     with claim(args.output or args.file, force=args.force or in_place) as out:
-        if is_session(read_cache_info(args.file)):
-            raise UsageError(f"{args.file} is a chat session: trimming would break its bookkeeping; use /undo "
-                             "in 'mlxcc chat' (or export it with 'mlxcc cache convert' first)")  # fmt: skip
+        if in_place and is_session(read_cache_info(args.file)):
+            raise UsageError(f"{args.file} is a chat session: trimming it in place would break its bookkeeping; "
+                             f"/undo in 'mlxcc chat --session-file {args.file}' removes exchanges, or add "
+                             "--output OUT to write its first tokens as a prompt cache (not a session)")  # fmt: skip
         before, after = trim_cache_file(args.file, out, args.n, args.drop)
     print(f"{args.output or args.file}: {before} -> {plural(after, 'token')}")
     return 0

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Iterator, TextIO
 
 from .common import setting_value
-from ..config import RANGES
-from ..errors import UsageError
+from ..config import RANGES, SettingError
+from ..errors import UsageError, clipped
 
 PROMPT, CONTINUATION = ">>> ", "... "
 FENCE = '"""'
@@ -207,11 +207,14 @@ def parse_setting(arg: str) -> tuple[str, object]:
     name = aliases.get(name, name)
     if name not in SETTINGS or not value.strip():
         raise UsageError(f"usage: /set NAME VALUE with NAME one of {', '.join(SETTINGS)}")
+    text, r = value.strip(), RANGES[name]
+    none = " (or none)" if r.optional else ""
     try:
-        return name, setting_value(name, value.strip())
-    except ValueError as e:  # SettingError included: "must be RANGE, got VALUE"
-        none = " (or none)" if RANGES[name].optional else ""
-        raise UsageError(f"/set {name}: {e}{none}") from None
+        return name, setting_value(name, text)
+    except SettingError:  # out of its range: said as typed
+        raise UsageError(f"/set {name}: must be {r.describe()}{none}, got {clipped(text, 40)}") from None
+    except ValueError as e:  # not a number: "invalid number: 'x'"
+        raise UsageError(f"/set {name}: {e}; give {r.describe()}{none}") from None
 
 
 __all__ = [
