@@ -435,6 +435,7 @@ def test_store_page_reads_the_rich_store_shape(browser, server):
                                "r => [...r.children].map(c => c.textContent))")  # fmt: skip
         assert [r[0] for r in rows] == ["memory", "redis"] and rows[1][4] == "17" and rows[0][4] == "-"
         assert rows[1][1] == "2.0 KB / 1.0 KB"  # over budget is shown as it is
+        assert "lookups 10 · misses 5 (50% found) · pending writes 0 · " in browser.text("#summary")
         pins = browser.execute("return [...document.querySelectorAll('#pins tbody tr')].map("
                                "r => [...r.children].map(c => c.textContent))")  # fmt: skip
         assert pins[0][0].endswith("(this browser)") and not pins[1][0].endswith("(this browser)")
