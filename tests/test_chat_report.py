@@ -85,3 +85,20 @@ def test_without_a_default_the_system_prompt_is_none(tiny_model_dirs, tmp_path):
     out = chat(tiny_model_dirs["llama"], tmp_path, ["/system", "/show info"])
     assert out.startswith("(no system prompt)\n") and info(out)["system prompt"] == "(none)"
     assert info(out)["stop"] == "(none)" and info(out)["template args"] == "(none)"
+
+
+def test_show_cache_after_a_cancelled_first_prompt_holds_nothing(llama_model):
+    """A prompt cancelled while it is read (Ctrl-C) leaves the cache as it was: empty, with no
+    arrays kept for it (``/show cache`` says 0 tokens and 0 bytes, not the cancelled prompt's room)."""
+    from mlx_chatcache.chat.session import ChatSession
+    from mlx_chatcache.cli.chat_report import cache_text
+    from mlx_chatcache.config import DEFAULTS
+
+    model, tokenizer = llama_model
+    s = ChatSession(model, tokenizer, config=DEFAULTS.updated(max_tokens=3, prefill_step_size=16))
+    calls = []
+    r = s.ask("word " * 400, should_stop=lambda: calls.append(1) or len(calls) > 3)
+    assert r.stats.finish_reason == "cancelled" and s.messages == []
+    lines = cache_text(s).splitlines()
+    assert lines[0].startswith("tokens:      0 in the cache") and lines[1] == "bytes:       0 B of arrays"
+    assert s.ask("Hello").stats.reused_tokens == 0  # and the next turn starts from nothing, as said
