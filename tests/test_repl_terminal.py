@@ -230,3 +230,26 @@ def test_the_chat_offers_to_repair_a_damaged_session(tiny_model_dirs, tmp_path):
     assert child.exitstatus == 0
     info = read_cache_info(f)
     assert [m["content"] for m in info.messages if m["role"] == "user"] == ["Good morning!", "And then?"]
+
+
+def test_keys_typed_during_a_reply_are_not_echoed_into_it(tiny_model_dirs, tmp_path):
+    """While a reply streams the terminal does not echo typed keys into it; they wait for the
+    next prompt, which shows them (Enter sends them)."""
+    child = spawn(tiny_model_dirs["llama"], tmp_path, "--session", "keys", "--max-tokens", "150", "-v")
+    try:
+        child.expect(PROMPT)
+        child.sendline("Write a list: apples, oranges.")
+        child.expect_exact(PASTE_OFF)  # the prompt returned: the reply streams
+        child.send("qzqzqz")
+        child.expect_exact("[stats]")
+        assert "qzqzqz" not in child.before  # the reply as the terminal showed it
+        child.expect(PROMPT)
+        child.expect_exact("qzqzqz")  # at the next prompt, in the line being edited
+        child.send("\r")
+        child.expect_exact("[stats]")
+        child.expect(PROMPT)
+        child.sendline("/bye")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert user_messages(tmp_path, "keys") == ["Write a list: apples, oranges.", "qzqzqz"]
