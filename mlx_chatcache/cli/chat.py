@@ -37,6 +37,7 @@ from .common import (
     add_sampling_args,
     add_verbose_arg,
     add_weights_arg,
+    cache_dir_lines,
     check_cache_dir,
     config_from_args,
     config_overrides,
@@ -167,7 +168,11 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=N
         model_ref=source["model"] if source else args.model,
         session_label=label,
     )
-    return repl.run()
+    try:
+        return repl.run()
+    finally:
+        for line in cache_dir_lines(shared) if args.verbose else []:
+            _note(line)
 
 
 def _offer_repair(damaged, label: str, model, tokenizer, shared, held):

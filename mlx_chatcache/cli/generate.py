@@ -52,6 +52,7 @@ from ..models.context import check_prompt_fits
 from .common import (
     add_cache_args,
     add_cache_dir_arg,
+    cache_dir_lines,
     add_force_arg,
     add_model_arg,
     add_json_schema_arg,
@@ -276,7 +277,7 @@ def _generate(args, model, tokenizer, job: _Job) -> int:
     put_prompt(job.store, job.scope, state, named=job.save, shared=job.shared, ends=_ends(args, tokenizer, job),
                warn=lambda line: sys.stderr.write(f"mlxcc: warning: {line}\n"))  # fmt: skip
     if args.verbose and last is not None:
-        report(last, job.state, job.tier, runtime_lines(model))
+        report(last, job.state, job.tier, [*runtime_lines(model), *cache_dir_lines(job.store.tiers)])
     return 0
 
 
