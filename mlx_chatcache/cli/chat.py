@@ -62,7 +62,8 @@ def add_parser(sub) -> None:
     add_weights_arg(p)
     p.add_argument("--system-prompt", help="the system prompt (pinned in the cache window with --max-kv-size)")
     add_sampling_args(p)
-    add_cache_args(p)
+    add_cache_args(p, "the rendered system prompt (or the chat template's default one), or what a "
+                      "--prompt-cache-file recorded")
     p.add_argument("--chat-template-config", "--chat-template-args", metavar="JSON",
                    help="JSON object (or file) of extra chat template arguments; saved with the session")
     p.add_argument("--stop", metavar="TEXT", action="append",

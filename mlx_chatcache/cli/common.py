@@ -147,10 +147,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=setting_type("seed"), help="random seed for sampling, 0 to 2**64-1")
 
 
-def add_cache_args(p: argparse.ArgumentParser) -> None:
+def add_cache_args(p: argparse.ArgumentParser, pinned: str = f"the first {D.keep} tokens") -> None:
+    """The cache-shape flags; ``pinned``: what this command's window pins (its --max-kv-size help)."""
     p.add_argument("--max-kv-size", type=setting_type("max_kv_size"),
-                   help="bound the KV cache with a rotating window of this many tokens (more than it pins: "
-                   f"{D.keep}, a cache file's recorded keep, or a chat's system prompt)")
+                   help=f"bound the KV cache with a rotating window of this many tokens, more than it pins: {pinned}")
     p.add_argument("--kv-bits", type=setting_type("kv_bits"), help="quantize the KV cache to this many bits (default off)")
     p.add_argument("--kv-group-size", type=setting_type("kv_group_size"), help=f"KV quantization group size (default {D.kv_group_size})")
     p.add_argument(

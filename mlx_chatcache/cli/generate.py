@@ -43,7 +43,7 @@ import sys
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
-from ..config import INTERRUPTIBLE_CALL_SECONDS, CacheShape, GenerationConfig
+from ..config import DEFAULTS, INTERRUPTIBLE_CALL_SECONDS, CacheShape, GenerationConfig
 from ..errors import UsageError
 from ..files.mlxcc_format import read_cache_info
 from ..files.registry import CacheFileInfo
@@ -90,7 +90,7 @@ def add_parser(sub) -> None:
     p.add_argument("--system-prompt", help="system message (replaces a cached chat's system message)")
     add_sampling_args(p)
     add_json_schema_arg(p)
-    add_cache_args(p)
+    add_cache_args(p, f"the first {DEFAULTS.keep} tokens, or as many as a --prompt-cache-file recorded")
     p.add_argument("--ignore-chat-template", action="store_true", help="use the prompt as raw text")
     p.add_argument("--chat-template-config", help="JSON object (or file) of extra chat template arguments")
     p.add_argument("--extra-eos-token", nargs="+", default=[], metavar="TOKEN", help="more tokens that end generation")
