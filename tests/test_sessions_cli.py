@@ -43,7 +43,7 @@ def open_chat(model_dir, home, name):
                          text=True, env=env)  # fmt: skip
     lock = home / "sessions" / f"{name}.lock"
     deadline = time.time() + 60
-    while not (lock.exists() and lock.read_text().strip() == str(p.pid)):
+    while not (lock.exists() and lock.read_text().split()[:1] == [str(p.pid)]):  # "PID COMMAND"
         assert time.time() < deadline and p.poll() is None, "the chat did not take its lock"
         time.sleep(0.05)
     return p
