@@ -51,7 +51,8 @@ if TYPE_CHECKING:  # imported where a session is loaded: names, paths and locks 
     from ..store.store import PromptStore, Scope
     from .checkpoints import Checkpoint
 
-SESSION_FORMAT = 1
+SESSION_FORMAT = 2  # the newest understood; 2: a checkpoint may list spans of tokens to read again (a 6th
+# element), written only by a session that has one (others stay 1, which older versions read)
 
 
 @dataclass
@@ -78,7 +79,7 @@ def session_metadata(record: SessionRecord, snapshot_index: Sequence[int] = ()) 
     per checkpoint, the file snapshot holding its cache copy (-1: none; default none)."""
     index = list(snapshot_index) or [-1] * len(record.checkpoints)
     return {
-        "format": SESSION_FORMAT,
+        "format": 2 if any(c.reread for c in record.checkpoints) else 1,
         "settings": dataclasses.asdict(record.config),
         "max_kv_size": record.state.shape.max_kv_size,
         "keep": record.state.shape.keep,
