@@ -130,6 +130,8 @@ def test_every_printed_count_is_what_the_model_was_fed(tiny_model_dirs, run_chat
     kept, feeds, again = map(int, said.groups())
     info = read_cache_info(session)
     assert len(info.tokens) == kept and len(info.messages) == 6
+    saved = COST.search(err.split(f"[saved to {session}: ")[1])  # said again as the chat ends
+    assert tuple(map(int, saved.groups())) == (kept, feeds, again)
 
     # resumed: the promised cost is the next turn's, counted against what the model is fed
     err, work = run_chat(d, ["Again?"], "--session-file", str(session))

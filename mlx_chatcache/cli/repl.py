@@ -189,7 +189,11 @@ class ChatREPL:
     # -------------------------------------------------------------- loop
     def run(self) -> int:
         try:
-            return self._loop()
+            rc = self._loop()
+            s = self.session
+            if self.file.path is not None and not self.file.unsaved and (len(s.pending) > 1 or s.reread):
+                self.note(f"[saved to {self.file.label}: {cost_text(s)}]")  # a cache behind its conversation
+            return rc
         finally:
             self.reader.close()
             self.file.release()
