@@ -82,7 +82,7 @@ from ..errors import SessionError, UsageError
 from ..files.tokens import common_prefix_len
 from ..files.prompt_cache import PromptCache
 from ..generation.prompt import reuse_prefix, trim_state
-from ..generation.templates import chat_text, encode_text, has_chat_template, history_start, system_end
+from ..generation.templates import chat_text, encode_text, has_chat_template, history_start, pinned_head, system_end
 from ..generation.checkout import scope_of
 from ..generation.text import as_tokenizer_wrapper
 from ..models.context import check_prompt_fits, context_warning
@@ -187,20 +187,11 @@ class ChatSession(SessionRollback):
 
     def pinned_tokens(self) -> int:
         """Tokens a rotating window pins: the rendered system prompt (see module doc)."""
-        sys_msgs = self.messages[:1] if self.system_prompt is not None else []
-        probe = [{"role": "user", "content": "Hi"}]
-        if sys_msgs:
-            try:
-                head = self.render(sys_msgs, add_generation_prompt=False)
-            except SessionError:
-                head = None
-            if head and self.render(sys_msgs + probe).startswith(head):
-                return len(self.encode(head))
-        # no system prompt (or a template that cannot render it alone): what every
-        # conversation starts with (a template's default system prompt, BOS, header)
-        a = self.encode(self.render(sys_msgs + [{"role": "user", "content": "A"}]))
-        b = self.encode(self.render(sys_msgs + [{"role": "user", "content": "Z"}]))
-        return max(common_prefix_len(a, b), 0)
+        try:
+            return pinned_head(self.tokenizer, self.messages[:1] if self.system_prompt is not None else [],
+                               self.template_args)  # fmt: skip
+        except Exception as e:  # jinja errors: a template that rejects this conversation
+            raise SessionError(f"the chat template failed on this conversation: {type(e).__name__}: {e}") from e
 
     def _new_state(self) -> PromptCache:
         size = self.config.max_kv_size

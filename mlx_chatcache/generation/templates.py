@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ..cache import cache_offset
 from ..errors import UsageError
+from ..files.tokens import common_prefix_len
 from .loop import consistent_on_error, prefill
 from .pacing import CallPacer
 from ..files.prompt_cache import PromptCache
@@ -77,6 +78,26 @@ def history_start(tokenizer, messages: list[dict], rendered: str, template_kwarg
     except Exception:  # a template that cannot render a system message alone
         return 0
     return len(text) if rendered.startswith(text) else 0
+
+
+def pinned_head(tokenizer, system: list[dict], template_kwargs: dict | None = None) -> int:
+    """How many tokens every conversation starting with the ``system`` messages starts with:
+    those messages rendered alone, when the template renders them as a prefix of a
+    conversation; else (none, or a template that cannot) the tokens two probe conversations
+    share (a template's default system prompt, BOS, a header). Template errors propagate."""
+    def render(messages, gen=True):
+        return chat_text(tokenizer, messages, add_generation_prompt=gen, template_kwargs=template_kwargs)
+
+    if system:
+        try:
+            head = render(system, gen=False)
+        except Exception:  # a template that cannot render a system message alone
+            head = None
+        if head and render([*system, {"role": "user", "content": "Hi"}]).startswith(head):
+            return len(encode_text(tokenizer, head))
+    a = encode_text(tokenizer, render([*system, {"role": "user", "content": "A"}]))
+    b = encode_text(tokenizer, render([*system, {"role": "user", "content": "Z"}]))
+    return common_prefix_len(a, b)
 
 
 def has_chat_template(tokenizer) -> bool:
