@@ -47,6 +47,22 @@ def _chat_commands() -> list[str]:
     return ["", "## Commands inside mlxcc chat (/help)", "", "```", HELP.rstrip(), "```"]
 
 
-if __name__ == "__main__":
-    OUT.write_text(render())
+def main(argv: list[str] | None = None) -> int:
+    """``python docs/gen_cli.py [--check]``: write docs/cli.md, or (``--check``) only say whether
+    it is current (exit 1 when it is stale); ``--help`` says so and writes nothing."""
+    parser = argparse.ArgumentParser(prog="python docs/gen_cli.py",
+                                     description="Regenerate docs/cli.md from the real --help output of mlxcc.")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when docs/cli.md is stale")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = OUT.exists() and OUT.read_text() == text
+        sys.stdout.write(f"{OUT} is {'current' if current else 'stale: run python docs/gen_cli.py'}\n")
+        return 0 if current else 1
+    OUT.write_text(text)
     sys.stdout.write(f"wrote {OUT}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,7 +14,7 @@ from .backend import blas as _blas
 
 _blas.activate()
 
-__version__ = "0.1.0"
+from .config import VERSION as __version__  # noqa: E402  (the config is standard library only)
 
 # public name -> the module (under mlx_chatcache) that defines it
 _EXPORTS = {

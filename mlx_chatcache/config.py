@@ -1,4 +1,4 @@
-"""Every default of mlx_chatcache: generation settings in one dataclass, the
+"""Every default of mlx_chatcache (and its version): generation settings in one dataclass, the
 one default of a chat session that is not a generation setting, and the time
 budget of an interruptible model call.
 
@@ -12,6 +12,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+
+VERSION = "0.1.0"  # mlx_chatcache.__version__ (the package's, recorded in every cache file it writes)
 
 
 @dataclass(frozen=True)
@@ -165,9 +167,9 @@ class Range:
         low = None if self.low is None else _num(self.low)
         if low is not None and self.high is not None:
             return f"{kind}between {low} and {_num(self.high)}" + (f" ({low} excluded)" if self.open_low else "")
-        if low is not None:
-            return f"{kind or 'a number '}{'>' if self.open_low else '>='} {low}"
-        return kind.strip() or "a number"
+        if low is not None:  # floats are finite: infinity is no value of a range open at the top
+            return f"{kind or 'a finite number '}{'>' if self.open_low else '>='} {low}"
+        return kind.strip() or "a finite number"
 
     def holds(self, v) -> bool:
         """Whether ``v`` (already of the right type) is in the range."""

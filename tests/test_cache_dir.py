@@ -1,7 +1,8 @@
 """The disk tier's folder (``--cache-dir``, ``mlxcc serve --cache-dir``) is the store's own:
 a folder holding other files is refused (one line, before the model loads, nothing
 touched), a folder of store values alone is adopted, only store values are ever deleted,
-and a command deletes none (tiny models)."""
+and a command deletes none that is whole (a damaged one it reads is dropped:
+tests/test_cache_dir_report.py) (tiny models)."""
 
 from __future__ import annotations
 

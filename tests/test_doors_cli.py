@@ -70,6 +70,9 @@ DOORS: dict[str, Door] = {
                                 force=False, uses=frozenset({"closed session"})),  # fmt: skip
     "chat --session": Door(lambda v, c, force: (["chat", "--model", c["model"], "-m", "2", "--session", v.stem], ""),
                            force=False, uses=frozenset({"closed session"}), home=True),  # fmt: skip
+    # a session that is not damaged is left as it is
+    "sessions repair NAME": Door(lambda v, c, force: (["sessions", "repair", v.stem, "--model", c["model"]], None),
+                                 force=False, uses=frozenset({"closed session"}), home=True),  # fmt: skip
 }
 
 

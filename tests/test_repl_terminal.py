@@ -196,3 +196,60 @@ def test_edit_on_a_terminal_starts_from_the_old_message(tiny_model_dirs, tmp_pat
         child.close(force=True)
     info = read_cache_info(tmp_path / "sessions" / "ed.safetensors")
     assert [m["content"] for m in info.messages if m["role"] == "user"] == ["Good morning to you"]
+
+
+def test_the_chat_offers_to_repair_a_damaged_session(tiny_model_dirs, tmp_path):
+    """A session whose cache is damaged: on a terminal the chat asks, repairs it from its
+    messages (saved), and the conversation goes on from the repaired cache."""
+    import subprocess
+
+    env = {**os.environ, "MLXCC_HOME": str(tmp_path)}
+    made = subprocess.run([sys.executable, "-m", "mlx_chatcache", "chat", "--model", str(tiny_model_dirs["llama"]),
+                           "--session", "dmg", "-n", "3"], input="Good morning!\n", text=True, env=env,
+                          capture_output=True, timeout=TIMEOUT)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    f = tmp_path / "sessions" / "dmg.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0xFF  # in the last tensor's data: the header, and so the conversation, stays whole
+    f.write_bytes(bytes(raw))
+    child = spawn(tiny_model_dirs["llama"], tmp_path, "--session", "dmg", "--max-tokens", "3", "-v")
+    try:
+        child.expect(r"is damaged \(.*\); its 2 messages are intact\. Compute its cache again from them now\? \[Y/n\]")
+        child.sendline("y")
+        child.expect(r"\[repaired: (\d+) tokens computed again and saved\]")
+        repaired = int(child.match.group(1))
+        child.expect(PROMPT)
+        child.sendline("And then?")
+        child.expect(r"\[stats\] prompt: \d+ new \+ (\d+) reused tokens \(0 recomputed\)")
+        assert int(child.match.group(1)) == repaired
+        child.expect(PROMPT)
+        child.sendline("/bye")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    info = read_cache_info(f)
+    assert [m["content"] for m in info.messages if m["role"] == "user"] == ["Good morning!", "And then?"]
+
+
+def test_keys_typed_during_a_reply_are_not_echoed_into_it(tiny_model_dirs, tmp_path):
+    """While a reply streams the terminal does not echo typed keys into it; they wait for the
+    next prompt, which shows them (Enter sends them)."""
+    child = spawn(tiny_model_dirs["llama"], tmp_path, "--session", "keys", "--max-tokens", "150", "-v")
+    try:
+        child.expect(PROMPT)
+        child.sendline("Write a list: apples, oranges.")
+        child.expect_exact(PASTE_OFF)  # the prompt returned: the reply streams
+        child.send("qzqzqz")
+        child.expect_exact("[stats]")
+        assert "qzqzqz" not in child.before  # the reply as the terminal showed it
+        child.expect(PROMPT)
+        child.expect_exact("qzqzqz")  # at the next prompt, in the line being edited
+        child.send("\r")
+        child.expect_exact("[stats]")
+        child.expect(PROMPT)
+        child.sendline("/bye")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert user_messages(tmp_path, "keys") == ["Write a list: apples, oranges.", "qzqzqz"]

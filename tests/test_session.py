@@ -219,12 +219,23 @@ def test_system_prompt_change_and_clear(llama_model):
     model, tokenizer = llama_model
     s = new_session(model, tokenizer)
     s.ask(QUESTIONS[0])
+    before = s.state.tokens[:]
     s.set_system_prompt("Answer in French.")
     assert s.messages[0]["content"] == "Answer in French." and s.num_turns == 1
+    prompt_text = s.render(s.messages + [{"role": "user", "content": QUESTIONS[1]}])
     r = s.ask(QUESTIONS[1])
-    assert r.stats.reused_tokens == 0  # history re-read under the new system prompt
+    prompt = s.state.tokens[: r.stats.prompt_tokens]
+    # the cache kept its common start with the new prompt; the history was read again behind the
+    # new system prompt (counted as recomputed), and the reply is the one a fresh cache gives
+    common = next(i for i, (a, b) in enumerate(zip(before, prompt)) if a != b)
+    assert r.stats.reused_tokens == common > 0
+    assert 0 < r.stats.recomputed_tokens < r.stats.new_tokens == len(prompt) - common
+    assert s.tokenizer.decode(prompt) == prompt_text
+    assert s.tokens == prompt + uncached_reply(model, tokenizer, prompt, s.config)
     s.clear()
-    assert s.messages == [{"role": "system", "content": "Answer in French."}] and s.cached_tokens == 0
+    head = s.encode(s.render(s.messages[:1], add_generation_prompt=False))
+    assert s.messages == [{"role": "system", "content": "Answer in French."}]
+    assert s.state.tokens == head and s.pending == []  # the system prompt stays in the cache
     with pytest.raises(SessionError, match="no exchange"):
         s.undo()
     s.update_settings({"temp": 0.5, "max_tokens": 3})

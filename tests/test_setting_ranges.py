@@ -201,13 +201,14 @@ def saved_settings(path: Path) -> dict:
 
 def test_set_refuses_out_of_range_values_when_set(tiny_model_dirs, chat, tmp_path):
     rc, out, err = chat(tiny_model_dirs["llama"], "/set seed -1\n/set top_p 0\n/set repetition_penalty 0\n"
-                        "/set temp nan\nHello\n", "--session", "s")  # fmt: skip
+                        "/set temp nan\n/set temp inf\nHello\n", "--session", "s")  # fmt: skip
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert errors == [
-        f"error: /set seed: {SEED_RANGE}, got -1 (or none)",
-        "error: /set top_p: must be between 0 and 1 (0 excluded), got 0.0",
-        "error: /set repetition_penalty: must be a number > 0, got 0.0 (or none)",
-        "error: /set temp: must be a number >= 0, got nan",
+        f"error: /set seed: {SEED_RANGE} (or none), got -1",
+        "error: /set top_p: must be between 0 and 1 (0 excluded), got 0",
+        "error: /set repetition_penalty: must be a finite number > 0 (or none), got 0",
+        "error: /set temp: must be a finite number >= 0, got nan",
+        "error: /set temp: must be a finite number >= 0, got inf",
     ], err
     assert err.count("[stats]") == 1  # the turn ran
     s = saved_settings(tmp_path / "home" / "sessions" / "s.safetensors")

@@ -135,9 +135,9 @@ def set_field(browser, css: str, value: str) -> None:
     browser.send_keys(css, value)
 
 
-def save_screenshot(browser, name: str) -> bytes:
+def save_screenshot(browser, name: str, width: int = 1200) -> bytes:
     png = browser.screenshot()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 1200  # IHDR width
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == width  # IHDR width
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     (ARTIFACTS / name).write_bytes(png)
     return png
@@ -221,6 +221,45 @@ def test_stop_keeps_the_partial_reply(browser, server):
     assert after["stats"]["cached_tokens"] > 0
 
 
+def test_a_dead_server_leaves_the_partial_reply_marked_cut_off(browser, tiny_model_dirs, tmp_path):
+    """The server is killed (SIGKILL) mid-reply: the page keeps the user's message and the part
+    of the reply it received, marked as cut off (as Stop keeps them), in the browser's store."""
+    with ServerProcess(tiny_model_dirs["llama"], None, "--disk-cache-bytes", "0") as doomed:
+        open_page(browser, doomed.root + "/")
+        browser.click("#new")
+        set_field(browser, "#temperature", "0")
+        set_field(browser, "#max_tokens", "3000")
+        browser.send_keys("#input", "Count to a thousand." + ENTER)
+        browser.wait_for("const b = document.querySelectorAll('.message.assistant .body');"
+                         "return b.length && b[b.length - 1].textContent.length > 10", what="some of the reply")  # fmt: skip
+        doomed.proc.kill()
+        doomed.proc.wait()
+        browser.wait_for("return !document.getElementById('send').disabled", timeout=10, what="Send enabled again")
+        user, reply = current(browser)["messages"][-2:]
+        assert user == {"role": "user", "content": "Count to a thousand."}
+        assert reply["role"] == "assistant" and reply["cut"] is True and len(reply["content"]) > 10
+        assert "stats" not in reply and "stopped" not in reply
+        shown = browser.execute("return [...document.querySelectorAll('.message.assistant')].pop().textContent")
+        assert "assistant (cut off: the connection was lost)" in shown and reply["content"][:10] in shown
+        error = browser.execute("return document.querySelector('#messages .error').textContent")
+        assert error == "the connection to the server was lost: the reply is cut off (the part received is kept)"
+        assert browser.execute("return document.getElementById('input').value") == ""  # nothing to send again
+
+
+def test_a_narrow_window_puts_the_conversations_above_the_chat(browser, server):
+    browser.cdp("Emulation.setDeviceMetricsOverride", {"width": 500, "height": 800, "deviceScaleFactor": 1,
+                                                       "mobile": False})  # fmt: skip
+    try:
+        open_page(browser, server.root + "/")
+        aside, main = browser.execute("return ['aside', 'main'].map(s => { const r = document.querySelector(s)"
+                                      ".getBoundingClientRect(); return [r.left, r.top, r.width, r.height]; })")
+        assert aside[2] >= 480 and main[2] >= 480  # each as wide as the window, not half of it
+        assert main[1] >= aside[1] + aside[3] - 1 and aside[3] <= 0.3 * 800
+        save_screenshot(browser, "webui-narrow.png", width=500)
+    finally:
+        browser.cdp("Emulation.clearDeviceMetricsOverride")
+
+
 PAYLOAD = ('Hi <script>window.__x=1</script>\n<img src=x onerror="window.__x=2">\n[a](javascript:window.__x=3)\n'
            '<svg onload="window.__x=4"></svg> <iframe src="javascript:window.__x=5"></iframe>\n'
            '[fine](https://example.org/a) **<b onmouseover="window.__x=6">bold</b>**\n'
@@ -251,6 +290,7 @@ def fake_stream(payload: str, cut: int = 7) -> list[str]:
     events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
     events += [{"choices": [{"index": 0, "delta": {"content": payload[i:i + 5]}, "finish_reason": None}]}
                for i in range(0, len(payload), 5)]  # fmt: skip
+    events += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
     events += [{"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12,
                                          "prompt_tokens_details": {"cached_tokens": 4}},
                 "mlxcc_cache": {"tokens": 4, "tier": "disk"}}]  # fmt: skip
@@ -395,6 +435,7 @@ def test_store_page_reads_the_rich_store_shape(browser, server):
                                "r => [...r.children].map(c => c.textContent))")  # fmt: skip
         assert [r[0] for r in rows] == ["memory", "redis"] and rows[1][4] == "17" and rows[0][4] == "-"
         assert rows[1][1] == "2.0 KB / 1.0 KB"  # over budget is shown as it is
+        assert "lookups 10 · misses 5 (50% found) · pending writes 0 · " in browser.text("#summary")
         pins = browser.execute("return [...document.querySelectorAll('#pins tbody tr')].map("
                                "r => [...r.children].map(c => c.textContent))")  # fmt: skip
         assert pins[0][0].endswith("(this browser)") and not pins[1][0].endswith("(this browser)")
@@ -420,10 +461,15 @@ def test_store_page(browser, server):
     store = server.health()["store"]
     tiers = {name: v for name, v in store.items() if isinstance(v, dict)}
     assert [r[0] for r in rows] == list(tiers) and {"memory", "disk"} <= set(tiers)
+    report = json.loads(urllib.request.urlopen(server.base_url + "/store", timeout=10).read())
+    blocks = {t["name"]: t["blocks"] for t in report["tiers"]}
     for row in rows:
         assert row[2] == str(tiers[row[0]]["entries"]) and " / " in row[1]
+        assert row[4] == str(blocks[row[0]]) and row[4].isdigit()  # the store's block values, counted
     assert int(browser.execute("return document.getElementById('plot').dataset.points || '0'")) > 0
     assert float(browser.execute("return document.getElementById('plot').dataset.max")) > 0  # the hit is plotted
+    labels = json.loads(browser.execute("return document.getElementById('plot').dataset.xlabels"))
+    assert len(labels) == 2 and all(re.fullmatch(r"\d\d:\d\d:\d\d( [AP]M)?", t) for t in labels)  # a time axis
     save_screenshot(browser, "webui-store.png")
 
 

@@ -26,7 +26,7 @@ one checkpoint can be restored more than once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -44,7 +44,8 @@ class Checkpoint:
     Lengths refer to the session's token sequence and text, which only grow
     from one turn to the next (checkpoints past a point where history is
     rewritten are dropped). ``cache``: copies of the layers that may not trim back to this
-    point (None entries for plain K/V layers), or None when every layer can.
+    point (None entries for plain K/V layers), or None when every layer can. ``reread``:
+    the spans of the pending tokens the model had read before (:mod:`mlx_chatcache.chat.held`).
     """
 
     n_messages: int
@@ -52,6 +53,7 @@ class Checkpoint:
     state_len: int  # len(state.tokens)
     n_text: int
     cache: LayerCopies | None = None
+    reread: list[tuple[int, int]] = field(default_factory=list)
 
     def to_json(self) -> list[int]:
         return [self.n_messages, self.n_tokens, self.state_len, self.n_text]
@@ -60,9 +62,10 @@ class Checkpoint:
 @dataclass
 class RollbackResult:
     """What undo/retry did to the cache: ``how`` is "trim", "checkpoint",
-    "rerender" (no checkpoint: the next turn re-encodes the conversation and
-    reuses the common prefix) or "recompute" (the cache could not be rolled
-    back: ``recompute_tokens`` of history are fed again next turn)."""
+    "rerender" (no checkpoint: the conversation was rendered again and the
+    cache keeps its common start) or "recompute" (the cache could not be rolled
+    back). ``recompute_tokens``: tokens the model had read that the next turn
+    feeds again."""
 
     how: str
     recompute_tokens: int = 0

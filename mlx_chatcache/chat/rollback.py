@@ -16,6 +16,7 @@ from ..cache import can_trim_prompt_cache
 from ..errors import SessionError, UsageError
 from .turn import StopCheck, TextCallback, TurnResult, feed_prompt
 from .checkpoints import Checkpoint, RollbackResult, drop_old_copies, restore, rewind_cache, snapshot
+from .held import Spans, clipped, merged, overlap
 
 
 class SessionRollback:
@@ -24,7 +25,7 @@ class SessionRollback:
     def _push_checkpoint(self) -> None:
         self.checkpoints.append(
             Checkpoint(len(self.messages), len(self.tokens), len(self.state.tokens), len(self.text),
-                       snapshot(self.state.cache))
+                       snapshot(self.state.cache), list(self.reread))
         )  # fmt: skip
         drop_old_copies(self.checkpoints, self.max_checkpoints)
 
@@ -49,27 +50,32 @@ class SessionRollback:
                     restored = c
                     break
         if restored is None:
-            self.checkpoints.append(Checkpoint(turn.n_messages, k, min(k, len(self.state.tokens)), n_text, None))
+            state_len = min(k, len(self.state.tokens))
+            self.checkpoints.append(Checkpoint(turn.n_messages, k, state_len, n_text, None,
+                                               clipped(turn.reread, state_len, k)))  # fmt: skip
             return None
-        self.checkpoints.append(Checkpoint(turn.n_messages, k, restored.state_len, n_text, restored.cache))
+        self.checkpoints.append(Checkpoint(turn.n_messages, k, restored.state_len, n_text, restored.cache,
+                                           merged([(restored.state_len, k), *clipped(turn.reread, 0, k)])))  # fmt: skip
         feed_prompt(self.model, self.state, prompt_ids, k - 1, self.config, should_stop)
         copies = snapshot(self.state.cache)
-        self.checkpoints[-1] = Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, copies)
+        self.checkpoints[-1] = Checkpoint(turn.n_messages, k, len(self.state.tokens), n_text, copies,
+                                          clipped(turn.reread, len(self.state.tokens), k))  # fmt: skip
         return restored.state_len
 
     def _checkpoint_system_head(self, prompt_ids: list[int], prompt_text: str, should_stop: StopCheck | None) -> None:
-        """The first turn of a chat with a system prompt, on a cache holding at most the
+        """The first turn of a chat with a system prompt, on a session holding at most the
         rendered system prompt (the head): feed the head first and move this turn's
         checkpoint there, so rolling the first turn back keeps the system prompt. When
         the head was fed here and the cache cannot trim back, the shared tiers get it:
         an entry whose tokens are exactly a prefix of every chat with that system prompt."""
         ck = self.checkpoints[-1] if self.checkpoints else None
-        if self.system_prompt is None or ck is None or ck.n_tokens != 0:
+        if self.system_prompt is None or ck is None:
             return
         head_text = self.render(self.messages[:1], add_generation_prompt=False)
         head = self.encode(head_text)
         n, had = len(head), len(self.state.tokens)
-        if not (0 < n < len(prompt_ids) - 1 and had <= n and prompt_ids[:n] == head and prompt_text.startswith(head_text)):
+        if not (0 < n < len(prompt_ids) - 1 and ck.n_tokens <= n and had <= n and prompt_ids[:n] == head
+                and prompt_text.startswith(head_text)):  # fmt: skip
             return
         feed_prompt(self.model, self.state, prompt_ids, n, self.config, should_stop)
         self.checkpoints[-1] = Checkpoint(ck.n_messages, n, n, len(head_text), snapshot(self.state.cache))
@@ -85,14 +91,16 @@ class SessionRollback:
         del self.messages[ck.n_messages:]
         self.text = self.text[: ck.n_text]
         self.pending = tokens[ck.state_len : ck.n_tokens]
+        self.reread = list(ck.reread)
         how = rewind_cache(self.state, ck, tokens)
         if how is not None:
             return RollbackResult(how)
-        # cannot roll back: start a fresh cache; the next turn feeds the history again
+        # cannot roll back: start a fresh cache; the next turn feeds the history again, as it was
         self.state.reset(self.model)
-        self.pending, self.text = [], ""
+        self.pending = tokens[: ck.n_tokens]
+        self.reread = merged([(0, min(ck.state_len, len(tokens))), *ck.reread])
         self.checkpoints.clear()
-        return RollbackResult("recompute", len(tokens[: ck.state_len]))
+        return RollbackResult("recompute", overlap(self.reread, 0, ck.n_tokens))
 
     def _last_exchange(self) -> int:
         """Index of the last user message (SessionError if there is none)."""
@@ -112,16 +120,12 @@ class SessionRollback:
             self.checkpoints.pop()
         if self.checkpoints and self.checkpoints[-1].n_messages == i:
             return self._rewind(self.checkpoints.pop())
-        # no checkpoint for that turn (history was rewritten since): the next turn
-        # renders the conversation afresh; a trimmable cache keeps the common prefix
+        # no checkpoint for that turn (history was rewritten since): the conversation is
+        # rendered again; the cache keeps its common start
         del self.messages[i:]
-        self.pending, self.text = [], ""
-        self.checkpoints.clear()
-        if can_trim_prompt_cache(self.state.cache):
-            return RollbackResult("rerender")
-        held = len(self.state.tokens)
-        self.state.reset(self.model)
-        return RollbackResult("recompute", held)
+        trimmable = can_trim_prompt_cache(self.state.cache)
+        self.rebase(None)
+        return RollbackResult("rerender" if trimmable else "recompute", overlap(self.reread, 0, len(self.tokens)))
 
     def user_message_index(self, n: int | None) -> int:
         """Index in ``messages`` of user message ``n`` (1-based; None: the last);
@@ -154,7 +158,8 @@ class SessionRollback:
             raise UsageError("a chat message must be text")
         i = self.user_message_index(n)
         before = ([dict(m) for m in self.messages], self.text, self.tokens,
-                  [dataclasses.replace(c) for c in self.checkpoints])  # fmt: skip
+                  [dataclasses.replace(c) for c in self.checkpoints],
+                  merged([(0, len(self.state.tokens)), *self.reread]))  # fmt: skip
         self._rollback_to(i)
         self.attempt = 0
         try:
@@ -166,12 +171,14 @@ class SessionRollback:
             self._restore(*before)
         return result
 
-    def _restore(self, messages: list[dict], text: str, tokens: list[int], checkpoints: list[Checkpoint]) -> None:
+    def _restore(self, messages: list[dict], text: str, tokens: list[int], checkpoints: list[Checkpoint],
+                 read: Spans) -> None:  # fmt: skip
         """The conversation before a failed edit: the cache keeps the history up to
         the edit point and the tokens after it wait in ``pending`` (fed, exactly as
-        they were, on the next turn)."""
+        they were, on the next turn; ``read``: the positions the model had read)."""
         if self.state.tokens != tokens[: len(self.state.tokens)]:
             self.state.reset(self.model)
         self.messages[:] = messages
         self.text, self.pending = text, tokens[len(self.state.tokens) :]
+        self.reread = clipped(read, len(self.state.tokens), len(tokens))
         self.checkpoints[:] = checkpoints

@@ -9,62 +9,50 @@ module decides what each turn feeds and keeps; the model work of a turn
 
 How a turn is built
 -------------------
-Every turn renders the WHOLE conversation with the tokenizer's chat template
-(``add_generation_prompt=True``). When the text the session already holds
-(``self.text``: every earlier prompt and reply, exactly as fed or generated) is a
-prefix of that rendering, the prompt is the held token ids followed by the
-encoding of the rest of the text. So the reply tokens stay in the cache exactly
-as generated, never re-tokenized. When it is not a prefix (a template that
-rewrites history, e.g. drops an earlier reply's reasoning) the prompt keeps the
-longest run of held tokens whose decoded text starts the rendering and encodes
-the rest; :func:`~mlx_chatcache.generation.prompt.reuse_prefix` then trims the cache to
-that run, and a cache that cannot be trimmed restarts from the latest turn
-checkpoint inside it. Such templates just reuse less.
+Every turn renders the WHOLE conversation with the tokenizer's chat template. When
+the text the session holds (``self.text``: every earlier prompt and reply, exactly
+as fed or generated) is a prefix of that rendering, the prompt is the held token
+ids followed by the encoding of the rest, so reply tokens stay in the cache exactly
+as generated. Otherwise (a template that rewrites history, e.g. drops an earlier
+reply's reasoning) the prompt keeps the longest run of held tokens whose decoded
+text starts the rendering, :func:`~mlx_chatcache.generation.prompt.reuse_prefix`
+trims the cache to it, and a cache that cannot be trimmed restarts from the latest
+checkpoint inside it. The generate loop never feeds the last token it yields: after
+a reply ``r1..rn`` the cache holds all but ``rn``, which waits in ``pending``. The
+session's full token sequence is ``state.tokens + pending``.
 
-The generate loop never feeds the last token it yields (see
-:mod:`mlx_chatcache.generation.loop`): after a reply ``r1..rn`` the cache holds
-everything but ``rn``, which waits in ``pending`` and is fed first next turn.
-The session's full token sequence is ``state.tokens + pending``.
-
-Undo and retry
---------------
+Undo, retry and changes under the cache
+---------------------------------------
 At the start of each turn the session records a
-:class:`~mlx_chatcache.chat.checkpoints.Checkpoint` (message count, token and text
-lengths, and copies of the layers that may not trim back); undo, retry and a
-failed or cancelled turn roll back to it without feeding a history token
-again (see :mod:`mlx_chatcache.chat.checkpoints`). Copies are kept in memory for the
-last ``max_checkpoints`` turns only, and a session file keeps the newest of
-them up to :data:`~mlx_chatcache.config.SESSION_CHECKPOINT_BYTES` (so they
-work after a resume too). Past those turns an untrimmable cache cannot be
-rolled back: the history is then recomputed on the next turn, and the session
-says so.
+:class:`~mlx_chatcache.chat.checkpoints.Checkpoint` (lengths, and copies of the layers
+that may not trim back); undo, retry and a failed or cancelled turn roll back to it
+without feeding a history token again (:mod:`mlx_chatcache.chat.checkpoints`). Copies
+are kept for the last ``max_checkpoints`` turns, and a session file keeps the newest up
+to :data:`~mlx_chatcache.config.SESSION_CHECKPOINT_BYTES`. A change before the end of
+the conversation (a new system prompt or template arguments, ``/clear``, a rollback
+past the kept copies) keeps the held tokens that still stand for the same text, the
+history's as they were generated (:mod:`mlx_chatcache.chat.held`), and the cache keeps
+its common start with them; the rest waits in ``pending``, and the tokens of it the
+model had read count as recomputed when the next turn feeds them.
 
 Bounded memory
 --------------
 With ``config.max_kv_size`` the full-attention layers use a rotating window of
 that many tokens that pins the first ``keep`` tokens: ``keep`` is the token
-count of the rendered system prompt, so the model always sees it and the chat
-can go on indefinitely.
+count of the rendered system prompt, so the model always sees it.
 
 Files and the store
 -------------------
-:meth:`ChatSession.save` writes the session to one cache file, atomically;
+:meth:`ChatSession.save` writes the session to one cache file, atomically
+(:mod:`mlx_chatcache.chat.session_file`: layout, names, lock);
 :meth:`ChatSession.load` reads it back and refuses a session made with another
-model (:class:`~mlx_chatcache.errors.ModelMismatchError`);
-:meth:`ChatSession.from_prompt_cache` starts a new chat from a prebuilt chat
-cache (``mlxcc cache-prompt``), reusing every held token that matches. The file
-is written and read as a :class:`~mlx_chatcache.files.prompt_cache.PromptCache`
-(``save``/``load``: strict). ``shared`` tiers (``mlxcc chat --cache-dir``: the
-disk tier a server uses, through the prompt-cache store :mod:`mlx_chatcache.store`)
-get the cache on every save, and a turn that starts with an empty cache
-(a new session, after ``/clear`` or a new system prompt) starts from their
-longest prefix of its prompt: a new chat whose system prompt (or first
-messages) a server or another chat already processed reuses them. A new
-conversation's first turn feeds its rendered system prompt first and keeps its
-checkpoint there; the shared tiers get that cache too when it cannot trim
-back, so every new chat with the same model and system prompt starts from it. The file's
-layout, session names and the session lock are in
-:mod:`mlx_chatcache.chat.session_file`.
+model; :meth:`ChatSession.from_prompt_cache` starts a new chat from a prebuilt chat
+cache (``mlxcc cache-prompt``), reusing every held token that matches. ``shared``
+tiers (``--cache-dir``: the store's disk tier, :mod:`mlx_chatcache.store`) get the
+cache on every save, and a turn that starts with an empty cache starts from their
+longest prefix of its prompt. A new conversation's first turn feeds its rendered
+system prompt first and keeps its checkpoint there; the shared tiers get that cache
+too when it cannot trim back, so every new chat with that system prompt starts from it.
 """
 
 from __future__ import annotations
@@ -72,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections import Counter
 from typing import Mapping, Sequence
 
 from ..cache import CacheList, can_trim_prompt_cache, prompt_cache_nbytes
@@ -92,11 +81,12 @@ from ..config import (DEFAULT_MAX_CHECKPOINTS, DEFAULTS, SEED_LIMIT, GenerationC
 from ..errors import SessionError, UsageError
 from ..files.tokens import common_prefix_len
 from ..files.prompt_cache import PromptCache
-from ..generation.prompt import reuse_prefix
-from ..generation.templates import chat_text, encode_text, has_chat_template, system_end
+from ..generation.prompt import reuse_prefix, trim_state
+from ..generation.templates import chat_text, encode_text, has_chat_template, history_start, pinned_head, system_end
 from ..generation.checkout import scope_of
 from ..generation.text import as_tokenizer_wrapper
 from ..models.context import check_prompt_fits, context_warning
+from .held import Spans, carried, clipped, held_prefix, merged, overlap, rebased
 from .rollback import SessionRollback
 from .session_file import SessionRecord, kept_copies, load_session, save_session
 from ..store.store import PromptStore
@@ -128,6 +118,7 @@ class ChatSession(SessionRollback):
         self.pending: list[int] = []
         self.text = ""
         self.checkpoints: list[Checkpoint] = []
+        self.reread: Spans = []  # the pending tokens the model had read before (chat.held)
         self.attempt = 0  # retries of the last turn (offsets the seed)
         self.load_notes: list[str] = []  # what loading the session's file dropped (see load)
 
@@ -196,20 +187,11 @@ class ChatSession(SessionRollback):
 
     def pinned_tokens(self) -> int:
         """Tokens a rotating window pins: the rendered system prompt (see module doc)."""
-        sys_msgs = self.messages[:1] if self.system_prompt is not None else []
-        probe = [{"role": "user", "content": "Hi"}]
-        if sys_msgs:
-            try:
-                head = self.render(sys_msgs, add_generation_prompt=False)
-            except SessionError:
-                head = None
-            if head and self.render(sys_msgs + probe).startswith(head):
-                return len(self.encode(head))
-        # no system prompt (or a template that cannot render it alone): what every
-        # conversation starts with (a template's default system prompt, BOS, header)
-        a = self.encode(self.render(sys_msgs + [{"role": "user", "content": "A"}]))
-        b = self.encode(self.render(sys_msgs + [{"role": "user", "content": "Z"}]))
-        return max(common_prefix_len(a, b), 0)
+        try:
+            return pinned_head(self.tokenizer, self.messages[:1] if self.system_prompt is not None else [],
+                               self.template_args)  # fmt: skip
+        except Exception as e:  # jinja errors: a template that rejects this conversation
+            raise SessionError(f"the chat template failed on this conversation: {type(e).__name__}: {e}") from e
 
     def _new_state(self) -> PromptCache:
         size = self.config.max_kv_size
@@ -242,23 +224,10 @@ class ChatSession(SessionRollback):
         if self.text and prompt_text.startswith(self.text) and len(prompt_text) > len(self.text):
             k, n_text = len(held), len(self.text)
         else:
-            k, n_text = self._held_prefix(held, prompt_text)
+            k, n_text = held_prefix(self.tokenizer.decode, held, prompt_text)
+            if n_text >= len(prompt_text):  # keep at least one token to feed
+                k, n_text = 0, 0
         return held[:k] + self.encode(prompt_text[n_text:]), k, n_text
-
-    def _held_prefix(self, held: list[int], prompt_text: str) -> tuple[int, int]:
-        """The most held tokens whose decoded text starts ``prompt_text`` (binary
-        search; every candidate is checked, so a miss only reuses less)."""
-        lo, hi = 0, len(held)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if prompt_text.startswith(self.tokenizer.decode(held[:mid])):
-                lo = mid
-            else:
-                hi = mid - 1
-        n_text = len(self.tokenizer.decode(held[:lo])) if lo else 0
-        if n_text >= len(prompt_text):  # keep at least one token to feed
-            return 0, 0
-        return lo, n_text
 
     def ask(
         self, content: str, on_text: TextCallback | None = None, should_stop: StopCheck | None = None
@@ -285,6 +254,8 @@ class ChatSession(SessionRollback):
             return self._generate(held, on_text, should_stop)
         except TurnCancelled:  # stopped while reading the prompt: as if never sent
             self._rewind(self.checkpoints.pop(), held)
+            if not self.state.tokens:  # nothing held: the arrays the prompt filled go
+                self.state.reset(self.model)
             return TurnResult("", TurnStats(finish_reason="cancelled"))
         except BaseException:  # back to the turn's start (the cache may have been reset)
             self._rewind(self.checkpoints.pop(), held)
@@ -298,14 +269,15 @@ class ChatSession(SessionRollback):
                           "nothing was sent: send a shorter message, /undo or /clear to "
                           "shorten the conversation, or start a new chat with --max-kv-size N")  # fmt: skip
         common = common_prefix_len(self.state.tokens, prompt_ids)  # what the cache could give
-        if not held and self.shared.tiers:
+        read = [(0, common), *clipped(self.reread, 0, k)]  # prompt positions the model has read before
+        if not self.state.tokens and self.shared.tiers:
             self._checkout_shared(prompt_ids)
         reused = None
         if k < len(held):
             reused = self._history_rewritten(prompt_ids, k, prompt_text, n_text, should_stop)
         trimmed_to = reuse_prefix(self.state, prompt_ids, self.model)
         reused = trimmed_to if reused is None else reused
-        if not held:  # a new conversation: its system prompt gets a checkpoint of its own
+        if self.num_turns == 0:  # a new conversation: its system prompt gets a checkpoint of its own
             self._checkpoint_system_head(prompt_ids, prompt_text, should_stop)
         # feed the prompt here, chunk by chunk, so that a stop request is honoured
         # between chunks; the generate loop then feeds only the last prompt token
@@ -315,7 +287,7 @@ class ChatSession(SessionRollback):
             self.stop,
         )
         self._keep_reply(prompt_ids, prompt_text, reply)
-        stats = turn_stats(prompt_ids, reused, common, reply, started)
+        stats = turn_stats(prompt_ids, reused, overlap(read, reused, len(prompt_ids)), reply, started)
         self.last_stats = stats
         self.turns_run += 1
         self.totals.add(stats)
@@ -325,8 +297,8 @@ class ChatSession(SessionRollback):
         return TurnResult(reply.text, stats, warning)
 
     def _checkout_shared(self, prompt_ids: list[int]) -> None:
-        """An empty cache (a new session, after /clear, /system or a rollback that
-        could not trim) starts from the shared tiers' longest prefix of the prompt."""
+        """An empty cache (a new session, or one whose cache could not keep a common
+        start) starts from the shared tiers' longest prefix of the prompt."""
         state, tier = self.shared.checkout(self.scope, self.model, prompt_ids, self.state.shape)
         if tier is not None:
             self.state = state
@@ -341,6 +313,7 @@ class ChatSession(SessionRollback):
         stop_text = ""
         if reply.last.finish_reason == "stop":
             stop_text = self.tokenizer.decode([reply.last.token])
+        self.reread = []
         if self.state.tokens == prompt_ids + reply.tokens[:-1]:
             self.pending = [reply.tokens[-1]]
             # cut at a stop string: the tokens say more than the reply (next turn matches them by decoding)
@@ -370,31 +343,53 @@ class ChatSession(SessionRollback):
 
     # ------------------------------------------------------------ settings
     def set_system_prompt(self, text: str | None) -> None:
-        """Replace the system prompt. History stays; the cache is rebuilt next turn."""
+        """Replace the system prompt. History stays: its held tokens wait in ``pending``
+        behind the new system prompt, and the cache keeps the common start
+        (:meth:`rebase`); the next turn feeds the rest."""
         text = text or None
         if text == self.system_prompt:
             return
+        old = self._rendered()
+        keep = self.state.shape.keep
         if self.system_prompt is not None:
             self.messages.pop(0)
         if text is not None:
             self.messages.insert(0, {"role": "system", "content": text})
-        self._drop_cache()
+        self.rebase(old, fresh=self.config.max_kv_size is not None and self.pinned_tokens() != keep)
 
     def set_template_args(self, args: dict | None) -> None:
-        """Replace the chat template's extra arguments; the cache is rebuilt next turn."""
+        """Replace the chat template's extra arguments; the conversation is rendered again
+        and the cache keeps the common start (:meth:`rebase`)."""
         if (args or None) != self.template_args:
+            old = self._rendered()
             self.template_args = args or None
-            self._drop_cache()
+            self.rebase(old, fresh=self.config.max_kv_size is not None)
 
     def clear(self) -> None:
-        """Forget the conversation (the system prompt stays)."""
+        """Forget the conversation; the system prompt stays, and so does the cache's part of it."""
         self.messages = self.messages[:1] if self.system_prompt is not None else []
-        self._drop_cache()
+        self.rebase(None)
         self.attempt = 0
 
-    def _drop_cache(self) -> None:
-        self.state = self._new_state()
-        self.pending, self.text = [], ""
+    def _rendered(self) -> tuple[str, int]:
+        """The conversation as a prompt ends it (no generation prompt; "" when empty), and
+        where the messages after its system prompt start in it."""
+        text = self.render(self.messages, add_generation_prompt=False) if self.messages else ""
+        return text, history_start(self.tokenizer, self.messages, text, self.template_args)
+
+    def rebase(self, old: tuple[str, int] | None, fresh: bool = False) -> None:
+        """Hold the tokens of the conversation rendered now (:func:`~mlx_chatcache.chat.held.rebased`;
+        ``old``: its rendering before the change). The cache keeps its common start with them
+        (``fresh``: a new cache, for a window that pins another count); ``pending`` the rest,
+        ``reread`` the positions among those the model had read. Checkpoints go."""
+        held = self.tokens
+        ids, text, moved = rebased(self.tokenizer.decode, self.encode, held, self.text, old, self._rendered()[0])
+        read = carried(merged([(0, len(self.state.tokens)), *self.reread]), held, ids, moved)
+        keep = 0 if fresh else common_prefix_len(self.state.tokens, ids)
+        if fresh or not trim_state(self.state, keep):
+            self.state = self._new_state()
+            keep = 0
+        self.pending, self.text, self.reread = ids[keep:], text, clipped(read, keep, len(ids))
         self.checkpoints.clear()
 
     def update_settings(self, changes: Mapping[str, object]) -> None:
@@ -411,18 +406,14 @@ class ChatSession(SessionRollback):
     # ------------------------------------------------------------ info
     def cache_info(self) -> dict:
         def names(c):
-            if isinstance(c, CacheList):
-                return "CacheList(" + ", ".join(names(x) for x in c.caches) + ")"
-            return type(c).__name__
+            return f"CacheList({', '.join(map(names, c.caches))})" if isinstance(c, CacheList) else type(c).__name__
 
-        kinds: dict[str, int] = {}
-        for c in self.state.cache:
-            kinds[names(c)] = kinds.get(names(c), 0) + 1
         return {
             "cached_tokens": len(self.state.tokens),
             "pending_tokens": len(self.pending),
+            "reread_tokens": overlap(self.reread, 0, len(self.tokens)),
             "nbytes": prompt_cache_nbytes(self.state.cache),
-            "layers": kinds,
+            "layers": dict(Counter(map(names, self.state.cache))),
             "trimmable": can_trim_prompt_cache(self.state.cache),
             "max_kv_size": self.state.shape.max_kv_size,
             "keep": self.state.shape.keep if self.state.shape.max_kv_size else None,
@@ -438,7 +429,7 @@ class ChatSession(SessionRollback):
         state = dataclasses.replace(self.state, messages=self.messages, text=None)  # the cache as a chat's
         return SessionRecord(state, self.config, self.pending, self.text, self.checkpoints, self.attempt,
                              getattr(self.model, "source", None), branch_of=self.branch_of,
-                             template_args=self.template_args, stop=self.stop)  # fmt: skip
+                             template_args=self.template_args, stop=self.stop, reread=self.reread)  # fmt: skip
 
     def save(self, path: str | os.PathLike | None) -> list[str]:
         """Write the session to ``path`` atomically (a previous file survives any failure;
@@ -468,6 +459,7 @@ class ChatSession(SessionRollback):
         self.state, self.pending, self.text = record.state, record.pending, record.text
         self.checkpoints, self.attempt = record.checkpoints, record.attempt
         self.load_notes, self.branch_of = record.notes, record.branch_of
+        self.reread = clipped(record.reread, len(self.state.tokens), len(self.tokens))
         return self
 
     @classmethod
@@ -489,7 +481,7 @@ class ChatSession(SessionRollback):
         self = cls.__new__(cls)
         self.template_args, self.stop = None, ()
         self._setup(model, tokenizer, config, max_checkpoints, [dict(m) for m in prompt.messages], shared)
-        self.state, self.pending, self.checkpoints, self.attempt = prompt, [], [], 0
+        self.state, self.pending, self.checkpoints, self.attempt, self.reread = prompt, [], [], 0, []
         text = self.render(self.messages, add_generation_prompt=False) if self.messages else ""
         # the held text is known only when the tokens are its encoding (else turns match held tokens by decoding)
         self.text = text if text and self.encode(text) == prompt.tokens else ""

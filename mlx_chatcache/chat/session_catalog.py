@@ -1,8 +1,10 @@
 """The saved chat sessions of ``mlxcc_home()/sessions``: list, show, remove.
 
-Everything here reads file headers only (:func:`read_cache_info`: the token
-ids, messages and session JSON, never the arrays), so listing many large
-sessions is cheap. :func:`remove_session` deletes a session only when no
+Everything here reads file headers (:func:`read_cache_info`: the token ids,
+messages and session JSON) and loads no arrays; listing checks each file's
+bytes against its checksums (without MLX), so a damaged session is listed as
+damaged, and as repairable when its header (the conversation) reads whole.
+:func:`remove_session` deletes a session only when no
 process holds it (:class:`SessionLock`); :func:`list_sessions` also removes
 lock files left by killed chats. :func:`session_source` says which model (and
 adapter) a session was made with, so ``mlxcc chat --session NAME`` can resume
@@ -13,16 +15,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ChatCacheError, SessionError, clipped
-from ..files.mlxcc_format import CacheFileInfo, read_cache_info
+from ..errors import ChatCacheError, SessionError
+from ..files.mlxcc_format import CacheFileInfo, read_cache_info, verify_cache_file
 from ..files.atomic import remove_stale_temp_files
 from ..files.cache_file import SESSION_KEY
 from ..files.lock import SessionLock, remove_stale_lock
-from .session_file import SESSION_SUFFIX, session_path, sessions_dir
+from .session_file import SESSION_SUFFIX, DamagedSessionError, damage_detail, session_path, sessions_dir
 
 
 @dataclass
@@ -38,6 +39,7 @@ class SessionSummary:
     problem: str | None = None  # why the file could not be read as a session (the full error text)
     label: str | None = None  # that reason in a word or two: "damaged", "not a chat session", "newer format"
     reason: str | None = None  # that reason in a short phrase, without the file's path or a remedy
+    repairable: bool = False  # damaged arrays under a whole header: 'mlxcc sessions repair' rebuilds it
 
 
 def session_source(info: CacheFileInfo) -> dict:
@@ -68,6 +70,12 @@ def summarize(name: str, path: Path) -> SessionSummary:
     if SESSION_KEY not in info.metadata or info.messages is None:
         s.problem = s.reason = "a cache file, not a chat session"
         s.label = "not a chat session"
+    else:
+        try:
+            verify_cache_file(path)  # every array's bytes against its checksum
+        except ChatCacheError as e:
+            damaged = DamagedSessionError(path, damage_detail(str(e), path), len(info.messages))
+            s.problem, s.label, s.reason, s.repairable = str(damaged), "damaged", damaged.detail, True
     src = session_source(info)
     s.model, s.adapter_path = src["model"], src["adapter_path"]
     s.turns = sum(1 for m in info.messages or [] if m["role"] == "assistant")
@@ -76,13 +84,10 @@ def summarize(name: str, path: Path) -> SessionSummary:
 
 
 def _problem_words(text: str, path: Path) -> tuple[str, str]:
-    """``(label, reason)`` of the error a session file could not be read with: the
-    reason is the error's first parenthesised detail (else its text without the path)."""
+    """``(label, reason)`` of the error a session file's header could not be read with."""
     if "newer than this" in text:
         return "newer format", "written by a newer mlx_chatcache: upgrade it to read this session"
-    body = text.replace(str(path), "").strip(" :;")
-    m = re.search(r"\(([^()]*)\)", body)
-    return "damaged", (m.group(1) if m else clipped(body, 120))
+    return "damaged", damage_detail(text, path)
 
 
 def list_sessions(folder: Path | None = None) -> list[SessionSummary]:

@@ -13,10 +13,13 @@ settings and the bookkeeping of a
 :func:`load_session` reads one back for a model and refuses, in one line each:
 a missing file and a cache file that is not a session or uses a newer session
 format (:class:`SessionError`), a file made with another model
-(:class:`ModelMismatchError`), damaged session metadata
-(:class:`CacheFileError`). A saved setting of the right type but outside its
-range (:data:`~mlx_chatcache.config.RANGES`; an older version may have saved
-it) is dropped, the default used, and said in one line of the record's ``notes``.
+(:class:`ModelMismatchError`), a header that cannot be read (:class:`CacheFileError`:
+nothing to repair from) and a damaged cache or session metadata under a header
+that reads whole (:class:`DamagedSessionError`: :func:`stored_session` reads the
+conversation and settings it still holds, to repair it). A saved setting of the
+right type but outside its range (:data:`~mlx_chatcache.config.RANGES`; an older
+version may have saved it) is dropped, the default used, and said in one line of
+the record's ``notes``.
 
 Names
 -----
@@ -31,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -47,7 +51,8 @@ if TYPE_CHECKING:  # imported where a session is loaded: names, paths and locks 
     from ..store.store import PromptStore, Scope
     from .checkpoints import Checkpoint
 
-SESSION_FORMAT = 1
+SESSION_FORMAT = 2  # the newest understood; 2: a checkpoint may list spans of tokens to read again (a 6th
+# element), written only by a session that has one (others stay 1, which older versions read)
 
 
 @dataclass
@@ -65,6 +70,7 @@ class SessionRecord:
     branch_of: dict | None = None  # {"session": name or path, "turns": n}: forked from there, at n turns
     template_args: dict | None = None  # extra arguments of the chat template
     stop: tuple[str, ...] = ()  # stop strings: a reply ends before the first
+    reread: list = dataclasses.field(default_factory=list)  # spans of ``pending`` read before (chat.held)
 
 
 # ------------------------------------------------------------------ save
@@ -73,19 +79,33 @@ def session_metadata(record: SessionRecord, snapshot_index: Sequence[int] = ()) 
     per checkpoint, the file snapshot holding its cache copy (-1: none; default none)."""
     index = list(snapshot_index) or [-1] * len(record.checkpoints)
     return {
-        "format": SESSION_FORMAT,
+        "format": 2 if any(c.reread for c in record.checkpoints) else 1,
         "settings": dataclasses.asdict(record.config),
         "max_kv_size": record.state.shape.max_kv_size,
         "keep": record.state.shape.keep,
         "pending": list(record.pending),
         "text": record.text,
-        "checkpoints": [[*c.to_json(), k] for c, k in zip(record.checkpoints, index)],
+        "checkpoints": [[*c.to_json(), k, *([_spans_json(c.reread)] if c.reread else [])]
+                        for c, k in zip(record.checkpoints, index)],
         "attempt": record.attempt,
         **({"source": record.source} if record.source else {}),
         **({"branch_of": record.branch_of} if record.branch_of else {}),
         **({"template_args": record.template_args} if record.template_args else {}),
         **({"stop": list(record.stop)} if record.stop else {}),
+        **({"reread": _spans_json(record.reread)} if record.reread else {}),
     }
+
+
+def _spans_json(spans) -> list[list[int]]:
+    return [[a, b] for a, b in spans]
+
+
+def _parse_spans(path, raw) -> list[tuple[int, int]]:
+    """Spans of positions as a session file records them (``[[start, end], ...]``)."""
+    if not (isinstance(raw, list) and all(isinstance(x, list) and len(x) == 2 and all(_is_int(v) for v in x)
+                                          and 0 <= x[0] <= x[1] for x in raw)):  # fmt: skip
+        raise CacheFileError(f"{path}: the session's recomputation spans are malformed; the file is damaged")
+    return [(a, b) for a, b in raw]
 
 
 def save_session(path: Claim | str | os.PathLike | None, record: SessionRecord,
@@ -164,7 +184,11 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
 
     if not os.path.isfile(path):
         raise SessionError(f"session file not found: {path}")
-    info = read_cache_info(path)
+    try:
+        info = read_cache_info(path)
+    except CacheFileError as e:  # the header: the conversation cannot be read either
+        raise CacheFileError(f"{path} cannot be read ({damage_detail(str(e), path)}), nor can the conversation it "
+                             "held, so it cannot be repaired; start a new session") from None  # fmt: skip
     fingerprint = getattr(model, "fingerprint", None)
     try:
         if fingerprint is not None:
@@ -179,25 +203,98 @@ def load_session(path: str | os.PathLike, model, overrides: dict | None = None) 
             f"'mlxcc generate --prompt-cache-file {path}')"
         )
     meta = _parse_session_json(path, raw)
-    notes: list[str] = []
-    config = _parse_config(path, meta.get("settings"), notes)
-    config = config.windowed(_parse_window(path, meta))
-    overrides = overrides or {}
-    # the shape flags ask for: loading refuses a cache made otherwise (as for any cache file)
-    config = config.updated(**{k: v for k, v in overrides.items() if k in SHAPE_KEYS and k != "keep"})
-    try:
-        state = PromptCache.load(path, model, config.shape, what="session", header=info)
-    except UsageError as e:  # other cache-shape settings than the session's
-        raise SessionError(str(e)) from None
-    config = config.updated(**{k: v for k, v in overrides.items() if k not in SHAPE_KEYS})
-    pending, text = _parse_text(path, meta)
-    checkpoints = _parse_checkpoints(path, meta, state)
-    attempt = meta.get("attempt", 0)
-    state.messages, state.text = info.messages, None
-    template_args, stop = _parse_template_and_stop(path, meta)
+    try:  # the header read above holds the conversation: what fails below can be repaired from it
+        notes: list[str] = []
+        config = _parse_config(path, meta.get("settings"), notes)
+        config = config.windowed(_parse_window(path, meta))
+        overrides = overrides or {}
+        # the shape flags ask for: loading refuses a cache made otherwise (as for any cache file)
+        config = config.updated(**{k: v for k, v in overrides.items() if k in SHAPE_KEYS and k != "keep"})
+        try:
+            state = PromptCache.load(path, model, config.shape, what="session", header=info)
+        except UsageError as e:  # other cache-shape settings than the session's
+            raise SessionError(str(e)) from None
+        config = config.updated(**{k: v for k, v in overrides.items() if k not in SHAPE_KEYS})
+        pending, text = _parse_text(path, meta)
+        checkpoints = _parse_checkpoints(path, meta, state)
+        attempt = meta.get("attempt", 0)
+        state.messages, state.text = info.messages, None
+        template_args, stop = _parse_template_and_stop(path, meta)
+        reread = _parse_spans(path, meta.get("reread", []))
+    except CacheFileError as e:
+        raise DamagedSessionError(path, damage_detail(str(e), path), len(info.messages)) from None
     return SessionRecord(state, config, pending, text, checkpoints, attempt if _is_int(attempt) else 0,
                          notes=notes, branch_of=parse_branch_of(meta, path), template_args=template_args,
+                         stop=stop, reread=reread)  # fmt: skip
+
+
+class DamagedSessionError(CacheFileError):
+    """A session whose cache cannot be loaded (its bytes changed, or its layers disagree) while
+    its header, with the conversation and the settings, reads whole: it can be repaired from
+    them (:func:`stored_session`, ``mlxcc sessions repair``). ``detail`` says what is wrong."""
+
+    def __init__(self, path, detail: str, messages: int):
+        self.path, self.detail, self.messages = path, detail, messages
+        super().__init__(f"{path} is damaged ({detail}); its {messages} messages are intact: repair it with "
+                         f"'mlxcc sessions repair {repair_ref(path)}' (the cache is computed again from them)")
+
+
+def repair_ref(path) -> str:
+    """How ``mlxcc sessions repair`` names the session at ``path``: its name, or its path
+    (with a ``/``, which no session name has)."""
+    name = session_name(Path(path))
+    if name != str(path):
+        return name
+    return name if "/" in name else os.path.join(".", name)
+
+
+def damage_detail(text: str, path) -> str:
+    """What an error about the file at ``path`` says is wrong: its first parenthesised
+    detail, else its text without the path and the remedy."""
+    body = text.replace(str(path), "").strip(" :;")
+    m = re.search(r"\(([^()]*)\)", body)
+    return m.group(1) if m else clipped(body.split("; ")[0], 120)
+
+
+def stored_session(path: str | os.PathLike, model) -> SessionRecord:
+    """What the session at ``path`` holds besides its cache, from its header alone (a session
+    whose arrays are damaged): the conversation, the settings, the window, the template
+    arguments, stop strings and branch. ``state`` is a new empty cache of that window holding
+    the messages; a setting that cannot be read is dropped (a line in ``notes``). Raises as
+    :func:`load_session` does for a header that cannot be read or is not a session's."""
+    from ..files.prompt_cache import PromptCache
+
+    info = read_cache_info(path)
+    fingerprint = getattr(model, "fingerprint", None)
+    if fingerprint is not None:
+        try:
+            fingerprint.check(info.model, what="session")
+        except ModelMismatchError as e:
+            raise ModelMismatchError(f"{path}: {e}") from None
+    if info.messages is None or SESSION_KEY not in info.metadata:
+        raise SessionError(f"{path} is a cache file, not a chat session: there is no conversation to repair it from")
+    notes: list[str] = []
+    meta = _readable(path, notes, "the session's settings", lambda: _parse_session_json(path, info.metadata[SESSION_KEY]), {})
+    config = _readable(path, notes, "the sampling settings", lambda: _parse_config(path, meta.get("settings"), notes),
+                       DEFAULTS)  # fmt: skip
+    window = _readable(path, notes, "the window", lambda: _parse_window(path, meta), CacheShape())
+    template_args, stop = _readable(path, notes, "the template arguments and stop strings",
+                                    lambda: _parse_template_and_stop(path, meta), (None, ()))  # fmt: skip
+    config = config.windowed(window)
+    state = PromptCache.new(model, config.shape)
+    state.messages = [dict(m) for m in info.messages]
+    return SessionRecord(state, config, [], "", [], 0, source=meta.get("source") if isinstance(meta.get("source"), dict)
+                         else None, notes=notes, branch_of=parse_branch_of(meta, path), template_args=template_args,
                          stop=stop)  # fmt: skip
+
+
+def _readable(path, notes: list[str], what: str, parse, default):
+    """``parse()``, or ``default`` with a line in ``notes`` when the file holds it damaged."""
+    try:
+        return parse()
+    except CacheFileError:
+        notes.append(f"warning: {path}: {what} could not be read; the defaults are used")
+        return default
 
 
 def _parse_session_json(path, raw: str) -> dict:
@@ -273,11 +370,11 @@ def _parse_checkpoints(path, meta: dict, state: PromptCache) -> list[Checkpoint]
 
     checkpoints, index = [], []
     for ck in meta.get("checkpoints", []):
-        if not (isinstance(ck, list) and len(ck) in (4, 5) and all(_is_int(v) for v in ck[:4])
+        if not (isinstance(ck, list) and len(ck) in (4, 5, 6) and all(_is_int(v) for v in ck[:4])
                 and (len(ck) == 4 or type(ck[4]) is int and ck[4] >= -1)):  # fmt: skip
             raise CacheFileError(f"{path}: session checkpoints are malformed; the file is damaged")
-        checkpoints.append(Checkpoint(*ck[:4]))
-        index.append(ck[4] if len(ck) == 5 else -1)
+        checkpoints.append(Checkpoint(*ck[:4], reread=_parse_spans(path, ck[5]) if len(ck) == 6 else []))
+        index.append(ck[4] if len(ck) >= 5 else -1)
     if any(k >= 0 for k in index):
         snapshots = load_snapshots(path)
         for ck, k in zip(checkpoints, index):
@@ -362,6 +459,10 @@ __all__ = [
     "kept_copies",
     "save_session",
     "load_session",
+    "stored_session",
+    "DamagedSessionError",
+    "damage_detail",
+    "repair_ref",
     "session_name",
     "session_path",
     "sessions_dir",

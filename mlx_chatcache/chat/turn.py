@@ -62,9 +62,14 @@ class TurnCancelled(Exception):
 
 @dataclass
 class TurnStats:
-    """What one turn cost. ``new_tokens`` were fed, ``reused_tokens`` came from
-    the cache; ``recomputed_tokens`` were in the cache before the turn but had
-    to be fed again (0 unless history was rewritten or could not be rolled back)."""
+    """What one turn cost. ``new_tokens`` of the prompt were fed to the model,
+    ``reused_tokens`` came from the cache (or the store); ``recomputed_tokens``
+    of the new ones the model had read before in this conversation and fed again
+    (kept by the session, :mod:`mlx_chatcache.chat.held`): after a new system
+    prompt or template arguments, a rollback the cache could not follow, a
+    cancelled edit, a repaired session, or a cache that held them but could not
+    keep them. An /undo or /retry goes back to the start of a turn, whose
+    tokens count as they did then."""
 
     prompt_tokens: int = 0
     reused_tokens: int = 0
@@ -212,15 +217,15 @@ def _held_back(tokenizer, text: str, tokens: list[int]) -> str:
     return full[len(text):] if full.startswith(text) else ""
 
 
-def turn_stats(prompt_ids: list[int], reused: int, common: int, reply: Reply, started: float) -> TurnStats:
-    """A turn's statistics: ``reused`` prompt tokens came from the cache, which
-    held ``common`` of them before the turn."""
+def turn_stats(prompt_ids: list[int], reused: int, recomputed: int, reply: Reply, started: float) -> TurnStats:
+    """A turn's statistics: ``reused`` prompt tokens came from the cache, the rest
+    were fed, ``recomputed`` of them read before."""
     new = len(prompt_ids) - reused
     return TurnStats(
         prompt_tokens=len(prompt_ids),
         reused_tokens=reused,
         new_tokens=new,
-        recomputed_tokens=max(0, common - reused),
+        recomputed_tokens=recomputed,
         generated_tokens=len(reply.tokens),
         ttft=reply.ttft,
         prompt_tps=new / max(reply.ttft, 1e-9),

@@ -69,18 +69,21 @@ def _recorded_model(info: CacheFileInfo) -> str | None:
 
 
 def field(label: str, text: str, width: int | None = None) -> list[str]:
-    """``label: text`` wrapped to the terminal width, continuation lines indented
-    under the text; a value longer than LONG_VALUE characters is cut (--json has it all)."""
+    """``label: text`` wrapped to the terminal width at spaces (a path or a word is never split,
+    a line never ends in a space), continuation lines indented under the text (a label too long
+    for the column gets a line of its own); a value longer than LONG_VALUE characters is cut
+    (--json has it all)."""
     width = width or shutil.get_terminal_size((100, 24)).columns
     indent = " " * LABEL_WIDTH
     if len(text) > LONG_VALUE:
         text = text[:LONG_VALUE] + f"… ({len(text)} characters; --json shows all)"
-    lines = []
+    lines = [] if len(label) < LABEL_WIDTH - 1 else [f"{label}:"]
     for i, part in enumerate(text.split("\n")):
-        lead = f"{label + ':':<{LABEL_WIDTH}}" if i == 0 else indent
+        lead = f"{label + ':':<{LABEL_WIDTH}}" if i == 0 and not lines else indent
         lines += textwrap.wrap(part, max(width - 1, LABEL_WIDTH + 20), initial_indent=lead, subsequent_indent=indent,
-                               drop_whitespace=False, replace_whitespace=False) or [lead.rstrip()]  # fmt: skip
-    return lines
+                               replace_whitespace=False, break_on_hyphens=False,
+                               break_long_words=False) or [lead.rstrip()]  # fmt: skip
+    return [line.rstrip() for line in lines]
 
 
 def _room(s: dict) -> str:
@@ -91,21 +94,36 @@ def _room(s: dict) -> str:
     return f" (K/V stored in {slots} slots: room for {slots - n} more without a copy)"
 
 
-def decoded_preview(info: CacheFileInfo, model_ref: str | None) -> str | None:
-    """The tail of the cached text, when a tokenizer can be found cheaply."""
+def decoded_preview(info: CacheFileInfo, model_ref: str | None) -> tuple[str | None, str]:
+    """``(preview, pending)``: the tail of the cached text, when a tokenizer can be found cheaply,
+    and the end of the file's last reply that its tokens do not hold yet (a reply's last token
+    is fed first by the next turn, e.g. one cut by ``-m``), shown after it."""
     if not info.tokens:
-        return None
+        return None, ""
     ref = model_ref or (info.model.model_id if info.model else None)
     if not ref or not os.path.exists(ref):
-        return None
+        return None, ""
     from ..models.loading import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(ref)
     except Exception:  # preview is best effort: the rest of the report stands
-        return None
+        return None, ""
     text = tokenizer.decode(info.tokens)
-    return text if len(text) <= PREVIEW_CHARS else "…" + text[-PREVIEW_CHARS:]
+    pending = _not_cached(text, info.messages)
+    text += pending
+    return (text if len(text) <= PREVIEW_CHARS else "…" + text[-PREVIEW_CHARS:]), pending
+
+
+def _not_cached(text: str, messages: list[dict] | None) -> str:
+    """The end of the last reply in ``messages`` that ``text`` (the decoded tokens) stops short of."""
+    if not messages or messages[-1].get("role") != "assistant" or not isinstance(messages[-1].get("content"), str):
+        return ""
+    reply = messages[-1]["content"]
+    for n in range(len(reply), max(len(reply) - PREVIEW_CHARS, 0) - 1, -1):
+        if text.endswith(reply[:n]) and (n or text.endswith("\n")):
+            return reply[n:] if n < len(reply) else ""
+    return ""
 
 
 def _checksums(state: str, info: CacheFileInfo) -> str:
@@ -120,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     info = read_cache_info(args.file)
     s = summary(info)
     s["checksums"] = "verified" if verify_cache_file(args.file) else "none"
-    s["preview"] = decoded_preview(info, args.model)
+    s["preview"], s["preview_not_cached"] = decoded_preview(info, args.model)
     if args.json:
         print(json.dumps(s, indent=2, ensure_ascii=False))
         return 0
@@ -138,15 +156,19 @@ def run(args: argparse.Namespace) -> int:
     lines += field("checksums", _checksums(s["checksums"], info))
     if s["weights"]:
         lines += field("weights", f"{s['weights']} (the weight policy it was computed with; any policy can continue it)")
-    if info.messages is not None:
-        roles = ", ".join(m["role"] for m in info.messages)
-        lines.append(f"messages:    {len(info.messages)} ({roles})")
+    if info.messages:
+        lines += field("messages", f"{len(info.messages)} ({', '.join(m['role'] for m in info.messages)})")
+    elif info.messages is not None:
+        lines.append("messages:    none (a chat cache with no message yet, or one trimmed mid-message)")
     if info.settings:
         lines += field("settings", ", ".join(f"{k}={v}" for k, v in info.settings.items()))
     for k, v in info.metadata.items():
         lines += field("metadata", f"{k} = {v}")
     if s["preview"]:
         lines += field("preview", s["preview"])
+        if s["preview_not_cached"]:
+            lines += field("not cached", f"{s['preview_not_cached']!r}, the end of the last reply (its last token "
+                           "is fed first by the next turn)")
     elif info.messages:
         last = info.messages[-1]
         lines += field(f"last message ({last['role']})", last["content"][:PREVIEW_CHARS])

@@ -79,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give --prompt or --prompt-file, not both")
     prompt = read_prompt(args.prompt, args.prompt_file)
     if not prompt and not args.system_prompt:
+        given = [name for name, v in (("--prompt", args.prompt), ("--prompt-file", args.prompt_file),
+                                      ("--system-prompt", args.system_prompt)) if v is not None]  # fmt: skip
+        if given:
+            raise UsageError(f"nothing to cache: {' and '.join(given)} {'is' if len(given) == 1 else 'are'} empty; "
+                             "give the text to cache (a non-empty --prompt, --prompt-file or --system-prompt)")
         raise UsageError("nothing to cache: pass --prompt, --prompt-file or --system-prompt")
     config = check_window_flags(config_from_args(args))  # before the model loads
     with claim(args.prompt_cache_file, force=args.force) as target:

@@ -31,7 +31,8 @@ def add_actions(csub) -> None:
         description="Keep the first N tokens of a cache file (with --drop: remove the last N, as "
         "mlx-lm's trim_prompt_cache does). A chat cache keeps its token ids but not its messages, "
         "so a later generate reuses the common prefix. Refused for caches that cannot drop tokens "
-        "(recurrent layers, a rotating window that has wrapped) and for chat sessions.",
+        "(recurrent layers, a rotating window that has wrapped), and for a chat session in place "
+        "(with --output its first tokens become a prompt cache, not a session).",
     )
     trim.add_argument("file", help="the cache file")
     trim.add_argument("n", type=non_negative_int, metavar="N", help="tokens to keep (with --drop: to remove from the end)")
@@ -43,7 +44,9 @@ def add_actions(csub) -> None:
         "diff",
         help="compare two cache files: model, common token prefix, layers, settings",
         description="Compare two cache files without loading their arrays: same model?, how many "
-        "leading tokens they share and where they diverge, layer class and setting differences.",
+        "leading tokens they share and where they diverge, layer class and setting differences. "
+        "Exits with status 1 when the files were made by different models (their caches and token "
+        "ids cannot be compared), 0 otherwise.",
     )
     diff.add_argument("a", help="first cache file")
     diff.add_argument("b", help="second cache file")
@@ -67,9 +70,10 @@ def run_trim(args: argparse.Namespace) -> int:
     in_place = args.output is None
     # in place, FILE is replaced only by its own trimmed cache: it must be one, and not a session (below)
     with claim(args.output or args.file, force=args.force or in_place) as out:
-        if is_session(read_cache_info(args.file)):
-            raise UsageError(f"{args.file} is a chat session: trimming would break its bookkeeping; use /undo "
-                             "in 'mlxcc chat' (or export it with 'mlxcc cache convert' first)")  # fmt: skip
+        if in_place and is_session(read_cache_info(args.file)):
+            raise UsageError(f"{args.file} is a chat session: trimming it in place would break its bookkeeping; "
+                             f"/undo in 'mlxcc chat --session-file {args.file}' removes exchanges, or add "
+                             "--output OUT to write its first tokens as a prompt cache (not a session)")  # fmt: skip
         before, after = trim_cache_file(args.file, out, args.n, args.drop)
     print(f"{args.output or args.file}: {before} -> {plural(after, 'token')}")
     return 0
@@ -89,28 +93,29 @@ def run_diff(args: argparse.Namespace) -> int:
         "diverge_at": None if d.same_model is False else d.diverge_at,
         "layer_differences": d.layer_differences, "setting_differences": d.setting_differences,
     }  # fmt: skip
+    status = 1 if d.same_model is False else 0
     if args.json:
         print(json.dumps(out, indent=2, ensure_ascii=False))
-        return 0
+        return status
     same = {True: "yes", False: "no", None: "unknown (a file does not say)"}[d.same_model]
-    lines = [f"model:        {same} ({out['model_a'] or '?'} / {out['model_b'] or '?'})",
-             f"tokens:       {_n(a.num_tokens)} / {_n(b.num_tokens)}"]  # fmt: skip
+    lines = [("model", f"{same} ({out['model_a'] or '?'} / {out['model_b'] or '?'})"),
+             ("tokens", f"{_n(a.num_tokens)} / {_n(b.num_tokens)}")]  # fmt: skip
     if d.same_model is False:  # ids of two tokenizers: equal ids need not be the same text
-        lines.append("common prefix: not compared (different models: their token ids are not comparable)")
+        lines.append(("common prefix", "not compared (different models: their token ids are not comparable)"))
     elif d.common_prefix is None:
-        lines.append("common prefix: unknown (a file holds no token ids)")
+        lines.append(("common prefix", "unknown (a file holds no token ids)"))
     else:
-        lines.append(f"common prefix: {plural(d.common_prefix, 'token')}")
+        lines.append(("common prefix", plural(d.common_prefix, "token")))
         if d.diverge_at is not None:
             i = d.diverge_at
-            lines.append(f"diverge at:   token {i} (id {a.tokens[i]} vs {b.tokens[i]})")
+            lines.append(("diverge at", f"token {i} (id {a.tokens[i]} vs {b.tokens[i]})"))
         elif a.num_tokens != b.num_tokens:
-            lines.append("diverge at:   none: the shorter file is a prefix of the longer")
-    lines.append("layers:       " + ("same classes and settings" if not d.layer_differences
-                                     else "; ".join(d.layer_differences)))  # fmt: skip
-    lines.append("settings:     " + ("same" if not d.setting_differences else "; ".join(d.setting_differences)))
-    print("\n".join(lines))
-    return 0
+            lines.append(("diverge at", "none: the shorter file is a prefix of the longer"))
+    lines.append(("layers", "same classes and settings" if not d.layer_differences else "; ".join(d.layer_differences)))
+    lines.append(("settings", "same" if not d.setting_differences else "; ".join(d.setting_differences)))
+    width = max(len(label) for label, _ in lines) + 2  # every value starts in one column
+    print("\n".join(f"{label + ':':<{width}}{value}" for label, value in lines))
+    return status
 
 
 def _n(v) -> str:

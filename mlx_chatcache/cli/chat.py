@@ -25,7 +25,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..chat.session_file import session_path
+from ..chat.session_file import DamagedSessionError, session_path
+from ..config import SHAPE_KEYS
 from ..files.cache_file import claim
 from ..errors import SessionError, UsageError
 from ..files.atomic import remove_stale_temp_files
@@ -36,6 +37,7 @@ from .common import (
     add_sampling_args,
     add_verbose_arg,
     add_weights_arg,
+    cache_dir_lines,
     check_cache_dir,
     config_from_args,
     config_overrides,
@@ -60,7 +62,8 @@ def add_parser(sub) -> None:
     add_weights_arg(p)
     p.add_argument("--system-prompt", help="the system prompt (pinned in the cache window with --max-kv-size)")
     add_sampling_args(p)
-    add_cache_args(p)
+    add_cache_args(p, "the rendered system prompt (or the chat template's default one), or what a "
+                      "--prompt-cache-file recorded")
     p.add_argument("--chat-template-config", "--chat-template-args", metavar="JSON",
                    help="JSON object (or file) of extra chat template arguments; saved with the session")
     p.add_argument("--stop", metavar="TEXT", action="append",
@@ -101,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=None) -> int:
     from ..chat.session import ChatSession  # imports mlx-lm: only when the chat starts, not for --help
+    from .chat_report import cost_text
     from .chat_input import StreamReader, TerminalReader
     from .repl import ChatREPL, history_file
 
@@ -126,18 +130,19 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=N
             _note(f"new session {label} (saved after every turn to {path})")
     elif path is not None and path.exists():
         overrides = config_overrides(args)
-        session = ChatSession.load(path, model, tokenizer, overrides=overrides, shared=shared)
+        try:
+            session = ChatSession.load(path, model, tokenizer, overrides=overrides, shared=shared)
+        except DamagedSessionError as e:
+            session = _offer_repair(e, label, model, tokenizer, shared, held)
+            session.update_settings({k: v for k, v in overrides.items() if k not in SHAPE_KEYS})
         for line in session.load_notes:
             _note(line)
-        _note(
-            f"resumed session {label}: {plural(session.num_turns, 'turn')}, "
-            f"{plural(session.cached_tokens, 'token')} in the cache, 0 tokens recomputed"
-        )
+        _note(f"resumed session {label}: {plural(session.num_turns, 'turn')}, {cost_text(session)}")
         for line in recap(session.messages):
             _note(line)
         if args.system_prompt is not None and args.system_prompt != (session.system_prompt or ""):
             session.set_system_prompt(args.system_prompt)
-            _note("[new system prompt: the conversation will be re-read on the next turn]")
+            _note(f"[new system prompt: {cost_text(session)}]")
     else:
         session = ChatSession(model, tokenizer, system_prompt=args.system_prompt, config=config_from_args(args),
                               shared=shared, template_args=template, stop=args.stop or ())  # fmt: skip
@@ -164,7 +169,34 @@ def _chat(args: argparse.Namespace, path: Path | None, label: str | None, held=N
         model_ref=source["model"] if source else args.model,
         session_label=label,
     )
-    return repl.run()
+    try:
+        return repl.run()
+    finally:
+        for line in cache_dir_lines(shared) if args.verbose else []:
+            _note(line)
+
+
+def _offer_repair(damaged, label: str, model, tokenizer, shared, held):
+    """On a terminal, ask to repair the damaged session (its cache computed again from its
+    messages, with progress, and saved); else, or when declined, the one-line error says how."""
+    from ..chat.repair import repair_session
+    from .progress import ProgressBar
+
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        raise damaged
+    sys.stderr.write(f"session {label} is damaged ({damaged.detail}); its {plural(damaged.messages, 'message')} "
+                     "are intact. Compute its cache again from them now? [Y/n] ")  # fmt: skip
+    sys.stderr.flush()
+    if sys.stdin.readline().strip().lower() not in ("", "y", "yes"):
+        raise damaged
+    bar = ProgressBar("repair", stream=sys.stderr)
+    try:
+        session = repair_session(held.path, model, tokenizer, progress=bar.update, shared=shared)
+    finally:
+        bar.close()
+    session.save(held)
+    _note(f"[repaired: {plural(session.cached_tokens, 'token')} computed again and saved]")
+    return session
 
 
 def _prebuilt_header(args, path: Path | None, label: str | None):
@@ -215,7 +247,9 @@ def _from_prebuilt(args, model, tokenizer, shared, info, config):
     session = ChatSession.from_prompt_cache(model, tokenizer, prompt, config=config, shared=shared)
     if args.system_prompt is not None and args.system_prompt != (session.system_prompt or ""):
         session.set_system_prompt(args.system_prompt)
-        _note(f"[new system prompt: the cache of {f} is not used; its messages will be read on the first turn]")
+        from .chat_report import cost_text
+
+        _note(f"[new system prompt: the cache of {f} keeps its common start; {cost_text(session)}]")
         return session
     _note(f"[started from {f}: {plural(len(prompt.tokens), 'token')} in the cache, 0 tokens recomputed]")
     window = prompt.shape

@@ -18,13 +18,15 @@ here touches a session.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Iterator, TextIO
 
 from .common import setting_value
-from ..config import RANGES
-from ..errors import UsageError
+from ..config import RANGES, SettingError
+from ..errors import UsageError, clipped
 
 PROMPT, CONTINUATION = ">>> ", "... "
 FENCE = '"""'
@@ -46,6 +48,10 @@ class StreamReader:
 
     def close(self) -> None:
         """Nothing to undo for a stream."""
+
+    def keys_unechoed(self) -> contextlib.AbstractContextManager:
+        """Nothing to hide: a stream has no keyboard."""
+        return contextlib.nullcontext()
 
 
 class TerminalReader:
@@ -83,6 +89,26 @@ class TerminalReader:
     def close(self) -> None:
         """Turn the terminal's bracketed paste mode off (the shell after the chat expects it off)."""
         self._paste_mode(False)
+
+    @contextlib.contextmanager
+    def keys_unechoed(self) -> Iterator[None]:
+        """While active (a reply streams), keys typed are not echoed into the output: the
+        terminal keeps them for the next prompt, which shows them. Ctrl-C still signals."""
+        try:
+            import termios
+
+            fd = sys.stdin.fileno()
+            saved = termios.tcgetattr(fd)
+        except (ImportError, OSError, ValueError):  # not a terminal after all
+            yield
+            return
+        quiet = list(saved)
+        quiet[3] &= ~termios.ECHO  # lflag
+        termios.tcsetattr(fd, termios.TCSANOW, quiet)
+        try:
+            yield
+        finally:
+            termios.tcsetattr(fd, termios.TCSANOW, saved)
 
     def _paste_mode(self, on: bool) -> None:
         out = self.session.output
@@ -142,6 +168,18 @@ def message_text(text: str) -> str:
     return s[1:] if s.startswith("//") else s
 
 
+MAX_DIGITS = 9  # /edit N: more digits than any chat has messages
+
+
+def parse_edit_arg(arg: str) -> int | None:
+    """The N of ``/edit [N]`` (None: the last message)."""
+    if not arg:
+        return None
+    if not (arg.isascii() and arg.isdigit() and len(arg) <= MAX_DIGITS):
+        raise UsageError("usage: /edit [N] (N: the number of one of your messages, 1 is the first)")
+    return int(arg)
+
+
 def parse_save_arg(arg: str) -> tuple[str, bool]:
     """``(file, force)`` of ``/save FILE [--force]`` (``--force`` first works too)."""
     words = arg.strip()
@@ -169,11 +207,14 @@ def parse_setting(arg: str) -> tuple[str, object]:
     name = aliases.get(name, name)
     if name not in SETTINGS or not value.strip():
         raise UsageError(f"usage: /set NAME VALUE with NAME one of {', '.join(SETTINGS)}")
+    text, r = value.strip(), RANGES[name]
+    none = " (or none)" if r.optional else ""
     try:
-        return name, setting_value(name, value.strip())
-    except ValueError as e:  # SettingError included: "must be RANGE, got VALUE"
-        none = " (or none)" if RANGES[name].optional else ""
-        raise UsageError(f"/set {name}: {e}{none}") from None
+        return name, setting_value(name, text)
+    except SettingError:  # out of its range: said as typed
+        raise UsageError(f"/set {name}: must be {r.describe()}{none}, got {clipped(text, 40)}") from None
+    except ValueError as e:  # not a number: "invalid number: 'x'"
+        raise UsageError(f"/set {name}: {e}; give {r.describe()}{none}") from None
 
 
 __all__ = [
@@ -186,6 +227,7 @@ __all__ = [
     "read_input",
     "parse_command",
     "message_text",
+    "parse_edit_arg",
     "parse_save_arg",
     "SETTINGS",
     "parse_setting",

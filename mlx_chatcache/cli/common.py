@@ -147,10 +147,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=setting_type("seed"), help="random seed for sampling, 0 to 2**64-1")
 
 
-def add_cache_args(p: argparse.ArgumentParser) -> None:
+def add_cache_args(p: argparse.ArgumentParser, pinned: str = f"the first {D.keep} tokens") -> None:
+    """The cache-shape flags; ``pinned``: what this command's window pins (its --max-kv-size help)."""
     p.add_argument("--max-kv-size", type=setting_type("max_kv_size"),
-                   help="bound the KV cache with a rotating window of this many tokens (more than it pins: "
-                   f"{D.keep}, a cache file's recorded keep, or a chat's system prompt)")
+                   help=f"bound the KV cache with a rotating window of this many tokens, more than it pins: {pinned}")
     p.add_argument("--kv-bits", type=setting_type("kv_bits"), help="quantize the KV cache to this many bits (default off)")
     p.add_argument("--kv-group-size", type=setting_type("kv_group_size"), help=f"KV quantization group size (default {D.kv_group_size})")
     p.add_argument(
@@ -250,9 +250,35 @@ def add_cache_dir_arg(p: argparse.ArgumentParser) -> None:
         "the disk tier of 'mlxcc serve --cache-dir' (cache files in mlxcc's format, shared by "
         "commands and servers given the same folder; default: not used). The folder becomes the "
         "store's (marked with a .mlxcc-store file): give a new or empty folder, or a server's; "
-        "a folder holding other files is refused. Only the store's own entries are ever deleted, "
-        "and a command deletes none (the server keeps the folder within its budget)",
+        "a folder holding other files is refused. Only the store's own files are ever deleted: a "
+        "command deletes an entry it finds damaged (its checksums do not match) and the temp files "
+        "of writes that were interrupted, nothing else (--verbose says so); the server also keeps "
+        "the folder within its budget",
     )  # fmt: skip
+
+
+def cache_dir_lines(tiers) -> list[str]:
+    """What ``--verbose`` says a command did in its ``--cache-dir`` besides reading and adding
+    entries: the damaged entries it removed, the temp files of interrupted writes it removed,
+    the files it skipped (not the store's: never read nor deleted)."""
+    lines = []
+    for tier in tiers:
+        folder = getattr(tier, "folder", None)
+        if folder is None:
+            continue
+        s = tier.stats()
+        done = [f"removed {_count(s['corrupt'], 'damaged entry', 'damaged entries')} (its checksums did not match)"
+                if s.get("corrupt") else "",
+                f"removed {_count(s['temp_removed'], 'temp file')} of interrupted writes" if s.get("temp_removed") else "",
+                f"skipped {_count(s['foreign'], 'file that is not a store entry', 'files that are not store entries')}"
+                " (never read nor deleted)" if s.get("foreign") else ""]  # fmt: skip
+        if any(done):
+            lines.append(f"--cache-dir {folder}: " + "; ".join(x for x in done if x))
+    return lines
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def check_cache_dir(cache_dir: str | None) -> None:

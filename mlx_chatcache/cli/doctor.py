@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
 
 
 def report(model_ref: str | None, weights: str | None) -> dict:
-    from .. import __version__
+    from ..config import VERSION
     from ..backend import blas
 
     import mlx.core as mx
@@ -48,7 +48,7 @@ def report(model_ref: str | None, weights: str | None) -> dict:
     else:
         check = "fast" if gflops >= blas.FAST_GFLOPS else "slow: MLX's bundled reference BLAS"
     out = {
-        "mlxcc": __version__,
+        "mlxcc": VERSION,
         "python": platform.python_version(),
         "platform": f"{platform.system()} {platform.machine()}",
         "mlx": mx.__version__,

@@ -43,7 +43,7 @@ import sys
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
-from ..config import INTERRUPTIBLE_CALL_SECONDS, CacheShape, GenerationConfig
+from ..config import DEFAULTS, INTERRUPTIBLE_CALL_SECONDS, CacheShape, GenerationConfig
 from ..errors import UsageError
 from ..files.mlxcc_format import read_cache_info
 from ..files.registry import CacheFileInfo
@@ -52,6 +52,7 @@ from ..models.context import check_prompt_fits
 from .common import (
     add_cache_args,
     add_cache_dir_arg,
+    cache_dir_lines,
     add_force_arg,
     add_model_arg,
     add_json_schema_arg,
@@ -89,7 +90,7 @@ def add_parser(sub) -> None:
     p.add_argument("--system-prompt", help="system message (replaces a cached chat's system message)")
     add_sampling_args(p)
     add_json_schema_arg(p)
-    add_cache_args(p)
+    add_cache_args(p, f"the first {DEFAULTS.keep} tokens, or as many as a --prompt-cache-file recorded")
     p.add_argument("--ignore-chat-template", action="store_true", help="use the prompt as raw text")
     p.add_argument("--chat-template-config", help="JSON object (or file) of extra chat template arguments")
     p.add_argument("--extra-eos-token", nargs="+", default=[], metavar="TOKEN", help="more tokens that end generation")
@@ -276,7 +277,7 @@ def _generate(args, model, tokenizer, job: _Job) -> int:
     put_prompt(job.store, job.scope, state, named=job.save, shared=job.shared, ends=_ends(args, tokenizer, job),
                warn=lambda line: sys.stderr.write(f"mlxcc: warning: {line}\n"))  # fmt: skip
     if args.verbose and last is not None:
-        report(last, job.state, job.tier, runtime_lines(model))
+        report(last, job.state, job.tier, [*runtime_lines(model), *cache_dir_lines(job.store.tiers)])
     return 0
 
 

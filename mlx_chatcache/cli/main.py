@@ -40,9 +40,9 @@ def build_parser() -> OneLineParser:
         prog="mlxcc",
         description="Multi-turn LLM work on MLX that never pays twice for the same tokens.",
     )
-    from .. import __version__
+    from ..config import VERSION
 
-    parser.add_argument("--version", action="version", version=f"mlxcc {__version__}")
+    parser.add_argument("--version", action="version", version=f"mlxcc {VERSION}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for name in SUBCOMMANDS:
         module = importlib.import_module(f".{name}", __package__)

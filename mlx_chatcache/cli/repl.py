@@ -21,16 +21,11 @@ starts). Ctrl-C at the prompt clears the line; Ctrl-D (end of input) ends the ch
 (a chat with no session file says it is not saved: on a terminal the first Ctrl-D
 only says so, to leave time for ``/save``).
 
-Nothing a user typed is lost to a failed save: ``/save`` and autosave errors
-are one line and the chat goes on; a failed autosave is retried after the
-next change and, if it still fails when the chat ends on a terminal, the user
-is asked once to ``/save`` elsewhere. ``/save`` goes through the door
-(:func:`~mlx_chatcache.files.cache_file.claim`): it refuses a file another chat
-holds, and a file that is not a prompt cache or is another chat session unless
-``--force``. ``/load FILE`` switches the chat to FILE (claimed as this chat's
-session: refused when another chat holds it) and writes nothing; the session
-it leaves stays as last saved. A line that is not valid UTF-8 is refused in
-one line (nothing sent).
+On a terminal, keys typed while a reply streams are not echoed into it: they
+wait for the next prompt. Where the chat is saved (autosave, ``/save``,
+``/load``, ``/branch``) is :mod:`mlx_chatcache.cli.chat_file`'s; what ``/show``,
+``/system`` and ``/history`` print is :mod:`mlx_chatcache.cli.chat_report`'s.
+A line that is not valid UTF-8 is refused in one line (nothing sent).
 """
 
 from __future__ import annotations
@@ -41,15 +36,17 @@ import threading
 from pathlib import Path
 from typing import Callable, TextIO
 
-from .chat_input import FENCE, message_text, parse_command, parse_save_arg, parse_setting, read_input
-from .common import plural, require_utf8
-from .progress import ProgressBar
-from .repl_show import SHOW
+from ..chat.session import ChatSession, RollbackResult, TurnResult
+from ..chat.session_catalog import format_conversation
 from ..config import mlxcc_home
 from ..errors import ChatCacheError, UsageError
-from ..files.cache_file import Claim, claim
-from ..chat.session import ChatSession, RollbackResult, TurnResult
-from .repl_edit import branch_command, edit_command
+from ..files.cache_file import Claim
+from .chat_file import ChatFile
+from .chat_input import (FENCE, message_text, parse_command, parse_edit_arg, parse_save_arg, parse_setting,
+                         read_input)
+from .chat_report import SHOW, cost_text, show_text, system_text
+from .common import plural, require_utf8
+from .progress import ProgressBar
 
 # /help: (what is typed, what it does); a description's later lines continue under it
 HELP_TABLE = (
@@ -67,8 +64,8 @@ HELP_TABLE = (
     ("/set NAME VALUE", "change a setting: temp, top_p, top_k, min_p, max_tokens,\n"
                         "seed (or 'none'), repetition_penalty (or 'none')"),
     ("/history", "the conversation so far"),
-    ("/show info|cache|stats|template", "the model and settings, the cache, the last turn's\n"
-                                        "statistics, the chat template"),
+    ("/show " + "|".join(SHOW), "the model and settings, the cache, the last turn's\n"
+                                "statistics, the chat template"),
     ("/save FILE [--force]", "save the session to FILE (--force: even over a file\n"
                              "that is not a prompt cache, or another chat session)"),
     ("/load FILE", "continue the session saved in FILE: the chat is saved\n"
@@ -157,21 +154,13 @@ class ChatREPL:
         self.session = session
         self.reader = reader
         self.out, self.err = out, err
-        self.held = held
+        self.file = ChatFile(held, session_label, self.note, self.error)
         self.verbose = verbose
         self.interactive = interactive
         self.model_ref = model_ref
-        self.session_label = session_label
         self.failed = False
         self._emitted = False
-        self.unsaved = False  # the last autosave failed: retried after the next change
-        self._warned_unsaved = False
         self._bar: ProgressBar | None = None
-
-    @property
-    def autosave(self) -> Path | None:
-        """The session file the chat is saved to (None: none)."""
-        return self.held.path if self.held is not None else None
 
     # -------------------------------------------------------------- output
     def say(self, text: str = "") -> None:
@@ -200,11 +189,14 @@ class ChatREPL:
     # -------------------------------------------------------------- loop
     def run(self) -> int:
         try:
-            return self._loop()
+            rc = self._loop()
+            s = self.session
+            if self.file.path is not None and not self.file.unsaved and (len(s.pending) > 1 or s.reread):
+                self.note(f"[saved to {self.file.label}: {cost_text(s)}]")  # a cache behind its conversation
+            return rc
         finally:
             self.reader.close()
-            if self.held is not None:
-                self.held.release()
+            self.file.release()
 
     def _loop(self) -> int:
         if self.interactive:
@@ -212,14 +204,14 @@ class ChatREPL:
         while True:
             item = read_input(self.reader)
             if item is None or not self._valid(item.text):
-                if item is None and not self._keep_unsaved():
+                if item is None and not self._keep_open():
                     break
                 continue
             if not item.multiline:
                 cmd = parse_command(item.text)
                 if cmd is not None:
                     try:
-                        if self.command(*cmd) == "quit" and not self._keep_unsaved():
+                        if self.command(*cmd) == "quit" and not self._keep_open():
                             break
                     except ChatCacheError as e:
                         self.error(e)
@@ -241,34 +233,10 @@ class ChatREPL:
             return False
         return True
 
-    def _keep_unsaved(self) -> bool:
-        """At the end of the chat (end of input, /bye): True (the chat goes on) the first
-        time on a terminal when the conversation is not saved, so the user can /save it.
-        A chat without a session file says so (piped: one line, and it ends); a failed
-        autosave is retried first."""
-        if self.autosave is None:
-            if self.session.num_turns == 0:
-                return False
-            if not self.interactive:
-                self.note("[not saved: start with --session NAME to keep a chat]")
-                return False
-            if self._warned_unsaved:
-                return False
-            self._warned_unsaved = True
-            self.note("[this chat is not saved: /save FILE keeps it; Ctrl-D again to quit without saving]")
-            return True
-        if not self.unsaved:
-            return False
-        self.save()
-        if not self.unsaved:
-            return False
-        if self.interactive and not self._warned_unsaved:
-            self._warned_unsaved = True
-            self.note(f"[the conversation is NOT saved in {self.autosave}: /save FILE to keep it "
-                      "elsewhere, or quit again to leave without saving]")  # fmt: skip
-            return True
-        self.note(f"[the last changes were NOT saved in {self.autosave}]")
-        return False
+    def _keep_open(self) -> bool:
+        """At the end of the chat: whether it goes on so an unsaved conversation can be saved."""
+        with StopFlag():  # a Ctrl-C must not interrupt a retried save (it is atomic anyway)
+            return self.file.keep_open(self.session, self.interactive)
 
     def turn(self, action: Callable[[Callable[[], bool]], TurnResult]) -> TurnResult | None:
         """Run one generation with Ctrl-C handling and a progress line, then report and autosave.
@@ -277,7 +245,7 @@ class ChatREPL:
         self._bar = ProgressBar("prompt", stream=self.err)
         self.session.progress = self._bar.update
         try:
-            with StopFlag() as stop:
+            with StopFlag() as stop, self.reader.keys_unechoed():
                 result = action(stop)
         except KeyboardInterrupt:
             self._end_line()
@@ -304,25 +272,9 @@ class ChatREPL:
         return result
 
     def save(self) -> None:
-        if self.autosave is None:  # no session file: only the shared tiers (--cache-dir), if any
-            with StopFlag():  # as below: a Ctrl-C during the write must not end the chat
-                problems = self.session.save(None) if self.session.shared.tiers else []
-            for line in problems:
-                self.note(f"warning: {line}")
-            return
-        with StopFlag():  # a Ctrl-C must not interrupt the write (it is atomic anyway)
-            try:
-                problems = self.session.save(self.held)
-            except ChatCacheError as e:
-                self.unsaved = True
-                self.error(f"could not save the session: {e} (the conversation is kept: saving is "
-                           "retried after the next turn, or /save FILE elsewhere)")  # fmt: skip
-                return
-        for line in problems:  # a shared tier (--cache-dir): the session file itself was written
-            self.note(f"warning: {line}")
-        if self.unsaved:
-            self.unsaved = False
-            self.note(f"[session saved to {self.autosave} again]")
+        """Autosave (:meth:`ChatFile.save`); a Ctrl-C during the write does not end the chat."""
+        with StopFlag():
+            self.file.save(self.session)
 
     # -------------------------------------------------------------- commands
     def command(self, name: str, arg: str) -> str | None:
@@ -357,12 +309,14 @@ class ChatREPL:
     def _system(self, arg: str) -> None:
         s = self.session
         if not arg:
-            self.say(s.system_prompt if s.system_prompt is not None else "(no system prompt)")
+            self.say(system_text(s))
             return
         text = "" if arg in ('""', "''") else arg
+        if (text or None) == s.system_prompt:
+            self.note("[the system prompt is unchanged]")
+            return
         s.set_system_prompt(text)
-        self.note("[system prompt " + ("removed" if not text else "set") +
-                  "; the conversation will be re-read on the next turn]")  # fmt: skip
+        self.note("[system prompt " + ("removed" if not text else "set") + f"; {cost_text(s)}]")
         self.save()
 
     def _set(self, arg: str) -> None:
@@ -375,60 +329,61 @@ class ChatREPL:
         name, force = parse_save_arg(arg)
         if not name:
             raise UsageError("usage: /save FILE [--force]")
-        if self.held is not None and self.held.covers(name):  # this chat's own session file
-            self.save()
-            if not self.unsaved:
-                self.note(f"[session saved to {name}]")
-            return
-        with claim(name, force=force) as target:
-            for line in self.session.save(target):
-                self.note(f"warning: {line}")
-        self.note(f"[session saved to {name}]")
+        with StopFlag():
+            self.file.save_as(self.session, name, force)
 
     def _load(self, arg: str) -> None:
-        """Continue the session in ``arg``: the chat switches to it (its claim replaces
-        this chat's); nothing is written (the session left stays as last saved)."""
+        """Continue the session in ``arg`` (:meth:`ChatFile.load`)."""
         if not arg:
             raise UsageError("usage: /load FILE")
+        self.session = self.file.load(self.session, arg)
+
+    def _edit(self, arg: str) -> None:
+        """``/edit [N]``: the next input replaces user message N (default the last) and its
+        reply is generated again; the messages after it go. Empty input cancels; a turn
+        cancelled or aborted leaves the conversation as it was (loaded again from the
+        session file when that holds it, so nothing is fed again)."""
         s = self.session
-        own = self.held is not None and self.held.covers(arg)
-        # mine: this chat's session from now on; whatever FILE holds is checked by the load
-        new = self.held if own else claim(arg, mine=True, label=arg, required=True)
-        try:
-            loaded = ChatSession.load(new.path, s.model, s.tokenizer, shared=s.shared.tiers)
-        except BaseException:
-            if not own:
-                new.release()
-            raise
-        if not own:
-            if self.held is not None:
-                self.held.release()
-            self.held, self.session_label = new, arg
-        for line in loaded.load_notes:
-            self.note(line)
-        self.session = loaded
-        self.unsaved = False  # the file holds what was loaded
-        self.note(f"[loaded {arg}: {plural(loaded.num_turns, 'turn')}, {plural(loaded.cached_tokens, 'token')} in "
-                  "the cache, 0 tokens recomputed; saved there from now on]")  # fmt: skip
+        n = parse_edit_arg(arg)
+        old = s.messages[s.user_message_index(n)]["content"]  # refused before the new text is read
+        self.note(f"[new text for {'your last message' if n is None else f'message {n}'} "
+                  "(an empty line cancels the edit)]")  # fmt: skip
+        item = read_input(self.reader, default=old if "\n" not in old else "")  # a terminal shows it, editable
+        text = None
+        if item is not None and self._valid(item.text):
+            text = item.text if item.multiline else message_text(item.text)
+        if text is None or not text.strip():
+            self.note("[edit cancelled; nothing changed]")
+            return
+        result = self.turn(lambda stop: s.edit(n, text, self._emit, stop))
+        if result is not None and result.stats.finish_reason != "cancelled":
+            return
+        loaded = self.file.reloaded(s)
+        if loaded is not None:
+            self.session = loaded
+            self.note("[edit not made; the conversation is as before (0 tokens recomputed)]")
+            return
+        self.note(f"[edit not made; the conversation is as before: {cost_text(s)}]")
+
+    def _branch(self, arg: str) -> None:
+        self.file.branch(self.session, arg.strip())
 
     @staticmethod
     def _how(r: RollbackResult) -> str:
         if r.how == "recompute":
             return f"; the cache could not be rolled back: {plural(r.recompute_tokens, 'token')} will be recomputed"
-        if r.how == "rerender":
-            return "; the conversation will be re-read on the next turn"
+        if r.how == "rerender" and r.recompute_tokens:
+            return f"; the conversation was rendered again: {plural(r.recompute_tokens, 'token')} will be recomputed"
         return ""
 
     # -------------------------------------------------------------- /show
     def show(self, what: str) -> None:
-        show = SHOW.get(what.strip().lower())
-        if show is None:
+        text = show_text(what, self.session, self.model_ref, self.file.label)
+        if text is None:
             raise UsageError(f"usage: /show {'|'.join(SHOW)}")
-        self.say(show(self))
+        self.say(text)
 
     def _history(self, arg: str) -> None:
-        from ..chat.session_catalog import format_conversation
-
         self.say(format_conversation(self.session.messages))
 
 
@@ -445,8 +400,8 @@ COMMANDS: dict[str, Callable[[ChatREPL, str], None]] = {
     "history": ChatREPL._history,
     "save": ChatREPL._save,
     "load": ChatREPL._load,
-    "edit": edit_command,
-    "branch": branch_command,
+    "edit": ChatREPL._edit,
+    "branch": ChatREPL._branch,
 }
 
 

@@ -12,7 +12,7 @@ import argparse
 import re
 
 from ..config import SERVER_DEFAULTS as S
-from ..config import default_cache_dir
+from ..config import DEFAULTS, default_cache_dir
 from ..errors import UsageError
 from .common import (add_cache_args, add_model_arg, add_sampling_args, check_cache_dir, config_from_args, human_bytes,
                      check_window_flags, load_model, positive_int)
@@ -117,7 +117,8 @@ def add_parser(sub) -> None:
                       "page asks for one)")
     page.add_argument("--no-ui", action="store_true", help="no chat page at / (the API is unchanged)")
     add_sampling_args(p)
-    add_cache_args(p)
+    add_cache_args(p, f"the first {DEFAULTS.keep} tokens of each request (a request with a window is generated "
+                      "alone, not batched)")
     p.set_defaults(run=run)
 
 

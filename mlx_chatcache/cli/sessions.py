@@ -1,7 +1,9 @@
-"""``mlxcc sessions [list|show NAME|export NAME|rm NAME]``: the chat sessions kept in MLXCC_HOME.
+"""``mlxcc sessions [list|show NAME|export NAME|repair NAME|rm NAME]``: the chat sessions kept in
+MLXCC_HOME.
 
-Reads file headers only (no arrays). ``rm`` refuses a session a running chat
-holds (its lock).
+Reads file headers and loads no arrays (listing checks every file's checksums, without MLX),
+except ``repair``, which loads the session's model and computes its cache again from the
+conversation its file holds. ``rm`` and ``repair`` refuse a session a running chat holds (its lock).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from ..chat.session_catalog import branches
 from ..chat.session_file import sessions_dir
 from ..errors import UsageError
 from ..files.atomic import write_text_atomic
-from .common import human_bytes, plural
+from ..chat.session_catalog import existing_session
+from .common import add_model_arg, add_weights_arg, human_bytes, plural
 
 COLUMNS = ("NAME", "MODEL", "TURNS", "TOKENS", "SIZE", "LAST USED")
 
@@ -52,6 +55,18 @@ def add_parser(sub) -> None:
     export.add_argument("--output", "-o", metavar="FILE", help="write to FILE (atomically) instead of stdout")
     export.add_argument("--force", action="store_true", help="replace FILE when it exists (default: refuse)")
     export.set_defaults(run=run_export)
+    repair = ssub.add_parser(
+        "repair", help="compute a damaged session's cache again from the conversation its file holds",
+        description="A session whose cache is damaged (its bytes changed after it was written, as "
+        "'mlxcc sessions' lists it) keeps its conversation and settings in the file's header: repair "
+        "loads the session's model, feeds the conversation once (with progress) and saves the session "
+        "with its new cache, atomically; then 'mlxcc chat --session NAME' continues it. A session that "
+        "is not damaged is left as it is.",
+    )  # fmt: skip
+    repair.add_argument("name", help="the session name (or the path of a --session-file, with a '/')")
+    add_model_arg(repair, "the model the session was made with")
+    add_weights_arg(repair)
+    repair.set_defaults(run=run_repair)
     rm = ssub.add_parser("rm", help="delete a session (not while a chat holds it)",
                          description="Delete a session file; refused while a chat has the session open.")
     rm.add_argument("name", nargs="+", help="the session name(s)")
@@ -69,7 +84,7 @@ def run_list(args: argparse.Namespace) -> int:
     if args.json:
         rows = [{"name": s.name, "model": s.model, "adapter_path": s.adapter_path, "turns": s.turns,
                  "tokens": s.tokens, "size": s.size, "last_used": s.last_used, "path": str(s.path),
-                 "problem": s.problem} for s in sessions]  # fmt: skip
+                 "problem": s.problem, "repairable": s.repairable} for s in sessions]  # fmt: skip
         print(json.dumps(rows, indent=2, ensure_ascii=False))
         return 0
     if not sessions:
@@ -85,9 +100,14 @@ def run_list(args: argparse.Namespace) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
     sys.stdout.flush()  # the table first, then what could not be read
     for s in sessions:
-        if s.problem:
-            sys.stderr.write(f"warning: session '{s.name}' cannot be read ({s.reason}); "
-                             f"remove it with 'mlxcc sessions rm {s.name}'\n")  # fmt: skip
+        if s.repairable:
+            sys.stderr.write(f"warning: session '{s.name}' is damaged ({s.reason}); its conversation is intact: "
+                             f"repair it with 'mlxcc sessions repair {s.name}'\n")  # fmt: skip
+        elif s.label == "damaged":  # the header: the conversation is lost with it
+            sys.stderr.write(f"warning: session '{s.name}' cannot be read ({s.reason}), nor can its conversation, "
+                             f"so it cannot be repaired; 'mlxcc sessions rm {s.name}' removes it\n")  # fmt: skip
+        elif s.problem:
+            sys.stderr.write(f"warning: session '{s.name}' cannot be read ({s.reason})\n")
     return 0
 
 
@@ -123,6 +143,56 @@ def run_export(args: argparse.Namespace) -> int:
     write_text_atomic(out, text)
     sys.stderr.write(f"wrote {out} ({plural(len(info.messages), 'message')}, {args.format})\n")
     return 0
+
+
+def run_repair(args: argparse.Namespace) -> int:
+    """Repair a damaged session (:func:`~mlx_chatcache.chat.repair.repair_session`) under its lock."""
+    from ..chat.session_catalog import resume_source
+    from ..chat.session_file import DamagedSessionError
+    from ..files.cache_file import claim
+    from .chat_file import check_session_file
+    from .common import load_model
+    from .progress import ProgressBar
+
+    if "/" in args.name:
+        path, label = Path(args.name).expanduser(), args.name
+    else:
+        path, label = existing_session(args.name), f"'{args.name}'"
+    check_session_file(path, f"sessions repair {args.name}", "only a chat session can be repaired ('mlxcc sessions' "
+                       "lists them)")
+    with claim(path, mine=True, label=label, required=True) as held:
+        source = resume_source(path, label) if args.model is None else None
+        model, tokenizer = load_model(args, source)
+        from ..chat.repair import repair_session
+        from ..chat.session import ChatSession
+
+        try:
+            ChatSession.load(path, model, tokenizer)
+        except DamagedSessionError as e:
+            sys.stderr.write(f"session {label} is damaged ({e.detail}): computing its cache again from its "
+                             f"{plural(e.messages, 'message')}\n")  # fmt: skip
+        else:
+            print(f"session {label} is not damaged: nothing to repair (continue it with {chat_command(path)})")
+            return 0
+        bar = ProgressBar("repair", stream=sys.stderr)
+        try:
+            session = repair_session(path, model, tokenizer, progress=bar.update)
+        finally:
+            bar.close()
+        for line in session.load_notes:
+            sys.stderr.write(line + "\n")
+        session.save(held)
+    print(f"repaired session {label}: {plural(session.cached_tokens, 'token')} of {plural(session.num_turns, 'turn')} "
+          f"computed again; continue it with {chat_command(path)}")  # fmt: skip
+    return 0
+
+
+def chat_command(path: Path) -> str:
+    """``'mlxcc chat --session NAME'`` (or ``--session-file PATH``) for the session at ``path``."""
+    from ..chat.session_file import session_name
+
+    name = session_name(path)
+    return f"'mlxcc chat --session {name}'" if name != str(path) else f"'mlxcc chat --session-file {path}'"
 
 
 def run_rm(args: argparse.Namespace) -> int:

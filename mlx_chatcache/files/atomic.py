@@ -104,7 +104,8 @@ def write_error(path: Path, folder: Path, e: BaseException, created: bool = True
         hint = f"folder {folder} cannot be written: save elsewhere or make it writable"
     elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or _out_of_space(folder, reason):
         free = _free_bytes(folder)
-        said = [reason] if isinstance(e, OSError) and e.errno is not None else []  # the system's own words
+        # the system's own words ("No space left on device"); MLX gives none, so they are said for it
+        said = [reason if isinstance(e, OSError) and e.errno is not None else "no space left on device"]
         said += [f"{free:,} bytes free in {folder}"] if free is not None else []
         left = f" ({'; '.join(said)})" if said else ""
         return CacheFileError(f"could not write {path}: the disk is full{left}; the previous file (if any) "

@@ -68,7 +68,8 @@ def convert_cache_file(src, dst, to: str) -> CacheFileInfo:
 def trim_cache_file(src, dst, n: int, drop: bool = False) -> tuple[int, int]:
     """Keep the first ``n`` tokens of ``src``'s cache (``drop``: all but the last
     ``n``) and write it to ``dst`` (may equal ``src``) in the same layout;
-    returns (tokens before, tokens after)."""
+    returns (tokens before, tokens after). A chat session's record (its bookkeeping
+    of the conversation) does not hold for fewer tokens: the copy is a prompt cache."""
     from ..cache import can_trim_prompt_cache, cache_offset, trim_prompt_cache  # imports mlx-lm
 
     cache, info = load_cache_file(src)
@@ -92,6 +93,7 @@ def trim_cache_file(src, dst, n: int, drop: bool = False) -> tuple[int, int]:
             info.messages = []  # the kept tokens no longer end at a message boundary
         if info.text is not None:
             info.text = ""
+        info.metadata = {k: v for k, v in info.metadata.items() if k != cache_file.SESSION_KEY}
     _save(dst, cache, info, _layout_format(info))
     return held, keep
 

@@ -7,12 +7,14 @@ when the process dies. The lock file is the one of the file's real path
 one lock. The lock file is removed when the lock is released, and a holder
 checks that the file it locked is still the one at that path (so a file removed
 meanwhile never yields a second holder); ones left by killed processes are
-removed by :func:`remove_stale_lock`.
+removed by :func:`remove_stale_lock`. The lock file says which process holds it
+and what it runs (``PID mlxcc COMMAND``), so a refusal names the right remedy.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from ..errors import SessionError
@@ -68,22 +70,33 @@ class SessionLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             try:
-                holder = os.read(fd, 32).decode("ascii", "replace").strip()
+                holder = os.read(fd, 200).decode("utf-8", "replace").split()
             except OSError:
-                holder = ""
+                holder = []
             os.close(fd)
-            who = f" (pid {holder})" if holder.isdigit() else ""
-            raise SessionError(
-                f"session {self.label} is already open in another mlxcc process{who}; "
-                "close that chat first or use another session name"
-            ) from None
+            raise SessionError(self._held_message(holder)) from None
         if not _same_file(fd, self.path):
             os.close(fd)
             return False
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:  # who holds it, for the message of a refused process: best effort (a full disk takes none)
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {_command()}\n".encode())
+        except OSError:
+            pass
         self._fd = fd
         return True
+
+    def _held_message(self, holder: list[str]) -> str:
+        """Why the lock is refused: who holds it (the lock file's ``PID COMMAND``) and what to do."""
+        pid = f" (pid {holder[0]})" if holder and holder[0].isdigit() else ""
+        command = " ".join(holder[1:])
+        what = "session" if self.label.startswith("'") else "file"
+        if command and command != "mlxcc chat":
+            return (f"{what} {self.label} is already open in another mlxcc process{pid} running '{command}'; "
+                    "wait until it is done (or stop it), or use another file")  # fmt: skip
+        return (f"{what} {self.label} is already open in another mlxcc process{pid}"
+                + (" running 'mlxcc chat'" if command else "") + "; close that chat first or use another "
+                + ("session name" if what == "session" else "file"))
 
     @property
     def held(self) -> bool:
@@ -105,6 +118,15 @@ class SessionLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _command() -> str:
+    """What this process runs, as a lock file records it: ``mlxcc COMMAND`` (or the program's name)."""
+    argv = sys.argv or [""]
+    if os.path.basename(argv[0]) in ("mlxcc", "__main__.py") and len(argv) > 1 and \
+            argv[1].replace("-", "").isalpha():  # fmt: skip
+        return f"mlxcc {argv[1]}"
+    return os.path.basename(argv[0]) or "python"
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -39,7 +39,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Sequence
 
-from .. import __version__
+from ..config import VERSION
 from ..errors import (
     CacheFormatError, ChatCacheError, ModelMismatchError, UnsupportedCacheError, clipped, one_line,
 )  # fmt: skip
@@ -165,7 +165,7 @@ def _header_metadata(cache, stored, tokens, model, messages, metadata) -> dict[s
     meta = {
         "mlxcc.format": FORMAT_NAME,
         "mlxcc.format_version": str(FORMAT_VERSION),
-        "mlxcc.created_by": f"mlx_chatcache {__version__}",
+        "mlxcc.created_by": f"mlx_chatcache {VERSION}",
         "mlxcc.num_layers": str(len(cache)),
     }
     for i, c in enumerate(cache):

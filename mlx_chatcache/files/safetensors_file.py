@@ -96,6 +96,8 @@ def _bad(path: Path, what: str) -> CacheFileError:
 def read_header(path: str | os.PathLike) -> Header:
     """Parse and validate the safetensors header of ``path``."""
     path = Path(path)
+    if path.is_dir():
+        raise CacheFileError(f"{path} is a folder, not a cache file; give the path of a .safetensors file in it")
     if not path.is_file():
         raise CacheFileError(f"cache file not found: {path}; check the path")
     with open(path, "rb") as f:

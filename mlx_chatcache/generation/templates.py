@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ..cache import cache_offset
 from ..errors import UsageError
+from ..files.tokens import common_prefix_len
 from .loop import consistent_on_error, prefill
 from .pacing import CallPacer
 from ..files.prompt_cache import PromptCache
@@ -41,6 +42,62 @@ def system_end(tokenizer, messages: list[dict], prompt: list[int], template_kwar
     except Exception:  # a template that cannot render a system message alone
         return None
     return len(head) if 0 < len(head) < len(prompt) and prompt[: len(head)] == head else None
+
+
+def default_system_prompt(tokenizer, template_kwargs: dict | None = None) -> str | None:
+    """The system prompt the chat template writes into a conversation that has none
+    (SmolLM2's "You are a helpful AI assistant ..."), or None: it writes none, or it
+    does not render a system message where that text goes."""
+    user = [{"role": "user", "content": "A"}]
+    mark = "\u2063mlxcc-system\u2063"  # text no template writes itself
+    try:
+        bare = chat_text(tokenizer, user, template_kwargs=template_kwargs)
+        given = chat_text(tokenizer, [{"role": "system", "content": mark}, *user], template_kwargs=template_kwargs)
+    except Exception:  # a template that rejects a probe conversation shows no default
+        return None
+    before, found, after = given.partition(mark)
+    if not found or len(bare) <= len(before) + len(after):
+        return None
+    if not (bare.startswith(before) and bare.endswith(after)):
+        return None
+    return bare[len(before) : len(bare) - len(after)] or None
+
+
+def history_start(tokenizer, messages: list[dict], rendered: str, template_kwargs: dict | None = None) -> int:
+    """Where the messages after the leading system messages start in ``rendered`` (``messages``
+    rendered without a generation prompt): the length of the system messages rendered alone,
+    or of the template's default system prompt when there are none; 0 when that rendering
+    does not start ``rendered``."""
+    k = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
+    head = messages[:k]
+    if not head:
+        default = default_system_prompt(tokenizer, template_kwargs)
+        head = [{"role": "system", "content": default}] if default is not None else []
+    try:
+        text = chat_text(tokenizer, head, add_generation_prompt=False, template_kwargs=template_kwargs) if head else ""
+    except Exception:  # a template that cannot render a system message alone
+        return 0
+    return len(text) if rendered.startswith(text) else 0
+
+
+def pinned_head(tokenizer, system: list[dict], template_kwargs: dict | None = None) -> int:
+    """How many tokens every conversation starting with the ``system`` messages starts with:
+    those messages rendered alone, when the template renders them as a prefix of a
+    conversation; else (none, or a template that cannot) the tokens two probe conversations
+    share (a template's default system prompt, BOS, a header). Template errors propagate."""
+    def render(messages, gen=True):
+        return chat_text(tokenizer, messages, add_generation_prompt=gen, template_kwargs=template_kwargs)
+
+    if system:
+        try:
+            head = render(system, gen=False)
+        except Exception:  # a template that cannot render a system message alone
+            head = None
+        if head and render([*system, {"role": "user", "content": "Hi"}]).startswith(head):
+            return len(encode_text(tokenizer, head))
+    a = encode_text(tokenizer, render([*system, {"role": "user", "content": "A"}]))
+    b = encode_text(tokenizer, render([*system, {"role": "user", "content": "Z"}]))
+    return common_prefix_len(a, b)
 
 
 def has_chat_template(tokenizer) -> bool:

@@ -153,7 +153,8 @@ function messageNode(message) {
   box.className = "message " + message.role;
   const who = document.createElement("div");
   who.className = "role";
-  who.textContent = message.role + (message.stopped ? " (stopped)" : "");
+  who.textContent = message.role + (message.stopped ? " (stopped)" : "") +
+    (message.cut ? " (cut off: the connection was lost)" : "");
   const body = document.createElement("div");
   body.className = "body";
   body.appendChild(renderMarkdown(message.content));
@@ -287,14 +288,22 @@ async function send(text) {
       if (choice?.finish_reason) reply.finish = choice.finish_reason;
       if (obj.usage) reply.stats = { ...stats(obj.usage, obj, startedAt, firstAt), finish: reply.finish };
     }
+    if (!reply.finish) throw new TypeError("the stream ended before the reply did");
   } catch (e) {
     if (controller.signal.aborted) reply.stopped = true;
-    else failure = e.name === "TypeError" ? "network error: the server did not answer" : e.message;
+    else if (e.name !== "TypeError") failure = e.message;
+    else failure = reply.content ? "the connection to the server was lost" : "network error: the server did not answer";
   } finally {
     if (frame) cancelAnimationFrame(frame);
     busy(null);
   }
-  if (failure) {
+  if (failure && reply.content) {
+    // the connection died mid-reply: the message and the part received stay, marked, as Stop keeps them
+    reply.cut = true;
+    delete reply.stats;
+    renderMessages();
+    showError(`${failure}: the reply is cut off (the part received is kept)`);
+  } else if (failure) {
     conv.messages.splice(conv.messages.indexOf(user), 2);
     renderMessages();
     showError(failure);

@@ -66,7 +66,7 @@ function renderTiers(store) {
   }
   const rate = store.lookups > 0 ? ` (${Math.round((100 * (store.lookups - store.misses)) / store.lookups)}% found)` : "";
   $("summary").textContent = `lookups ${num(store.lookups)} · misses ${num(store.misses)}${rate} · ` +
-    `pending writes ${num(store.pending_writes)} · updated ${new Date().toLocaleTimeString()}`;
+    `pending writes ${num(store.pending)} · updated ${new Date().toLocaleTimeString()}`;
 }
 
 /** sha256 prefixes (12 hex) of this browser's conversation keys; empty where crypto.subtle is missing
@@ -105,8 +105,8 @@ function renderPins(pins, own) {
   }
 }
 
-/** Per tier, a list of [t, value] points: the share of prompt tokens served from the tier per
- * interval (server history), or the hits per interval (samples taken by this page). */
+/** Per tier, a list of [from, to, value] steps: the share of prompt tokens served from the tier
+ * over each interval (server history), or the hits per interval (samples taken by this page). */
 export function series(store) {
   const out = {};
   if (store.history && store.history.length > 1) {
@@ -115,7 +115,7 @@ export function series(store) {
       const prompt = h[i].prompt_tokens - h[i - 1].prompt_tokens;
       for (const [name, v] of Object.entries(h[i].by_tier || {})) {
         const before = (h[i - 1].by_tier || {})[name] || 0;
-        (out[name] ||= []).push([h[i].t, prompt > 0 ? (v - before) / prompt : 0]);
+        (out[name] ||= []).push([h[i - 1].t, h[i].t, prompt > 0 ? (v - before) / prompt : 0]);
       }
     }
     return { unit: "share of prompt tokens served from each tier", data: out, share: true };
@@ -123,47 +123,66 @@ export function series(store) {
   for (let i = 1; i < samples.length; i += 1) {
     for (const [name, v] of Object.entries(samples[i].tiers)) {
       const before = samples[i - 1].tiers[name] ?? v;
-      (out[name] ||= []).push([samples[i].t, v - before]);
+      (out[name] ||= []).push([samples[i - 1].t, samples[i].t, v - before]);
     }
   }
   return { unit: `hits per ${every} s`, data: out, share: false };
 }
 
+/** A time of day, as the x axis labels it. */
+function clockTime(t) {
+  return new Date(t * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", second: "2-digit" });
+}
+
 function plot({ unit, data, share }) {
   const canvas = $("plot");
   const g = canvas.getContext("2d");
-  const W = canvas.width, H = canvas.height, pad = 30;
+  const W = canvas.width, H = canvas.height, left = 46, right = 14, top = 12, bottom = 44;
   g.clearRect(0, 0, W, H);
   g.strokeStyle = "#888";
+  g.lineWidth = 1;
   g.beginPath();
-  g.moveTo(pad, 5);
-  g.lineTo(pad, H - pad);
-  g.lineTo(W - 5, H - pad);
+  g.moveTo(left, top);
+  g.lineTo(left, H - bottom);
+  g.lineTo(W - right, H - bottom);
   g.stroke();
-  const points = Object.values(data).flat();
-  $("plot-caption").textContent = points.length ? unit : `${unit}: waiting for a second sample`;
-  if (!points.length) return;
-  const t0 = Math.min(...points.map((p) => p[0])), t1 = Math.max(...points.map((p) => p[0]));
-  const top = share ? 1 : Math.max(1, ...points.map((p) => p[1]));
-  const x = (t) => pad + ((W - pad - 10) * (t - t0)) / Math.max(1e-9, t1 - t0);
-  const y = (v) => H - pad - ((H - pad - 10) * v) / top;
+  const steps = Object.values(data).flat();
+  $("plot-caption").textContent = steps.length ? `${unit}, over time` : `${unit}: waiting for a second sample`;
+  canvas.dataset.points = String(steps.length);
+  if (!steps.length) return;
+  const t0 = Math.min(...steps.map((p) => p[0])), t1 = Math.max(...steps.map((p) => p[1]));
+  const high = share ? 1 : Math.max(1, ...steps.map((p) => p[2]));
+  const x = (t) => left + ((W - left - right) * (t - t0)) / Math.max(1e-9, t1 - t0);
+  const y = (v) => H - bottom - ((H - bottom - top) * v) / high;
   g.fillStyle = "#555";
   g.font = "11px sans-serif";
-  g.fillText(share ? "100%" : String(Math.round(top)), 2, 14);
-  g.fillText("0", 14, H - pad);
-  let legend = pad + 5;
+  g.textAlign = "right";
+  g.textBaseline = "middle";
+  g.fillText(share ? "100%" : String(Math.round(high)), left - 6, y(high));
+  g.fillText(share ? "0%" : "0", left - 6, y(0));
+  const labels = [clockTime(t0), clockTime(t1)];
+  g.textBaseline = "top";
+  g.textAlign = "left";
+  g.fillText(labels[0], left, H - bottom + 4);
+  g.textAlign = "right";
+  g.fillText(labels[1], W - right, H - bottom + 4);
+  canvas.dataset.xlabels = JSON.stringify(labels);
+  g.textAlign = "left";
+  let legend = left;
   for (const [name, pts] of Object.entries(data)) {
     g.strokeStyle = g.fillStyle = COLORS[name] || "#333";
     g.lineWidth = 2;
-    g.beginPath();
-    pts.forEach(([t, v], i) => (i ? g.lineTo(x(t), y(v)) : g.moveTo(x(t), y(v))));
-    if (pts.length === 1) g.arc(x(pts[0][0]), y(pts[0][1]), 3, 0, 2 * Math.PI);
+    g.beginPath();  // each value holds over its interval: a step
+    pts.forEach(([from, to, v], i) => {
+      if (i) g.lineTo(x(from), y(v));
+      else g.moveTo(x(from), y(v));
+      g.lineTo(x(to), y(v));
+    });
     g.stroke();
-    g.fillText(name, legend, H - 10);
-    legend += 60;
+    g.fillText(name, legend, H - 16);
+    legend += 70;
   }
-  canvas.dataset.points = String(points.length);
-  canvas.dataset.max = String(Math.max(...points.map((p) => p[1])));
+  canvas.dataset.max = String(Math.max(...steps.map((p) => p[2])));
 }
 
 async function fetchStore() {
