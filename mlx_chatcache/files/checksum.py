@@ -14,7 +14,7 @@ exactly (the header parser checks that). :func:`checksummed` adds both keys
 :func:`seal_bytes` fill in the header's value once the header bytes exist.
 :func:`header_checksums` checks a parsed header and returns the tensors'
 sums, which a reader compares with each tensor's bytes
-(:func:`~.safetensors_file.read_host`). :func:`crc32` is the project's one
+(:func:`~.safetensors_file.host_tensors`). :func:`crc32` is the project's one
 checksum: it finds damage, it does not authenticate (anyone can recompute it).
 """
 

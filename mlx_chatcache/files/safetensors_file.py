@@ -5,7 +5,7 @@ handed us: the declared header size, JSON, dtypes, shapes and byte ranges are al
 checked against the real file size before a byte of tensor data is read, so a
 lying header can neither crash the process nor make it allocate more than the
 file holds. ``read_header_bytes`` does the same for a file held in memory (a
-store value). ``read_host`` then reads the tensors of exactly the file whose
+store value). ``host_tensors`` then reads the tensors of exactly the file whose
 header was validated (same device, inode, size and mtime) into host buffers,
 with room to grow where asked, and ``read_arrays`` makes MLX arrays of them.
 
@@ -25,7 +25,8 @@ import os
 import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 import numpy as np
 
@@ -228,23 +229,25 @@ def read_arrays(header: Header, names=None, slots: dict[str, int] | None = None)
     (a file never makes the reader allocate more than twice its bytes): such a
     tensor is read as it is.
 
-    The bytes are read into host buffers (:func:`read_host`), checked there, and then
-    become MLX arrays: one read, one copy into the device's memory, whatever the device.
+    Each tensor's bytes are read into a host buffer (:func:`host_tensors`), checked
+    there, and then become an MLX array: one read, one copy into the device's memory,
+    whatever the device; one host buffer at a time.
     """
     import mlx.core as mx
 
     out = {}
-    for name, host in read_host(header, names, slots).items():
+    for name, host in host_tensors(header, names, slots):
         a = mx.array(host)
         out[name] = a.view(mx.bfloat16) if header.tensors[name].dtype == "BF16" else a
     mx.eval(list(out.values()))
     return out
 
 
-def read_host(header: Header, names=None, slots: dict[str, int] | None = None) -> dict[str, np.ndarray]:
-    """The tensors ``names`` of a validated header as NumPy arrays (bfloat16 as its
-    16 bits), with ``slots`` as :func:`read_arrays` takes them, each checked against the
-    file's checksum (when it carries them) where its bytes landed.
+def host_tensors(header: Header, names=None, slots: dict[str, int] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """``(name, array)`` of each tensor ``names`` of a validated header, in turn, as a NumPy
+    array (bfloat16 as its 16 bits) with ``slots`` as :func:`read_arrays` takes them, checked
+    against the file's checksum (when it carries them, and is not ``checked``) where its
+    bytes landed.
 
     A file is opened once and checked to be the one ``read_header`` validated (a file
     replaced or rewritten since is refused); its data is read with scatter reads
@@ -260,25 +263,46 @@ def read_host(header: Header, names=None, slots: dict[str, int] | None = None) -
             f"{path} holds {need / 1e9:.1f} GB of arrays (with room to grow), more than this machine's "
             f"memory ({limit / 1e9:.1f} GB): it cannot be loaded here (or it is damaged)"
         )
-    out = {n: _buffer(header.tensors[n], slots.get(n)) for n in names}
-    rows = {n: _live_rows(out[n], header.tensors[n]) for n in names}
+    with _source(header) as fill:
+        for n in names:
+            t = header.tensors[n]
+            buf = _buffer(t, slots.get(n))
+            rows = _live_rows(buf, t)
+            fill(t, rows)
+            if header.checksums is not None and not header.checked:
+                crc = 0
+                for row in rows:
+                    crc = crc32(row, crc)
+                if crc != header.checksums[n]:
+                    raise damaged(path, f"tensor {n!r} does not match its checksum")
+            yield n, buf
+
+
+@contextmanager
+def _source(header: Header):
+    """``fill(tensor, rows)``, which copies a tensor's bytes into ``rows`` in order, from
+    the header's bytes or its file (open meanwhile, and checked unchanged around it)."""
     if header.data is not None:
         data = memoryview(header.data)
-        for n in names:
-            t, at = header.tensors[n], header.data_start + header.tensors[n].begin
-            for row in rows[n]:
+
+        def copy(t: TensorEntry, rows: list[memoryview]) -> None:
+            at = header.data_start + t.begin
+            for row in rows:
                 row[:] = data[at : at + row.nbytes]
                 at += row.nbytes
-    else:
-        _read_file(header, [(header.tensors[n], rows[n]) for n in names])
-    if header.checksums is not None and not header.checked:
-        for n in names:
-            crc = 0
-            for row in rows[n]:
-                crc = crc32(row, crc)
-            if crc != header.checksums[n]:
-                raise damaged(path, f"tensor {n!r} does not match its checksum")
-    return out
+
+        yield copy
+        return
+    path, changed = header.path, "the file changed since its header was read; load it again"
+    try:
+        with open(path, "rb", buffering=0) as f:
+            if header.identity and _identity(os.fstat(f.fileno())) != header.identity:
+                raise _bad(path, changed)
+            yield lambda t, rows: _read_exactly_into(f, header.data_start + t.begin, [r for r in rows if r.nbytes], path)
+            if header.identity and _identity(os.fstat(f.fileno())) != header.identity:
+                raise _bad(path, changed)
+    except OSError as e:  # the file vanished, an I/O error
+        raise _bad(path, f"file shrank or changed while reading: {e}") from None
 
 
 def check_data(header: Header) -> Header:
@@ -311,20 +335,6 @@ def _live_rows(buf: np.ndarray, t: TensorEntry) -> list[memoryview]:
     step, live = flat.nbytes // (t.shape[0] * t.shape[1]), t.end - t.begin
     live //= t.shape[0] * t.shape[1]
     return [flat[r : r + live] for r in range(0, flat.nbytes, step)]
-
-
-def _read_file(header: Header, parts: list[tuple[TensorEntry, list[memoryview]]]) -> None:
-    path, changed = header.path, "the file changed since its header was read; load it again"
-    try:
-        with open(path, "rb", buffering=0) as f:
-            if header.identity and _identity(os.fstat(f.fileno())) != header.identity:
-                raise _bad(path, changed)
-            for t, rows in sorted(parts, key=lambda p: p[0].begin):
-                _read_exactly_into(f, header.data_start + t.begin, [r for r in rows if r.nbytes], path)
-            if header.identity and _identity(os.fstat(f.fileno())) != header.identity:
-                raise _bad(path, changed)
-    except OSError as e:  # the file vanished, an I/O error
-        raise _bad(path, f"file shrank or changed while reading: {e}") from None
 
 
 def _read_exactly_into(f, offset: int, bufs: list[memoryview], path: Path) -> None:

@@ -97,58 +97,40 @@ def whole(value: Value, fingerprint) -> list[BaseCache]:
 
 def assemble(values: Sequence[Value]) -> list[BaseCache]:
     """The cache the consecutive block values ``values`` (and a tail) hold together:
-    ``KVCache`` layers of every token, in buffers with the room they grow into.
+    ``KVCache`` layers of every token, in buffers with the room they grow into (each
+    array's host buffer filled from views of the values' bytes, then copied into MLX).
     CacheFormatError when a value does not hold such layers, alike."""
     n, first = values[-1].end, values[0]
     layers = _kv_layers(first)
     for v in values[1:]:
         if _kv_layers(v) != layers:
             raise CacheFormatError(f"store value {v.key} does not hold the layers of {first.key}")
-    order = list(first.header.tensors)  # file order; every value's must be the same
-    like = first.header.tensors[order[0]]
-    dtype, (d0, d1, _, d3) = NUMPY_DTYPES[like.dtype], like.shape
-    parts = []
-    for v in values:
-        t = v.end - v.start
-        if list(v.header.tensors) != order or any(e.dtype != like.dtype or e.shape != (d0, d1, t, d3)
-                                                 for e in v.header.tensors.values()):  # fmt: skip
-            return _assemble_each(values, layers, n)  # layers of several shapes (or a foreign value)
-        parts.append(np.frombuffer(v.data, dtype=dtype, count=len(order) * d0 * d1 * t * d3,
-                                   offset=v.header.data_start).reshape(len(order), d0, d1, t, d3))  # fmt: skip
-    buf = np.empty((len(order), d0, d1, KVCache.grown_slots(n), d3), dtype=dtype)  # every array, tokens on axis 3
-    np.concatenate(parts, axis=3, out=buf[:, :, :, :n])
-    buf[:, :, :, n:] = 0
-    at = {name: i for i, name in enumerate(order)}
-    return _layers([buf[at[f"layer.{i}.{j}"]] for i in range(layers) for j in (0, 1)], like.dtype, n)
-
-
-def _assemble_each(values: Sequence[Value], layers: int, n: int) -> list[BaseCache]:
-    """:func:`assemble` one array at a time, for layers whose arrays differ in shape or dtype."""
-    first, slots, host = values[0], KVCache.grown_slots(n), []
-    raw = [np.frombuffer(v.data, dtype=np.uint8, offset=v.header.data_start) for v in values]
-    for name in [f"layer.{i}.{j}" for i in range(layers) for j in (0, 1)]:
-        like = first.header.tensors[name]
-        dtype, (d0, d1, _, d3) = NUMPY_DTYPES[like.dtype], like.shape
-        parts = []
-        for v, flat in zip(values, raw):
-            t = v.header.tensors[name]
-            if t.dtype != like.dtype or t.shape != (d0, d1, v.end - v.start, d3):
-                raise CacheFormatError(f"store value {v.key}: tensor {name} does not fit the cache")
-            parts.append(flat[t.begin : t.end].view(dtype).reshape(t.shape))
+    names = [f"layer.{i}.{j}" for i in range(layers) for j in (0, 1)]
+    views = [_views(v, names) for v in values]
+    slots, arrays = KVCache.grown_slots(n), []
+    for k, name in enumerate(names):  # one host buffer at a time: it becomes an MLX array at once
+        parts = [vs[k] for vs in views]
+        (d0, d1, _, d3), dtype = parts[0].shape, parts[0].dtype
+        if any(p.dtype != dtype or p.shape[:2] != (d0, d1) or p.shape[3] != d3 for p in parts):
+            raise CacheFormatError(f"store values of {first.key}: their tensors {name} do not fit together")
         buf = np.empty((d0, d1, slots, d3), dtype=dtype)
         np.concatenate(parts, axis=2, out=buf[:, :, :n])
         buf[:, :, n:] = 0
-        host.append((buf, like.dtype))
-    return _layers([b for b, _ in host], [d for _, d in host], n)
-
-
-def _layers(host: list[np.ndarray], dtypes, n: int) -> list[BaseCache]:
-    """``KVCache`` layers of ``n`` tokens holding the host arrays ``host`` (K, V, K, V, ...) as
-    MLX arrays (``dtypes``: their safetensors dtype, or one for all)."""
-    dtypes = [dtypes] * len(host) if isinstance(dtypes, str) else dtypes
-    arrays = [mx.array(a).view(mx.bfloat16) if d == "BF16" else mx.array(a) for a, d in zip(host, dtypes)]
+        a = mx.array(buf)
+        arrays.append(a.view(mx.bfloat16) if first.header.tensors[name].dtype == "BF16" else a)
     mx.eval(arrays)
-    return [KVCache.from_flat_state(arrays[2 * i : 2 * i + 2], (str(n),)) for i in range(len(arrays) // 2)]
+    return [KVCache.from_flat_state(arrays[2 * i : 2 * i + 2], (str(n),)) for i in range(layers)]
+
+
+def _views(v: Value, names: list[str]) -> list[np.ndarray]:
+    """Tensors ``names`` of ``v``, each a view of its bytes shaped ``(d0, d1, tokens, d3)``."""
+    flat, out = np.frombuffer(v.data, dtype=np.uint8, offset=v.header.data_start), []
+    for name in names:
+        t = v.header.tensors[name]
+        if t.shape[2] != v.end - v.start:
+            raise CacheFormatError(f"store value {v.key}: tensor {name} does not hold its {v.end - v.start} tokens")
+        out.append(flat[t.begin : t.end].view(NUMPY_DTYPES[t.dtype]).reshape(t.shape))
+    return out
 
 
 def _kv_layers(v: Value) -> int:
