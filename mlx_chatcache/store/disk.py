@@ -11,6 +11,7 @@ from ..errors import UsageError
 from ..files.atomic import TEMP_SUFFIX, remove_stale_temp_files_in, write_file_atomic
 from .chain import is_key
 from .tiers import Tier
+from .values import in_parallel
 
 MARKER = ".mlxcc-store"
 _MARKER_TEXT = "mlxcc prompt-cache store folder: files named like store keys are written and deleted by mlxcc\n"
@@ -62,17 +63,12 @@ class DiskTier(Tier):
 
     def get(self, keys):
         out = []
-        for k in keys:
-            path = self._path(k)
-            try:
-                data = path.read_bytes()
-            except OSError:  # gone (another process's sweep), or unreadable now: a miss
+        for k, data in zip(keys, in_parallel(_read, [self._path(k) for k in keys])):
+            if data is None:  # gone (another process's sweep), or unreadable now: a miss
                 self._files.pop(k, None)
-                out.append(None)
-                continue
-            _touch(path)
-            self._files[k] = (len(data), time.time_ns())
-            self.counters["hits"] += 1
+            else:
+                self._files[k] = (len(data), time.time_ns())
+                self.counters["hits"] += 1
             out.append(data)
         return out
 
@@ -168,6 +164,16 @@ def claim_folder(folder: str | os.PathLike) -> Path:
     except OSError as e:
         raise UsageError(f"cannot use cache folder {folder}: {e.strerror or e}; give a folder you can write") from e
     return folder
+
+
+def _read(path: Path) -> bytes | None:
+    """The bytes of ``path``, touched as used (None: it cannot be read now)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    _touch(path)
+    return data
 
 
 def _touch(path: Path) -> bool:

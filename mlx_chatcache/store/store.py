@@ -56,7 +56,7 @@ from ..models.fingerprint import ModelFingerprint
 from .chain import Chain
 from .disk import DiskTier
 from .tiers import MemoryTier, Pin, Tier
-from .values import Value, assemble, cut, decode, encode, splittable, whole
+from .values import Value, assemble, cut, decode, encode, in_parallel, splittable, whole
 
 
 @dataclass(frozen=True)
@@ -186,16 +186,21 @@ class PromptStore:
         for tier in {id(t): t for t in where}.values():
             mine = [k for k, t in zip(keys, where) if t is tier]
             got.update(zip(mine, tier.get(mine)))
+
+        def checked(k: str) -> Value | bool:  # False: damaged, or not that value
+            try:
+                return decode(k, got[k], scope)
+            except ChatCacheError:
+                return False
+
+        raw = [k for k in keys if isinstance(got[k], bytes)]
+        got.update(zip(raw, in_parallel(checked, raw)))  # (the memory tier's values are checked already)
         out, found = [], {}
         for i, (k, t) in enumerate(zip(keys, where)):
-            item = got[k]
-            if item is None:
+            value = got[k]
+            if value is None:
                 break
-            try:
-                value = item if isinstance(item, Value) else decode(k, item, scope)
-            except ChatCacheError:
-                value = None
-            if value is None or not fits(i, value):
+            if value is False or not fits(i, value):
                 self._corrupt(t, k)
                 break
             out.append(value)

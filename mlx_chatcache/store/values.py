@@ -25,8 +25,11 @@ which then become MLX arrays (one copy into the device's memory, whatever the de
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Sequence
+from functools import cached_property
+from typing import Callable, Sequence, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -36,6 +39,10 @@ from ..errors import CacheFormatError
 from ..files.mlxcc_format import FORMAT_NAME, FORMAT_VERSION, load_header, prompt_cache_bytes
 from ..files.registry import parse_tokens
 from ..files.safetensors_file import NUMPY_DTYPES, Header, check_data, read_header_bytes
+
+
+T, R = TypeVar("T"), TypeVar("R")
+_THREADS = 4  # threads reading and checking values at most
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,31 @@ class Value:
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    @cached_property
+    def kv(self) -> list[np.ndarray]:
+        """Its ``KVCache`` layers' arrays (keys, values, keys, ...), views of its bytes shaped
+        ``(d0, d1, tokens, d3)``; CacheFormatError when it holds other layers."""
+        meta, tensors = self.header.metadata, self.header.tensors
+        n = meta.get("mlxcc.num_layers", "")
+        layers = int(n) if n.isdigit() else 0
+        names = [f"layer.{i}.{j}" for i in range(layers) for j in (0, 1)]
+        if not layers or set(tensors) != set(names) or any(
+            meta.get(f"mlxcc.layer.{i}.class") != "KVCache" or meta.get(f"mlxcc.layer.{i}.arrays") != "2"
+            for i in range(layers)
+        ) or any(len(t.shape) != 4 or t.shape[2] != self.end - self.start for t in tensors.values()):  # fmt: skip
+            raise CacheFormatError(f"store value {self.key} does not hold K/V layers of its tokens")
+        flat = np.frombuffer(self.data, dtype=np.uint8, offset=self.header.data_start)
+        return [flat[t.begin : t.end].view(NUMPY_DTYPES[t.dtype]).reshape(t.shape) for t in map(tensors.get, names)]
+
+
+def in_parallel(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """``[fn(x) for x in items]``, over a few threads when there are several: reading a
+    value's bytes and checking them free the GIL."""
+    if len(items) < 2:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(len(items), os.cpu_count() or 1, _THREADS)) as pool:
+        return list(pool.map(fn, items))
 
 
 def splittable(cache: Sequence[BaseCache], n: int) -> bool:
@@ -101,50 +133,22 @@ def assemble(values: Sequence[Value]) -> list[BaseCache]:
     array's host buffer filled from views of the values' bytes, then copied into MLX).
     CacheFormatError when a value does not hold such layers, alike."""
     n, first = values[-1].end, values[0]
-    layers = _kv_layers(first)
-    for v in values[1:]:
-        if _kv_layers(v) != layers:
-            raise CacheFormatError(f"store value {v.key} does not hold the layers of {first.key}")
-    names = [f"layer.{i}.{j}" for i in range(layers) for j in (0, 1)]
-    views = [_views(v, names) for v in values]
+    views = [v.kv for v in values]
+    if any(len(vs) != len(views[0]) for vs in views):
+        raise CacheFormatError(f"store values of {first.key} do not hold the same layers")
     slots, arrays = KVCache.grown_slots(n), []
-    for k, name in enumerate(names):  # one host buffer at a time: it becomes an MLX array at once
+    for k in range(len(views[0])):  # one host buffer at a time: it becomes an MLX array at once
         parts = [vs[k] for vs in views]
         (d0, d1, _, d3), dtype = parts[0].shape, parts[0].dtype
         if any(p.dtype != dtype or p.shape[:2] != (d0, d1) or p.shape[3] != d3 for p in parts):
-            raise CacheFormatError(f"store values of {first.key}: their tensors {name} do not fit together")
+            raise CacheFormatError(f"store values of {first.key}: their arrays {k} do not fit together")
         buf = np.empty((d0, d1, slots, d3), dtype=dtype)
         np.concatenate(parts, axis=2, out=buf[:, :, :n])
         buf[:, :, n:] = 0
         a = mx.array(buf)
-        arrays.append(a.view(mx.bfloat16) if first.header.tensors[name].dtype == "BF16" else a)
+        arrays.append(a.view(mx.bfloat16) if first.header.tensors[f"layer.{k // 2}.{k % 2}"].dtype == "BF16" else a)
     mx.eval(arrays)
-    return [KVCache.from_flat_state(arrays[2 * i : 2 * i + 2], (str(n),)) for i in range(layers)]
+    return [KVCache.from_flat_state(arrays[i : i + 2], (str(n),)) for i in range(0, len(arrays), 2)]
 
 
-def _views(v: Value, names: list[str]) -> list[np.ndarray]:
-    """Tensors ``names`` of ``v``, each a view of its bytes shaped ``(d0, d1, tokens, d3)``."""
-    flat, out = np.frombuffer(v.data, dtype=np.uint8, offset=v.header.data_start), []
-    for name in names:
-        t = v.header.tensors[name]
-        if t.shape[2] != v.end - v.start:
-            raise CacheFormatError(f"store value {v.key}: tensor {name} does not hold its {v.end - v.start} tokens")
-        out.append(flat[t.begin : t.end].view(NUMPY_DTYPES[t.dtype]).reshape(t.shape))
-    return out
-
-
-def _kv_layers(v: Value) -> int:
-    """How many ``KVCache`` layers of two 4-D arrays each ``v`` holds (CacheFormatError: other layers)."""
-    meta, tensors = v.header.metadata, v.header.tensors
-    n = meta.get("mlxcc.num_layers", "")
-    layers = int(n) if n.isdigit() else 0
-    names = {f"layer.{i}.{j}" for i in range(layers) for j in (0, 1)}
-    if not layers or set(tensors) != names or any(len(t.shape) != 4 for t in tensors.values()) or any(
-        meta.get(f"mlxcc.layer.{i}.class") != "KVCache" or meta.get(f"mlxcc.layer.{i}.arrays") != "2"
-        for i in range(layers)
-    ):  # fmt: skip
-        raise CacheFormatError(f"store value {v.key} does not hold K/V layers")
-    return layers
-
-
-__all__ = ["Value", "assemble", "cut", "decode", "encode", "splittable", "whole"]
+__all__ = ["Value", "assemble", "cut", "decode", "encode", "in_parallel", "splittable", "whole"]
