@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON, or
 server-sent events with ``"stream": true``, ending with ``data: [DONE]``),
-``GET /v1/models``, ``GET /health`` (queue, worker, batch and store statistics);
-the browser page's routes come from :mod:`.ui`.
+``GET /v1/models``, ``GET /health`` (queue, worker, batch and store statistics,
+requests per endpoint); Anthropic's Messages API (:mod:`.messages_api`) and OpenAI's
+Responses API (:mod:`.responses_api`); the browser page's routes come from :mod:`.ui`.
 
 Contract: handlers never run MLX work; they parse and check the request
 (:mod:`.protocol`), tokenize it on the tokenizer thread, hand a job to the
@@ -17,42 +18,37 @@ the same as the ``prompt_cache_key`` body field: it pins the conversation's
 cache entries in the store.
 
 ``GET /v1/store`` is the store's read-only report (:mod:`.store_report`): tiers
-against their budgets, pins as key digests, tokens served and their history.
+against their budgets, pins as key digests, tokens served and their history,
+and the requests each endpoint submitted.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
-import json
 import logging
 import socket
 from typing import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..config import SERVER_DEFAULTS
 from ..errors import UsageError
+from .jobs import ClientGone, job_events, read_body, start_job
+from .messages_api import messages_routes
 from .protocol import Request, RequestError, error_body, parse_chat, parse_completion
 from .responses import Reply, sse
+from .responses_api import responses_routes
 from .service import Service
 from .store_report import store_report
 from .ui import announcement, ui_routes
 from .tools import ToolCallStream
-from .worker import Job, QueueFull
+from .worker import Job
 
 log = logging.getLogger("mlxcc.serve")
-POLL_S = 0.2
-
-
-class ClientGone(Exception):
-    pass
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -111,14 +107,20 @@ def create_app(service: Service, ui: str = "on", host: str = "127.0.0.1") -> Sta
         w = service.worker
         # plain counters the worker updates; reading them is safe from this thread
         return JSONResponse({"status": "ok", "model": service.model_id, "ui": ui, "queued": w.waiting(), **w.stats,
-                             "batch": service.batch.report(), "store": w.store.stats()})  # fmt: skip
+                             "requests": dict(service.requests), "batch": service.batch.report(),
+                             "store": w.store.stats(), "stored_responses": service.responses.stats()})  # fmt: skip
+
+    async def store(request: HTTPRequest):
+        return JSONResponse({**store_report(service.worker), "requests": dict(service.requests)})
 
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/store", lambda request: JSONResponse(store_report(service.worker)), methods=["GET"]),
+        Route("/v1/store", store, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        *messages_routes(service),  # Anthropic's Messages API (.messages_api)
+        *responses_routes(service),  # OpenAI's Responses API (.responses_api)
         *ui_routes(ui, host),  # the browser page (.ui)
     ]
     handlers = {RequestError: _request_error, HTTPException: _http_error, Exception: _internal_error}
@@ -142,7 +144,8 @@ async def _request_error(request, exc: RequestError):
 
 
 async def _http_error(request, exc: HTTPException):
-    message = {404: f"no route {request.url.path}; see /v1/models, /v1/chat/completions, /v1/completions",
+    message = {404: f"no route {request.url.path}; see /v1/models, /v1/chat/completions, /v1/completions, "
+                    "/v1/messages, /v1/responses",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))  # fmt: skip
     return _error(exc.status_code, message)
 
@@ -155,32 +158,11 @@ async def _internal_error(request, exc: Exception):
 # ------------------------------------------------------------------ completions
 async def _complete(service: Service, request: HTTPRequest, parse):
     try:
-        raw = await request.body()
-    except ClientDisconnect:  # the client hung up before sending its whole body
+        req: Request = parse(await read_body(request))
+    except ClientGone:  # the client hung up before sending its whole body
         return Response(status_code=499)  # nobody reads it
-    req: Request = parse(decode_body(raw))
-    service.check_model(req.model)
-    session = request.headers.get("x-session-id")
-    if req.cache_key is None and session:
-        req.cache_key = session
-    prompt, boundary, start = await service.prepare(req)
-    config = service.job_config(req, len(prompt))
-    events: asyncio.Queue = asyncio.Queue()
-    loop = asyncio.get_running_loop()
-
-    def emit(event: tuple) -> None:  # called on the worker thread
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody listens
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-    processors, postprocess = service.job_hooks(req)
-    job = Job(prompt, config, emit, req.stop, boundary, req.cache_key, n=req.n, logprobs=req.logprobs,
-              top_logprobs=req.top_logprobs or 0, processors=processors, postprocess=postprocess,
-              system_end=start)  # fmt: skip
-    try:
-        service.worker.submit(job)
-    except QueueFull:
-        raise RequestError(503, "the server is busy (its request queue is full); retry later", None, "server_busy",
-                           {"Retry-After": str(SERVER_DEFAULTS.retry_after_s)}) from None  # fmt: skip
+    started = await start_job(service, request, req, req.kind)
+    job, events = started.job, started.events
     reply = Reply(req.kind, service.model_id, logprobs=req.logprobs)
     if req.stream:
         calls = (lambda: ToolCallStream(service.tokenizer, req.tools)) if service.uses_tools(req) else None
@@ -188,7 +170,7 @@ async def _complete(service: Service, request: HTTPRequest, parse):
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
     try:
         pieces, done = [], None
-        async for kind, value in _events(events, request):
+        async for kind, value in job_events(events, request):
             if kind == "piece":
                 pieces.append(value)
             elif kind == "done":
@@ -203,37 +185,6 @@ async def _complete(service: Service, request: HTTPRequest, parse):
         job.cancel()  # a no-op once done; stops the job when the client went away
 
 
-def decode_body(raw: bytes):
-    """The request body's JSON value; a 400 ``invalid_json`` for bytes that are not
-    UTF-8 JSON or nest deeper than the decoder's recursion limit."""
-    try:
-        return json.loads(raw)
-    except ValueError:  # UnicodeDecodeError too
-        raise RequestError(400, "the request body is not valid JSON; send a JSON object",
-                           None, "invalid_json") from None  # fmt: skip
-    except RecursionError:
-        raise RequestError(400, "the request body nests arrays or objects too deeply; send a flat JSON object",
-                           None, "invalid_json") from None  # fmt: skip
-
-
-async def _events(events: asyncio.Queue, request: HTTPRequest) -> AsyncIterator[tuple]:
-    """The job's events; ClientGone once the client has disconnected (checked every
-    ``POLL_S`` seconds, also while events keep coming)."""
-    checked = asyncio.get_running_loop().time()
-    while True:
-        try:
-            event = await asyncio.wait_for(events.get(), POLL_S)
-        except asyncio.TimeoutError:
-            event = None
-        now = asyncio.get_running_loop().time()
-        if event is None or now - checked >= POLL_S:
-            checked = now
-            if await request.is_disconnected():
-                raise ClientGone from None
-        if event is not None:
-            yield event
-
-
 async def _stream(job: Job, events, request, reply: Reply, include_usage: bool, n: int,
                   calls: Callable[[], ToolCallStream] | None = None) -> AsyncIterator[str]:  # fmt: skip
     """The chunks of ``n`` choices: a chat's role chunk per choice, one chunk per piece,
@@ -245,7 +196,7 @@ async def _stream(job: Job, events, request, reply: Reply, include_usage: bool, 
         if reply.kind == "chat":
             for index in range(n):
                 yield sse(reply.chunk(role=True, with_usage_field=include_usage, index=index))
-        async for kind, value in _events(events, request):
+        async for kind, value in job_events(events, request):
             if kind == "piece" and calls is None:
                 yield sse(reply.piece_chunk(value, with_usage_field=include_usage))
             elif kind == "piece":

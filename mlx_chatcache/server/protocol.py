@@ -79,6 +79,8 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     cache_key: str | None = None  # prompt_cache_key or the X-Session-Id header
+    mark_messages: list[dict] | None = None  # the messages up to a cache breakpoint (Messages' cache_control)
+    clamp_max_tokens: bool = False  # max_tokens past the context is lowered to fit (the agents' dialects)
 
 
 # ------------------------------------------------------------------ field checks
@@ -153,16 +155,16 @@ def _json_type(v: Any) -> str:
             list: "an array", dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)  # fmt: skip
 
 
-def _stop(body: dict) -> list[str]:
-    v = body.get("stop")
+def _stop(body: dict, name: str = "stop") -> list[str]:
+    v = body.get(name)
     if v is None:
         return []
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise _bad("stop", f"must be a string or an array of strings, got {_json_type(v)}")
+        raise _bad(name, f"must be a string or an array of strings, got {_json_type(v)}")
     if len(stops) > SERVER_DEFAULTS.max_stop_sequences:
-        raise _bad("stop", f"takes at most {SERVER_DEFAULTS.max_stop_sequences} sequences, got {len(stops)}", "invalid_value")
-    return [_text(s, f"stop[{i}]" if isinstance(v, list) else "stop") for i, s in enumerate(stops) if s]
+        raise _bad(name, f"takes at most {SERVER_DEFAULTS.max_stop_sequences} sequences, got {len(stops)}", "invalid_value")
+    return [_text(s, f"{name}[{i}]" if isinstance(v, list) else name) for i, s in enumerate(stops) if s]
 
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...] | None:
