@@ -8,7 +8,7 @@ accepted and ignored (``metadata``, ``thinking``, ``context_management``,
 ``output_config``, ``service_tier``, ``container``, ``mcp_servers``, ...), never a 400.
 
 - ``system``: a string or text blocks -> one leading ``system`` message;
-- ``messages``: ``user``/``assistant`` turns whose ``content`` is a string or blocks:
+- ``messages``: ``user``/``assistant`` turns (and ``system`` ones, which Claude Code sends) whose ``content`` is a string or blocks:
   ``text``; ``tool_use`` (an assistant's call: ``{id, name, input}``) -> the message's
   ``tool_calls``; ``tool_result`` (a user's: ``tool_use_id``, ``content`` a string or
   text blocks, ``is_error``) -> a ``tool`` message before the turn's other text;
@@ -136,9 +136,9 @@ def _turn(m: Any, i: int, call: MessagesCall) -> tuple[list[dict], bool]:
     """Message ``i`` as chat messages, and whether its last block marks a breakpoint."""
     param = f"messages[{i}]"
     role = _object(m, param).get("role")
-    if role not in ("user", "assistant"):
+    if role not in ("user", "assistant", "system"):
         shown = _text(role, f"{param}.role")[:40] if isinstance(role, str) else _json_type(role)
-        raise _bad(f"{param}.role", f"must be 'user' or 'assistant', got {shown!r}", "invalid_value")
+        raise _bad(f"{param}.role", f"must be 'user', 'assistant' or 'system', got {shown!r}", "invalid_value")
     content = m.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": _text(content, f"{param}.content")}], False
