@@ -6,10 +6,12 @@ Contract
 key ``"r" + the response id's hex``) holding ``{"response": the response object,
 "history": the conversation's messages up to and with its reply}``. It has tiers
 of its own over the same places as the server's store (:meth:`StoredResponses.beside`):
-the disk tier's folder (so a restarted server finds them; the folder's sweep ages them
-out as it ages any value, least recently used first) and the Redis tier (so every
-replica finds them; its TTL ends them); its own memory tier only when the store
-has neither. ``put``, ``get`` and ``delete`` run on one thread of their own, off the
+the Redis tier (so every replica finds them; its TTL ends them), asked first, and the
+disk tier's folder (so a restarted server finds them; the folder's sweep ages them out
+as it ages any value, least recently used first); its own memory tier only when the
+store has neither. A delete removes the record from this server's tiers and leaves a
+*tombstone* record in Redis, so a replica whose own folder still holds it answers 404
+too (and drops its copy). ``put``, ``get`` and ``delete`` run on one thread of their own, off the
 event loop and off the generation worker (which owns the store's tiers). A damaged
 record is dropped and is a miss. Response ids are ``resp_`` + 32 hex digits; any
 other id is simply not found.
@@ -30,7 +32,8 @@ from ..store.store import PromptStore
 from ..store.tiers import MemoryTier, Tier
 
 _ID = re.compile(r"resp_([0-9a-f]{32})")
-MEMORY_BYTES = 64 << 20  # the records' own memory tier, when the store has no shared tier
+MEMORY_BYTES = 64 << 20
+TOMBSTONE = "deleted"  # the document of a deleted response's record in Redis  # the records' own memory tier, when the store has no shared tier
 
 
 def new_response_id() -> str:
@@ -48,12 +51,12 @@ class StoredResponses:
         """Records in the places ``store`` keeps values (see the module doc)."""
         tiers: list[Tier] = []
         for t in store.tiers:
-            if isinstance(t, DiskTier):
-                tiers.append(DiskTier(t.folder, None))  # the server's own tier sweeps the folder
-            elif t.name == "redis":
+            if t.name == "redis":
                 from ..store.redis_tier import RedisTier
 
-                tiers.append(RedisTier(t.url, ttl=t.ttl, prefix=t.prefix))
+                tiers.insert(0, RedisTier(t.url, ttl=t.ttl, prefix=t.prefix))
+            elif isinstance(t, DiskTier):
+                tiers.append(DiskTier(t.folder, None))  # the server's own tier sweeps the folder
         return cls(tiers or [MemoryTier(MEMORY_BYTES)])
 
     # ------------------------------------------------------------------ async doors
@@ -70,10 +73,10 @@ class StoredResponses:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     # ------------------------------------------------------------------ on the records' thread
-    def _put(self, response_id: str, document: dict) -> None:
+    def _put(self, response_id: str, document: dict, tiers=None) -> None:
         key = _key(response_id)
         record = Record(key, encode_record(key, document), document)
-        for tier in self.tiers:
+        for tier in self.tiers if tiers is None else tiers:
             try:
                 tier.put({key: record})
                 flush = getattr(tier, "flush", None)
@@ -99,6 +102,10 @@ class StoredResponses:
                     tier.drop(key)
                     tier.counters["corrupt"] += 1
                     continue
+                if record.document.get(TOMBSTONE):  # deleted through another replica
+                    for t in self.tiers[self.tiers.index(tier) + 1 :]:
+                        t.drop(key)
+                    break
                 self.counters["found"] += 1
                 return record.document
         self.counters["missing"] += 1
@@ -110,6 +117,7 @@ class StoredResponses:
         key = _key(response_id)
         for tier in self.tiers:
             tier.drop(key)
+        self._put(response_id, {TOMBSTONE: True}, [t for t in self.tiers if t.name == "redis"])
         self.counters["deleted"] += 1
         return True
 
