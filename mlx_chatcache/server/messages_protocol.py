@@ -8,7 +8,8 @@ accepted and ignored (``metadata``, ``thinking``, ``context_management``,
 ``output_config``, ``service_tier``, ``container``, ``mcp_servers``, ...), never a 400.
 
 - ``system``: a string or text blocks -> one leading ``system`` message;
-- ``messages``: ``user``/``assistant`` turns (and ``system`` ones, which Claude Code sends) whose ``content`` is a string or blocks:
+- ``messages``: ``user``/``assistant`` turns (and ``system`` ones, which Claude Code sends)
+  whose ``content`` is a string or blocks:
   ``text``; ``tool_use`` (an assistant's call: ``{id, name, input}``) -> the message's
   ``tool_calls``; ``tool_result`` (a user's: ``tool_use_id``, ``content`` a string or
   text blocks, ``is_error``) -> a ``tool`` message before the turn's other text;
@@ -34,7 +35,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .protocol import Request, RequestError, _bad, _json_type, _name, _object, _setting, _stop, _temperature, _text, _top_p
+from .protocol import (Request, RequestError, bad_field, json_type, nonempty_name, object_field, setting_field, stop_field,
+                       temperature_field, top_p_field, unicode_text)  # fmt: skip
 
 
 @dataclass
@@ -49,13 +51,13 @@ class MessagesCall:
 
 def parse_messages(body: Any) -> tuple[Request, MessagesCall]:
     if not isinstance(body, dict):
-        raise RequestError(400, f"the request body must be a JSON object, got {_json_type(body)}", None, "invalid_json")
+        raise RequestError(400, f"the request body must be a JSON object, got {json_type(body)}", None, "invalid_json")
     call = MessagesCall()
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
-        raise _bad("model", "must be a non-empty string, or left out for the served model (see GET /v1/models)")
+        raise bad_field("model", "must be a non-empty string, or left out for the served model (see GET /v1/models)")
     if model is not None:
-        _text(model, "model")
+        unicode_text(model, "model")
     messages: list[dict] = []
     marked = 0  # messages up to the last breakpoint so far
     tools = _tools(body, call)
@@ -69,7 +71,7 @@ def parse_messages(body: Any) -> tuple[Request, MessagesCall]:
         marked = len(messages)
     turns = body.get("messages")
     if not isinstance(turns, list) or not turns:
-        raise _bad("messages", "is required and must be a non-empty array of messages")
+        raise bad_field("messages", "is required and must be a non-empty array of messages")
     for i, m in enumerate(turns):
         added, mark = _turn(m, i, call)
         messages += added
@@ -77,17 +79,17 @@ def parse_messages(body: Any) -> tuple[Request, MessagesCall]:
             marked = len(messages)
     stream = body.get("stream")
     if stream is not None and type(stream) is not bool:
-        raise _bad("stream", f"must be true or false, got {_json_type(stream)}")
-    stop = _stop(body, "stop_sequences")
+        raise bad_field("stream", f"must be true or false, got {json_type(stream)}")
+    stop = stop_field(body, "stop_sequences")
     call.stop_sequences = tuple(stop)
     metadata = body.get("metadata")
     if isinstance(metadata, dict) and isinstance(metadata.get("user_id"), str) and metadata["user_id"]:
-        call.user = _text(metadata["user_id"], "metadata.user_id")
+        call.user = unicode_text(metadata["user_id"], "metadata.user_id")
     call.breakpoint = marked or None
     req = Request(
-        kind="chat", model=model, messages=messages, max_tokens=_setting(body, "max_tokens", "max_tokens"),
-        temperature=_temperature(body), top_p=_top_p(body), top_k=_setting(body, "top_k", "top_k"),
-        tools=tools, tool_choice=_tool_choice(body, tools), stop=stop, stream=bool(stream),
+        kind="chat", model=model, messages=messages, max_tokens=setting_field(body, "max_tokens", "max_tokens"),
+        temperature=temperature_field(body), top_p=top_p_field(body), top_k=setting_field(body, "top_k", "top_k"),
+        tools=tools, tool_choice=tool_choice_field(body, tools), stop=stop, stream=bool(stream),
         mark_messages=messages[:marked] if marked else None, clamp_max_tokens=True,
     )  # fmt: skip
     return req, call
@@ -119,15 +121,15 @@ def _marks(block: dict, call: MessagesCall) -> bool:
 def _text_blocks(v: Any, param: str, call: MessagesCall) -> tuple[str, bool]:
     """A string or text blocks as one text, and whether a block marks a breakpoint."""
     if isinstance(v, str):
-        return _text(v, param), False
+        return unicode_text(v, param), False
     if not isinstance(v, list):
-        raise _bad(param, f"must be a string or an array of text blocks, got {_json_type(v)}")
+        raise bad_field(param, f"must be a string or an array of text blocks, got {json_type(v)}")
     texts, mark = [], False
     for j, block in enumerate(v):
         p = f"{param}[{j}]"
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise _bad(p, "must be a text block ({'type': 'text', 'text': ...})", "invalid_value")
-        texts.append(_text(block["text"], f"{p}.text"))
+            raise bad_field(p, "must be a text block ({'type': 'text', 'text': ...})", "invalid_value")
+        texts.append(unicode_text(block["text"], f"{p}.text"))
         mark = _marks(block, call) or mark
     return "\n\n".join(texts) if param == "system" else "".join(texts), mark
 
@@ -135,24 +137,24 @@ def _text_blocks(v: Any, param: str, call: MessagesCall) -> tuple[str, bool]:
 def _turn(m: Any, i: int, call: MessagesCall) -> tuple[list[dict], bool]:
     """Message ``i`` as chat messages, and whether its last block marks a breakpoint."""
     param = f"messages[{i}]"
-    role = _object(m, param).get("role")
+    role = object_field(m, param).get("role")
     if role not in ("user", "assistant", "system"):
-        shown = _text(role, f"{param}.role")[:40] if isinstance(role, str) else _json_type(role)
-        raise _bad(f"{param}.role", f"must be 'user', 'assistant' or 'system', got {shown!r}", "invalid_value")
+        shown = unicode_text(role, f"{param}.role")[:40] if isinstance(role, str) else json_type(role)
+        raise bad_field(f"{param}.role", f"must be 'user', 'assistant' or 'system', got {shown!r}", "invalid_value")
     content = m.get("content")
     if isinstance(content, str):
-        return [{"role": role, "content": _text(content, f"{param}.content")}], False
+        return [{"role": role, "content": unicode_text(content, f"{param}.content")}], False
     if not isinstance(content, list):
-        raise _bad(f"{param}.content", f"must be a string or an array of content blocks, got {_json_type(content)}")
+        raise bad_field(f"{param}.content", f"must be a string or an array of content blocks, got {json_type(content)}")
     texts, calls, results, mark = [], [], [], False
     for j, block in enumerate(content):
         p = f"{param}.content[{j}]"
-        kind = _object(block, p).get("type")
+        kind = object_field(block, p).get("type")
         mark = _marks(block, call) or mark
         if kind == "text":
             if not isinstance(block.get("text"), str):
-                raise _bad(f"{p}.text", f"must be a string, got {_json_type(block.get('text'))}")
-            texts.append(_text(block["text"], f"{p}.text"))
+                raise bad_field(f"{p}.text", f"must be a string, got {json_type(block.get('text'))}")
+            texts.append(unicode_text(block["text"], f"{p}.text"))
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use(block, p))
         elif kind == "tool_result" and role == "user":
@@ -160,11 +162,12 @@ def _turn(m: Any, i: int, call: MessagesCall) -> tuple[list[dict], bool]:
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # the model's earlier reasoning: not part of the prompt
         elif kind in ("image", "document"):
-            raise _bad(p, f"is a {kind} block; this server's model takes text only: send text blocks",
+            raise bad_field(p, f"is a {kind} block; this server's model takes text only: send text blocks",
                        "invalid_value")  # fmt: skip
         else:
-            shown = _text(kind, f"{p}.type")[:40] if isinstance(kind, str) else _json_type(kind)
-            raise _bad(f"{p}.type", f"{shown!r} is not a content block a {role} message can hold here", "invalid_value")
+            shown = unicode_text(kind, f"{p}.type")[:40] if isinstance(kind, str) else json_type(kind)
+            raise bad_field(f"{p}.type", f"{shown!r} is not a content block a {role} message can hold here",
+                            "invalid_value")  # fmt: skip
     out = list(results)
     if texts or calls or not results:
         msg = {"role": role, "content": "".join(texts)}
@@ -175,12 +178,12 @@ def _turn(m: Any, i: int, call: MessagesCall) -> tuple[list[dict], bool]:
 
 
 def _tool_use(block: dict, p: str) -> dict:
-    call_id = _name(block.get("id"), f"{p}.id")
+    call_id = nonempty_name(block.get("id"), f"{p}.id")
     arguments = block.get("input", {})
     if not isinstance(arguments, dict):
-        raise _bad(f"{p}.input", f"must be an object, got {_json_type(arguments)}")
-    _check_text_tree(arguments, f"{p}.input")
-    return {"id": call_id, "type": "function", "function": {"name": _name(block.get("name"), f"{p}.name"),
+        raise bad_field(f"{p}.input", f"must be an object, got {json_type(arguments)}")
+    check_text_tree(arguments, f"{p}.input")
+    return {"id": call_id, "type": "function", "function": {"name": nonempty_name(block.get("name"), f"{p}.name"),
                                                             "arguments": arguments}}  # fmt: skip
 
 
@@ -189,37 +192,37 @@ def _tool_result(block: dict, p: str, call: MessagesCall) -> dict:
     if isinstance(content, list):
         parts = []
         for j, b in enumerate(content):
-            kind = _object(b, f"{p}.content[{j}]").get("type")
+            kind = object_field(b, f"{p}.content[{j}]").get("type")
             if kind == "text" and isinstance(b.get("text"), str):
-                parts.append(_text(b["text"], f"{p}.content[{j}].text"))
+                parts.append(unicode_text(b["text"], f"{p}.content[{j}].text"))
             elif kind in ("image", "document"):
-                raise _bad(f"{p}.content[{j}]", f"is a {kind} block; this server's model takes text only",
+                raise bad_field(f"{p}.content[{j}]", f"is a {kind} block; this server's model takes text only",
                            "invalid_value")  # fmt: skip
             else:
-                raise _bad(f"{p}.content[{j}]", "must be a text block", "invalid_value")
+                raise bad_field(f"{p}.content[{j}]", "must be a text block", "invalid_value")
             _marks(b, call)
         content = "".join(parts)
     elif not isinstance(content, str):
-        raise _bad(f"{p}.content", f"must be a string or an array of text blocks, got {_json_type(content)}")
+        raise bad_field(f"{p}.content", f"must be a string or an array of text blocks, got {json_type(content)}")
     is_error = block.get("is_error")
     if is_error is not None and type(is_error) is not bool:
-        raise _bad(f"{p}.is_error", f"must be true or false, got {_json_type(is_error)}")
-    text = _text(content, f"{p}.content")
-    return {"role": "tool", "tool_call_id": _name(block.get("tool_use_id"), f"{p}.tool_use_id"),
+        raise bad_field(f"{p}.is_error", f"must be true or false, got {json_type(is_error)}")
+    text = unicode_text(content, f"{p}.content")
+    return {"role": "tool", "tool_call_id": nonempty_name(block.get("tool_use_id"), f"{p}.tool_use_id"),
             "content": f"Error: {text}" if is_error else text}  # fmt: skip
 
 
-def _check_text_tree(v: Any, param: str) -> None:
+def check_text_tree(v: Any, param: str) -> None:
     """Every string in ``v`` (keys too) is valid Unicode text."""
     if isinstance(v, str):
-        _text(v, param)
+        unicode_text(v, param)
     elif isinstance(v, dict):
         for k, x in v.items():
-            _text(k, param)
-            _check_text_tree(x, param)
+            unicode_text(k, param)
+            check_text_tree(x, param)
     elif isinstance(v, list):
         for x in v:
-            _check_text_tree(x, param)
+            check_text_tree(x, param)
 
 
 def _tools(body: dict, call: MessagesCall) -> list[dict] | None:
@@ -227,43 +230,43 @@ def _tools(body: dict, call: MessagesCall) -> list[dict] | None:
     if v is None:
         return None
     if not isinstance(v, list):
-        raise _bad("tools", f"must be an array of tools, got {_json_type(v)}")
+        raise bad_field("tools", f"must be an array of tools, got {json_type(v)}")
     out = []
     for i, tool in enumerate(v):
         param = f"tools[{i}]"
-        _object(tool, param)
+        object_field(tool, param)
         if _marks(tool, call):
             call.breakpoint = 0  # before any message: the tools (and the system prompt they render with)
         if tool.get("input_schema") is None and tool.get("type") not in (None, "custom"):
             continue  # one of Anthropic's own tools (web search, ...): nothing here runs it
-        name = _name(tool.get("name"), f"{param}.name")
-        schema = _object(tool.get("input_schema"), f"{param}.input_schema")
-        _check_text_tree(schema, f"{param}.input_schema")
+        name = nonempty_name(tool.get("name"), f"{param}.name")
+        schema = object_field(tool.get("input_schema"), f"{param}.input_schema")
+        check_text_tree(schema, f"{param}.input_schema")
         function = {"name": name, "parameters": schema}
         if tool.get("description") is not None:
             if not isinstance(tool["description"], str):
-                raise _bad(f"{param}.description", "must be a string")
-            function["description"] = _text(tool["description"], f"{param}.description")
+                raise bad_field(f"{param}.description", "must be a string")
+            function["description"] = unicode_text(tool["description"], f"{param}.description")
         out.append({"type": "function", "function": function})
     return out or None
 
 
-def _tool_choice(body: dict, tools: list[dict] | None) -> str | dict | None:
+def tool_choice_field(body: dict, tools: list[dict] | None) -> str | dict | None:
     v = body.get("tool_choice")
     if v is None:
         return None
-    kind = _object(v, "tool_choice").get("type")
+    kind = object_field(v, "tool_choice").get("type")
     if kind in ("auto", "none"):
         return kind
     if kind == "any":
         if not tools:
-            raise _bad("tool_choice", "'any' needs 'tools'", "invalid_value")
+            raise bad_field("tool_choice", "'any' needs 'tools'", "invalid_value")
         return "required"
     if kind != "tool":
-        raise _bad("tool_choice.type", "must be 'auto', 'any', 'tool' or 'none'", "invalid_value")
-    name = _name(v.get("name"), "tool_choice.name")
+        raise bad_field("tool_choice.type", "must be 'auto', 'any', 'tool' or 'none'", "invalid_value")
+    name = nonempty_name(v.get("name"), "tool_choice.name")
     if name not in {t["function"]["name"] for t in tools or []}:
-        raise _bad("tool_choice.name", f"names no tool in 'tools': {name[:60]!r}", "invalid_value")
+        raise bad_field("tool_choice.name", f"names no tool in 'tools': {name[:60]!r}", "invalid_value")
     return {"type": "function", "function": {"name": name}}
 
 

@@ -14,7 +14,7 @@ partial marker is held back until it completes or cannot; markers never reach a 
 from __future__ import annotations
 
 from .protocol import Request
-from .tools import ToolCallStream, _partial_suffix
+from .tools import ToolCallStream, partial_suffix
 
 
 class ThinkSplit:
@@ -30,7 +30,7 @@ class ThinkSplit:
             marker = self.end if self.inside else self.start
             i = self.buf.find(marker)
             if i < 0:
-                cut = len(self.buf) - _partial_suffix(self.buf, marker)
+                cut = len(self.buf) - partial_suffix(self.buf, marker)
                 if cut:
                     out.append((self.inside, self.buf[:cut]))
                 self.buf = self.buf[cut:]

@@ -31,9 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .messages_protocol import _check_text_tree
-from .protocol import (Request, RequestError, _bad, _json_type, _name, _object, _opt_str, _response_format,
-                       _setting, _temperature, _text, _tool_choice, _top_p)  # fmt: skip
+from .messages_protocol import check_text_tree
+from .protocol import (Request, RequestError, bad_field, json_type, nonempty_name, object_field, optional_str,
+                       response_format_field, setting_field, temperature_field, tool_choice_field, top_p_field,
+                       unicode_text)  # fmt: skip
 
 IGNORED_ITEMS = ("reasoning", "item_reference")
 
@@ -52,29 +53,30 @@ class ResponsesCall:
 
 def parse_responses(body: Any) -> tuple[Request, ResponsesCall]:
     if not isinstance(body, dict):
-        raise RequestError(400, f"the request body must be a JSON object, got {_json_type(body)}", None, "invalid_json")
+        raise RequestError(400, f"the request body must be a JSON object, got {json_type(body)}", None, "invalid_json")
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
-        raise _bad("model", "must be a non-empty string, or left out for the served model (see GET /v1/models)")
+        raise bad_field("model", "must be a non-empty string, or left out for the served model (see GET /v1/models)")
     if model is not None:
-        _text(model, "model")
-    call = ResponsesCall(instructions=_opt_str(body, "instructions"), previous=_opt_str(body, "previous_response_id"))
+        unicode_text(model, "model")
+    call = ResponsesCall(instructions=optional_str(body, "instructions"),
+                         previous=optional_str(body, "previous_response_id"))
     call.input = _input(body.get("input"))
     for name in ("store", "stream", "parallel_tool_calls"):
         if body.get(name) is not None and type(body[name]) is not bool:
-            raise _bad(name, f"must be true or false, got {_json_type(body[name])}")
+            raise bad_field(name, f"must be true or false, got {json_type(body[name])}")
     call.store = body.get("store") is not False
     metadata = body.get("metadata")
     if metadata is not None:
-        _check_text_tree(_object(metadata, "metadata"), "metadata")
+        check_text_tree(object_field(metadata, "metadata"), "metadata")
         call.metadata = metadata
     tools = _tools(body)
     chat_tools = {"tools": tools, "tool_choice": _choice(body.get("tool_choice"))}
     req = Request(
-        kind="chat", model=model, max_tokens=_setting(body, "max_output_tokens", "max_tokens"),
-        temperature=_temperature(body), top_p=_top_p(body), tools=tools,
-        tool_choice=_tool_choice(chat_tools, tools), response_format=_text_format(body.get("text")),
-        stream=body.get("stream") is True, cache_key=_opt_str(body, "prompt_cache_key"), clamp_max_tokens=True,
+        kind="chat", model=model, max_tokens=setting_field(body, "max_output_tokens", "max_tokens"),
+        temperature=temperature_field(body), top_p=top_p_field(body), tools=tools,
+        tool_choice=tool_choice_field(chat_tools, tools), response_format=_text_format(body.get("text")),
+        stream=body.get("stream") is True, cache_key=optional_str(body, "prompt_cache_key"), clamp_max_tokens=True,
     )  # fmt: skip
     call.echo = {"instructions": call.instructions, "max_output_tokens": req.max_tokens,
                  "parallel_tool_calls": body.get("parallel_tool_calls", True), "previous_response_id": call.previous,
@@ -87,18 +89,18 @@ def parse_responses(body: Any) -> tuple[Request, ResponsesCall]:
 
 def _input(v: Any) -> list[dict]:
     if isinstance(v, str):
-        return [{"role": "user", "content": _text(v, "input")}]
+        return [{"role": "user", "content": unicode_text(v, "input")}]
     if not isinstance(v, list) or not v:
-        raise _bad("input", "is required: a string or a non-empty array of input items")
+        raise bad_field("input", "is required: a string or a non-empty array of input items")
     out: list[dict] = []
     for i, item in enumerate(v):
         param = f"input[{i}]"
-        kind = _object(item, param).get("type", "message")
+        kind = object_field(item, param).get("type", "message")
         if kind == "message":
             out.append(_message(item, param))
         elif kind == "function_call":
-            call = {"id": _name(item.get("call_id"), f"{param}.call_id"), "type": "function",
-                    "function": {"name": _name(item.get("name"), f"{param}.name"),
+            call = {"id": nonempty_name(item.get("call_id"), f"{param}.call_id"), "type": "function",
+                    "function": {"name": nonempty_name(item.get("name"), f"{param}.name"),
                                  "arguments": _arguments(item.get("arguments"), f"{param}.arguments")}}  # fmt: skip
             if not (out and out[-1]["role"] == "assistant"):
                 out.append({"role": "assistant", "content": ""})
@@ -107,14 +109,14 @@ def _input(v: Any) -> list[dict]:
             output = item.get("output")
             text = _parts(output, f"{param}.output") if isinstance(output, list) else output
             if not isinstance(text, str):
-                raise _bad(f"{param}.output", f"must be a string, got {_json_type(output)}")
-            out.append({"role": "tool", "tool_call_id": _name(item.get("call_id"), f"{param}.call_id"),
-                        "content": _text(text, f"{param}.output")})  # fmt: skip
+                raise bad_field(f"{param}.output", f"must be a string, got {json_type(output)}")
+            out.append({"role": "tool", "tool_call_id": nonempty_name(item.get("call_id"), f"{param}.call_id"),
+                        "content": unicode_text(text, f"{param}.output")})  # fmt: skip
         elif kind in IGNORED_ITEMS:
             continue
         else:
-            shown = _text(kind, f"{param}.type")[:40] if isinstance(kind, str) else _json_type(kind)
-            raise _bad(f"{param}.type", f"{shown!r} is not an input item this server takes (message, function_call, "
+            shown = unicode_text(kind, f"{param}.type")[:40] if isinstance(kind, str) else json_type(kind)
+            raise bad_field(f"{param}.type", f"{shown!r} is not an input item this server takes (message, function_call, "
                        "function_call_output, reasoning)", "invalid_value")  # fmt: skip
     return out
 
@@ -122,28 +124,28 @@ def _input(v: Any) -> list[dict]:
 def _message(item: dict, param: str) -> dict:
     role = item.get("role")
     if role not in ("user", "assistant", "system", "developer"):
-        shown = _text(role, f"{param}.role")[:40] if isinstance(role, str) else _json_type(role)
-        raise _bad(f"{param}.role", f"must be user, assistant, system or developer, got {shown!r}", "invalid_value")
+        shown = unicode_text(role, f"{param}.role")[:40] if isinstance(role, str) else json_type(role)
+        raise bad_field(f"{param}.role", f"must be user, assistant, system or developer, got {shown!r}", "invalid_value")
     content = item.get("content")
     text = _parts(content, f"{param}.content") if isinstance(content, list) else content
     if not isinstance(text, str):
-        raise _bad(f"{param}.content", f"must be a string or an array of text parts, got {_json_type(content)}")
-    return {"role": "system" if role == "developer" else role, "content": _text(text, f"{param}.content")}
+        raise bad_field(f"{param}.content", f"must be a string or an array of text parts, got {json_type(content)}")
+    return {"role": "system" if role == "developer" else role, "content": unicode_text(text, f"{param}.content")}
 
 
 def _parts(parts: list, param: str) -> str:
     texts = []
     for j, part in enumerate(parts):
         p = f"{param}[{j}]"
-        kind = _object(part, p).get("type")
+        kind = object_field(part, p).get("type")
         if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            texts.append(_text(part["text"], f"{p}.text"))
+            texts.append(unicode_text(part["text"], f"{p}.text"))
         elif kind in ("input_image", "input_file", "input_audio"):
-            raise _bad(p, f"is an {kind} part; this server's model takes text only", "invalid_value")
+            raise bad_field(p, f"is an {kind} part; this server's model takes text only", "invalid_value")
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(_text(part["refusal"], f"{p}.refusal"))
+            texts.append(unicode_text(part["refusal"], f"{p}.refusal"))
         else:
-            raise _bad(p, "must be a text part ({'type': 'input_text', 'text': ...})", "invalid_value")
+            raise bad_field(p, "must be a text part ({'type': 'input_text', 'text': ...})", "invalid_value")
     return "".join(texts)
 
 
@@ -153,13 +155,13 @@ def _arguments(v: Any, param: str) -> dict:
     if v is None or v == "":
         return {}
     if not isinstance(v, str):
-        raise _bad(param, f"must be a JSON text, got {_json_type(v)}")
+        raise bad_field(param, f"must be a JSON text, got {json_type(v)}")
     try:
-        value = json.loads(_text(v, param))
+        value = json.loads(unicode_text(v, param))
     except (ValueError, RecursionError):
-        raise _bad(param, "must be a JSON object as text", "invalid_value") from None
+        raise bad_field(param, "must be a JSON object as text", "invalid_value") from None
     if not isinstance(value, dict):
-        raise _bad(param, f"must be a JSON object, got {_json_type(value)}", "invalid_value")
+        raise bad_field(param, f"must be a JSON object, got {json_type(value)}", "invalid_value")
     return value
 
 
@@ -168,19 +170,19 @@ def _tools(body: dict) -> list[dict] | None:
     if v is None:
         return None
     if not isinstance(v, list):
-        raise _bad("tools", f"must be an array of tools, got {_json_type(v)}")
+        raise bad_field("tools", f"must be an array of tools, got {json_type(v)}")
     out = []
     for i, tool in enumerate(v):
         param = f"tools[{i}]"
-        if _object(tool, param).get("type") != "function":
+        if object_field(tool, param).get("type") != "function":
             continue  # a hosted tool (web search, ...): nothing here runs it
-        function = {"name": _name(tool.get("name"), f"{param}.name")}
+        function = {"name": nonempty_name(tool.get("name"), f"{param}.name")}
         if tool.get("description") is not None:
             if not isinstance(tool["description"], str):
-                raise _bad(f"{param}.description", "must be a string")
-            function["description"] = _text(tool["description"], f"{param}.description")
+                raise bad_field(f"{param}.description", "must be a string")
+            function["description"] = unicode_text(tool["description"], f"{param}.description")
         if tool.get("parameters") is not None:
-            _check_text_tree(_object(tool["parameters"], f"{param}.parameters"), f"{param}.parameters")
+            check_text_tree(object_field(tool["parameters"], f"{param}.parameters"), f"{param}.parameters")
             function["parameters"] = tool["parameters"]
         out.append({"type": "function", "function": function})
     return out or None
@@ -196,19 +198,19 @@ def _choice(v: Any) -> Any:
 def _text_format(v: Any) -> dict | None:
     if v is None:
         return None
-    fmt = _object(v, "text").get("format")
+    fmt = object_field(v, "text").get("format")
     if fmt is None:
         return None
-    kind = _object(fmt, "text.format").get("type")
+    kind = object_field(fmt, "text.format").get("type")
     if kind == "json_schema":
         if fmt.get("schema") is None:
-            raise _bad("text.format.schema", "is required with 'json_schema': give the JSON schema", "invalid_value")
+            raise bad_field("text.format.schema", "is required with 'json_schema': give the JSON schema", "invalid_value")
         spec = {"name": fmt.get("name", "schema"), "schema": fmt["schema"]}
         if fmt.get("strict") is not None:
             spec["strict"] = fmt["strict"]
         fmt = {"type": "json_schema", "json_schema": spec}
     try:
-        return _response_format({"response_format": fmt})
+        return response_format_field({"response_format": fmt})
     except RequestError as e:
         e.param = (e.param or "").replace("response_format.json_schema", "text.format").replace(
             "response_format", "text.format")  # fmt: skip

@@ -32,8 +32,8 @@ from ..store.store import PromptStore
 from ..store.tiers import MemoryTier, Tier
 
 _ID = re.compile(r"resp_([0-9a-f]{32})")
-MEMORY_BYTES = 64 << 20
-TOMBSTONE = "deleted"  # the document of a deleted response's record in Redis  # the records' own memory tier, when the store has no shared tier
+MEMORY_BYTES = 64 << 20  # the records' own memory tier, when the store has no shared tier
+TOMBSTONE = "deleted"  # the document of a deleted response's record in Redis
 
 
 def new_response_id() -> str:
