@@ -267,3 +267,19 @@ def test_stored_responses_survive_a_restart_and_reach_replicas(model_dir, tmp_pa
                 openai.OpenAI(base_url=a2.base_url, api_key="-").responses.retrieve(first.id)
     finally:
         redis.stop()
+
+
+def test_store_page_counts_the_agents_requests(server, claude, oai):
+    from webdriver import Browser
+
+    claude.messages.create(model=server.model_id, max_tokens=1, messages=[{"role": "user", "content": "page"}])
+    oai.responses.create(model=server.model_id, input="page", max_output_tokens=1)
+    with Browser() as browser:
+        browser.get(server.root + "/store?every=1")
+        browser.wait_for("return Number(document.body.dataset.polls || 0) >= 1", timeout=10, what="a first poll")
+        rows = browser.execute("return [...document.querySelectorAll('#requests tbody tr')].map("
+                               "r => [r.dataset.endpoint, r.children[1].textContent])")  # fmt: skip
+    counts = server.health()["requests"]
+    shown = dict(rows)
+    assert set(shown) == {"chat", "completion", "messages", "responses"}
+    assert int(shown["messages"]) == counts["messages"] > 0 and int(shown["responses"]) == counts["responses"] > 0
