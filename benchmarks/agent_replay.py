@@ -23,7 +23,8 @@ loading the same float32 folder (mlx-lm's server cannot load a GGUF):
   ``function_call`` / ``function_call_output``, ``store: false`` and a ``prompt_cache_key``,
   as Codex sends);
 - ``mlx-lm server``: ``/v1/chat/completions`` (streamed, ``include_usage``) with the same
-  messages, ``python -m mlx_lm server`` and its own prompt cache.
+  messages, ``mlx_lm server`` and its own prompt cache, started after mlx_chatcache's BLAS
+  switch (OpenBLAS, as every mlxcc process; ``--blas-threads`` threads in every server).
 
 Per turn: TTFT at the client (request sent -> first text delta), prompt tokens, prompt tokens
 computed (prompt - cached, as each server reports it), and the turn's new tokens (this prompt
@@ -154,7 +155,7 @@ def run_turn(port: int, engine: str, path: str, body: dict) -> dict:
 
     t0 = time.perf_counter()
     ttft, usage = None, None
-    with requests.post(f"http://127.0.0.1:{port}{path}", json=body, stream=True, timeout=600) as r:
+    with requests.post(f"http://127.0.0.1:{port}{path}", json=body, stream=True, timeout=3600) as r:
         r.raise_for_status()
         for line in r.iter_lines(decode_unicode=True):
             if not line or not line.startswith("data: ") or line == "data: [DONE]":
@@ -253,6 +254,7 @@ def main(argv=None) -> int:
     ap.add_argument("--engines", default="messages,responses,mlx-lm")
     ap.add_argument("--start-timeout", type=float, default=180)
     ap.add_argument("--no-openblas", action="store_true")
+    ap.add_argument("--blas-threads", type=int, default=1, help="OpenBLAS threads of every server (shared cores)")
     args = ap.parse_args(argv)
     if args.record:
         SESSION.write_text(json.dumps(record(HERE.parent), indent=1) + "\n")
@@ -261,6 +263,7 @@ def main(argv=None) -> int:
     session = json.loads(SESSION.read_text())
     t0, load0 = time.monotonic(), os.getloadavg()[0]
     env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.setdefault("MLXCC_BLAS_THREADS", str(args.blas_threads))  # the same for every server, whatever the load
     if not args.no_openblas and Path(OPENBLAS).exists():  # every server gets the same BLAS
         env["LD_PRELOAD"] = (OPENBLAS + " " + env.get("LD_PRELOAD", "")).strip()
         os.environ["LD_PRELOAD"] = env["LD_PRELOAD"]
@@ -268,8 +271,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="mlxcc-agent-replay-") as tmp:
         folder, desc = build_model(args, Path(tmp))
         for engine in args.engines.split(","):
-            if engine == "mlx-lm":
-                argv_ = [sys.executable, "-m", "mlx_lm", "server", "--model", str(folder), "--host", "127.0.0.1",
+            if engine == "mlx-lm":  # booted after mlx_chatcache's BLAS switch, as mlxcc is
+                boot = "import mlx_chatcache, runpy, sys; sys.argv[0] = 'mlx_lm'; runpy.run_module('mlx_lm', run_name='__main__')"
+                argv_ = [sys.executable, "-c", boot, "server", "--model", str(folder), "--host", "127.0.0.1",
                          "--port", "{port}", "--log-level", "WARNING"]  # fmt: skip
                 model = str(folder)
             else:

@@ -73,7 +73,7 @@ def test_claude_code_two_turns(server, tmp_path):
     tools = ["--tools", "Read,Bash", "--output-format", "json"]
     first = json.loads(_run([claude, "-p", "Say hello", *tools], env, tmp_path / "project").stdout)
     turn1 = _last_job(server)
-    assert first["is_error"] is False and first["result"] == REPLY, first
+    assert first["is_error"] is False and first["result"] == REPLY and first["stop_reason"] == "end_turn", first
     assert first["usage"]["output_tokens"] > 0
     second = json.loads(_run([claude, "-p", "--continue", "Say more", *tools], env, tmp_path / "project").stdout)
     turn2 = _last_job(server)

@@ -73,6 +73,7 @@ def test_messages_usage_splits_at_the_last_breakpoint(server, claude):
     _adds_up(m.usage, prompt)
     # written for reuse: the system prompt (its tokens are those of the one-word conversation's, less that turn)
     assert m.usage.cache_read_input_tokens == 0 and 0 < m.usage.cache_creation_input_tokens < head
+    assert requests.get(server.base_url + "/store").json()["pinned_keys"] >= 1  # the breakpoint pins
     # another conversation with the same marked system prompt reads it from the store, exactly
     other = [{"role": "user", "content": "What is the capital of Italy?"}]
     m2 = claude.messages.create(model=server.model_id, max_tokens=3, system=system, messages=other)
