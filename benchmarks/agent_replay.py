@@ -14,8 +14,9 @@ agent's instructions and its tools' documentation (about 6k tokens, what fits th
 model's 8k context), then 10 turns, each an assistant turn (a sentence and a ``tool_use``:
 Read, Grep, Bash, ...) and its ``tool_result`` (a file's lines, a listing, a command's output).
 Request ``t`` sends the system prompt and turns ``1..t`` and asks for ``--max-new`` tokens
-(greedy), as an agent resends its whole history every turn. Engines, each on a fresh server
-loading the same float32 folder (mlx-lm's server cannot load a GGUF):
+(greedy), as an agent resends its whole history every turn. Engines, each a server of its own
+(all started first, then each turn sent to each in turn, so they see the same load) loading the
+same float32 folder (mlx-lm's server cannot load a GGUF):
 
 - ``mlxcc /v1/messages``: the ``anthropic`` wire format (streamed, ``cache_control`` on the
   system prompt and on the last message, as Claude Code sends);
@@ -34,6 +35,7 @@ TTFT p50 below mlx-lm's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -179,17 +181,19 @@ def run_turn(port: int, engine: str, path: str, body: dict) -> dict:
     return {"ttft": ttft if ttft is not None else total, "prompt": usage[0], "cached": usage[1]}
 
 
-def run_engine(engine: str, argv: list[str], env: dict, model: str, session: dict, args) -> list[dict]:
-    rows = []
-    with Server(argv, env, "/health", args.start_timeout) as server:
-        for t, messages in enumerate(turns(session)):
+def run_engines(servers: dict, session: dict, args) -> dict:
+    """Every turn on every engine, interleaved turn by turn (engines see the same load)."""
+    rows = {e: [] for e in servers}
+    for t, messages in enumerate(turns(session)):
+        for engine, (server, model) in servers.items():
             path, body = request(engine, session, messages, model, args.max_new)
             row = run_turn(server.port, engine, path, body)
             row["turn"] = t + 1
-            rows.append(row)
+            rows[engine].append(row)
             print(f"{engine:9s} turn {t + 1:2d}: prompt {row['prompt']:5d} cached {row['cached']:5d} "
                   f"TTFT {row['ttft'] * 1e3:7.0f} ms", flush=True)
-        rows[0]["rss_mb"] = server.peak_rss_mb()
+    for engine, (server, _) in servers.items():
+        rows[engine][0]["rss_mb"] = server.peak_rss_mb()
     return rows
 
 
@@ -267,9 +271,9 @@ def main(argv=None) -> int:
     if not args.no_openblas and Path(OPENBLAS).exists():  # every server gets the same BLAS
         env["LD_PRELOAD"] = (OPENBLAS + " " + env.get("LD_PRELOAD", "")).strip()
         os.environ["LD_PRELOAD"] = env["LD_PRELOAD"]
-    results = {}
-    with tempfile.TemporaryDirectory(prefix="mlxcc-agent-replay-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="mlxcc-agent-replay-") as tmp, contextlib.ExitStack() as stack:
         folder, desc = build_model(args, Path(tmp))
+        servers = {}
         for engine in args.engines.split(","):
             if engine == "mlx-lm":  # booted after mlx_chatcache's BLAS switch, as mlxcc is
                 boot = "import mlx_chatcache, runpy, sys; sys.argv[0] = 'mlx_lm'; runpy.run_module('mlx_lm', run_name='__main__')"
@@ -280,7 +284,8 @@ def main(argv=None) -> int:
                 argv_ = [sys.executable, "-m", "mlx_chatcache", "serve", "--model", str(folder), "--host", "127.0.0.1",
                          "--port", "{port}", "--log-level", "warning", "--cache-dir", str(Path(tmp) / f"cache-{engine}")]  # fmt: skip
                 model = folder.name
-            results[engine] = run_engine(engine, argv_, env, model, session, args)
+            servers[engine] = (stack.enter_context(Server(argv_, env, "/health", args.start_timeout)), model)
+        results = run_engines(servers, session, args)
     text, verdict = report(results, desc, args, time.monotonic() - t0, (load0, os.getloadavg()[0]))
     print(text)
     if args.write_results:
