@@ -39,6 +39,7 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -201,8 +202,8 @@ def run_engines(servers: dict, session: dict, args) -> dict:
 ENGINES = {"messages": "mlxcc /v1/messages", "responses": "mlxcc /v1/responses", "mlx-lm": "mlx-lm server (chat)"}
 
 
-def report(results: dict, desc: str, args, elapsed: float, load: tuple) -> tuple[str, dict]:
-    lines = [header_block("agent_replay: a 10-turn agent session, per-turn TTFT and prompt tokens computed"),
+def report(results: dict, desc: str, args, elapsed: float, load: tuple, blas: str) -> tuple[str, dict]:
+    lines = [header_block("agent_replay: a 10-turn agent session, per-turn TTFT and prompt tokens computed", blas),
              f"- model: {desc}", f"- load average before / after the run (1 min): {load[0]:.2f} / {load[1]:.2f} "
              "(2 shared cores; other work ran on this machine)", f"- greedy, {args.max_new} new tokens per turn; "
              f"total {elapsed:.0f} s", ""]  # fmt: skip
@@ -286,7 +287,10 @@ def main(argv=None) -> int:
                 model = folder.name
             servers[engine] = (stack.enter_context(Server(argv_, env, "/health", args.start_timeout)), model)
         results = run_engines(servers, session, args)
-    text, verdict = report(results, desc, args, time.monotonic() - t0, (load0, os.getloadavg()[0]))
+    probe = "import mlx_chatcache; from mlx_chatcache.backend.blas import describe; print(describe())"
+    blas = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout.strip()
+    text, verdict = report(results, desc, args, time.monotonic() - t0, (load0, os.getloadavg()[0]),
+                           f"{blas}, in every server (mlx-lm's started after mlx_chatcache's switch)")  # fmt: skip
     print(text)
     if args.write_results:
         plot(results, HERE / "agent_replay.png")
