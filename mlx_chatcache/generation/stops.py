@@ -6,18 +6,20 @@ from __future__ import annotations
 
 class StopMatcher:
     """Cuts reply text at the first of ``stops``; holds back a tail that may
-    still become one."""
+    still become one. ``matched`` is the stop string the text was cut at (None: none yet)."""
 
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched: str | None = None
 
     def feed(self, text: str) -> tuple[str, bool]:
         if not self.stops:
             return text, False
         self.pending += text
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda f: f[0])
             out, self.pending = self.pending[:cut], ""
             return out, True
         hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)

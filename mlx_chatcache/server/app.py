@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON, or
 server-sent events with ``"stream": true``, ending with ``data: [DONE]``),
-``GET /v1/models``, ``GET /health`` (queue, worker, batch and store statistics);
-the browser page's routes come from :mod:`.ui`.
+``GET /v1/models``, ``GET /health`` (queue, worker, batch and store statistics,
+requests per endpoint); Anthropic's Messages API (:mod:`.messages_api`) and OpenAI's
+Responses API (:mod:`.responses_api`); the browser page's routes come from :mod:`.ui`.
 
 Contract: handlers never run MLX work; they parse and check the request
 (:mod:`.protocol`), tokenize it on the tokenizer thread, hand a job to the
@@ -17,8 +18,9 @@ the same as the ``prompt_cache_key`` body field: it pins the conversation's
 cache entries in the store.
 
 ``GET /v1/store`` is the store's read-only report (:mod:`.store_report`): tiers
-against their budgets, pins as key digests, tokens served and their history.
-``GET /metrics`` is the Prometheus text format (:mod:`.metrics`).
+against their budgets, pins as key digests, tokens served and their history,
+and the requests each endpoint submitted. ``GET /metrics`` is the Prometheus text
+format (:mod:`.metrics`).
 
 Every request passes the :class:`~.gate.Gate` first (its id, the drain, the API
 key, the access line); :func:`create_app` returns the app behind it. While the
@@ -27,17 +29,14 @@ server drains, ``GET /health`` is a 503 whose ``status`` is ``draining``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
-import json
 import logging
 import socket
 from typing import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -47,21 +46,19 @@ from ..errors import UsageError
 from .auth import ApiKeys
 from .drain import Drain, DrainingServer
 from .gate import Gate
+from .jobs import ClientGone, job_events, read_body, start_job
+from .messages_api import messages_routes
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import Request, RequestError, error_body, parse_chat, parse_completion
 from .responses import Reply, sse
+from .responses_api import responses_routes
 from .service import Service
 from .store_report import store_report
 from .ui import announcement, is_loopback, ui_routes
 from .tools import ToolCallStream
-from .worker import Job, QueueFull
+from .worker import Job
 
 log = logging.getLogger("mlxcc.serve")
-POLL_S = 0.2
-
-
-class ClientGone(Exception):
-    pass
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -111,6 +108,7 @@ def create_app(service: Service, ui: str = "on", host: str = "127.0.0.1", keys: 
     ``drain``: the one :func:`serve` signals, else one of its own)."""
     drain = drain or Drain(SERVER_DEFAULTS.drain_seconds)
     metrics = ServerMetrics(service.worker, drain)
+    service.drain, service.metrics = drain, metrics  # every job is held by the drain and measured (.jobs)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -121,10 +119,10 @@ def create_app(service: Service, ui: str = "on", host: str = "127.0.0.1", keys: 
             service.stop()
 
     async def chat(request: HTTPRequest):
-        return await _complete(service, metrics, drain, request, parse_chat)
+        return await _complete(service, request, parse_chat)
 
     async def completions(request: HTTPRequest):
-        return await _complete(service, metrics, drain, request, parse_completion)
+        return await _complete(service, request, parse_completion)
 
     async def models(request: HTTPRequest):
         return JSONResponse({"object": "list", "data": [
@@ -138,10 +136,11 @@ def create_app(service: Service, ui: str = "on", host: str = "127.0.0.1", keys: 
                                 status_code=503, headers={"Retry-After": str(SERVER_DEFAULTS.retry_after_s)})  # fmt: skip
         # plain counters the worker updates; reading them is safe from this thread
         return JSONResponse({"status": "ok", "model": service.model_id, "ui": ui, "queued": w.waiting(), **w.stats,
-                             "batch": service.batch.report(), "store": w.store.stats()})  # fmt: skip
+                             "requests": dict(service.requests), "batch": service.batch.report(),
+                             "store": w.store.stats(), "stored_responses": service.responses.stats()})  # fmt: skip
 
     async def store(request: HTTPRequest):
-        return JSONResponse(store_report(service.worker, request.state.tenant))
+        return JSONResponse({**store_report(service.worker, request.state.tenant), "requests": dict(service.requests)})
 
     async def metrics_page(request: HTTPRequest):
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
@@ -153,6 +152,8 @@ def create_app(service: Service, ui: str = "on", host: str = "127.0.0.1", keys: 
         Route("/v1/store", store, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_page, methods=["GET"]),
+        *messages_routes(service),  # Anthropic's Messages API (.messages_api)
+        *responses_routes(service),  # OpenAI's Responses API (.responses_api)
         *ui_routes(ui, host),  # the browser page (.ui)
     ]
     handlers = {RequestError: _request_error, HTTPException: _http_error, Exception: _internal_error}
@@ -176,7 +177,8 @@ async def _request_error(request, exc: RequestError):
 
 
 async def _http_error(request, exc: HTTPException):
-    message = {404: f"no route {request.url.path}; see /v1/models, /v1/chat/completions, /v1/completions",
+    message = {404: f"no route {request.url.path}; see /v1/models, /v1/chat/completions, /v1/completions, "
+                    "/v1/messages, /v1/responses",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))  # fmt: skip
     return _error(exc.status_code, message)
 
@@ -187,54 +189,25 @@ async def _internal_error(request, exc: Exception):
 
 
 # ------------------------------------------------------------------ completions
-async def _complete(service: Service, metrics: ServerMetrics, drain: Drain, request: HTTPRequest, parse):
+async def _complete(service: Service, request: HTTPRequest, parse):
     try:
-        raw = await request.body()
-    except ClientDisconnect:  # the client hung up before sending its whole body
+        req: Request = parse(await read_body(request))
+    except ClientGone:  # the client hung up before sending its whole body
         return Response(status_code=499)  # nobody reads it
-    req: Request = parse(decode_body(raw))
-    service.check_model(req.model)
-    session = request.headers.get("x-session-id")
-    if req.cache_key is None and session:
-        req.cache_key = session
-    prompt, boundary, start = await service.prepare(req)
-    config = service.job_config(req, len(prompt))
-    events: asyncio.Queue = asyncio.Queue()
-    loop = asyncio.get_running_loop()
-
-    def emit(event: tuple) -> None:  # called on the worker thread
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody listens
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-    processors, postprocess = service.job_hooks(req)
-    job = Job(prompt, config, emit, req.stop, boundary, req.cache_key, n=req.n, logprobs=req.logprobs,
-              top_logprobs=req.top_logprobs or 0, processors=processors, postprocess=postprocess,
-              system_end=start, tenant=request.state.tenant, request_id=request.state.request_id)  # fmt: skip
-
-    def finished(done: dict) -> None:
-        t = done["timing"]
-        first = job.submitted - request.state.arrived + t["queued_s"] + t["first_token_s"]
-        metrics.reply(first if done["completion_tokens"] else None, job.token_gaps)
-
-    try:
-        service.worker.submit(job)
-    except QueueFull:
-        raise RequestError(503, "the server is busy (its request queue is full); retry later", None, "server_busy",
-                           {"Retry-After": str(SERVER_DEFAULTS.retry_after_s)}) from None  # fmt: skip
-    drain.hold(job)  # cancelled if the drain's time runs out
+    started = await start_job(service, request, req, req.kind)
+    job, events = started.job, started.events
     reply = Reply(req.kind, service.model_id, logprobs=req.logprobs)
     if req.stream:
         calls = (lambda: ToolCallStream(service.tokenizer, req.tools)) if service.uses_tools(req) else None
-        return StreamingResponse(_stream(job, events, request, reply, req.include_usage, req.n, calls, finished),
+        return StreamingResponse(_stream(job, events, request, reply, req.include_usage, req.n, calls),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
     try:
         pieces, done = [], None
-        async for kind, value in _events(events, request):
+        async for kind, value in job_events(events, request):
             if kind == "piece":
                 pieces.append(value)
             elif kind == "done":
                 done = value
-                finished(done)
                 break
             elif kind == "error":
                 return _error(500, value)
@@ -245,50 +218,18 @@ async def _complete(service: Service, metrics: ServerMetrics, drain: Drain, requ
         job.cancel()  # a no-op once done; stops the job when the client went away
 
 
-def decode_body(raw: bytes):
-    """The request body's JSON value; a 400 ``invalid_json`` for bytes that are not
-    UTF-8 JSON or nest deeper than the decoder's recursion limit."""
-    try:
-        return json.loads(raw)
-    except ValueError:  # UnicodeDecodeError too
-        raise RequestError(400, "the request body is not valid JSON; send a JSON object",
-                           None, "invalid_json") from None  # fmt: skip
-    except RecursionError:
-        raise RequestError(400, "the request body nests arrays or objects too deeply; send a flat JSON object",
-                           None, "invalid_json") from None  # fmt: skip
-
-
-async def _events(events: asyncio.Queue, request: HTTPRequest) -> AsyncIterator[tuple]:
-    """The job's events; ClientGone once the client has disconnected (checked every
-    ``POLL_S`` seconds, also while events keep coming)."""
-    checked = asyncio.get_running_loop().time()
-    while True:
-        try:
-            event = await asyncio.wait_for(events.get(), POLL_S)
-        except asyncio.TimeoutError:
-            event = None
-        now = asyncio.get_running_loop().time()
-        if event is None or now - checked >= POLL_S:
-            checked = now
-            if await request.is_disconnected():
-                raise ClientGone from None
-        if event is not None:
-            yield event
-
-
 async def _stream(job: Job, events, request, reply: Reply, include_usage: bool, n: int,
-                  calls: Callable[[], ToolCallStream] | None, finished: Callable[[dict], None]) -> AsyncIterator[str]:  # fmt: skip
+                  calls: Callable[[], ToolCallStream] | None) -> AsyncIterator[str]:  # fmt: skip
     """The chunks of ``n`` choices: a chat's role chunk per choice, one chunk per piece,
     each choice's finish, then the usage chunk (with ``include_usage``) and ``[DONE]``.
     With ``calls`` (a new splitter per choice) each choice's text is split into content
-    and ``delta.tool_calls`` (its pieces then carry no logprobs). ``finished`` is given
-    the job's ``done`` event."""
+    and ``delta.tool_calls`` (its pieces then carry no logprobs)."""
     splitters = {}
     try:
         if reply.kind == "chat":
             for index in range(n):
                 yield sse(reply.chunk(role=True, with_usage_field=include_usage, index=index))
-        async for kind, value in _events(events, request):
+        async for kind, value in job_events(events, request):
             if kind == "piece" and calls is None:
                 yield sse(reply.piece_chunk(value, with_usage_field=include_usage))
             elif kind == "piece":
@@ -300,7 +241,6 @@ async def _stream(job: Job, events, request, reply: Reply, include_usage: bool, 
                 yield sse(error_body(value, 500))
                 break
             elif kind == "done":
-                finished(value)
                 for index, splitter in sorted(splitters.items()):  # what each held back
                     text, found = splitter.finish()
                     if text or found:

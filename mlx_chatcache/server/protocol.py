@@ -84,14 +84,16 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     cache_key: str | None = None  # prompt_cache_key or the X-Session-Id header
+    mark_messages: list[dict] | None = None  # the messages up to a cache breakpoint (Messages' cache_control)
+    clamp_max_tokens: bool = False  # max_tokens past the context is lowered to fit (the agents' dialects)
 
 
 # ------------------------------------------------------------------ field checks
-def _bad(param: str, what: str, code: str = "invalid_type") -> RequestError:
+def bad_field(param: str, what: str, code: str = "invalid_type") -> RequestError:
     return RequestError(400, f"'{param}' {what}", param, code)
 
 
-def _setting(body: dict, field: str, name: str | None = None) -> int | float | None:
+def setting_field(body: dict, field: str, name: str | None = None) -> int | float | None:
     """Request field ``field``, whose range is that of setting ``name`` (default: the
     field's own; :func:`~mlx_chatcache.config.range_of`): of its type and in its range,
     else a 400 naming the field."""
@@ -100,29 +102,29 @@ def _setting(body: dict, field: str, name: str | None = None) -> int | float | N
         return None
     integer = range_of(name or field).integer
     if type(v) is not int and (integer or type(v) is not float):
-        raise _bad(field, f"must be {'an integer' if integer else 'a number'}, got {_json_type(v)}")
+        raise bad_field(field, f"must be {'an integer' if integer else 'a number'}, got {json_type(v)}")
     try:
         return check_setting(name or field, v)
     except SettingError as e:
-        raise _bad(field, str(e), "invalid_value") from None
+        raise bad_field(field, str(e), "invalid_value") from None
 
 
-def _temperature(body: dict) -> float | None:
-    t = _setting(body, "temperature", "temp")
+def temperature_field(body: dict) -> float | None:
+    t = setting_field(body, "temperature", "temp")
     if t is not None and t > MAX_TEMPERATURE:
-        raise _bad("temperature", f"must be between 0 and {MAX_TEMPERATURE:g}, got {t:g}", "invalid_value")
+        raise bad_field("temperature", f"must be between 0 and {MAX_TEMPERATURE:g}, got {t:g}", "invalid_value")
     return t
 
 
-def _top_p(body: dict) -> float | None:
+def top_p_field(body: dict) -> float | None:
     """``top_p``; 0 (which OpenAI's API takes) keeps only the most likely token."""
-    return 0.0 if body.get("top_p") == 0 and type(body["top_p"]) is not bool else _setting(body, "top_p", "top_p")
+    return 0.0 if body.get("top_p") == 0 and type(body["top_p"]) is not bool else setting_field(body, "top_p", "top_p")
 
 
 def _repetition_penalty(body: dict) -> float | None:
     """``repetition_penalty``; 0 means none, as in mlx-lm's server."""
     v = body.get("repetition_penalty")
-    return None if v == 0 and type(v) is not bool else _setting(body, "repetition_penalty", "repetition_penalty")
+    return None if v == 0 and type(v) is not bool else setting_field(body, "repetition_penalty", "repetition_penalty")
 
 
 def _opt_bool(body: dict, name: str) -> bool:
@@ -130,44 +132,44 @@ def _opt_bool(body: dict, name: str) -> bool:
     if v is None:
         return False
     if type(v) is not bool:
-        raise _bad(name, f"must be true or false, got {_json_type(v)}")
+        raise bad_field(name, f"must be true or false, got {json_type(v)}")
     return v
 
 
-def _opt_str(body: dict, name: str) -> str | None:
+def optional_str(body: dict, name: str) -> str | None:
     v = body.get(name)
     if v is None:
         return None
     if not isinstance(v, str):
-        raise _bad(name, f"must be a string, got {_json_type(v)}")
-    return _text(v, name)
+        raise bad_field(name, f"must be a string, got {json_type(v)}")
+    return unicode_text(v, name)
 
 
-def _text(v: str, param: str) -> str:
+def unicode_text(v: str, param: str) -> str:
     """``v`` if it is valid Unicode text; JSON's ``\\ud800`` escapes can make a lone surrogate."""
     try:
         v.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise _bad(param, f"is not valid Unicode text (a lone surrogate at character {e.start}); "
+        raise bad_field(param, f"is not valid Unicode text (a lone surrogate at character {e.start}); "
                    "send UTF-8 text, with surrogate escapes only in pairs", "invalid_value") from None  # fmt: skip
     return v
 
 
-def _json_type(v: Any) -> str:
+def json_type(v: Any) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
             list: "an array", dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)  # fmt: skip
 
 
-def _stop(body: dict) -> list[str]:
-    v = body.get("stop")
+def stop_field(body: dict, name: str = "stop") -> list[str]:
+    v = body.get(name)
     if v is None:
         return []
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise _bad("stop", f"must be a string or an array of strings, got {_json_type(v)}")
+        raise bad_field(name, f"must be a string or an array of strings, got {json_type(v)}")
     if len(stops) > SERVER_DEFAULTS.max_stop_sequences:
-        raise _bad("stop", f"takes at most {SERVER_DEFAULTS.max_stop_sequences} sequences, got {len(stops)}", "invalid_value")
-    return [_text(s, f"stop[{i}]" if isinstance(v, list) else "stop") for i, s in enumerate(stops) if s]
+        raise bad_field(name, f"takes at most {SERVER_DEFAULTS.max_stop_sequences} sequences, got {len(stops)}", "invalid_value")
+    return [unicode_text(s, f"{name}[{i}]" if isinstance(v, list) else name) for i, s in enumerate(stops) if s]
 
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...] | None:
@@ -177,37 +179,37 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...] | None:
     if v is None:
         return None
     if not isinstance(v, dict):
-        raise _bad("logit_bias", f"must be an object mapping token ids to biases, got {_json_type(v)}")
+        raise bad_field("logit_bias", f"must be an object mapping token ids to biases, got {json_type(v)}")
     if len(v) > MAX_LOGIT_BIAS:
-        raise _bad("logit_bias", f"takes at most {MAX_LOGIT_BIAS} tokens, got {len(v)}", "invalid_value")
+        raise bad_field("logit_bias", f"takes at most {MAX_LOGIT_BIAS} tokens, got {len(v)}", "invalid_value")
     try:
         return check_setting("logit_bias", v) or None
     except SettingError as e:
-        raise _bad("logit_bias", str(e), "invalid_value") from None
+        raise bad_field("logit_bias", str(e), "invalid_value") from None
 
 
 def _logprobs(body: dict, kind: str) -> tuple[bool, int | None]:
     """(logprobs wanted, alternatives per token): chat's ``logprobs`` (a boolean) and
     ``top_logprobs``, or a completion's integer ``logprobs``."""
     if kind == "completion":
-        top = None if body.get("logprobs") is False else _setting(body, "logprobs", "completion_logprobs")
+        top = None if body.get("logprobs") is False else setting_field(body, "logprobs", "completion_logprobs")
         return top is not None, top
-    want, top = _opt_bool(body, "logprobs"), _setting(body, "top_logprobs")
+    want, top = _opt_bool(body, "logprobs"), setting_field(body, "top_logprobs")
     if top is not None and not want:
-        raise _bad("top_logprobs", "needs 'logprobs': true", "invalid_value")
+        raise bad_field("top_logprobs", "needs 'logprobs': true", "invalid_value")
     return want, top
 
 
-def _object(v: Any, param: str) -> dict:
+def object_field(v: Any, param: str) -> dict:
     if not isinstance(v, dict):
-        raise _bad(param, f"must be an object, got {_json_type(v)}")
+        raise bad_field(param, f"must be an object, got {json_type(v)}")
     return v
 
 
-def _name(v: Any, param: str) -> str:
+def nonempty_name(v: Any, param: str) -> str:
     if not isinstance(v, str) or not v:
-        raise _bad(param, f"must be a non-empty string, got {_json_type(v)}")
-    return _text(v, param)
+        raise bad_field(param, f"must be a non-empty string, got {json_type(v)}")
+    return unicode_text(v, param)
 
 
 def _tools(body: dict) -> list[dict] | None:
@@ -215,81 +217,81 @@ def _tools(body: dict) -> list[dict] | None:
     if v is None:
         return None
     if not isinstance(v, list):
-        raise _bad("tools", f"must be an array of tools, got {_json_type(v)}")
+        raise bad_field("tools", f"must be an array of tools, got {json_type(v)}")
     for i, tool in enumerate(v):
         param = f"tools[{i}]"
-        if _object(tool, param).get("type") != "function":
-            raise _bad(f"{param}.type", "must be 'function'", "invalid_value")
-        function = _object(tool.get("function"), f"{param}.function")
-        _name(function.get("name"), f"{param}.function.name")
+        if object_field(tool, param).get("type") != "function":
+            raise bad_field(f"{param}.type", "must be 'function'", "invalid_value")
+        function = object_field(tool.get("function"), f"{param}.function")
+        nonempty_name(function.get("name"), f"{param}.function.name")
         if function.get("description") is not None and not isinstance(function["description"], str):
-            raise _bad(f"{param}.function.description", "must be a string")
+            raise bad_field(f"{param}.function.description", "must be a string")
         if function.get("parameters") is not None:
-            _object(function["parameters"], f"{param}.function.parameters")
+            object_field(function["parameters"], f"{param}.function.parameters")
     return v or None
 
 
-def _tool_choice(body: dict, tools: list[dict] | None) -> str | dict | None:
+def tool_choice_field(body: dict, tools: list[dict] | None) -> str | dict | None:
     v = body.get("tool_choice")
     if v is None or v in ("none", "auto", "required"):
         if v == "required" and not tools:
-            raise _bad("tool_choice", "'required' needs 'tools'", "invalid_value")
+            raise bad_field("tool_choice", "'required' needs 'tools'", "invalid_value")
         return v
     if isinstance(v, str):
-        raise _bad("tool_choice", f"must be 'none', 'auto', 'required' or a function, got {v[:40]!r}", "invalid_value")
-    if _object(v, "tool_choice").get("type") != "function":
-        raise _bad("tool_choice.type", "must be 'function'", "invalid_value")
-    name = _name(_object(v.get("function"), "tool_choice.function").get("name"), "tool_choice.function.name")
+        raise bad_field("tool_choice", f"must be 'none', 'auto', 'required' or a function, got {v[:40]!r}", "invalid_value")
+    if object_field(v, "tool_choice").get("type") != "function":
+        raise bad_field("tool_choice.type", "must be 'function'", "invalid_value")
+    name = nonempty_name(object_field(v.get("function"), "tool_choice.function").get("name"), "tool_choice.function.name")
     if name not in {t["function"]["name"] for t in tools or []}:
-        raise _bad("tool_choice.function.name", f"names no tool in 'tools': {name[:60]!r}", "invalid_value")
+        raise bad_field("tool_choice.function.name", f"names no tool in 'tools': {name[:60]!r}", "invalid_value")
     return v
 
 
-def _response_format(body: dict) -> dict | None:
+def response_format_field(body: dict) -> dict | None:
     v = body.get("response_format")
     if v is None:
         return None
-    kind = _object(v, "response_format").get("type")
+    kind = object_field(v, "response_format").get("type")
     if kind not in RESPONSE_FORMATS:
-        raise _bad("response_format.type", f"must be one of {', '.join(RESPONSE_FORMATS)}", "invalid_value")
+        raise bad_field("response_format.type", f"must be one of {', '.join(RESPONSE_FORMATS)}", "invalid_value")
     if kind == "json_schema":
-        spec = _object(v.get("json_schema"), "response_format.json_schema")
-        _name(spec.get("name", "schema"), "response_format.json_schema.name")
-        _object(spec.get("schema", {}), "response_format.json_schema.schema")
+        spec = object_field(v.get("json_schema"), "response_format.json_schema")
+        nonempty_name(spec.get("name", "schema"), "response_format.json_schema.name")
+        object_field(spec.get("schema", {}), "response_format.json_schema.schema")
         if spec.get("strict") is not None and type(spec["strict"]) is not bool:
-            raise _bad("response_format.json_schema.strict", "must be true or false")
+            raise bad_field("response_format.json_schema.strict", "must be true or false")
     return v
 
 
 def _common(body: Any, kind: str) -> Request:
     if not isinstance(body, dict):
-        raise RequestError(400, f"the request body must be a JSON object, got {_json_type(body)}", None, "invalid_json")
+        raise RequestError(400, f"the request body must be a JSON object, got {json_type(body)}", None, "invalid_json")
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
-        raise _bad("model", "must be a non-empty string, or left out for the served model (see GET /v1/models)")
+        raise bad_field("model", "must be a non-empty string, or left out for the served model (see GET /v1/models)")
     if model is not None:
-        _text(model, "model")
-    max_tokens = _setting(body, "max_completion_tokens", "max_tokens")
+        unicode_text(model, "model")
+    max_tokens = setting_field(body, "max_completion_tokens", "max_tokens")
     if max_tokens is None:
-        max_tokens = _setting(body, "max_tokens", "max_tokens")
+        max_tokens = setting_field(body, "max_tokens", "max_tokens")
     stream = _opt_bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise _bad("stream_options", f"must be an object, got {_json_type(options)}")
+        raise bad_field("stream_options", f"must be an object, got {json_type(options)}")
     include_usage = _opt_bool(options or {}, "include_usage")
     logprobs, top_logprobs = _logprobs(body, kind)
     tools = _tools(body)
     return Request(
         kind=kind, model=model, max_tokens=max_tokens,
-        temperature=_temperature(body), top_p=_top_p(body), seed=_setting(body, "seed", "seed"),
-        top_k=_setting(body, "top_k", "top_k"), min_p=_setting(body, "min_p", "min_p"),
+        temperature=temperature_field(body), top_p=top_p_field(body), seed=setting_field(body, "seed", "seed"),
+        top_k=setting_field(body, "top_k", "top_k"), min_p=setting_field(body, "min_p", "min_p"),
         repetition_penalty=_repetition_penalty(body),
-        repetition_context_size=_setting(body, "repetition_context_size", "repetition_context_size"),
-        presence_penalty=_setting(body, "presence_penalty"), frequency_penalty=_setting(body, "frequency_penalty"),
-        logit_bias=_logit_bias(body), logprobs=logprobs, top_logprobs=top_logprobs, n=_setting(body, "n") or 1,
-        tools=tools, tool_choice=_tool_choice(body, tools), response_format=_response_format(body),
-        stop=_stop(body), stream=stream, include_usage=include_usage,
-        cache_key=_opt_str(body, "prompt_cache_key"),
+        repetition_context_size=setting_field(body, "repetition_context_size", "repetition_context_size"),
+        presence_penalty=setting_field(body, "presence_penalty"), frequency_penalty=setting_field(body, "frequency_penalty"),
+        logit_bias=_logit_bias(body), logprobs=logprobs, top_logprobs=top_logprobs, n=setting_field(body, "n") or 1,
+        tools=tools, tool_choice=tool_choice_field(body, tools), response_format=response_format_field(body),
+        stop=stop_field(body), stream=stream, include_usage=include_usage,
+        cache_key=optional_str(body, "prompt_cache_key"),
     )  # fmt: skip
 
 
@@ -298,7 +300,7 @@ def parse_chat(body: Any) -> Request:
     req = _common(body, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "is required and must be a non-empty array of messages")
+        raise bad_field("messages", "is required and must be a non-empty array of messages")
     req.messages = [_message(m, i) for i, m in enumerate(messages)]
     return req
 
@@ -309,12 +311,12 @@ def _message(m: Any, i: int) -> dict:
     or a tool result's ``tool_call_id`` and ``name`` when given."""
     param = f"messages[{i}]"
     if not isinstance(m, dict):
-        raise _bad(param, f"must be an object with 'role' and 'content', got {_json_type(m)}")
+        raise bad_field(param, f"must be an object with 'role' and 'content', got {json_type(m)}")
     role = m.get("role")
     if not isinstance(role, str) or not role:
-        raise _bad(f"{param}.role", "is required and must be a string")
+        raise bad_field(f"{param}.role", "is required and must be a string")
     if role not in ROLES:
-        raise _bad(f"{param}.role", f"must be one of {', '.join(ROLES)}, got {_text(role, f'{param}.role')[:40]!r}",
+        raise bad_field(f"{param}.role", f"must be one of {', '.join(ROLES)}, got {unicode_text(role, f'{param}.role')[:40]!r}",
                    "invalid_value")  # fmt: skip
     role = "system" if role == "developer" else role
     content = m.get("content")
@@ -325,45 +327,45 @@ def _message(m: Any, i: int) -> dict:
         texts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(f"{param}.content[{j}]", "must be a text part ({'type': 'text', 'text': ...}); "
+                raise bad_field(f"{param}.content[{j}]", "must be a text part ({'type': 'text', 'text': ...}); "
                            "this server takes text only", "invalid_value")  # fmt: skip
-            texts.append(_text(part["text"], f"{param}.content[{j}].text"))
+            texts.append(unicode_text(part["text"], f"{param}.content[{j}].text"))
         content = "".join(texts)
     if not isinstance(content, str):
-        raise _bad(f"{param}.content", f"must be a string or an array of text parts, got {_json_type(content)}")
-    out = {"role": role, "content": _text(content, f"{param}.content")}
+        raise bad_field(f"{param}.content", f"must be a string or an array of text parts, got {json_type(content)}")
+    out = {"role": role, "content": unicode_text(content, f"{param}.content")}
     if tool_calls is not None:
         if not isinstance(tool_calls, list):
-            raise _bad(f"{param}.tool_calls", f"must be an array of tool calls, got {_json_type(tool_calls)}")
+            raise bad_field(f"{param}.tool_calls", f"must be an array of tool calls, got {json_type(tool_calls)}")
         out["tool_calls"] = [_tool_call(c, f"{param}.tool_calls[{j}]") for j, c in enumerate(tool_calls)]
     if role == "tool":
         for name in ("tool_call_id", "name"):
             if m.get(name) is not None:
-                out[name] = _name(m[name], f"{param}.{name}")
+                out[name] = nonempty_name(m[name], f"{param}.{name}")
     return out
 
 
 def _tool_call(c: Any, param: str) -> dict:
     """A tool call of the history: ``{id, type, function: {name, arguments}}``, its
     arguments (a JSON text or an object) decoded to an object."""
-    if _object(c, param).get("type", "function") != "function":
-        raise _bad(f"{param}.type", "must be 'function'", "invalid_value")
-    function = _object(c.get("function"), f"{param}.function")
-    name = _name(function.get("name"), f"{param}.function.name")
+    if object_field(c, param).get("type", "function") != "function":
+        raise bad_field(f"{param}.type", "must be 'function'", "invalid_value")
+    function = object_field(c.get("function"), f"{param}.function")
+    name = nonempty_name(function.get("name"), f"{param}.function.name")
     arguments = function.get("arguments")
     if arguments is None or arguments == "":
         arguments = {}
     elif isinstance(arguments, str):
         try:
-            arguments = json.loads(_text(arguments, f"{param}.function.arguments"))
+            arguments = json.loads(unicode_text(arguments, f"{param}.function.arguments"))
         except (ValueError, RecursionError):
-            raise _bad(f"{param}.function.arguments", "must be a JSON object (as text or as an object)",
+            raise bad_field(f"{param}.function.arguments", "must be a JSON object (as text or as an object)",
                        "invalid_value") from None  # fmt: skip
     if not isinstance(arguments, dict):
-        raise _bad(f"{param}.function.arguments", f"must be a JSON object, got {_json_type(arguments)}", "invalid_value")
+        raise bad_field(f"{param}.function.arguments", f"must be a JSON object, got {json_type(arguments)}", "invalid_value")
     call = {"type": "function", "function": {"name": name, "arguments": arguments}}
     if c.get("id") is not None:
-        call["id"] = _name(c["id"], f"{param}.id")
+        call["id"] = nonempty_name(c["id"], f"{param}.id")
     return call
 
 
@@ -375,8 +377,8 @@ def parse_completion(body: Any) -> Request:
     if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
         req.prompt = list(prompt)
     elif isinstance(prompt, str) and prompt:
-        req.prompt = _text(prompt, "prompt")
+        req.prompt = unicode_text(prompt, "prompt")
     else:
-        raise _bad("prompt", "is required and must be a non-empty string or array of token ids "
+        raise bad_field("prompt", "is required and must be a non-empty string or array of token ids "
                    "(one prompt per request)")  # fmt: skip
     return req

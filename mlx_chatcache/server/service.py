@@ -11,9 +11,11 @@ base :class:`GenerationConfig` and the :class:`GenerationWorker`, with its
   (``--served-model-name``); ``default_model`` (mlx-lm's name) and an omitted
   ``model`` mean the served model;
 - :meth:`Service.prepare` renders and tokenizes a request (chat template for
-  chats) and returns the prompt's token ids and, for chats, the *boundary*:
-  how many of them end the last message (before the generation prompt), and
-  how many its leading system messages make (:func:`~mlx_chatcache.generation.templates.system_end`);
+  chats) and returns a :class:`Prepared`: the prompt's token ids and, for chats, the
+  *boundary*: how many of them end the last message (before the generation prompt),
+  how many its leading system messages make (:func:`~mlx_chatcache.generation.templates.system_end`)
+  and its *marks*: where the prefix ``req.mark_messages`` (the messages up to a cache
+  breakpoint) ends in the prompt (its rendering's common prefix with the prompt);
   ``tools`` reach the chat template unless ``tool_choice`` is ``"none"``;
   it runs on one tokenizer thread, off the event loop and off the worker;
   a token id the model does not have (a completion's ids) is a 400 here,
@@ -27,13 +29,18 @@ base :class:`GenerationConfig` and the :class:`GenerationWorker`, with its
   top_p, top_k, min_p, the repetition, presence and frequency penalties and their
   context, logit_bias, seed, max_tokens) over the server's defaults; a ``logit_bias``
   token id the model does not have is a 400 naming it; a prompt that leaves no room in the context, or a
-  ``max_tokens`` past it, is a 400 ``context_length_exceeded``.
+  ``max_tokens`` past it, is a 400 ``context_length_exceeded`` (with ``req.clamp_max_tokens``, the
+  agents' dialects, ``max_tokens`` past it is lowered to the room left);
+- ``requests`` counts the requests each endpoint submitted (``/health``, ``/v1/store``);
+  ``responses`` are the stored responses of ``/v1/responses`` (:mod:`.stored_responses`).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import SERVER_DEFAULTS, GenerationConfig, SettingError, check_setting
@@ -46,9 +53,22 @@ from ..store.store import PromptStore
 from .protocol import Request, RequestError
 from .tools import ToolError, forced_call_grammar, forced_choice, split_tool_calls, tool_family
 from .batch import BatchScheduler
+from .drain import Drain
+from .metrics import ServerMetrics
+from .stored_responses import StoredResponses
 from .worker import GenerationWorker
 
 DEFAULT_MODEL = "default_model"  # mlx-lm's name for the served model
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request's prompt ids, its boundary, its system prompt's end and its marks (module doc)."""
+
+    prompt: list[int]
+    boundary: int | None = None
+    system_end: int | None = None
+    marks: tuple[int, ...] = ()
 
 
 class Service:
@@ -63,6 +83,10 @@ class Service:
         self.worker = GenerationWorker(model, tokenizer, store, config, max_queue)
         self.batch = BatchScheduler(self.worker, max_batch)  # the worker's loop when rows can be batched
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="mlxcc-tokenize")
+        self.requests: Counter[str] = Counter()  # per endpoint, the requests it submitted
+        self.responses = StoredResponses.beside(store)  # /v1/responses' stored responses
+        self.drain: Drain | None = None  # the app's drain and metrics (server.app.create_app)
+        self.metrics: ServerMetrics | None = None
 
     def start(self) -> None:
         from ..generation.constrain import grammar_tokenizer
@@ -112,25 +136,35 @@ class Service:
     def stop(self) -> None:
         self.worker.stop()
         self._tokenize.shutdown(wait=False, cancel_futures=True)
+        self.responses.close()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.names:
             raise RequestError(404, f"the model '{name}' does not exist here; this server serves "
                                f"'{self.model_id}' (see GET /v1/models)", "model", "model_not_found")  # fmt: skip
 
-    async def prepare(self, req: Request) -> tuple[list[int], int | None, int | None]:
+    async def prepare(self, req: Request) -> Prepared:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenize, self._prepare, req)
 
-    def _prepare(self, req: Request) -> tuple[list[int], int | None, int | None]:
+    async def count_tokens(self, req: Request) -> int:
+        """How many tokens ``req``'s prompt has (rendered as :meth:`prepare` renders it)."""
+        return len((await self.prepare(req)).prompt)
+
+    def _prepare(self, req: Request) -> Prepared:
         try:
             if req.kind == "completion":
-                return self._checked(encode_prompt(self.tokenizer, req.prompt), "prompt"), None, None
+                return Prepared(self._checked(encode_prompt(self.tokenizer, req.prompt), "prompt"))
             if not has_chat_template(self.tokenizer):
                 raise RequestError(400, "this model has no chat template; use /v1/completions", "messages")
             kwargs = {"tools": req.tools} if req.tools and req.tool_choice != "none" else None
             prompt = render_chat(self.tokenizer, req.messages, template_kwargs=kwargs)
             head = render_chat(self.tokenizer, req.messages, add_generation_prompt=False, template_kwargs=kwargs)
+            marks = ()
+            if req.mark_messages:
+                part = head if req.mark_messages == req.messages else render_chat(
+                    self.tokenizer, req.mark_messages, add_generation_prompt=False, template_kwargs=kwargs)  # fmt: skip
+                marks = (_common_prefix(part, prompt),)
         except RequestError:
             raise
         except (ChatCacheError, ValueError, TypeError, KeyError) as e:
@@ -139,7 +173,8 @@ class Service:
         except Exception as e:  # a chat template's own error (jinja raises its own kinds)
             raise RequestError(400, f"the chat template refused these messages: {_described(e)}", "messages") from e
         boundary = len(head) if head == prompt[: len(head)] else None
-        return self._checked(prompt, "messages"), boundary, system_end(self.tokenizer, req.messages, prompt, kwargs)
+        start = system_end(self.tokenizer, req.messages, prompt, kwargs)
+        return Prepared(self._checked(prompt, "messages"), boundary, start, tuple(m for m in marks if m))
 
     def _checked(self, ids: list[int], param: str) -> list[int]:
         try:
@@ -158,6 +193,8 @@ class Service:
         max_tokens = req.max_tokens
         if max_tokens is None:
             max_tokens = self.config.max_tokens if room is None else min(self.config.max_tokens, room)
+        elif room is not None and max_tokens > room and req.clamp_max_tokens:
+            max_tokens = room
         elif room is not None and max_tokens > room:
             raise RequestError(400, f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) exceed the "
                                f"model's context of {self.context_length} tokens; lower max_tokens to {room} "
@@ -189,6 +226,11 @@ class Service:
             except TokenIdError as e:
                 raise RequestError(400, f"logit_bias: {e}", name, "invalid_value") from None
         return changes
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _described(e: BaseException) -> str:

@@ -350,7 +350,7 @@ class ToolCallStream:
             if not self.inside:
                 i = self.buf.find(self.start)
                 if i < 0:
-                    cut = len(self.buf) - _partial_suffix(self.buf, self.start)
+                    cut = len(self.buf) - partial_suffix(self.buf, self.start)
                     content.append(self.buf[:cut])
                     self.buf = self.buf[cut:]
                     break
@@ -388,7 +388,7 @@ class ToolCallStream:
             self.count += 1
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that starts ``marker`` (shorter than it)."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:k]):

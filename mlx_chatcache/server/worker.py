@@ -20,7 +20,8 @@ A job reports through ``job.emit(event)``, called on the worker thread, with:
 - ``("done", {"finish_reason", "prompt_tokens", "completion_tokens",
   "cached_tokens", "cached_tier", "timing", "choices"})`` at the end (``finish_reason``: choice
   0's; ``completion_tokens``: all choices'; ``choices``: per choice ``index``,
-  ``finish_reason``, ``completion_tokens``, and with ``job.postprocess`` its
+  ``finish_reason``, ``completion_tokens``, the ``stop_sequence`` it stopped at (when one
+  did), and with ``job.postprocess`` its
   ``content`` and ``tool_calls``; ``timing``: seconds queued, from leaving the
   queue to the first token, and in all), or ``("error", message)``. By then
   ``job.token_gaps`` holds the seconds between consecutive tokens of each choice.
@@ -131,6 +132,7 @@ class Job:
     tenant: str | None = None  # whose store entries it uses (:mod:`.auth`; None: the shared ones)
     request_id: str | None = None  # the HTTP request's id, in the log lines about the job
     token_gaps: list[float] = field(default_factory=list)  # seconds between consecutive tokens of a choice
+    marks: tuple[int, ...] = ()  # more prompt prefixes to serve exactly (cache breakpoints)
     submitted: float = field(default_factory=time.perf_counter)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -379,9 +381,9 @@ class GenerationWorker:
 def prompt_ends(job: Job) -> tuple[int, ...]:
     """The prefixes of a job's stored cache served exactly besides all of it: its prompt
     (the next turn starts with it, however it spells this reply), its prompt but the last
-    token (what the same prompt asked again reuses) and its system prompt (what other
-    conversations share)."""
-    return tuple(e for e in (job.system_end, len(job.prompt) - 1, len(job.prompt)) if e)
+    token (what the same prompt asked again reuses), its system prompt (what other
+    conversations share) and its marks (a client's cache breakpoints)."""
+    return tuple(e for e in (job.system_end, *job.marks, len(job.prompt) - 1, len(job.prompt)) if e)
 
 
 class ChoiceOutput:
@@ -419,6 +421,8 @@ class ChoiceOutput:
         if finish != "cancelled":
             self._send(self.stops.flush())
         choice = {"index": self.index, "finish_reason": finish, "completion_tokens": self.n}
+        if self.stops.matched is not None:
+            choice["stop_sequence"] = self.stops.matched
         if self.job.postprocess is not None and finish != "cancelled":
             choice["content"], choice["tool_calls"] = self.job.postprocess("".join(self.text))
             if choice["tool_calls"]:

@@ -6,7 +6,8 @@ first ``i * B`` tokens within namespace ``ns``; two sequences share ``h_i``
 exactly when they share those tokens. A *block* value is keyed ``"b" + h_i``;
 an *entry* value holding ``n`` tokens is keyed ``"e" + sha256(h_k || the
 tokens after block k || n)`` with ``k = n // B``, so the key of every prefix of a
-sequence is computable from that sequence alone.
+sequence is computable from that sequence alone. A *record* value (a document, such
+as a stored response, :mod:`.records`) is keyed ``"r" + its id`` (32 hex digits).
 """
 
 from __future__ import annotations
@@ -43,9 +44,27 @@ class Chain:
         return "e" + hashlib.sha256(self._digests[full] + tail + n.to_bytes(8, "little")).hexdigest()[:32]
 
 
+def record_key(ident: str) -> str:
+    """The key of the record whose id is ``ident`` (32 lowercase hex digits; ValueError else)."""
+    key = "r" + ident
+    if not is_key(key):
+        raise ValueError(f"a record id is 32 lowercase hex digits, got {ident[:40]!r}")
+    return key
+
+
 def is_key(name: str) -> bool:
-    """Whether ``name`` is a key :class:`Chain` makes."""
-    return len(name) == 33 and name[0] in "be" and all(c in "0123456789abcdef" for c in name[1:])
+    """Whether ``name`` is a store key: a block's or an entry's (:class:`Chain`) or a record's."""
+    return len(name) == 33 and name[0] in "ber" and all(c in "0123456789abcdef" for c in name[1:])
 
 
-__all__ = ["Chain", "is_key"]
+def kinds(keys) -> dict[str, int]:
+    """How many of ``keys`` are ``entries``, ``blocks`` and ``records`` (the tiers' stats)."""
+    counts = {"entries": 0, "blocks": 0, "records": 0}
+    for k in list(keys):
+        counts[_KINDS[k[0]]] += 1
+    return counts
+
+
+_KINDS = {"e": "entries", "b": "blocks", "r": "records"}
+
+__all__ = ["Chain", "is_key", "kinds", "record_key"]

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..config import SERVER_DEFAULTS, default_cache_dir
 from ..errors import UsageError
 from ..files.atomic import TEMP_SUFFIX, remove_stale_temp_files_in, write_file_atomic
-from .chain import is_key
+from .chain import is_key, kinds
 from .tiers import Tier
 from .values import in_parallel
 
@@ -134,9 +134,7 @@ class DiskTier(Tier):
         return self.pinned.report(lambda k: self._files.get(k, (0, 0))[0])
 
     def stats(self):
-        blocks = sum(1 for k in list(self._files) if k[0] == "b")
-        return {**super().stats(), "entries": len(self._files) - blocks, "blocks": blocks, "bytes": self._bytes(),
-                "foreign": self.foreign}  # fmt: skip
+        return {**super().stats(), **kinds(self._files), "bytes": self._bytes(), "foreign": self.foreign}
 
 
 def claim_folder(folder: str | os.PathLike) -> Path:

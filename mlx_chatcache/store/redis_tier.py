@@ -142,7 +142,7 @@ class RedisTier(Tier):
             used, limit = sum(n["used_memory"] for n in nodes), sum(n["maxmemory"] for n in nodes) or None
         except Unavailable:
             pass
-        return {**super().stats(), "budget": limit, "bytes": used, "entries": None, "blocks": None,
+        return {**super().stats(), "budget": limit, "bytes": used, "entries": None, "blocks": None, "records": None,
                 "pending_writes": self._queue.qsize(), "connected": not self.link.down,
                 "outages": self.link.outages, "cluster": self.link.cluster}  # fmt: skip
 

@@ -2,7 +2,8 @@
 
 Contract of a tier (:class:`Tier`)
 ----------------------------------
-A tier maps keys (:mod:`.chain`) to values (:mod:`.values`) and evicts by itself:
+A tier maps keys (:mod:`.chain`) to values (:mod:`.values`, or records: :mod:`.records`;
+a tier only keeps their ``data``) and evicts by itself:
 
 - ``has(keys) -> list[bool]``: which keys it holds now (a later ``get`` may still miss);
 - ``get(keys) -> list[Value | bytes | None]``: each value (checked already, or its
@@ -25,6 +26,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
+from .chain import kinds
 from .values import Value
 
 PINNED_ENTRIES = 4  # entries each pinning key keeps pinned (a chat turn puts its prompt and its reply)
@@ -174,8 +176,7 @@ class MemoryTier(Tier):
         return self.pinned.report(lambda k: len(v.data) if (v := self._values.get(k)) is not None else 0)
 
     def stats(self):
-        blocks = sum(1 for k in list(self._values) if k[0] == "b")
-        return {**super().stats(), "entries": len(self._values) - blocks, "blocks": blocks, "bytes": self.nbytes}
+        return {**super().stats(), **kinds(self._values), "bytes": self.nbytes}
 
 
 __all__ = ["MemoryTier", "Pin", "Pins", "Tier"]

@@ -27,7 +27,8 @@ export function normalize(data, fromHealth) {
       .map(([name, v]) => ({ name, ...v }));
   }
   return { tiers, lookups: src.lookups, misses: src.misses, pending: src.pending_writes,
-    pins: Array.isArray(src.pins) ? src.pins : null, history: Array.isArray(src.history) ? src.history : null };
+    pins: Array.isArray(src.pins) ? src.pins : null, history: Array.isArray(src.history) ? src.history : null,
+    requests: data.requests && typeof data.requests === "object" ? data.requests : {} };
 }
 
 function cell(row, value) {
@@ -71,6 +72,22 @@ function renderTiers(store) {
 
 /** sha256 prefixes (12 hex) of this browser's conversation keys; empty where crypto.subtle is missing
  * (it needs a secure context: loopback is one, a plain-HTTP LAN address is not). */
+const ENDPOINTS = { chat: "/v1/chat/completions", completion: "/v1/completions", messages: "/v1/messages",
+  responses: "/v1/responses" };
+
+/** Requests per endpoint, as the server counts them (chat completions, completions, Messages, Responses). */
+function renderRequests(requests) {
+  const body = $("requests").querySelector("tbody");
+  body.replaceChildren();
+  for (const [name, path] of Object.entries(ENDPOINTS)) {
+    const row = document.createElement("tr");
+    row.dataset.endpoint = name;
+    cell(row, path);
+    cell(row, num(requests[name] || 0));
+    body.appendChild(row);
+  }
+}
+
 async function ownKeys() {
   const own = new Set();
   if (!crypto.subtle) return own;
@@ -197,6 +214,7 @@ async function refresh() {
     samples.push({ t: Date.now() / 1000, tiers: Object.fromEntries(store.tiers.map((t) => [t.name, t.hits || 0])) });
     if (samples.length > 720) samples.shift();
     renderTiers(store);
+    renderRequests(store.requests);
     renderPins(store.pins, store.pins ? await ownKeys() : new Set());
     plot(series(store));
     document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
