@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-blas-off test-slow mlxlm-tests demo bench clean
+.PHONY: install test test-blas-off zoo test-slow mlxlm-tests demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,15 +15,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# the suite but the slow runs and the model-zoo sweep (pyproject.toml's addopts), 20 slowest tests shown
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=20
 
-# the same suite with MLX's bundled BLAS (the OpenBLAS swap turned off); CI runs both. Run once (in
-# `make test`): the model-zoo sweep (it compares our caches with mlx-lm's on the same BLAS, so the BLAS
-# cannot change its verdict, and it is the longest part of a pass) and the tests marked blas_free
-# (files, hostile inputs, signals, messages, benchmark scripts, the web page: no numbers the BLAS makes)
+# the tests whose numbers the BLAS makes (marker blas: logits, K/V, generated tokens compared between two
+# model computations; tests/conftest.py), again with MLX's bundled BLAS (the Linux OpenBLAS swap turned off)
 test-blas-off: $(STAMP)
-	MLXCC_BLAS=off $(PY) -m pytest -q --durations=20 -m 'not slow and not zoo and not blas_free'
+	MLXCC_BLAS=off $(PY) -m pytest -q --durations=20 -m 'blas and not slow and not zoo'
+
+# the model-zoo sweep (tests/test_zoo.py): every mlx-lm architecture, our caches against mlx-lm's on the
+# same BLAS; CI runs it once
+zoo: $(STAMP)
+	$(PY) -m pytest -q --durations=20 -m zoo tests/test_zoo.py
 
 # mlx-lm's own tests folder, from the PyPI sdist of the installed version (tests/test_mlxlm_server_suite.py)
 mlxlm-tests: $(STAMP)

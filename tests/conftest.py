@@ -15,6 +15,11 @@ or change their weights); load a private copy with ``make_tiny_model`` or
 ``load(str(tiny_model_dirs[kind]))`` when a test must mutate one.
 
 Each test starts with ``mx.random`` and numpy's global RNG seeded to 0.
+
+Markers: ``blas`` marks a test whose verdict rests on numbers the BLAS computes (logits,
+K/V, generated tokens compared between two model computations); ``make test-blas-off``
+runs only these. Whole modules are listed in :data:`BLAS_MODULES`; a test of another
+module carries ``@pytest.mark.blas``. A test with neither is BLAS-free.
 """
 
 from __future__ import annotations
@@ -32,6 +37,29 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import KINDS, build_tiny_model  # noqa: E402
 
 from mlx_chatcache.models.loading import load  # noqa: E402
+
+# modules whose every test compares model computations (see the module docstring)
+BLAS_MODULES = frozenset({
+    "test_cache", "test_cache_batch", "test_cache_exact_files", "test_cache_hypothesis", "test_cache_io",
+    "test_cache_models", "test_chat_edit_branch", "test_chat_real_model", "test_cli_generate",
+    "test_cli_real_model", "test_clients", "test_file_tier", "test_generate", "test_generate_ahead", "test_gguf",
+    "test_kv_dtype", "test_mlxlm_api", "test_mlxlm_compat", "test_mlxlm_server_suite", "test_mlxlm_suite",
+    "test_pacing", "test_prefill", "test_prompt_cache", "test_redis_replicas", "test_redis_tier",
+    "test_server_batch", "test_server_models", "test_server_sampling", "test_session",
+    "test_session_checkpoints_file", "test_store", "test_store_blocks", "test_store_cli", "test_store_scope_cli",
+    "test_tiny_models", "test_weights",
+})  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test of :data:`BLAS_MODULES` ``blas``; a listed module that does not
+    exist is an error (a renamed module would silently leave the BLAS-off pass)."""
+    missing = {m for m in BLAS_MODULES if not (Path(__file__).parent / f"{m}.py").exists()}
+    if missing:
+        raise pytest.UsageError(f"conftest.BLAS_MODULES names modules that do not exist: {sorted(missing)}")
+    for item in items:
+        if item.path.stem in BLAS_MODULES:
+            item.add_marker(pytest.mark.blas)
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,6 @@ from mlx.utils import tree_flatten
 from mlx_chatcache.files.mlxcc_format import read_cache_info
 from mlx_chatcache.config import DEFAULTS
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 PROMPT = "Name a river in Africa."
 

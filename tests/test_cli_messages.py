@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 TIMEOUT = 60
 

@@ -21,7 +21,6 @@ from mlx_chatcache.files.mlxcc_format import read_cache_info
 
 from cli_helpers import TIMEOUT, foreign_files, mlxcc, one_error_line, unwritable, wait_for  # noqa: E402
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 
 # ------------------------------------------------------------------ item 1: unwritable targets

@@ -39,7 +39,6 @@ from mlx_chatcache.files.mlxcc_format import load_cache_file, load_prompt_cache,
 from mlx_chatcache.errors import CacheFileError
 from mlx_chatcache.files.atomic import TEMP_SUFFIX, remove_stale_temp_files
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 KILLS = 24
 KILL_SEED = 5

@@ -29,7 +29,6 @@ from mlx_chatcache.files.lock import SessionLock
 
 from cli_helpers import mlxcc  # noqa: E402
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 VICTIMS = ("open session", "closed session", "text file", "symlink to open session")
 HELD = {"open session", "symlink to open session"}  # another process holds them: refused even with --force

@@ -25,7 +25,6 @@ import mlx_chatcache.cli as cli_pkg
 from mlx_chatcache.files.mlxcc_format import load_cache_file
 from mlx_chatcache.cli.main import main
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 FUZZ_SEED = 20261130
 N_FILES = 110 * len(MUTATIONS)  # 2,090: 110 files of every mutation class

@@ -38,7 +38,6 @@ from mlx_chatcache.files.cache_file import SESSION_KEY
 from mlx_chatcache.files.mlxcc_format import read_cache_info
 from mlx_chatcache.generation.sample import make_logits_processors, make_sampler
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=True,
                 suppress_health_check=list(HealthCheck))  # fmt: skip

@@ -31,7 +31,6 @@ from hypothesis import strategies as st
 from server_process import ServerProcess
 from tiny_models import VOCAB_SIZE
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 CONTEXT = 512
 FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=True,

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from mlx_chatcache.files.mlxcc_format import read_cache_info
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 
 def mlxcc(*args, home, input=None, timeout=180) -> subprocess.CompletedProcess:

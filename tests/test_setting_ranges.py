@@ -29,7 +29,6 @@ from mlx_chatcache.errors import UsageError
 from mlx_chatcache.files.checksum import seal_bytes
 from mlx_chatcache.files.mlxcc_format import read_cache_info
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 SEED_RANGE = "must be an integer between 0 and 18446744073709551615"
 LONG = " ".join(["apples and oranges"] * 40)  # ~330 tokens for the tiny tokenizer
