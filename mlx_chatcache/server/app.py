@@ -5,8 +5,9 @@ server-sent events with ``"stream": true``, ending with ``data: [DONE]``),
 ``GET /v1/models``, ``GET /health`` (queue, worker, batch and store statistics);
 the browser page's routes come from :mod:`.ui`.
 
-Contract: handlers never run MLX work; they parse and check the request
-(:mod:`.protocol`), tokenize it on the tokenizer thread, hand a job to the
+Contract: handlers never run MLX work; they parse the request (:mod:`.protocol`),
+have the service admit it on the tokenizer thread (:meth:`.service.Service.admit`:
+every check, the prompt's tokens, the job's settings), hand a job to the
 generation worker and relay its events. Every error is an OpenAI-shaped JSON
 body with a 4xx status for bad requests (5xx for our own faults), never a
 traceback. A client that disconnects cancels its job, streamed or not (checked
@@ -159,12 +160,7 @@ async def _complete(service: Service, request: HTTPRequest, parse):
     except ClientDisconnect:  # the client hung up before sending its whole body
         return Response(status_code=499)  # nobody reads it
     req: Request = parse(decode_body(raw))
-    service.check_model(req.model)
-    session = request.headers.get("x-session-id")
-    if req.cache_key is None and session:
-        req.cache_key = session
-    prompt, boundary = await service.prepare(req)
-    config = service.job_config(req, len(prompt))
+    admission = await service.admitted(req, request.headers.get("x-session-id"))
     events: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
 
@@ -172,9 +168,9 @@ async def _complete(service: Service, request: HTTPRequest, parse):
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody listens
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-    processors, postprocess = service.job_hooks(req)
-    job = Job(prompt, config, emit, req.stop, boundary, req.cache_key, n=req.n, logprobs=req.logprobs,
-              top_logprobs=req.top_logprobs or 0, processors=processors, postprocess=postprocess)  # fmt: skip
+    a = admission
+    job = Job(a.prompt, a.config, emit, req.stop, a.boundary, req.cache_key, n=req.n, logprobs=req.logprobs,
+              top_logprobs=req.top_logprobs or 0, processors=a.processors, postprocess=a.postprocess)  # fmt: skip
     try:
         service.worker.submit(job)
     except QueueFull:

@@ -10,11 +10,15 @@ base :class:`GenerationConfig` and the :class:`GenerationWorker`, with its
   its names are the model's reference, its folder's name and ``served_names``
   (``--served-model-name``); ``default_model`` (mlx-lm's name) and an omitted
   ``model`` mean the served model;
+- :meth:`Service.admit` is every check of a parsed request before its job is
+  queued, in order: the model name, the prompt, the job's settings and hooks (below);
+  it returns an :class:`Admission` or raises :class:`~.protocol.RequestError`.
+  :meth:`Service.admitted` runs it on one tokenizer thread, off the event loop and
+  off the worker. An ``X-Session-Id`` given with no ``prompt_cache_key`` becomes it;
 - :meth:`Service.prepare` renders and tokenizes a request (chat template for
   chats) and returns the prompt's token ids and, for chats, the *boundary*:
   how many of them end the last message (before the generation prompt);
   ``tools`` reach the chat template unless ``tool_choice`` is ``"none"``;
-  it runs on one tokenizer thread, off the event loop and off the worker;
   a token id the model does not have (a completion's ids) is a 400 here,
   before the request is queued;
 - :meth:`Service.job_hooks` is what a request's ``tools``/``tool_choice`` and
@@ -33,7 +37,9 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..config import SERVER_DEFAULTS, GenerationConfig, SettingError, check_setting
 from ..errors import ChatCacheError, TokenIdError, one_line
@@ -48,6 +54,18 @@ from .batch import BatchScheduler
 from .worker import GenerationWorker
 
 DEFAULT_MODEL = "default_model"  # mlx-lm's name for the served model
+
+
+@dataclass
+class Admission:
+    """A request the service takes: its prompt's token ids, the boundary (see
+    :meth:`Service.prepare`), the job's settings and hooks (:meth:`Service.job_hooks`)."""
+
+    prompt: list[int]
+    boundary: int | None
+    config: GenerationConfig
+    processors: Callable[[], list] | None
+    postprocess: Callable[[str], object] | None
 
 
 class Service:
@@ -117,11 +135,23 @@ class Service:
             raise RequestError(404, f"the model '{name}' does not exist here; this server serves "
                                f"'{self.model_id}' (see GET /v1/models)", "model", "model_not_found")  # fmt: skip
 
-    async def prepare(self, req: Request) -> tuple[list[int], int | None]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize, self._prepare, req)
+    def admit(self, req: Request, session: str | None = None) -> "Admission":
+        """Every check before the job is queued (see the module docstring); ``session`` is
+        the ``X-Session-Id`` header."""
+        self.check_model(req.model)
+        if req.cache_key is None and session:
+            req.cache_key = session
+        prompt, boundary = self.prepare(req)
+        config = self.job_config(req, len(prompt))
+        processors, postprocess = self.job_hooks(req)
+        return Admission(prompt, boundary, config, processors, postprocess)
 
-    def _prepare(self, req: Request) -> tuple[list[int], int | None]:
+    async def admitted(self, req: Request, session: str | None = None) -> "Admission":
+        """:meth:`admit` on the tokenizer thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize, self.admit, req, session)
+
+    def prepare(self, req: Request) -> tuple[list[int], int | None]:
         try:
             if req.kind == "completion":
                 return self._checked(encode_prompt(self.tokenizer, req.prompt), "prompt"), None
