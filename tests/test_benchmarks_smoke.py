@@ -40,8 +40,8 @@ def test_cache_io_smoke(tmp_path):
     assert "- mlx-lm: " in out and "- blas: " in out and "- command: " in out
     text = results.read_text()
     assert "<!-- BEGIN cache_io -->" in text and "<!-- END cache_io -->" in text
-    # a second write replaces the section instead of appending another
-    run("cache_io.py", "--tokens", "40", "--repeats", "1", "--cold-repeats", "0", "--bits", "",
+    # a second write replaces the section instead of appending another (no new-process timings this time)
+    run("cache_io.py", "--tokens", "40", "--repeats", "1", "--cold-repeats", "0", "--fresh-repeats", "0", "--bits", "",
         "--no-model-check", "--write-results", "--results", str(results))
     assert results.read_text().count("<!-- BEGIN cache_io -->") == 1
 
