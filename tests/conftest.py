@@ -15,7 +15,8 @@ session-scoped models are shared: treat them as read-only (do not quantize them
 or change their weights); load a private copy with ``make_tiny_model`` or
 ``load(str(tiny_model_dirs[kind]))`` when a test must mutate one.
 
-Each test starts with ``mx.random`` and numpy's global RNG seeded to 0.
+Each test starts with ``mx.random`` and numpy's global RNG seeded to 0; the run's
+MLXCC_HOME is a temporary folder.
 
 Markers: ``blas`` marks a test whose verdict rests on numbers the BLAS computes (logits,
 K/V, generated tokens compared between two model computations); ``make test-blas-off``
@@ -64,6 +65,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.stem in BLAS_MODULES:
             item.add_marker(pytest.mark.blas)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _mlxcc_home(tmp_path_factory):
+    """MLXCC_HOME of the run, and of every process it starts: a folder of its own, never the
+    user's ``~/.mlxcc`` (nor another run's: a server's default --cache-dir is in it); tests
+    that need their own set it again."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("MLXCC_HOME", str(tmp_path_factory.mktemp("mlxcc-home")))
+        yield
 
 
 @pytest.fixture(autouse=True)
