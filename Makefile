@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-blas-off zoo test-slow mlxlm-tests demo bench clean
+.PHONY: install test test-blas-off zoo bench-smoke test-slow mlxlm-tests demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# the suite but the slow runs and the model-zoo sweep (pyproject.toml's addopts), 20 slowest tests shown
+# the suite but the slow runs, the model-zoo sweep and the benchmark scripts' smoke runs (pyproject.toml's
+# addopts), 20 slowest tests shown
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=20
 
@@ -28,6 +29,11 @@ test-blas-off: $(STAMP)
 # same BLAS; CI runs it once
 zoo: $(STAMP)
 	$(PY) -m pytest -q --durations=20 -m zoo tests/test_zoo.py
+
+# each benchmark script run at tiny sizes (tests/test_benchmarks_smoke.py); CI runs it once, and its blas
+# tests again in test-blas-off
+bench-smoke: $(STAMP)
+	$(PY) -m pytest -q --durations=20 -m bench tests/test_benchmarks_smoke.py
 
 # mlx-lm's own tests folder, from the PyPI sdist of the installed version (tests/test_mlxlm_server_suite.py)
 mlxlm-tests: $(STAMP)

@@ -1,6 +1,8 @@
 """Smoke test of the benchmark scripts: each runs at tiny sizes, prints its table
 and writes its RESULTS.md section (to a temporary file). Not the benchmarks
-themselves: see benchmarks/README.md."""
+themselves: see benchmarks/README.md. Marked ``bench``: ``make bench-smoke`` runs
+them (CI once), ``make test`` leaves them out; those marked ``blas`` also run in
+``make test-blas-off``."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from mlx_chatcache.models.loading import demo_model_path
 
 
+pytestmark = pytest.mark.bench
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
