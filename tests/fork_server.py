@@ -10,8 +10,9 @@ itself (``os.kill(pid, SIGKILL)``, a real process, killed wherever it is) and ca
 :meth:`ForkServer.reap` to wait until it is gone. Leaving stops the server and kills any
 child still running.
 
-The server holds no threads and no MLX state when it forks (nothing computed), so each
-child starts as a fresh process would, minus the imports.
+The server computes nothing before it forks, and runs OpenBLAS on one thread
+(``MLXCC_BLAS_THREADS=1``): a worker thread of a BLAS pool would not exist in the child,
+so each child starts as a fresh process would, minus the imports.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class ForkServer:
 
     def __enter__(self) -> "ForkServer":
         self.proc = subprocess.Popen([sys.executable, "-c", SERVER, *self.modules], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+                                     stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "MLXCC_BLAS_THREADS": "1"})  # fmt: skip
         assert self.proc.stdout.readline() == "up\n", "the fork server did not start"
         return self
 
