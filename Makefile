@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 AGENT_CLIS := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
 
-.PHONY: install test test-blas-off test-slow mlxlm-tests demo bench clean
+.PHONY: install test test-blas-off zoo bench-smoke test-slow mlxlm-tests demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,15 +18,25 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# the suite but the slow runs, the model-zoo sweep and the benchmark scripts' smoke runs (pyproject.toml's
+# addopts), 20 slowest tests shown
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=20
 
-# the same suite with MLX's bundled BLAS (the OpenBLAS swap turned off); CI runs both. Run once (in
-# `make test`): the model-zoo sweep (it compares our caches with mlx-lm's on the same BLAS, so the BLAS
-# cannot change its verdict, and it is the longest part of a pass) and the tests marked blas_free
-# (files, hostile inputs, signals, messages, benchmark scripts, the web page: no numbers the BLAS makes)
+# the tests whose numbers the BLAS makes (marker blas: logits, K/V, generated tokens compared between two
+# model computations; tests/conftest.py), again with MLX's bundled BLAS (the Linux OpenBLAS swap turned off)
 test-blas-off: $(STAMP)
-	MLXCC_BLAS=off $(PY) -m pytest -q --durations=20 -m 'not slow and not zoo and not blas_free'
+	MLXCC_BLAS=off $(PY) -m pytest -q --durations=20 -m 'blas and not slow and not zoo'
+
+# the model-zoo sweep (tests/test_zoo.py): every mlx-lm architecture, our caches against mlx-lm's on the
+# same BLAS; CI runs it once
+zoo: $(STAMP)
+	$(PY) -m pytest -q --durations=20 -m zoo tests/test_zoo.py
+
+# each benchmark script run at tiny sizes (tests/test_benchmarks_smoke.py); CI runs it once, and its blas
+# tests again in test-blas-off
+bench-smoke: $(STAMP)
+	$(PY) -m pytest -q --durations=20 -m bench tests/test_benchmarks_smoke.py tests/test_agent_replay_smoke.py
 
 # mlx-lm's own tests folder, from the PyPI sdist of the installed version (tests/test_mlxlm_server_suite.py)
 mlxlm-tests: $(STAMP)

@@ -471,8 +471,6 @@ def main(argv=None) -> int:
     if args.llama_job:
         return llama_conversation_worker(args)
 
-    import mlx.core as mx
-
     from mlx_chatcache.config import DEFAULTS
     from mlx_chatcache.models.loading import demo_model_path
     from mlx_chatcache.chat.session import ChatSession
@@ -483,7 +481,6 @@ def main(argv=None) -> int:
     resume = parse_turns(args.resume_turns, n_turns)
     model, tok, desc = load_model(args.tiny, args.weights)
     print(f"[chat] model: {desc} ({time.perf_counter() - t_start:.1f} s)", file=sys.stderr)
-    eos = set(tok.eos_token_ids)
     gguf = str(demo_model_path())
     use_llama = not args.no_llama_cpp and not args.tiny and llama_cpp_available()
     config = DEFAULTS.updated(max_tokens=args.max_new, temp=0.0)

@@ -39,6 +39,7 @@ def run(count: int, seed: int, workdir: Path, seeds=None, trace_python: bool = T
     try:
         for case in generate(seeds, count, seed):
             t = time.perf_counter()
+            case_path.unlink(missing_ok=True)  # a new file: ext4 flushes a file truncated and rewritten
             case_path.write_bytes(case.data)
             total_bytes += len(case.data)
             max_size = max(max_size, len(case.data))

@@ -26,7 +26,6 @@ import pytest
 from reply_model import build_reply_model
 from server_process import ServerProcess
 
-pytestmark = pytest.mark.blas_free  # the subject is the HTTP dialects and the store's counts: one pass
 
 REPLY = "Hi there."
 TIMEOUT = 240

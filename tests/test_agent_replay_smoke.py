@@ -9,7 +9,7 @@ import re
 import pytest
 from test_benchmarks_smoke import run
 
-pytestmark = pytest.mark.blas_free  # the script runs and prints its table: no replies compared
+pytestmark = pytest.mark.bench  # make bench-smoke runs it (pyproject.toml), with the other scripts
 
 
 def test_agent_replay_smoke(tmp_path):

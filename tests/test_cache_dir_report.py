@@ -9,12 +9,10 @@ import os
 import re
 import time
 
-import pytest
 from cli_helpers import mlxcc
 
 from mlx_chatcache.files.mlxcc_format import verify_cache_file
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 PROMPT = "Tell me about the rivers of Europe, the longest first, then the others."
 

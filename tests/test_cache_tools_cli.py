@@ -1,11 +1,8 @@
 """Interop with mlx-lm both ways and whole-file cache tools (issue 11 item 6),
-through the real command: ``mlxcc cache convert``, ``generate`` on a cache file
-mlx-lm's own ``cache_prompt`` wrote, ``mlxcc cache trim`` and ``mlxcc cache diff``.
-Greedy decoding throughout; "equal" means the same tokens.
-
-``mlxcc(...)`` runs ``python -m mlx_chatcache`` in a subprocess (the first use
-of each command, and mlx-lm's own commands); ``cli(...)`` runs the same entry
-point in-process, which is much faster, for the many further calls.
+through ``mlxcc``'s entry point (in-process, the ``cli`` fixture): ``mlxcc cache convert``,
+``generate`` on a cache file mlx-lm's own ``cache_prompt`` wrote, ``mlxcc cache trim`` and
+``mlxcc cache diff``; mlx-lm's own commands run in subprocesses. Greedy decoding throughout;
+"equal" means the same tokens.
 """
 
 from __future__ import annotations
@@ -23,24 +20,6 @@ DOC = "The Nile is the longest river in Africa and flows north into the sea."
 QUESTION = " Which sea does it reach?"
 
 
-def mlxcc(*args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlx_chatcache", *args], capture_output=True, text=True,
-                          timeout=180, cwd=cwd)  # fmt: skip
-
-
-@pytest.fixture
-def cli(capsys):
-    from mlx_chatcache.cli.main import main
-
-    def run(*args) -> subprocess.CompletedProcess:
-        capsys.readouterr()
-        code = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, out, err)
-
-    return run
-
-
 def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert r.returncode == 0, r.stderr
     return r
@@ -52,8 +31,8 @@ def one_line(r: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def cache_prompt(d, f, *extra):
-    return ok(mlxcc("cache-prompt", "--model", str(d), "--prompt-cache-file", str(f), *extra))
+def cache_prompt(cli, d, f, *extra):
+    return ok(cli("cache-prompt", "--model", str(d), "--prompt-cache-file", str(f), *extra))
 
 
 def kv_arrays(cache):
@@ -61,15 +40,16 @@ def kv_arrays(cache):
 
 
 # ------------------------------------------------------------------ convert
-def test_convert_to_mlx_lm_is_what_mlx_lm_generates_from(tiny_model_dirs, tmp_path):
+@pytest.mark.blas  # greedy tokens from the converted file and uncached
+def test_convert_to_mlx_lm_is_what_mlx_lm_generates_from(tiny_model_dirs, tmp_path, cli):
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import load_prompt_cache as lm_load
     from mlx_lm.utils import load as lm_load_model
 
     d = tiny_model_dirs["llama"]
     ours, theirs = tmp_path / "ours.safetensors", tmp_path / "lm.safetensors"
-    cache_prompt(d, ours, "--ignore-chat-template", "-p", DOC)
-    ok(mlxcc("cache", "convert", str(ours), str(theirs), "--to", "mlx-lm"))
+    cache_prompt(cli, d, ours, "--ignore-chat-template", "-p", DOC)
+    ok(cli("cache", "convert", str(ours), str(theirs), "--to", "mlx-lm"))
     model, tokenizer = lm_load_model(str(d))
     cache, meta = lm_load(str(theirs), return_metadata=True)
     assert meta["model"] == str(d.resolve()) and json.loads(meta["tokenizer_config"]) == {}
@@ -89,6 +69,7 @@ def test_convert_to_mlx_lm_is_what_mlx_lm_generates_from(tiny_model_dirs, tmp_pa
     assert r.returncode == 0 and "Generation: 4 tokens" in r.stdout, r.stderr
 
 
+@pytest.mark.blas  # generate from the converted file and from the original
 @pytest.mark.parametrize("kind,flags", [("llama", ()), ("sliding", ()), ("hybrid", ()), ("llama", ("--kv-bits", "8"))],
                          ids=["kv", "rotating", "hybrid", "quantized"])
 def test_convert_round_trip_loses_nothing(kind, flags, tiny_model_dirs, tmp_path, cli):
@@ -120,13 +101,14 @@ def _mlx_lm_cache_prompt(d, f, prompt, *extra):
     assert read_cache_info(f).tokens is None  # mlx-lm writes no token ids
 
 
+@pytest.mark.blas  # generate from mlx-lm's cache and uncached
 def test_generate_uses_a_cache_made_by_mlx_lm(tiny_model_dirs, tmp_path, cli):
     d = tiny_model_dirs["llama"]
     f, saved = tmp_path / "lm.safetensors", tmp_path / "next.safetensors"
     _mlx_lm_cache_prompt(d, f, DOC)
     full = DOC + QUESTION
-    r = ok(mlxcc("generate", "--model", str(d), "-p", full, "-n", "10", "-v", "--prompt-cache-file", str(f),
-                 "--save-prompt-cache", str(saved)))  # fmt: skip
+    r = ok(cli("generate", "--model", str(d), "-p", full, "-n", "10", "-v", "--prompt-cache-file", str(f),
+               "--save-prompt-cache", str(saved)))  # fmt: skip
     uncached = ok(cli("generate", "--model", str(d), "-p", full, "-n", "10"))
     assert r.stdout == uncached.stdout
     note = [ln for ln in r.stderr.splitlines() if ln.startswith("note:")]
@@ -146,6 +128,7 @@ def test_generate_uses_a_cache_made_by_mlx_lm(tiny_model_dirs, tmp_path, cli):
 
 
 # ------------------------------------------------------------------ trim
+@pytest.mark.blas  # generate from the trimmed cache and uncached
 @pytest.mark.parametrize("fmt", ["mlxcc", "mlx-lm"])
 def test_trim_keeps_the_first_tokens(fmt, tiny_model_dirs, tmp_path, cli):
     d = tiny_model_dirs["llama"]
@@ -156,7 +139,7 @@ def test_trim_keeps_the_first_tokens(fmt, tiny_model_dirs, tmp_path, cli):
     info = read_cache_info(f)
     n = len(info.tokens)
     keep = n - 7
-    r = ok(mlxcc("cache", "trim", str(f), str(keep), "-o", str(t)))
+    r = ok(cli("cache", "trim", str(f), str(keep), "-o", str(t)))
     assert f"{n} -> {keep} tokens" in r.stdout
     ti = read_cache_info(t)
     assert ti.tokens == info.tokens[:keep] and ti.layout == info.layout
@@ -179,9 +162,9 @@ def test_trim_refuses_what_cannot_be_trimmed(tiny_model_dirs, tmp_path, cli):
     ok(cli("cache-prompt", "--model", tiny_model_dirs["llama"], "--prompt-cache-file", rot, "--ignore-chat-template",
            "-p", DOC + QUESTION, "--max-kv-size", "12"))  # fmt: skip
     before = ssm.read_bytes(), rot.read_bytes()
-    line = one_line(mlxcc("cache", "trim", str(ssm), "3"))
+    line = one_line(cli("cache", "trim", str(ssm), "3"))
     assert "cannot be trimmed" in line and "ArraysCache" in line
-    line = one_line(mlxcc("cache", "trim", str(rot), "3"))
+    line = one_line(cli("cache", "trim", str(rot), "3"))
     assert "cannot be trimmed" in line and "rotating window" in line
     assert (ssm.read_bytes(), rot.read_bytes()) == before
 
@@ -195,7 +178,7 @@ def test_diff_reports_model_prefix_and_layers(tiny_model_dirs, make_tiny_model_d
         ok(cli("cache-prompt", "--model", model, "--prompt-cache-file", f, "--ignore-chat-template", "-p", text, *extra))
     ta, tb = read_cache_info(a).tokens, read_cache_info(b).tokens
     common = next(i for i, (x, y) in enumerate(zip(ta, tb)) if x != y)
-    r = json.loads(ok(mlxcc("cache", "diff", str(a), str(b), "--json")).stdout)
+    r = json.loads(ok(cli("cache", "diff", str(a), str(b), "--json")).stdout)
     assert r["same_model"] is True and r["common_prefix"] == r["diverge_at"] == common
     assert (r["tokens_a"], r["tokens_b"]) == (len(ta), len(tb))
     text = ok(cli("cache", "diff", str(a), str(b))).stdout

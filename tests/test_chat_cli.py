@@ -1,8 +1,9 @@
 """``mlxcc chat`` end to end on the tiny models (greedy unless said).
 
 Most runs call ``mlx_chatcache.cli.main.main`` in-process with stdin replaced
-(stdin is then not a terminal, so input is read line by line); the resume,
-lock and kill tests run the real command in subprocesses. ``--verbose`` prints
+(stdin is then not a terminal, so input is read line by line); a resume in a
+new process and a second process on a held session run the real command in
+subprocesses, saves killed mid-way run in processes forked by tests/fork_server.py. ``--verbose`` prints
 one ``[stats]`` line per turn on stderr, which the tests parse for token counts.
 """
 
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fork_server import ForkServer
 from tiny_models import IM_END, IM_START
 
 from mlx_chatcache.files.mlxcc_format import read_cache_info
@@ -78,6 +80,7 @@ def subprocess_chat(model_dir, stdin: str, *flags: str, home: Path) -> subproces
 
 
 # ------------------------------------------------------------------ resume
+@pytest.mark.blas  # the replies of one run and of a stopped and resumed one compared
 def test_stopped_and_resumed_chat_prints_what_one_run_prints(tiny_model_dirs, chat, home):
     d = tiny_model_dirs["llama"]
     flags = ("--system-prompt", SYSTEM)
@@ -87,12 +90,12 @@ def test_stopped_and_resumed_chat_prints_what_one_run_prints(tiny_model_dirs, ch
     assert len(full) == 4
 
     k = 2
-    first = subprocess_chat(d, script(*TURNS[:k]), "--session", "s", *flags, home=home)
-    assert first.returncode == 0, first.stderr
-    assert "new session 's'" in first.stderr
-    second = subprocess_chat(d, script(*TURNS[k:], "/bye"), "--session", "s", *flags, home=home)
+    rc, first_out, first_err = chat(d, script(*TURNS[:k]), "--session", "s", *flags)
+    assert rc == 0, first_err
+    assert "new session 's'" in first_err
+    second = subprocess_chat(d, script(*TURNS[k:], "/bye"), "--session", "s", *flags, home=home)  # a new process
     assert second.returncode == 0, second.stderr
-    assert first.stdout + second.stdout == full_out
+    assert first_out + second.stdout == full_out
     m = RESUMED.search(second.stderr)
     assert m and int(m.group(2)) == k, second.stderr
     cached = int(m.group(3))
@@ -122,6 +125,7 @@ def test_each_turn_feeds_only_its_new_tokens(tiny_model_dirs, llama_model, chat)
 
 
 # ------------------------------------------------------------------ undo / retry
+@pytest.mark.blas  # replies after /undo and /retry compared with the first ones
 @pytest.mark.parametrize(
     "kind,flags",
     [("llama", ()), ("llama", ("--max-kv-size", "40")), ("hybrid", ())],
@@ -149,6 +153,7 @@ def test_undo_and_retry_reproduce_without_prefill(kind, flags, tiny_model_dirs, 
         assert "rotating window of 40 tokens" in out_b and "trimmable:   no" in out_b
 
 
+@pytest.mark.blas  # two seeded runs compared
 def test_retry_with_seed_is_reproducible(tiny_model_dirs, chat):
     d = tiny_model_dirs["llama"]
     flags = ("--temp", "0.9", "--seed", "5", "--max-tokens", "12")
@@ -283,18 +288,19 @@ def test_kill_during_save_leaves_a_loadable_session(tiny_model_dirs, chat, home,
     d = tiny_model_dirs["hybrid"]
     path = tmp_path / "killed.safetensors"
     rng = random.Random(1234)
-    for _ in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", SAVER, str(d), str(path)], stdout=subprocess.PIPE, text=True)
-        try:
-            assert proc.stdout.readline().strip() == "ready"
-            time.sleep(rng.uniform(0.05, 0.5))
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-        model, tokenizer = load(str(d))
-        s = ChatSession.load(path, model, tokenizer)
-        assert s.num_turns >= 1 and len(s.messages) == 2 * s.num_turns
-        s.ask("Still there?")  # and it continues
+    with ForkServer("mlx.core", "mlx_chatcache.models.loading", "mlx_chatcache.chat.session") as server:
+        for _ in range(3):
+            pid, first = server.start(SAVER, d, path)
+            try:
+                assert first == "ready\n", first
+                time.sleep(rng.uniform(0.05, 0.5))
+            finally:
+                os.kill(pid, signal.SIGKILL)
+                server.reap(pid)
+            model, tokenizer = load(str(d))
+            s = ChatSession.load(path, model, tokenizer)
+            assert s.num_turns >= 1 and len(s.messages) == 2 * s.num_turns
+            s.ask("Still there?")  # and it continues
     # the chat command removes temp files a killed save left behind
     rc, _, err = chat(d, "", "--session-file", str(path))
     assert rc == 0 and "resumed session" in err
@@ -337,6 +343,7 @@ def cache_prompt(model_dir, path: Path, *flags: str) -> None:
     assert main(["cache-prompt", "--model", str(model_dir), "--prompt-cache-file", str(path), *flags]) == 0
 
 
+@pytest.mark.blas  # replies from the prebuilt cache and from a fresh chat compared
 @pytest.mark.parametrize("kind", ["llama", "hybrid"])
 def test_chat_from_a_prebuilt_system_prompt_feeds_only_new_tokens(kind, tiny_model_dirs, chat, home, tmp_path):
     d = tiny_model_dirs[kind]
@@ -364,6 +371,7 @@ def test_chat_from_a_prebuilt_system_prompt_feeds_only_new_tokens(kind, tiny_mod
     assert rc == 0 and "resumed session 'n': 2 turns," in err and stats(err)[0]["recomputed"] == 0
 
 
+@pytest.mark.blas  # replies compared with a fresh session's
 def test_chat_from_a_prebuilt_conversation_equals_a_fresh_session(llama_model, tiny_model_dirs, chat, tmp_path):
     from mlx_chatcache.chat.session import ChatSession
     from mlx_chatcache.config import DEFAULTS
@@ -385,6 +393,7 @@ def test_chat_from_a_prebuilt_conversation_equals_a_fresh_session(llama_model, t
     assert f.read_bytes() == before
 
 
+@pytest.mark.blas  # the replies of two runs compared
 def test_chat_from_a_kv_quantized_prebuilt_cache_takes_its_settings(tiny_model_dirs, chat, tmp_path):
     d = tiny_model_dirs["llama"]
     f = tmp_path / "q.safetensors"
@@ -398,6 +407,7 @@ def test_chat_from_a_kv_quantized_prebuilt_cache_takes_its_settings(tiny_model_d
     assert f.read_bytes() == before
 
 
+@pytest.mark.blas  # replies compared with a fresh chat's
 def test_chat_from_a_prebuilt_cache_with_another_system_prompt_reads_it_again(tiny_model_dirs, chat, tmp_path):
     d = tiny_model_dirs["llama"]
     f = tmp_path / "sys.safetensors"
@@ -516,30 +526,29 @@ def test_help_descriptions_start_in_one_column(tiny_model_dirs, chat):
     assert len(columns) == 1, out
 
 
-def test_resume_recaps_the_last_exchange(tiny_model_dirs, home):
+def test_resume_recaps_the_last_exchange(tiny_model_dirs, chat, home):
     d = tiny_model_dirs["llama"]
     long_question = "Tell me about rivers.\n" + "Please be detailed. " * 20
-    first = subprocess_chat(d, script("Good morning!", '"""', *long_question.split("\n"), '"""'), "--session", "r",
-                            home=home)  # fmt: skip
-    assert first.returncode == 0, first.stderr
-    again = subprocess_chat(d, "", "--session", "r", home=home)
-    assert again.returncode == 0, again.stderr
+    rc, _, err = chat(d, script("Good morning!", '"""', *long_question.split("\n"), '"""'), "--session", "r")
+    assert rc == 0, err
+    rc, _, again = chat(d, "", "--session", "r")
+    assert rc == 0, again
     info = read_cache_info(home / "sessions" / "r.safetensors")
     question, reply = info.messages[-2]["content"], info.messages[-1]["content"]
-    lines = again.stderr.splitlines()
+    lines = again.splitlines()
     i = next(i for i, ln in enumerate(lines) if RESUMED.search(ln))
     you, model = lines[i + 1], lines[i + 2]
     assert you.startswith("  you:   Tell me about rivers. \u23ce Please be detailed.") and you.endswith("\u2026"), you
-    assert len(you) <= 320 and "Good morning" not in again.stderr
+    assert len(you) <= 320 and "Good morning" not in again
     assert model.startswith("  model: ") and reply.strip()[:20].replace("\n", " \u23ce ") in model, (model, reply)
     assert question.startswith("Tell me about rivers.")
     # an empty session has nothing to recap
-    empty = subprocess_chat(d, script("Hello", "/undo"), "--session", "e", home=home)
-    assert empty.returncode == 0, empty.stderr
-    again = subprocess_chat(d, "", "--session", "e", home=home)
-    lines = again.stderr.splitlines()
+    rc, _, err = chat(d, script("Hello", "/undo"), "--session", "e")
+    assert rc == 0, err
+    rc, _, again = chat(d, "", "--session", "e")
+    lines = again.splitlines()
     i = next(i for i, ln in enumerate(lines) if RESUMED.search(ln))
-    assert not any(ln.startswith(("  you:", "  model:")) for ln in lines), again.stderr
+    assert not any(ln.startswith(("  you:", "  model:")) for ln in lines), again
 
 
 def test_end_of_input_in_an_unsaved_chat_says_so(tiny_model_dirs, chat):

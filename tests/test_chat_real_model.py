@@ -1,5 +1,5 @@
 """`mlxcc chat` on the real demo model (SmolLM2-135M-Instruct GGUF): a scripted chat
-stopped after turn 1 and resumed in a new process prints exactly what one
+stopped after turn 1 (in-process) and resumed in a new process prints exactly what one
 uninterrupted run prints, and the resumed turn recomputes no history."""
 
 import os
@@ -16,20 +16,20 @@ STATS = re.compile(r"\[stats\] prompt: (\d+) new \+ (\d+) reused tokens \((\d+) 
 RESUMED = re.compile(r"resumed session 's': 1 turn, (\d+) tokens in the cache, 0 tokens recomputed")
 
 
-def chat(demo_gguf, home, stdin, session):
-    env = {**os.environ, "MLXCC_HOME": str(home)}
-    cmd = [sys.executable, "-m", "mlx_chatcache", "chat", "--model", demo_gguf, "--session", session,
-           "--max-tokens", "8", "--verbose"]
-    p = subprocess.run(cmd, input=stdin, capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr
-    return p
+def chat_args(demo_gguf, session) -> list[str]:
+    return ["chat", "--model", demo_gguf, "--session", session, "--max-tokens", "8", "--verbose"]
 
 
-def test_resumed_chat_equals_uninterrupted(demo_gguf, tmp_path):
+def test_resumed_chat_equals_uninterrupted(demo_gguf, tmp_path, cli):
     home = tmp_path / "home"
-    full = chat(demo_gguf, home, "".join(t + "\n" for t in TURNS), "full")
-    first = chat(demo_gguf, home, TURNS[0] + "\n", "s")
-    second = chat(demo_gguf, home, TURNS[1] + "\n", "s")
+    full = cli(*chat_args(demo_gguf, "full"), stdin="".join(t + "\n" for t in TURNS), env={"MLXCC_HOME": home})
+    first = cli(*chat_args(demo_gguf, "s"), stdin=TURNS[0] + "\n", env={"MLXCC_HOME": home})
+    assert full.returncode == first.returncode == 0, full.stderr + first.stderr
+    # the resume: a new process
+    second = subprocess.run([sys.executable, "-m", "mlx_chatcache", *chat_args(demo_gguf, "s")], input=TURNS[1] + "\n",
+                            capture_output=True, text=True, env={**os.environ, "MLXCC_HOME": str(home)},
+                            timeout=600)  # fmt: skip
+    assert second.returncode == 0, second.stderr
     assert first.stdout + second.stdout == full.stdout
     assert "Paris" in first.stdout
     m = RESUMED.search(second.stderr)

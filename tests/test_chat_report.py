@@ -16,7 +16,6 @@ import pytest
 
 from mlx_chatcache.files.mlxcc_format import read_cache_info
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 DEFAULT = "You are a tiny test model."
 TEMPLATE = (

@@ -57,6 +57,7 @@ def replies(home, name: str) -> list[str]:
             if m["role"] == "assistant"]  # fmt: skip
 
 
+@pytest.mark.blas  # cut replies compared with uncut ones
 def test_stop_cuts_every_reply_and_is_kept_with_the_session(tiny_model_dirs, chat, home):
     d = tiny_model_dirs["llama"]
     assert chat(d, script(*TURNS[:2]), "--session", "plain", "--max-tokens", "12")[0] == 0
@@ -110,6 +111,7 @@ def _session(model, tokenizer, stop=()):
     return ChatSession(model, tokenizer, system_prompt=SYSTEM, config=DEFAULTS.updated(max_tokens=12), stop=stop)
 
 
+@pytest.mark.blas  # the cut reply and the cache compared with fresh runs
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_a_reply_cut_at_a_stop_string_leaves_an_exact_cache(data, tiny_model):

@@ -29,7 +29,6 @@ from mlx_chatcache.files.mlxcc_format import (
     save_prompt_cache,
     verify_cache_file,
 )
-from mlx_chatcache.files import checksum
 from mlx_chatcache.files.checksum import HEADER_KEY, TENSORS_KEY
 
 TOKENS = list(range(10))

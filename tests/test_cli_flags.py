@@ -1,4 +1,5 @@
-"""Flags a mlx-lm or llama.cpp user types (issue 11 item 7), through the real command.
+"""Flags a mlx-lm or llama.cpp user types (issue 11 item 7), through ``mlxcc``'s entry point
+(in-process, the ``cli`` fixture).
 
 ``--verbose True/False`` and ``-v``, ``-f/--prompt-file``, ``-n``, ``--trust-remote-code``,
 ``--adapter-path`` (a tiny LoRA adapter made here, loaded as mlx-lm loads it;
@@ -9,9 +10,6 @@ mlx-lm's ``--prefill-step-size`` default, and no abbreviated long flags.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import mlx.core as mx
 import pytest
@@ -20,32 +18,8 @@ from mlx.utils import tree_flatten
 from mlx_chatcache.files.mlxcc_format import read_cache_info
 from mlx_chatcache.config import DEFAULTS
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 PROMPT = "Name a river in Africa."
-
-
-def mlxcc(*args, home=None, input=None) -> subprocess.CompletedProcess:
-    env = {**os.environ, **({"MLXCC_HOME": str(home)} if home else {})}
-    return subprocess.run([sys.executable, "-m", "mlx_chatcache", *args], capture_output=True, text=True,
-                          env=env, input=input, timeout=180)  # fmt: skip
-
-
-@pytest.fixture
-def cli(capsys):
-    """The same entry point in-process (faster) for the further calls of a test."""
-    from mlx_chatcache.cli.main import main
-
-    def run(*args) -> subprocess.CompletedProcess:
-        capsys.readouterr()
-        try:
-            code = main([str(a) for a in args])
-        except SystemExit as e:  # argparse errors
-            code = e.code
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, out, err)
-
-    return run
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +43,11 @@ def adapter_dir(tiny_model_dirs, tmp_path_factory):
     return folder
 
 
+@pytest.mark.blas  # the replies of three runs compared
 def test_verbose_takes_mlx_lm_booleans_and_v_everywhere(tiny_model_dirs, tmp_path, cli):
     d = str(tiny_model_dirs["llama"])
     base = ("generate", "--model", d, "-p", PROMPT, "-n", "6")
-    quiet = mlxcc(*base, "--verbose", "False")
+    quiet = cli(*base, "--verbose", "False")
     loud = cli(*base, "--verbose", "True")
     short = cli(*base, "-v")
     for r in (quiet, loud, short):
@@ -86,15 +61,16 @@ def test_verbose_takes_mlx_lm_booleans_and_v_everywhere(tiny_model_dirs, tmp_pat
     f = tmp_path / "c.safetensors"
     cp = cli("cache-prompt", "--model", d, "-p", PROMPT, "--prompt-cache-file", str(f), "-v")
     assert cp.returncode == 0 and "Peak memory" in cp.stderr, cp.stderr
-    chat = mlxcc("chat", "--model", d, "-n", "3", "-v", input="Hi\n", home=tmp_path)
+    chat = cli("chat", "--model", d, "-n", "3", "-v", stdin="Hi\n", env={"MLXCC_HOME": tmp_path})
     assert chat.returncode == 0 and "[stats]" in chat.stderr, chat.stderr
 
 
+@pytest.mark.blas  # the replies of two runs compared
 def test_prompt_file_and_n_alias(tiny_model_dirs, tmp_path, cli):
     d = str(tiny_model_dirs["llama"])
     pf = tmp_path / "prompt.txt"
     pf.write_text(PROMPT)
-    from_file = mlxcc("generate", "--model", d, "-f", str(pf), "-n", "5", "-v")
+    from_file = cli("generate", "--model", d, "-f", str(pf), "-n", "5", "-v")
     inline = cli("generate", "--model", d, "--prompt", PROMPT, "--max-tokens", "5")
     assert from_file.returncode == 0 and inline.returncode == 0, from_file.stderr
     assert from_file.stdout == inline.stdout
@@ -105,7 +81,7 @@ def test_prompt_file_and_n_alias(tiny_model_dirs, tmp_path, cli):
     assert none.returncode == 1 and "--prompt-file" in none.stderr and "Traceback" not in none.stderr
 
 
-def test_no_abbreviated_long_flags_on_any_parser(tiny_model_dirs, tmp_path):
+def test_no_abbreviated_long_flags_on_any_parser(tiny_model_dirs, tmp_path, cli):
     from mlx_chatcache.cli.main import build_parser
 
     def parsers(p):
@@ -118,19 +94,19 @@ def test_no_abbreviated_long_flags_on_any_parser(tiny_model_dirs, tmp_path):
     found = list(parsers(build_parser()))
     assert len(found) >= 10 and all(not p.allow_abbrev for p in found)
     d = str(tiny_model_dirs["llama"])
-    r = mlxcc("generate", "--model", d, "-p", PROMPT, "--prompt-cache", str(tmp_path / "x.safetensors"))
+    r = cli("generate", "--model", d, "-p", PROMPT, "--prompt-cache", str(tmp_path / "x.safetensors"))
     assert r.returncode == 2 and "unrecognized arguments: --prompt-cache" in r.stderr
     assert not (tmp_path / "x.safetensors").exists()
-    r = mlxcc("cache", "info", str(tmp_path / "x.safetensors"), "--js")
+    r = cli("cache", "info", str(tmp_path / "x.safetensors"), "--js")
     assert r.returncode == 2 and "--js" in r.stderr
 
 
-def test_prefill_step_size_default_is_mlx_lm_s():
+def test_prefill_step_size_default_is_mlx_lm_s(cli):
     from mlx_lm.generate import DEFAULT_PREFILL_STEP_SIZE, setup_arg_parser
 
     assert DEFAULTS.prefill_step_size == DEFAULT_PREFILL_STEP_SIZE
     assert setup_arg_parser().get_default("prefill_step_size") == DEFAULT_PREFILL_STEP_SIZE
-    help_text = mlxcc("generate", "--help").stdout
+    help_text = cli("generate", "--help").stdout
     assert f"(default {DEFAULT_PREFILL_STEP_SIZE})" in " ".join(help_text.split())
 
 
@@ -153,6 +129,7 @@ def test_trust_remote_code_reaches_the_tokenizer(tiny_model_dirs, monkeypatch, c
     assert seen == [{"trust_remote_code": True}, None]
 
 
+@pytest.mark.blas  # the reply compared with mlx-lm's
 def test_adapter_path_loads_like_mlx_lm_and_keeps_caches_apart(tiny_model_dirs, adapter_dir, tmp_path, cli):
     from mlx_lm.generate import generate as lm_generate
     from mlx_lm.utils import load as lm_load
@@ -160,7 +137,7 @@ def test_adapter_path_loads_like_mlx_lm_and_keeps_caches_apart(tiny_model_dirs, 
     d = str(tiny_model_dirs["llama"])
     raw = ("generate", "--model", d, "-p", PROMPT, "-n", "12", "--ignore-chat-template")
     base = cli(*raw)
-    adapted = mlxcc(*raw, "--adapter-path", str(adapter_dir))
+    adapted = cli(*raw, "--adapter-path", str(adapter_dir))
     assert base.returncode == 0 and adapted.returncode == 0, adapted.stderr
     assert adapted.stdout != base.stdout  # the adapter changes the model
     model, tokenizer = lm_load(d, adapter_path=str(adapter_dir))

@@ -22,7 +22,6 @@ pexpect = pytest.importorskip("pexpect")
 
 from mlx_chatcache.files.mlxcc_format import read_cache_info  # noqa: E402
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 TIMEOUT = 120
 LONG = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 30  # ~430 tokens

@@ -1,6 +1,8 @@
-"""Clean one-line errors and a readable ``cache info`` (issue 11, item 8),
-through the real ``mlxcc`` in subprocesses (bytes that are not UTF-8 reach it
-as the shell would pass them)."""
+"""Clean one-line errors and a readable ``cache info`` (issue 11, item 8), through
+``mlxcc``'s entry point in-process (the ``cli`` fixture), and in subprocesses where the
+process itself matters: arguments that are not UTF-8 (bytes reach it as the shell
+passes them), stdin decoded under the locale the process starts with, a full disk
+in a mount namespace of its own."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 TIMEOUT = 60
 
@@ -54,37 +55,37 @@ def test_piped_chat_line_that_is_not_utf8_is_skipped_and_the_chat_goes_on(tiny_m
     assert p.stderr.count("[stats]") == 1  # the next message was answered
 
 
-def test_kv_group_size_that_does_not_divide_the_head_size_names_one_that_does(tiny_model_dirs, tmp_path):
+def test_kv_group_size_that_does_not_divide_the_head_size_names_one_that_does(tiny_model_dirs, tmp_path, cli):
     model = tiny_model_dirs["llama"]  # head size 64
     expected = ("KV quantization group size 128 does not divide this model's head size 64; "
                 "use --kv-group-size 32 or 64")  # fmt: skip
-    p = mlxcc("generate", "--model", model, "-p", "Hello", "-m", "4", "--kv-bits", "4", "--kv-group-size", "128")
+    p = cli("generate", "--model", model, "-p", "Hello", "-m", "4", "--kv-bits", "4", "--kv-group-size", "128")
     assert one_error_line(p) == "mlxcc: error: " + expected
-    p = mlxcc("chat", "--model", model, "-m", "4", "--kv-bits", "4", "--kv-group-size", "128", "--verbose",
-              stdin=b"Hello\nHello again\n/set max_tokens 3\n", env={**os.environ, "MLXCC_HOME": str(tmp_path)})  # fmt: skip
+    p = cli("chat", "--model", model, "-m", "4", "--kv-bits", "4", "--kv-group-size", "128", "--verbose",
+            stdin=b"Hello\nHello again\n/set max_tokens 3\n", env={"MLXCC_HOME": tmp_path})  # fmt: skip
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: " + expected] * 2, p.stderr  # each turn says so; the chat goes on
     assert "Traceback" not in p.stderr and "inconsistent" not in p.stderr
-    p = mlxcc("generate", "--model", model, "-p", "Hello", "-m", "4", "--kv-bits", "4", "--kv-group-size", "32")
+    p = cli("generate", "--model", model, "-p", "Hello", "-m", "4", "--kv-bits", "4", "--kv-group-size", "32")
     assert p.returncode == 0, p.stderr
 
 
-def test_a_folder_that_is_not_a_model(tmp_path):
+def test_a_folder_that_is_not_a_model(tmp_path, cli):
     (tmp_path / "notes.txt").write_text("hello")
-    p = mlxcc("generate", "--model", tmp_path, "-p", "Hello")
+    p = cli("generate", "--model", tmp_path, "-p", "Hello")
     assert one_error_line(p).startswith(f"mlxcc: error: {tmp_path} is not a model folder: no config.json")
-    p = mlxcc("chat", "--model", tmp_path / "notes.txt", stdin=b"")
+    p = cli("chat", "--model", tmp_path / "notes.txt", stdin=b"")
     assert f"{tmp_path / 'notes.txt'} is not a model" in one_error_line(p)
 
 
 @pytest.mark.parametrize("content", [b"hello, these are my notes\n", b"", b"x"])
-def test_a_text_file_given_as_a_cache_is_not_a_safetensors_file(tiny_model_dirs, tmp_path, content):
+def test_a_text_file_given_as_a_cache_is_not_a_safetensors_file(tiny_model_dirs, tmp_path, content, cli):
     f = tmp_path / "notes.txt"
     f.write_bytes(content)
     expected = f"{f} is not a safetensors file (it does not start with a safetensors header)"
     for args in (["cache", "info", f], ["generate", "--model", tiny_model_dirs["llama"], "-p", "Hi",
                                           "--prompt-cache-file", f]):  # fmt: skip
-        line = one_error_line(mlxcc(*args))
+        line = one_error_line(cli(*args))
         assert expected in line and "bytes" not in line, line
 
 
@@ -101,24 +102,24 @@ def mlx_lm_file(tmp_path):
     return f
 
 
-def test_cache_info_shows_the_model_an_mlx_lm_file_records(mlx_lm_file):
-    p = mlxcc("cache", "info", mlx_lm_file)
+def test_cache_info_shows_the_model_an_mlx_lm_file_records(mlx_lm_file, cli):
+    p = cli("cache", "info", mlx_lm_file)
     assert p.returncode == 0, p.stderr
     assert "model:       /models/Qwen3-0.6B-4bit (as recorded by mlx-lm)" in p.stdout.splitlines()
-    p = mlxcc("cache", "info", mlx_lm_file, "--json")
+    p = cli("cache", "info", mlx_lm_file, "--json")
     assert json.loads(p.stdout)["model"] == "/models/Qwen3-0.6B-4bit"
 
 
-def test_cache_info_wraps_long_values(mlx_lm_file, tiny_model_dirs, tmp_path):
-    env = {**os.environ, "COLUMNS": "80", "MLXCC_HOME": str(tmp_path)}
-    p = mlxcc("cache", "info", mlx_lm_file, env=env)
+def test_cache_info_wraps_long_values(mlx_lm_file, tiny_model_dirs, tmp_path, cli):
+    env = {"COLUMNS": "80", "MLXCC_HOME": tmp_path}
+    p = cli("cache", "info", mlx_lm_file, env=env)
     assert p.returncode == 0 and max(map(len, p.stdout.splitlines()[1:])) <= 80, p.stdout  # (a path stays whole)
     assert "--json shows all" in p.stdout  # the ~1,000-character config is cut, not dumped
     session = tmp_path / "s.safetensors"
-    p = mlxcc("chat", "--model", tiny_model_dirs["llama"], "-m", "4", "--session-file", session,
-              "--system-prompt", "You are a helpful assistant who answers briefly. " * 8, stdin=b"Hi\n", env=env)  # fmt: skip
+    p = cli("chat", "--model", tiny_model_dirs["llama"], "-m", "4", "--session-file", session,
+            "--system-prompt", "You are a helpful assistant who answers briefly. " * 8, stdin=b"Hi\n", env=env)  # fmt: skip
     assert p.returncode == 0, p.stderr
-    p = mlxcc("cache", "info", session, env=env)
+    p = cli("cache", "info", session, env=env)
     lines = p.stdout.splitlines()
     assert p.returncode == 0 and max(map(len, lines[1:])) <= 80, p.stdout
     assert any(line.startswith("settings:    ") and "max_kv_size=None" in line for line in lines)  # after weights=
@@ -179,36 +180,36 @@ def test_the_table_names_every_command():
 
 
 @pytest.mark.parametrize("command", sorted(COMMAND_ARGS))
-def test_bad_arguments_point_at_the_help_of_the_command_given(command, tmp_path):
+def test_bad_arguments_point_at_the_help_of_the_command_given(command, tmp_path, cli):
     needed, bad_value = COMMAND_ARGS[command]
     words = command.split()
     help_hint = f"(see 'mlxcc {command} --help')"
-    p = mlxcc(*words, *needed, "--no-such-flag", cwd=tmp_path)
+    p = cli(*words, *needed, "--no-such-flag", cwd=tmp_path)
     line = one_error_line(p)
     assert p.returncode == 2 and "unrecognized arguments: --no-such-flag" in line and line.endswith(help_hint), line
     if bad_value is not None:
-        p = mlxcc(*words, *bad_value, cwd=tmp_path)
+        p = cli(*words, *bad_value, cwd=tmp_path)
         line = one_error_line(p)
         assert p.returncode == 2 and line.startswith(f"mlxcc {command}: error: ") and line.endswith(help_hint), line
 
 
-def saved_cache(model_dir, path, prompt="Hello") -> None:
-    p = mlxcc("generate", "--model", model_dir, "-p", prompt, "-m", "1", "--save-prompt-cache", path)
+def saved_cache(cli, model_dir, path, prompt="Hello") -> None:
+    p = cli("generate", "--model", model_dir, "-p", prompt, "-m", "1", "--save-prompt-cache", path)
     assert p.returncode == 0, p.stderr
 
 
-def test_cache_diff_of_two_models_compares_no_token_ids(tiny_model_dirs, tmp_path):
+def test_cache_diff_of_two_models_compares_no_token_ids(tiny_model_dirs, tmp_path, cli):
     a, b, c = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "c.safetensors"
-    saved_cache(tiny_model_dirs["llama"], a)
-    saved_cache(tiny_model_dirs["hybrid"], b)
-    saved_cache(tiny_model_dirs["llama"], c, "Hello there, how are you?")
-    p = mlxcc("cache", "diff", a, b)
+    saved_cache(cli, tiny_model_dirs["llama"], a)
+    saved_cache(cli, tiny_model_dirs["hybrid"], b)
+    saved_cache(cli, tiny_model_dirs["llama"], c, "Hello there, how are you?")
+    p = cli("cache", "diff", a, b)
     assert p.returncode == 1 and re.match(r"model: +no \(", p.stdout), p.stdout  # not comparable: exit status 1
     assert "common prefix: not compared (different models" in p.stdout and "diverge at" not in p.stdout, p.stdout
-    d = json.loads(mlxcc("cache", "diff", a, b, "--json").stdout)
+    d = json.loads(cli("cache", "diff", a, b, "--json").stdout)
     assert d["same_model"] is False and d["common_prefix"] is None and d["diverge_at"] is None
-    same = mlxcc("cache", "diff", a, c)
-    n = json.loads(mlxcc("cache", "diff", a, c, "--json").stdout)["common_prefix"]
+    same = cli("cache", "diff", a, c)
+    n = json.loads(cli("cache", "diff", a, c, "--json").stdout)["common_prefix"]
     assert n > 1 and f"common prefix: {n} tokens" in same.stdout, same.stdout
 
 

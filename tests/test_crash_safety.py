@@ -1,7 +1,8 @@
 """Crash safety and memory bounds of cache files (issue #5).
 
-- **kill -9**: a subprocess saves a few-MB cache to one path in a loop; it is
-  killed at seeded random moments (>= 20 times, restarted each time). After every
+- **kill -9**: a process saves a few-MB cache to one path in a loop; it is
+  killed at seeded random moments (>= 20 times, a new process each time, forked from
+  one that imported MLX: tests/fork_server.py). After every
   kill the file loads and is exactly one version (every array holds that
   version's values), versions never go back, and what is left next to it is
   bounded. What a killed writer leaves: at most its own temp file
@@ -23,6 +24,7 @@ import errno
 import os
 import random
 import re
+import signal
 import struct
 import subprocess
 import sys
@@ -33,13 +35,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from fork_server import ForkServer
 
 from mlx_chatcache.cache import KVCache
 from mlx_chatcache.files.mlxcc_format import load_cache_file, load_prompt_cache, save_prompt_cache
 from mlx_chatcache.errors import CacheFileError
 from mlx_chatcache.files.atomic import TEMP_SUFFIX, remove_stale_temp_files
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 KILLS = 24
 KILL_SEED = 5
@@ -67,6 +69,7 @@ WRITER = textwrap.dedent(
     path, v = sys.argv[1], int(sys.argv[2])
     if len(sys.argv) > 3:  # write one version and exit
         save_prompt_cache(path, cache(v), tokens=[v % 1000] * tokens(v), metadata={"version": str(v)})
+        print("saved", flush=True)
         sys.exit(0)
     print("ready", flush=True)
     while True:
@@ -100,41 +103,45 @@ def _temps(path: Path) -> list[Path]:
 
 def test_kill_9_during_saves_never_leaves_a_broken_file(tmp_path):
     path = tmp_path / "cache.safetensors"
-    script = tmp_path / "writer.py"
-    script.write_text(WRITER)
-    subprocess.run([sys.executable, str(script), str(path), "1", "once"], check=True, timeout=120)
-    rng = random.Random(KILL_SEED)
-    last, seen, max_left, mid_write = _check_version(path), set(), 0, 0
-    pattern = re.compile(rf"^\.{re.escape(path.name)}\.[0-9a-f]{{6}}-(\d+)\.[a-z0-9_]{{8}}{re.escape(TEMP_SUFFIX)}$")
-    for _ in range(KILLS):
-        proc = subprocess.Popen([sys.executable, str(script), str(path), str(last)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
-            time.sleep(rng.uniform(0.0, 0.35))
-        finally:
-            proc.kill()  # SIGKILL
-            proc.wait(timeout=60)
-        v = _check_version(path)
-        assert v >= last, f"the file went back from version {last} to {v}"
-        last = v
-        seen.add(v)
-        left = _temps(path)
-        for t in left:  # only temp files of killed writers (dead pids), never anything else
-            m = pattern.match(t.name)
-            assert m, t.name
-            assert int(m.group(1)) == proc.pid or not _alive(int(m.group(1)))
-        mid_write += any(pattern.match(t.name).group(1) == str(proc.pid) for t in left)
-        max_left = max(max_left, len(left))
-        # each save first removes dead writers' temp files, so only the last writer's can be here
-        # (2 tolerates a dead writer's pid already reused by another process)
-        assert len(left) <= 2, [t.name for t in left]
-    print(f"\n{KILLS} kills: {len(seen)} distinct versions seen, last {last}, "
-          f"{mid_write} kills mid-write, at most {max_left} temp files left at once")
-    assert len(seen) >= 5, "the writer hardly ever finished a save: kills are not spread over the loop"
-    assert mid_write >= 1, "no kill landed during a write: the test did not exercise the atomic rename"
-    # one clean save (e.g. the next session turn) removes every leftover
-    subprocess.run([sys.executable, str(script), str(path), str(last + 1), "once"], check=True, timeout=120)
+    with ForkServer("mlx.core", "mlx_chatcache.cache", "mlx_chatcache.files.mlxcc_format") as server:
+
+        def write_once(v: int) -> None:
+            pid, first = server.start(WRITER, path, v, "once")
+            assert first == "saved\n" and server.reap(pid) == 0, first
+
+        write_once(1)
+        rng = random.Random(KILL_SEED)
+        last, seen, max_left, mid_write = _check_version(path), set(), 0, 0
+        pattern = re.compile(rf"^\.{re.escape(path.name)}\.[0-9a-f]{{6}}-(\d+)\.[a-z0-9_]{{8}}{re.escape(TEMP_SUFFIX)}$")
+        for _ in range(KILLS):
+            pid, first = server.start(WRITER, path, last)
+            try:
+                assert first == "ready\n", first
+                time.sleep(rng.uniform(0.0, 0.35))
+            finally:
+                os.kill(pid, signal.SIGKILL)
+                status = server.reap(pid)
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status  # not dead before
+            v = _check_version(path)
+            assert v >= last, f"the file went back from version {last} to {v}"
+            last = v
+            seen.add(v)
+            left = _temps(path)
+            for t in left:  # only temp files of killed writers (dead pids), never anything else
+                m = pattern.match(t.name)
+                assert m, t.name
+                assert int(m.group(1)) == pid or not _alive(int(m.group(1)))
+            mid_write += any(pattern.match(t.name).group(1) == str(pid) for t in left)
+            max_left = max(max_left, len(left))
+            # each save first removes dead writers' temp files, so only the last writer's can be here
+            # (2 tolerates a dead writer's pid already reused by another process)
+            assert len(left) <= 2, [t.name for t in left]
+        print(f"\n{KILLS} kills: {len(seen)} distinct versions seen, last {last}, "
+              f"{mid_write} kills mid-write, at most {max_left} temp files left at once")
+        assert len(seen) >= 5, "the writer hardly ever finished a save: kills are not spread over the loop"
+        assert mid_write >= 1, "no kill landed during a write: the test did not exercise the atomic rename"
+        # one clean save (e.g. the next session turn) removes every leftover
+        write_once(last + 1)
     assert _temps(path) == []
     assert _check_version(path) == last + 1
 

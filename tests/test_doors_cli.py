@@ -1,5 +1,6 @@
-"""Every door that writes a cache file, driven through the real ``mlxcc``, against
-every file a save must not replace by mistake.
+"""Every door that writes a cache file, driven through ``mlxcc``'s entry point (in-process;
+a chat holding a session through a symlink is a real process), against every file a save
+must not replace by mistake.
 
 :data:`DOORS` lists each command option and REPL command that names a file to
 write (tests/test_architecture.py checks that no writing option is missing).
@@ -27,9 +28,6 @@ from mlx_chatcache.files.cache_file import is_session
 from mlx_chatcache.files.mlxcc_format import read_cache_info, save_prompt_cache
 from mlx_chatcache.files.lock import SessionLock
 
-from cli_helpers import mlxcc  # noqa: E402
-
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 VICTIMS = ("open session", "closed session", "text file", "symlink to open session")
 HELD = {"open session", "symlink to open session"}  # another process holds them: refused even with --force
@@ -133,10 +131,9 @@ def place(tmp_path, session_bytes):
         lock.release()
 
 
-def run_door(door: Door, path: Path, ctx: dict, force: bool):
+def run_door(cli, door: Door, path: Path, ctx: dict, force: bool):
     argv, stdin = door.run(path, ctx, force)
-    env = {**os.environ, "MLXCC_HOME": str(ctx["home"])}
-    return mlxcc(*argv, stdin=stdin if stdin is not None else "", env=env)
+    return cli(*argv, stdin=stdin, env={"MLXCC_HOME": ctx["home"]})
 
 
 def refusal(p, door: Door) -> str:
@@ -158,11 +155,11 @@ def is_cache(path: Path) -> bool:
 
 @pytest.mark.parametrize("victim", VICTIMS)
 @pytest.mark.parametrize("name", list(DOORS))
-def test_a_door_never_replaces_a_victim_without_force(name, victim, ctx, place):
+def test_a_door_never_replaces_a_victim_without_force(name, victim, ctx, place, cli):
     door = DOORS[name]
     path, real = place(victim, door, ctx)
     before = real.read_bytes()
-    p = run_door(door, path, ctx, force=False)
+    p = run_door(cli, door, path, ctx, force=False)
     assert real.read_bytes() == before
     if victim in door.uses:  # read, not written
         assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
@@ -175,11 +172,11 @@ def test_a_door_never_replaces_a_victim_without_force(name, victim, ctx, place):
 
 @pytest.mark.parametrize("victim", VICTIMS)
 @pytest.mark.parametrize("name", [n for n, d in DOORS.items() if d.force])
-def test_force_replaces_a_closed_session_or_a_text_file_never_an_open_one(name, victim, ctx, place):
+def test_force_replaces_a_closed_session_or_a_text_file_never_an_open_one(name, victim, ctx, place, cli):
     door = DOORS[name]
     path, real = place(victim, door, ctx)
     before = real.read_bytes()
-    p = run_door(door, path, ctx, force=True)
+    p = run_door(cli, door, path, ctx, force=True)
     if victim in HELD:
         assert "already open in another mlxcc process" in refusal(p, door)
         assert real.read_bytes() == before
@@ -189,42 +186,42 @@ def test_force_replaces_a_closed_session_or_a_text_file_never_an_open_one(name, 
     assert is_session(read_cache_info(real)) == (name == "/save")  # only /save writes a session
 
 
-def test_load_switches_the_chat_and_writes_nothing(ctx, tmp_path, session_bytes, place):
+def test_load_switches_the_chat_and_writes_nothing(ctx, tmp_path, session_bytes, place, cli):
     """``/load OTHER`` leaves the current session's file as last saved; the chat is then saved to OTHER."""
     current = ctx["home"] / "sessions" / "cur.safetensors"
     current.write_bytes(session_bytes)
     other = tmp_path / "other.safetensors"
     other.write_bytes(session_bytes)
-    env = {**os.environ, "MLXCC_HOME": str(ctx["home"])}
-    p = mlxcc("chat", "--model", ctx["model"], "-m", "2", "--session", "cur", stdin=f"/load {other}\n/bye\n", env=env)
+    env = {"MLXCC_HOME": ctx["home"]}
+    p = cli("chat", "--model", ctx["model"], "-m", "2", "--session", "cur", stdin=f"/load {other}\n/bye\n", env=env)
     assert p.returncode == 0, p.stderr
     assert current.read_bytes() == session_bytes and other.read_bytes() == session_bytes
-    p = mlxcc("chat", "--model", ctx["model"], "-m", "2", "--session", "cur", stdin=f"/load {other}\nMore please\n",
-              env=env)  # fmt: skip
+    p = cli("chat", "--model", ctx["model"], "-m", "2", "--session", "cur", stdin=f"/load {other}\nMore please\n",
+            env=env)  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert current.read_bytes() == session_bytes  # the turn after /load went to OTHER
     assert [m["content"] for m in read_cache_info(other).messages if m["role"] == "user"] == ["Hello there", "More please"]
     assert not list(ctx["home"].glob("sessions/*.lock")) and not list(tmp_path.glob("*.lock"))
 
 
-def test_a_symlinked_session_file_shares_the_lock_of_its_target(ctx, tmp_path, session_bytes):
-    """A chat holding a session through a symlink keeps ``generate`` on the real path out."""
+def test_a_symlinked_session_file_shares_the_lock_of_its_target(ctx, tmp_path, session_bytes, cli):
+    """A chat (another process) holding a session through a symlink keeps ``generate`` on the real path out."""
 
     real = tmp_path / "real.safetensors"
     real.write_bytes(session_bytes)
     link = tmp_path / "link.safetensors"
     link.symlink_to(real)
-    env = {**os.environ, "MLXCC_HOME": str(ctx["home"])}
+    env = {"MLXCC_HOME": str(ctx["home"])}
     chat = subprocess.Popen([sys.executable, "-m", "mlx_chatcache", "chat", "--model", ctx["model"], "-m", "2",
                              "--session-file", str(link)], stdin=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, **env})  # fmt: skip
     try:
         line = chat.stderr.readline()
         while "resumed session" not in line:
             assert line, "the chat ended before resuming"
             line = chat.stderr.readline()
-        g = mlxcc("generate", "--model", ctx["model"], "-p", "hi", "-m", "2", "--prompt-cache-file", real,
-                  "--save-prompt-cache", real, "--force", env=env)  # fmt: skip
+        g = cli("generate", "--model", ctx["model"], "-p", "hi", "-m", "2", "--prompt-cache-file", real,
+                "--save-prompt-cache", real, "--force", env=env)  # fmt: skip
         assert g.returncode == 1 and f"pid {chat.pid}" in g.stderr, g.stderr
         assert real.read_bytes() == session_bytes
     finally:

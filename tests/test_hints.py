@@ -18,7 +18,6 @@ from cli_helpers import mlxcc, one_error_line
 from mlx_chatcache.files.cache_file import is_session
 from mlx_chatcache.files.mlxcc_format import read_cache_info
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 
 def in_home(tmp_path) -> dict:

@@ -29,7 +29,6 @@ from server_process import ServerProcess
 from test_hostile_server import FUZZ, JSON_ANY, NUMBERS, RAW, TEXT, Client
 from tiny_models import build_tiny_model
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 MESSAGES, COUNT, RESPONSES = "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"
 CONTEXT = 512

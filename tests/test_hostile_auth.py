@@ -33,7 +33,6 @@ from mlx_chatcache.server.auth import ApiKeys  # noqa: E402
 from mlx_chatcache.server.service import Service  # noqa: E402
 from mlx_chatcache.store.store import PromptStore  # noqa: E402
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 KEY = "hostile-test-key-0123456789"
 FUZZ = settings(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))

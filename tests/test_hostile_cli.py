@@ -1,10 +1,12 @@
 """Hostile numeric values for the CLI's flags and the chat REPL's ``/set``.
 
 - ``mlxcc generate`` with one generated value (negative, huge, NaN, inf,
-  subnormal, not a number, non-ASCII digits, empty) for each numeric flag, run
-  in-process through the real parser and command on the tiny llama: it either
-  works (exit 0) or prints exactly one line on stderr and exits 1 or 2; never a
-  traceback. A few of the same run as subprocesses.
+  subnormal, not a number, non-ASCII digits, empty) for each numeric flag:
+  hundreds through the real parser (a value is taken, and then in its setting's
+  range, or refused in one line naming the flag, exit 2), a few dozen through the
+  whole command in-process on the tiny llama (it either works, exit 0, or prints
+  exactly one line on stderr and exits 1 or 2; never a traceback), and a few as
+  subprocesses.
 - ``serve --max-batch`` and ``--kv-dtype`` (generate, cache-prompt, chat, serve) with
   one generated value (the same odd numbers and text, the dtype names and near
   misses): an accepted value works (serve reaches its cache folder, a file: one
@@ -32,13 +34,12 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mlx_chatcache.cli.main import main
-from mlx_chatcache.config import DEFAULTS, KV_DTYPES, SERVER_RANGES
+from mlx_chatcache.cli.main import build_parser, main
+from mlx_chatcache.config import DEFAULTS, KV_DTYPES, SERVER_RANGES, check_setting
 from mlx_chatcache.files.cache_file import SESSION_KEY
 from mlx_chatcache.files.mlxcc_format import read_cache_info
 from mlx_chatcache.generation.sample import make_logits_processors, make_sampler
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=True,
                 suppress_health_check=list(HealthCheck))  # fmt: skip
@@ -106,7 +107,31 @@ def _runs_long(name: str, value: str) -> bool:
         return False
 
 
+@pytest.fixture(scope="module")
+def parser():
+    return build_parser()
+
+
+def _flag_args(flag: str, value: str, equals: bool) -> list[str]:
+    return [f"{flag}={value}"] if equals else [flag, value]
+
+
 @settings(FUZZ, max_examples=400)
+@given(flag=st.sampled_from(FLAGS), value=VALUES, equals=st.booleans())
+@example(flag="--max-tokens", value="--", equals=True)
+def test_numeric_flags_parse_into_their_range_or_are_one_line(parser, capsys, flag, value, equals):
+    capsys.readouterr()
+    try:
+        args = parser.parse_args(["generate", "--model", "m", "-p", "hi", *_flag_args(flag, value, equals)])
+    except SystemExit as e:
+        err = capsys.readouterr().err
+        assert e.code == 2 and len(err.strip().splitlines()) == 1 and flag in err, (e.code, err)
+        return
+    name = flag.removeprefix("--").replace("-", "_")
+    check_setting(name, getattr(args, name))  # taken: in its setting's range
+
+
+@settings(FUZZ, max_examples=40)
 @given(flag=st.sampled_from(FLAGS), value=VALUES, equals=st.booleans())
 @example(flag="--temp", value="1e-320", equals=True)
 @example(flag="--repetition-penalty", value="inf", equals=True)
@@ -116,8 +141,7 @@ def _runs_long(name: str, value: str) -> bool:
 def test_numeric_flags_work_or_are_one_line(generate, flag, value, equals):
     if _runs_long(flag, value):
         value = str(MAX_TOKENS_RUN)
-    rc, err = generate(f"{flag}={value}") if equals else generate(flag, value)
-    one_line_or_success(rc, err)
+    one_line_or_success(*generate(*_flag_args(flag, value, equals)))
 
 
 @pytest.mark.parametrize("flag,value", [("--temp", "nan"), ("--top-p", "-1"), ("--max-tokens", "1e9"),

@@ -1,4 +1,4 @@
-"""Hostile requests against a real ``mlxcc serve`` process (tiny random llama).
+"""Hostile requests against ``mlxcc serve`` (tiny random llama).
 
 Over both ``/v1/chat/completions`` and ``/v1/completions``, with generated
 bodies (wrong types, out-of-range numbers, token ids at and past the
@@ -13,9 +13,19 @@ JSON or not UTF-8, and streams the client cuts off mid-way, these hold:
   and carries no error event);
 - a normal request is answered correctly afterwards.
 
-Hypothesis runs derandomized with no example database: every CI run sends the
-same ~2,200 requests, so the run time is bounded and a failure reproduces on
-the next run exactly. Generated bodies that would succeed ask for 1-4 tokens.
+Each class of body is fuzzed twice: in-process, hundreds of bodies through every
+check the server makes before a job is queued (``decode_body``, ``parse_chat`` /
+``parse_completion``, ``Service.admit`` on the same tiny model and settings: the
+prompt, the job's settings and hooks), where a body is taken or refused with a 4xx
+``RequestError`` and nothing else may escape; and end to end, a few dozen bodies of
+the same strategies through a real ``mlxcc serve`` process, so the whole path
+(HTTP, admission, generation, the reply) is exercised too. Cut streams are end to
+end only; token ids and seeds that once crashed the process run on a server of
+their own.
+
+Hypothesis runs derandomized with no example database: every run sends the same
+bodies, so the run time is bounded and a failure reproduces on the next run
+exactly. Generated bodies that would succeed ask for 1-4 tokens.
 """
 
 from __future__ import annotations
@@ -31,12 +41,20 @@ from hypothesis import strategies as st
 from server_process import ServerProcess
 from tiny_models import VOCAB_SIZE
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
+from mlx_chatcache.config import DEFAULTS
+from mlx_chatcache.server.app import decode_body
+from mlx_chatcache.server.protocol import RequestError, parse_chat, parse_completion
+from mlx_chatcache.server.service import Service
+from mlx_chatcache.store.store import PromptStore
+
 
 CONTEXT = 512
 FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=True,
                 suppress_health_check=list(HealthCheck))  # fmt: skip
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+IN_PROCESS, END_TO_END = 400, 40  # bodies per class: through the checks in-process, through a real server
+SERVER_FLAGS = ("--max-tokens", "3", "--context-length", str(CONTEXT))
+PARSE = {CHAT: parse_chat, COMPLETIONS: parse_completion}
 
 
 class Client:
@@ -71,8 +89,7 @@ class Client:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dirs, tmp_path_factory):
-    with ServerProcess(tiny_model_dirs["llama"], tmp_path_factory.mktemp("cache"), "--max-tokens", "3",
-                       "--context-length", str(CONTEXT)) as s:  # fmt: skip
+    with ServerProcess(tiny_model_dirs["llama"], tmp_path_factory.mktemp("cache"), *SERVER_FLAGS) as s:
         yield s
         assert s.proc.poll() is None, s.read_log()[-3000:]
         assert "Traceback" not in s.read_log(), s.read_log()[-3000:]  # no fault after a response started
@@ -83,6 +100,14 @@ def client(server):
     c = Client(server)
     yield c
     c.close()
+
+
+@pytest.fixture(scope="module")
+def service(tiny_model_dirs, llama_model):
+    """The server's service in-process (SERVER_FLAGS' settings), not started: only its checks run."""
+    model, tokenizer = llama_model
+    return Service(model, tokenizer, str(tiny_model_dirs["llama"]), PromptStore([]), DEFAULTS.updated(max_tokens=3),
+                   max_queue=8, context_length=CONTEXT)  # fmt: skip
 
 
 # ------------------------------------------------------------------ properties
@@ -109,6 +134,22 @@ def check_answer(server, status: int, headers: dict, data: bytes, stream: bool =
     assert events and events[-1] == "[DONE]", text[-300:]
     for e in events[:-1]:
         assert "error" not in json.loads(e), e
+
+
+def admitted(service: Service, path: str, raw: bytes, session: str | None = None) -> int:
+    """What the server answers ``raw`` with before any token is generated: 200 (the job would be
+    queued) or the 4xx of the ``RequestError`` that refused it, whose fields are checked as
+    ``check_answer`` checks an error body; any other exception escapes (a 5xx)."""
+    try:
+        service.admit(PARSE[path](decode_body(raw)), session)
+    except RequestError as e:
+        assert 400 <= e.status < 500, (e.status, e.message)
+        assert isinstance(e.message, str) and e.message.strip(), e.message
+        assert "\n" not in e.message and "Traceback" not in e.message, e.message
+        assert e.param is None or isinstance(e.param, str), e.param
+        assert e.code is None or isinstance(e.code, str), e.code
+        return e.status
+    return 200
 
 
 def normal_request_works(client: Client) -> None:
@@ -242,21 +283,33 @@ def bodies(draw, path: str):
     return body
 
 
-def _with_model(server, body: dict) -> dict:
-    return {**body, "model": server.model_id} if body.get("model") == "<served>" else body
+def _with_model(model_id: str, body: dict) -> dict:
+    return {**body, "model": model_id} if body.get("model") == "<served>" else body
+
+
+def _raw(body: dict) -> bytes:
+    return json.dumps(body).encode()
 
 
 # ------------------------------------------------------------------ tests
-@settings(FUZZ, max_examples=750)
-@given(body=bodies(CHAT), session=SESSION)
-def test_hostile_chat_bodies(server, client, body, session):
-    send(server, client, CHAT, _with_model(server, body), {"X-Session-Id": session} if session else None)
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_hostile_bodies_are_taken_or_refused_in_one_line(service, path):
+    @settings(FUZZ, max_examples=IN_PROCESS)
+    @given(body=bodies(path), session=SESSION)
+    def check(body, session):
+        admitted(service, path, _raw(_with_model(service.model_id, body)), session)
+
+    check()
 
 
-@settings(FUZZ, max_examples=750)
-@given(body=bodies(COMPLETIONS), session=SESSION)
-def test_hostile_completion_bodies(server, client, body, session):
-    send(server, client, COMPLETIONS, _with_model(server, body), {"X-Session-Id": session} if session else None)
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_hostile_bodies_end_to_end(server, client, path):
+    @settings(FUZZ, max_examples=END_TO_END)
+    @given(body=bodies(path), session=SESSION)
+    def check(body, session):
+        send(server, client, path, _with_model(server.model_id, body), {"X-Session-Id": session} if session else None)
+
+    check()
 
 
 def _valid(path: str) -> bytes:
@@ -276,19 +329,33 @@ RAW = st.one_of(
 )  # fmt: skip
 
 
-@settings(FUZZ, max_examples=400)
+def _complete_body(raw: bytes, path: str, model_id: str) -> tuple[bytes, bool]:
+    """``raw`` with the served model's name, and whether it is the complete valid body."""
+    raw = raw.replace(b'"<served>"', json.dumps(model_id).encode())
+    return raw, raw == _valid(path).replace(b'"<served>"', json.dumps(model_id).encode())
+
+
+@settings(FUZZ, max_examples=IN_PROCESS)
 @given(raw=RAW, path=st.sampled_from([CHAT, COMPLETIONS]))
 @example(raw=b"[" * 100_000, path=CHAT)
 @example(raw=b'{"a":' * 100_000, path=COMPLETIONS)
-def test_bodies_that_are_not_json(server, client, raw, path):
-    raw = raw.replace(b'"<served>"', json.dumps(server.model_id).encode())
+def test_bodies_that_are_not_json_are_refused_in_one_line(service, raw, path):
+    raw, complete = _complete_body(raw, path, service.model_id)
+    assert admitted(service, path, raw) == (200 if complete else 400)
+
+
+@settings(FUZZ, max_examples=END_TO_END)
+@given(raw=RAW, path=st.sampled_from([CHAT, COMPLETIONS]))
+@example(raw=b"[" * 100_000, path=CHAT)
+@example(raw=b'{"a":' * 100_000, path=COMPLETIONS)
+def test_bodies_that_are_not_json_end_to_end(server, client, raw, path):
+    raw, complete = _complete_body(raw, path, server.model_id)
     status, headers, data = client.post(path, raw)
-    complete = raw == _valid(path).replace(b'"<served>"', json.dumps(server.model_id).encode())
     check_answer(server, status, headers, data, stream=complete)
     assert status == (200 if complete else 400), data[:300]
 
 
-@settings(FUZZ, max_examples=120)
+@settings(FUZZ, max_examples=END_TO_END)
 @given(path=st.sampled_from([CHAT, COMPLETIONS]), read=st.integers(0, 600), max_tokens=st.integers(1, 64),
        half_request=st.booleans())  # fmt: skip
 def test_streams_cut_by_the_client(server, client, path, read, max_tokens, half_request):
@@ -365,21 +432,50 @@ def test_a_completion_prompt_over_the_context_names_the_prompt(server, client):
 
 # ------------------------------------------------------------------ ids and seeds that once crashed it, on a server of their own
 def _own_server(tiny_model_dirs, tmp_path):
-    return ServerProcess(tiny_model_dirs["llama"], tmp_path, "--max-tokens", "3", "--context-length", str(CONTEXT))
+    return ServerProcess(tiny_model_dirs["llama"], tmp_path, *SERVER_FLAGS)
+
+
+ID_LISTS = st.lists(st.one_of(IDS.filter(lambda t: t >= 0), PAST_VOCAB_IDS), min_size=1, max_size=6)
+
+
+def _ids_body(model_id: str, ids: list[int], stream: bool) -> dict:
+    return {"model": model_id, "prompt": ids, "max_tokens": 1, "stream": stream}
+
+
+def _seed_body(model_id: str, seed: int, temperature: int, path: str) -> dict:
+    body = {"model": model_id, "max_tokens": 1, "seed": seed, "temperature": temperature}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"prompt": "hi"})
+    return body
+
+
+@settings(FUZZ, max_examples=200)
+@given(ids=ID_LISTS, stream=st.booleans())
+@example(ids=[VOCAB_SIZE], stream=False)
+@example(ids=[16173], stream=False)
+def test_token_ids_past_the_vocabulary_are_refused_before_the_model(service, ids, stream):
+    status = admitted(service, COMPLETIONS, _raw(_ids_body(service.model_id, ids, stream)))
+    assert status == (200 if max(ids) < VOCAB_SIZE else 400), ids
+
+
+@settings(FUZZ, max_examples=200)
+@given(seed=OUT_OF_RANGE_SEEDS, temperature=st.sampled_from([0, 1]), path=st.sampled_from([CHAT, COMPLETIONS]))
+def test_out_of_range_seeds_are_refused_naming_the_seed(service, seed, temperature, path):
+    with pytest.raises(RequestError) as e:
+        service.admit(PARSE[path](_seed_body(service.model_id, seed, temperature, path)))
+    assert e.value.status == 400 and e.value.param == "seed", e.value.message
 
 
 def test_token_ids_at_and_past_the_vocabulary(tiny_model_dirs, tmp_path):
     with _own_server(tiny_model_dirs, tmp_path) as s:
         c = Client(s)
 
-        @settings(FUZZ, max_examples=60)
-        @given(ids=st.lists(st.one_of(IDS.filter(lambda t: t >= 0), PAST_VOCAB_IDS), min_size=1, max_size=6),
-               stream=st.booleans())  # fmt: skip
+        @settings(FUZZ, max_examples=END_TO_END)
+        @given(ids=ID_LISTS, stream=st.booleans())
         @example(ids=[VOCAB_SIZE], stream=False)
         @example(ids=[16173], stream=False)  # the process dies (SIGSEGV)
         @example(ids=[2**63], stream=False)
         def run(ids, stream):
-            send(s, c, COMPLETIONS, {"model": s.model_id, "prompt": ids, "max_tokens": 1, "stream": stream})
+            send(s, c, COMPLETIONS, _ids_body(s.model_id, ids, stream))
 
         run()
         normal_request_works(c)
@@ -389,14 +485,12 @@ def test_out_of_range_seeds(tiny_model_dirs, tmp_path):
     with _own_server(tiny_model_dirs, tmp_path) as s:
         c = Client(s)
 
-        @settings(FUZZ, max_examples=30)
+        @settings(FUZZ, max_examples=END_TO_END // 2)
         @given(seed=OUT_OF_RANGE_SEEDS, temperature=st.sampled_from([0, 1]), path=st.sampled_from([CHAT, COMPLETIONS]))
         @example(seed=-1, temperature=0, path=CHAT)
         @example(seed=2**64, temperature=1, path=COMPLETIONS)
         def run(seed, temperature, path):
-            body = {"model": s.model_id, "max_tokens": 1, "seed": seed, "temperature": temperature}
-            body.update({"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"prompt": "hi"})
-            send(s, c, path, body)
+            send(s, c, path, _seed_body(s.model_id, seed, temperature, path))
 
         run()
         normal_request_works(c)

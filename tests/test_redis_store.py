@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 
 pytest.importorskip("redis")
@@ -22,7 +21,7 @@ from mlx_chatcache.store.redis_tier import RedisTier  # noqa: E402
 from mlx_chatcache.store.store import PromptStore  # noqa: E402
 from mlx_chatcache.store.tiers import MemoryTier  # noqa: E402
 from store_helpers import synthetic, tokens_of  # noqa: E402
-from test_store import SC, STUB, hit  # noqa: E402
+from test_store import SC, hit  # noqa: E402
 
 B = 8
 

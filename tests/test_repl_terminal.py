@@ -16,7 +16,6 @@ pexpect = pytest.importorskip("pexpect")
 
 from mlx_chatcache.files.mlxcc_format import read_cache_info  # noqa: E402
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 TIMEOUT = 30
 PROMPT = ">>>"  # prompt_toolkit draws the trailing space as a cursor move

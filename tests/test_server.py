@@ -80,6 +80,7 @@ def test_models_and_health(server):
     assert health["status"] == "ok" and "memory" in health["store"] and "disk" in health["store"]
 
 
+@pytest.mark.blas  # replies compared with the library's
 def test_chat_stream_and_non_stream_agree_with_the_library(server, llama_model):
     messages = [{"role": "user", "content": "What is the capital of Italy?"}]
     full = chat(server, messages)
@@ -101,6 +102,7 @@ def test_chat_stream_and_non_stream_agree_with_the_library(server, llama_model):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == full.usage.prompt_tokens - 1
 
 
+@pytest.mark.blas  # replies compared with the library's
 def test_second_turn_reports_exact_cached_tokens(server, llama_model):
     first = chat(server, FIRST)
     assert first.usage.prompt_tokens_details.cached_tokens <= 2  # at most "<|im_start|>system" from earlier chats
@@ -116,6 +118,7 @@ def test_second_turn_reports_exact_cached_tokens(server, llama_model):
     assert second.choices[0].message.content == local_reply(llama_model, turn2)[1]
 
 
+@pytest.mark.blas  # replies with and without the store compared
 def test_restart_keeps_the_conversation_and_greedy_output(tiny_model_dirs, llama_model, tmp_path):
     msgs = [{"role": "user", "content": "Please summarise the following paragraph in two sentences."}]
     with ServerProcess(tiny_model_dirs["llama"], tmp_path) as a:
@@ -157,6 +160,7 @@ def test_a_running_server_finds_entries_a_command_adds(tiny_model_dirs, llama_mo
         assert s.health()["store"]["disk"]["hits"] == 1
 
 
+@pytest.mark.blas  # streamed and whole replies compared
 def test_completions_stream_and_non_stream(server):
     c = client(server)
     full = c.completions.create(model=server.model_id, prompt="The train leaves the station", max_tokens=8, temperature=0)
@@ -167,6 +171,7 @@ def test_completions_stream_and_non_stream(server):
     assert parts[-1].usage.prompt_tokens_details.cached_tokens == full.usage.prompt_tokens - 1
 
 
+@pytest.mark.blas  # a cut reply compared with the whole one
 def test_stop_strings_cut_the_reply(server):
     messages = [{"role": "user", "content": "Write a list: apples, oranges, pears."}]
     text = chat(server, messages, max_tokens=20).choices[0].message.content
@@ -179,6 +184,7 @@ def test_stop_strings_cut_the_reply(server):
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text[: text.index(stop)]
 
 
+@pytest.mark.blas  # two seeded replies compared
 def test_seeded_sampling_is_reproducible(server):
     messages = [{"role": "user", "content": "Tell me about the weather."}]
     kw = dict(max_tokens=10, seed=7, top_p=0.9)
@@ -204,6 +210,7 @@ def test_client_disconnect_stops_generation(server):
     assert chat(server, FIRST, max_tokens=2).usage.completion_tokens == 2  # still serving
 
 
+@pytest.mark.blas  # replies compared with the library's
 def test_concurrent_requests_are_queued_and_all_answered(server, llama_model):
     prompts = [[{"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"}] for i in range(4)]
     results, errors = {}, []
@@ -396,6 +403,7 @@ def test_the_sampling_fields_are_honoured_not_refused(server, field, value):
     assert (choices[0]["logprobs"] is not None) == (field == "logprobs")
 
 
+@pytest.mark.blas  # replies with and without the fields compared
 def test_fields_honoured_as_given(server):
     """``response_format`` text, tools with ``tool_choice`` "none" and ``repetition_penalty``
     0 (none, as in mlx-lm) change nothing."""
@@ -408,6 +416,7 @@ def test_fields_honoured_as_given(server):
         assert code == 200 and json.loads(text)["choices"] == plain["choices"], text
 
 
+@pytest.mark.blas  # replies compared with the library's
 def test_top_k_min_p_and_repetition_penalty_reach_the_sampler(server, llama_model):
     """top_k 1 and min_p 1 leave only the most likely token (a hot, seeded request turns
     greedy); a repetition penalty changes the greedy reply as the library's does."""

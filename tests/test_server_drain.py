@@ -28,7 +28,6 @@ from mlx_chatcache.config import DEFAULTS, SERVER_DEFAULTS  # noqa: E402
 from mlx_chatcache.generation.templates import render_chat  # noqa: E402
 from mlx_chatcache.generation.text import as_tokenizer_wrapper, stop_token_ids, stream_generate  # noqa: E402
 
-pytestmark = pytest.mark.blas_free  # signals and files: nothing the BLAS makes
 
 KEY = "drain-test-key-0123456789"
 TURN1 = [{"role": "system", "content": "You tell long stories."},

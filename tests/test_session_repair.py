@@ -12,11 +12,9 @@ import shlex
 import subprocess
 import sys
 
-import pytest
 
 from mlx_chatcache.files.mlxcc_format import read_cache_info
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 STATS = re.compile(r"\[stats\] prompt: (\d+) new \+ (\d+) reused tokens \((\d+) recomputed\)")
 

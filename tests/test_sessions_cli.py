@@ -1,7 +1,8 @@
-"""Sessions a user can manage (issue 11 item 5), through the real command:
-``mlxcc sessions`` (list / show / rm), ``/history`` in the REPL (pexpect),
-resuming with the model the session recorded, ``generate`` respecting a
-chat's session lock, and lock files that do not pile up.
+"""Sessions a user can manage (issue 11 item 5), through ``mlxcc``'s entry point
+(in-process): ``mlxcc sessions`` (list / show / rm / export), ``/history`` in the REPL
+(a real process in a terminal, pexpect), resuming with the model the session recorded,
+``generate`` respecting the session lock of a chat running in another process, and lock
+files of killed chats that do not pile up.
 """
 
 from __future__ import annotations
@@ -20,19 +21,24 @@ from hypothesis import strategies as st
 
 from mlx_chatcache.files.mlxcc_format import read_cache_info
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 
-def mlxcc(*args, home, input=None, timeout=180) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MLXCC_HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "mlx_chatcache", *args], capture_output=True, text=True,
-                          env=env, input=input, timeout=timeout)  # fmt: skip
+@pytest.fixture
+def mlxcc(cli):
+    """``mlxcc(*args, home, input=None) -> CompletedProcess``: the entry point in-process, MLXCC_HOME=home."""
+    return lambda *args, home, input=None: cli(*args, stdin=input, env={"MLXCC_HOME": home})
 
 
-def chat(model_dir, home, name, *lines, flags=()) -> subprocess.CompletedProcess:
-    model = ("--model", str(model_dir)) if model_dir else ()
-    r = mlxcc("chat", *model, "--session", name, "-n", "4", "-v", *flags, input="".join(x + "\n" for x in lines), home=home)
-    return r
+@pytest.fixture
+def chat(mlxcc):
+    """``chat(model_dir, home, name, *lines, flags=())``: session ``name`` says ``lines`` (in-process)."""
+
+    def run(model_dir, home, name, *lines, flags=()) -> subprocess.CompletedProcess:
+        model = ("--model", str(model_dir)) if model_dir else ()
+        return mlxcc("chat", *model, "--session", name, "-n", "4", "-v", *flags,
+                     input="".join(x + "\n" for x in lines), home=home)  # fmt: skip
+
+    return run
 
 
 def open_chat(model_dir, home, name):
@@ -55,7 +61,7 @@ def one_line(r: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def test_sessions_list_show_rm(tiny_model_dirs, tmp_path):
+def test_sessions_list_show_rm(tiny_model_dirs, tmp_path, mlxcc, chat):
     d, home = tiny_model_dirs["llama"], tmp_path
     assert "no sessions" in mlxcc("sessions", home=home).stdout
     assert chat(d, home, "alpha", "Hello there", "What is a river?").returncode == 0
@@ -93,7 +99,7 @@ def test_sessions_list_show_rm(tiny_model_dirs, tmp_path):
     assert sorted(p.name for p in (home / "sessions").iterdir()) == ["beta.safetensors"]  # no lock files left
 
 
-def test_a_chat_holding_a_session_blocks_rm_and_generate(tiny_model_dirs, tmp_path):
+def test_a_chat_holding_a_session_blocks_rm_and_generate(tiny_model_dirs, tmp_path, mlxcc, chat):
     d, home = tiny_model_dirs["llama"], tmp_path
     assert chat(d, home, "held", "Hello there").returncode == 0
     f = home / "sessions" / "held.safetensors"
@@ -116,7 +122,7 @@ def test_a_chat_holding_a_session_blocks_rm_and_generate(tiny_model_dirs, tmp_pa
     assert list((home / "sessions").iterdir()) == []
 
 
-def test_lock_files_of_killed_chats_are_removed(tiny_model_dirs, tmp_path):
+def test_lock_files_of_killed_chats_are_removed(tiny_model_dirs, tmp_path, mlxcc):
     d, home = tiny_model_dirs["llama"], tmp_path
     p = open_chat(d, home, "killed")
     p.send_signal(signal.SIGKILL)
@@ -133,7 +139,7 @@ def test_lock_files_of_killed_chats_are_removed(tiny_model_dirs, tmp_path):
     assert not (home / "sessions" / "live.lock").exists()
 
 
-def test_resume_without_model_uses_the_recorded_one(tiny_model_dirs, tmp_path):
+def test_resume_without_model_uses_the_recorded_one(tiny_model_dirs, tmp_path, chat):
     home = tmp_path / "home"
     d = shutil.copytree(tiny_model_dirs["llama"], tmp_path / "my-model")
     first = chat(d, home, "s", "Hello there")
@@ -179,7 +185,7 @@ def test_history_in_the_terminal(tiny_model_dirs, tmp_path):
     assert sorted(p.name for p in (tmp_path / "sessions").iterdir()) == ["h.safetensors"]
 
 
-def test_show_counts_in_the_singular_and_a_damaged_session_is_one_warning(tiny_model_dirs, tmp_path):
+def test_show_counts_in_the_singular_and_a_damaged_session_is_one_warning(tiny_model_dirs, tmp_path, mlxcc, chat):
     d, home = tiny_model_dirs["llama"], tmp_path
     assert chat(d, home, "one", "Hello there").returncode == 0
     assert chat(d, home, "bad", "Hello again").returncode == 0
@@ -215,7 +221,7 @@ def md_sections(text: str) -> list[tuple[int, str]]:
             if t.type == "heading_open" and t.level == 0]  # fmt: skip
 
 
-def test_export_json_and_markdown(tiny_model_dirs, tmp_path):
+def test_export_json_and_markdown(tiny_model_dirs, tmp_path, mlxcc, chat):
     from openai.types.chat import ChatCompletionMessageParam
     from pydantic import TypeAdapter
 

@@ -1,18 +1,16 @@
 """Every generation setting has one range (``config.RANGES``), checked where a value
 enters: flags, ``/set``, session files, the library; a rotating window holds more
 than the tokens it pins; a prompt past the model's context is refused before any
-prompt token is processed (the real ``mlxcc`` in subprocesses where exit codes and
-the absence of a traceback matter)."""
+prompt token is processed (``mlxcc``'s entry point in-process, the ``cli`` fixture, where
+exit codes and the absence of a traceback matter)."""
 
 from __future__ import annotations
 
 import io
 import json
 import math
-import os
 import shutil
 import struct
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,16 +27,9 @@ from mlx_chatcache.errors import UsageError
 from mlx_chatcache.files.checksum import seal_bytes
 from mlx_chatcache.files.mlxcc_format import read_cache_info
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 SEED_RANGE = "must be an integer between 0 and 18446744073709551615"
 LONG = " ".join(["apples and oranges"] * 40)  # ~330 tokens for the tiny tokenizer
-
-
-def mlxcc(*args, home: Path | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, **({"MLXCC_HOME": str(home)} if home else {})}
-    return subprocess.run([sys.executable, "-m", "mlx_chatcache", *map(str, args)], input=stdin,
-                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
 
 
 def one_error_line(p) -> str:
@@ -114,22 +105,22 @@ def test_every_default_is_in_its_range_and_ranges_are_stated():
 
 # ------------------------------------------------------------------ flags
 @pytest.mark.parametrize("seed", ["-1", "99999999999999999999"])
-def test_out_of_range_seed_flag_is_one_line_naming_the_range(tiny_model_dirs, seed):
-    p = mlxcc("generate", "--model", tiny_model_dirs["llama"], "-p", "hi", "-m", "2", "--seed", seed)
+def test_out_of_range_seed_flag_is_one_line_naming_the_range(tiny_model_dirs, seed, cli):
+    p = cli("generate", "--model", tiny_model_dirs["llama"], "-p", "hi", "-m", "2", "--seed", seed)
     line = one_error_line(p)
     assert p.returncode == 2 and "--seed" in line and SEED_RANGE in line, line
 
 
-def test_window_smaller_than_keep_is_one_line_before_the_model_loads(tiny_model_dirs, tmp_path):
+def test_window_smaller_than_keep_is_one_line_before_the_model_loads(tiny_model_dirs, tmp_path, cli):
     for model in (tiny_model_dirs["llama"], tmp_path / "no-such-model"):
-        p = mlxcc("generate", "--model", model, "-p", "hi", "-m", "2", "--max-kv-size", "2")
+        p = cli("generate", "--model", model, "-p", "hi", "-m", "2", "--max-kv-size", "2")
         line = one_error_line(p)
         assert "max_kv_size (2)" in line and "keep (4)" in line and p.stdout == "", line
-    p = mlxcc("cache-prompt", "--model", tmp_path / "no-such-model", "-p", "hi", "--max-kv-size", "4",
-              "--prompt-cache-file", tmp_path / "c.safetensors")  # fmt: skip
+    p = cli("cache-prompt", "--model", tmp_path / "no-such-model", "-p", "hi", "--max-kv-size", "4",
+            "--prompt-cache-file", tmp_path / "c.safetensors")  # fmt: skip
     assert "max_kv_size (4)" in one_error_line(p) and not (tmp_path / "c.safetensors").exists()
     pytest.importorskip("uvicorn")
-    p = mlxcc("serve", "--model", tmp_path / "no-such-model", "--max-kv-size", "3", "--port", "1")
+    p = cli("serve", "--model", tmp_path / "no-such-model", "--max-kv-size", "3", "--port", "1")
     assert "max_kv_size (3)" in one_error_line(p)
 
 
@@ -150,27 +141,27 @@ def test_library_generation_refuses_an_out_of_range_seed(llama_model):
 
 
 # ------------------------------------------------------------------ the model's context
-def test_prompt_past_the_context_is_refused_before_prefill(short_context_model, tmp_path):
+def test_prompt_past_the_context_is_refused_before_prefill(short_context_model, tmp_path, cli):
     prompt = tmp_path / "huge.txt"
     prompt.write_text(LONG)
     start = time.perf_counter()
-    p = mlxcc("generate", "--model", short_context_model, "-f", prompt, "-m", "2")
+    p = cli("generate", "--model", short_context_model, "-f", prompt, "-m", "2")
     line = one_error_line(p)
     assert "context holds 64" in line and "--max-kv-size" in line and p.stdout == "", line
     assert time.perf_counter() - start < 60
     out = tmp_path / "c.safetensors"
-    p = mlxcc("cache-prompt", "--model", short_context_model, "-f", prompt, "--prompt-cache-file", out)
+    p = cli("cache-prompt", "--model", short_context_model, "-f", prompt, "--prompt-cache-file", out)
     assert "context holds 64" in one_error_line(p) and not out.exists()
     # a rotating window makes it legal: a warning naming the window, and the reply
-    p = mlxcc("generate", "--model", short_context_model, "-f", prompt, "-m", "2", "--max-kv-size", "32")
+    p = cli("generate", "--model", short_context_model, "-f", prompt, "-m", "2", "--max-kv-size", "32")
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     warnings = [line for line in p.stderr.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "latest 32" in warnings[0] and "context of 64" in warnings[0], p.stderr
 
 
-def test_chat_turn_past_the_context_is_refused_and_the_chat_goes_on(short_context_model, tmp_path):
-    p = mlxcc("chat", "--model", short_context_model, "-m", "3", "-v", "--session", "ctx",
-              home=tmp_path, stdin=f"{LONG}\nHi\n")  # fmt: skip
+def test_chat_turn_past_the_context_is_refused_and_the_chat_goes_on(short_context_model, tmp_path, cli):
+    p = cli("chat", "--model", short_context_model, "-m", "3", "-v", "--session", "ctx",
+            env={"MLXCC_HOME": tmp_path}, stdin=f"{LONG}\nHi\n")  # fmt: skip
     assert "Traceback" not in p.stderr, p.stderr
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "context holds 64" in errors[0] and "nothing was sent" in errors[0], p.stderr

@@ -14,7 +14,6 @@ import sys
 import pytest
 
 from mlx_chatcache.cli.main import main
-from mlx_chatcache.files.tokens import common_prefix_len
 from mlx_chatcache.generation.templates import render_chat
 from mlx_chatcache.generation.text import stream_generate
 from mlx_chatcache.config import DEFAULTS, SERVER_DEFAULTS

@@ -11,7 +11,6 @@ from mlx_chatcache.store.disk import DiskTier
 from mlx_chatcache.store.records import Record, decode_record, encode_record
 from mlx_chatcache.store.tiers import MemoryTier
 
-pytestmark = pytest.mark.blas_free
 
 DOC = {"response": {"id": "resp_" + "ab" * 16, "output": [{"text": "héllo 🙂"}]}, "history": [{"role": "user"}]}
 

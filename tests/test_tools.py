@@ -70,6 +70,7 @@ def test_a_named_function_is_called_even_by_random_weights(tool_models, family):
         jsonschema.validate(json.loads(call["function"]["arguments"]), ADD["function"]["parameters"])
 
 
+@pytest.mark.blas  # two greedy runs compared
 def test_greedy_forced_calls_are_deterministic(tool_models):
     model, tokenizer = tool_models["json_tools"]
     assert forced_reply(model, tokenizer, [ADD], "add", temp=0.0) == forced_reply(model, tokenizer, [ADD], "add", temp=0.0)

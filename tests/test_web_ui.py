@@ -23,7 +23,6 @@ from webdriver import ENTER, Browser
 
 from mlx_chatcache.server.ui import CSP, FILES, announcement, ui_mode
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 STATIC = Path(__file__).resolve().parent.parent / "mlx_chatcache" / "server" / "static"
 ARTIFACTS = Path(os.environ.get("MLXCC_TEST_ARTIFACTS") or Path(__file__).resolve().parent.parent / "test-artifacts")

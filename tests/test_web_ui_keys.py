@@ -10,7 +10,6 @@ import pytest
 from server_process import ServerProcess
 from webdriver import ENTER, Browser
 
-pytestmark = pytest.mark.blas_free  # its subject does not depend on the BLAS: run in one pass
 
 KEY = "page-test-key-0123456789"
 FORM_SHOWN = "return !document.getElementById('key-form').hidden"

@@ -222,7 +222,7 @@ def save_load(cache, tokens, tmp_path):
 
 
 # ----------------------------------------------------------------- the sweep
-zoo_sweep = pytest.mark.zoo  # the sweep proper; CI can run it as its own step (-m zoo)
+zoo_sweep = pytest.mark.zoo  # the sweep proper: make zoo runs it, make test leaves it out
 
 
 @zoo_sweep

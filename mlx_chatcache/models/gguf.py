@@ -258,7 +258,8 @@ class TokenizerSpec:
     chat_template: str | None
 
     def as_json(self) -> bytes:
-        return canonical_json(dataclasses.asdict(self))
+        # the fields by name, not dataclasses.asdict: it deep-copies each of the ~150k list items first
+        return canonical_json({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
 
 def tokenizer_spec(meta: dict) -> TokenizerSpec:

@@ -6,8 +6,9 @@ server-sent events with ``"stream": true``, ending with ``data: [DONE]``),
 requests per endpoint); Anthropic's Messages API (:mod:`.messages_api`) and OpenAI's
 Responses API (:mod:`.responses_api`); the browser page's routes come from :mod:`.ui`.
 
-Contract: handlers never run MLX work; they parse and check the request
-(:mod:`.protocol`), tokenize it on the tokenizer thread, hand a job to the
+Contract: handlers never run MLX work; they parse the request (:mod:`.protocol`),
+have the service admit it on the tokenizer thread (:meth:`.service.Service.admit`:
+every check, the prompt's tokens, the job's settings), hand a job to the
 generation worker and relay its events. Every error is an OpenAI-shaped JSON
 body with a 4xx status for bad requests (5xx for our own faults), never a
 traceback. A client that disconnects cancels its job, streamed or not (checked

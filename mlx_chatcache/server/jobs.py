@@ -3,9 +3,9 @@
 Contract
 --------
 - :func:`decode_body` is a request body's JSON value (a 400 ``invalid_json`` otherwise).
-- :func:`start_job` ``(service, request, req, endpoint)`` prepares ``req`` (prompt ids,
-  boundary, system prompt end and the prompt's ``marks``: :meth:`.service.Service.prepare`),
-  checks its settings, submits a :class:`~.worker.Job` (``X-Session-Id`` is the
+- :func:`start_job` ``(service, request, req, endpoint)`` has the service admit ``req``
+  (:meth:`.service.Service.admit`: its prompt ids, boundary, system prompt end and
+  ``marks``, its settings and hooks), submits a :class:`~.worker.Job` (``X-Session-Id`` is the
   ``prompt_cache_key`` when the body has none; the marks are stored as exact ends and
   pinned under the key; the request's tenant and id go with it), holds it in the
   server's drain, has its first token and gaps measured when it is done, and counts
@@ -68,14 +68,8 @@ async def start_job(service: Service, request: HTTPRequest, req: Request, endpoi
                     key_of: Callable[[Prepared], str | None] | None = None) -> Started:  # fmt: skip
     """Submit ``req``'s job (see the module doc); ``key_of`` names its pin from its
     prepared prompt when neither the body nor the header did."""
-    service.check_model(req.model)
-    session = request.headers.get("x-session-id")
-    if req.cache_key is None and session:
-        req.cache_key = session
-    prepared = await service.prepare(req)
-    if req.cache_key is None and key_of is not None:
-        req.cache_key = key_of(prepared)
-    config = service.job_config(req, len(prepared.prompt))
+    admission = await service.admitted(req, request.headers.get("x-session-id"), key_of)
+    prepared = admission.prepared
     events: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
 
@@ -87,10 +81,9 @@ async def start_job(service: Service, request: HTTPRequest, req: Request, endpoi
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody listens
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-    processors, postprocess = service.job_hooks(req)
-    job = Job(prepared.prompt, config, emit, req.stop, prepared.boundary, req.cache_key, n=req.n,
-              logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, processors=processors,
-              postprocess=postprocess, system_end=prepared.system_end, marks=prepared.marks,
+    job = Job(prepared.prompt, admission.config, emit, req.stop, prepared.boundary, req.cache_key, n=req.n,
+              logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, processors=admission.processors,
+              postprocess=admission.postprocess, system_end=prepared.system_end, marks=prepared.marks,
               tenant=request.state.tenant, request_id=request.state.request_id)  # fmt: skip
     try:
         service.worker.submit(job)

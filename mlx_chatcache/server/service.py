@@ -10,14 +10,19 @@ base :class:`GenerationConfig` and the :class:`GenerationWorker`, with its
   its names are the model's reference, its folder's name and ``served_names``
   (``--served-model-name``); ``default_model`` (mlx-lm's name) and an omitted
   ``model`` mean the served model;
-- :meth:`Service.prepare` renders and tokenizes a request (chat template for
-  chats) and returns a :class:`Prepared`: the prompt's token ids and, for chats, the
+- :meth:`Service.admit` is every check of a parsed request before its job is
+  queued, in order: the model name, the prompt, the job's settings and hooks (below);
+  it returns an :class:`Admission` or raises :class:`~.protocol.RequestError`.
+  :meth:`Service.admitted` runs it on one tokenizer thread, off the event loop and
+  off the worker. An ``X-Session-Id`` given with no ``prompt_cache_key`` becomes it;
+  :meth:`Service.count_tokens` is the length of a request's prompt;
+- preparing a request renders and tokenizes it (chat template for
+  chats) and gives a :class:`Prepared`: the prompt's token ids and, for chats, the
   *boundary*: how many of them end the last message (before the generation prompt),
   how many its leading system messages make (:func:`~mlx_chatcache.generation.templates.system_end`)
   and its *marks*: where the prefix ``req.mark_messages`` (the messages up to a cache
   breakpoint) ends in the prompt (its rendering's common prefix with the prompt);
   ``tools`` reach the chat template unless ``tool_choice`` is ``"none"``;
-  it runs on one tokenizer thread, off the event loop and off the worker;
   a token id the model does not have (a completion's ids) is a 400 here,
   before the request is queued;
 - :meth:`Service.job_hooks` is what a request's ``tools``/``tool_choice`` and
@@ -42,6 +47,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..config import SERVER_DEFAULTS, GenerationConfig, SettingError, check_setting
 from ..errors import ChatCacheError, TokenIdError, one_line
@@ -69,6 +75,16 @@ class Prepared:
     boundary: int | None = None
     system_end: int | None = None
     marks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request the service takes: its prepared prompt, the job's settings and hooks."""
+
+    prepared: Prepared
+    config: GenerationConfig
+    processors: Callable[[], list] | None
+    postprocess: Callable[[str], object] | None
 
 
 class Service:
@@ -143,13 +159,31 @@ class Service:
             raise RequestError(404, f"the model '{name}' does not exist here; this server serves "
                                f"'{self.model_id}' (see GET /v1/models)", "model", "model_not_found")  # fmt: skip
 
-    async def prepare(self, req: Request) -> Prepared:
+    def admit(self, req: Request, session: str | None = None,
+              key_of: Callable[[Prepared], str | None] | None = None) -> Admission:  # fmt: skip
+        """Every check before the job is queued (module doc); ``session`` is the
+        ``X-Session-Id`` header, ``key_of`` names the pin from the prepared prompt when
+        neither the body nor the header did."""
+        self.check_model(req.model)
+        if req.cache_key is None and session:
+            req.cache_key = session
+        prepared = self._prepare(req)
+        if req.cache_key is None and key_of is not None:
+            req.cache_key = key_of(prepared)
+        config = self.job_config(req, len(prepared.prompt))
+        processors, postprocess = self.job_hooks(req)
+        return Admission(prepared, config, processors, postprocess)
+
+    async def admitted(self, req: Request, session: str | None = None,
+                       key_of: Callable[[Prepared], str | None] | None = None) -> Admission:  # fmt: skip
+        """:meth:`admit` on the tokenizer thread."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize, self._prepare, req)
+        return await loop.run_in_executor(self._tokenize, self.admit, req, session, key_of)
 
     async def count_tokens(self, req: Request) -> int:
-        """How many tokens ``req``'s prompt has (rendered as :meth:`prepare` renders it)."""
-        return len((await self.prepare(req)).prompt)
+        """How many tokens ``req``'s prompt has (rendered as :meth:`admit` renders it)."""
+        loop = asyncio.get_running_loop()
+        return len((await loop.run_in_executor(self._tokenize, self._prepare, req)).prompt)
 
     def _prepare(self, req: Request) -> Prepared:
         try:
