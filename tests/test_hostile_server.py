@@ -42,7 +42,7 @@ from server_process import ServerProcess
 from tiny_models import VOCAB_SIZE
 
 from mlx_chatcache.config import DEFAULTS
-from mlx_chatcache.server.app import decode_body
+from mlx_chatcache.server.jobs import decode_body
 from mlx_chatcache.server.protocol import RequestError, parse_chat, parse_completion
 from mlx_chatcache.server.service import Service
 from mlx_chatcache.store.store import PromptStore
