@@ -9,7 +9,7 @@ Contract
 polls ``should_stop`` before every chunk and raises :class:`TurnCancelled`
 when it says so; the state then holds the chunks fed so far (the caller rolls
 the turn back). When ``upto == len(ids) - 1`` (the prompt up to the token the
-reply starts from), the tokens :func:`~mlx_chatcache.generation.loop.final_call_size`
+reply starts from), the tokens :func:`~mlx_chatcache.generation.feed.final_call_size`
 gives (the prompt's last chunk, or only its last token for a quantized model)
 are left to :func:`stream_reply`: the generate loop feeds them in the model
 call that samples the first reply token, one call instead of two.
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..config import INTERRUPTIBLE_CALL_SECONDS, GenerationConfig
-from ..generation.loop import (
+from ..generation.feed import (
     PrefillStopped,
     Progress,
     consistent_on_error,
@@ -134,7 +134,7 @@ def feed_prompt(
     chunks (and the call left to the reply) are also sized to take at most
     about ``INTERRUPTIBLE_CALL_SECONDS`` (:mod:`mlx_chatcache.generation.pacing`), so a
     stop request is honoured within a second. ``progress`` gets ``(fed, to
-    feed)`` (:func:`~mlx_chatcache.generation.loop.prefill`)."""
+    feed)`` (:func:`~mlx_chatcache.generation.feed.prefill`)."""
     step = config.prefill_step_size
     pacer = CallPacer(model, INTERRUPTIBLE_CALL_SECONDS) if should_stop is not None else None
     first = len(state.tokens)

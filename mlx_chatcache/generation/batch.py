@@ -9,7 +9,7 @@ quantized, chunked, SSM or hybrid cache keeps its own per-row layout).
 
 A :class:`DecodeBatch` holds rows, each a :class:`BatchRow`: a
 :class:`~mlx_chatcache.files.prompt_cache.PromptCache` fed all of its prompt but
-the last token (by :func:`~mlx_chatcache.generation.loop.prefill`), the token to
+the last token (by :func:`~mlx_chatcache.generation.feed.prefill`), the token to
 feed next, and its own sampler and logits processors.
 
 - :meth:`DecodeBatch.join` adds a row; its layers move into the batch's mlx-lm

@@ -13,7 +13,7 @@ stays on it). Up to ``max_batch`` jobs are active at once. Prompts are fed
 one at a time, the first waiting prompt first: a job is checked out of the store
 when its turn comes (so it reuses what the prompts fed before it stored), and its
 uncached prompt, all but its last token, is fed by
-:func:`~mlx_chatcache.generation.loop.prefill`, one chunk of
+:func:`~mlx_chatcache.generation.feed.prefill`, one chunk of
 ``prefill_step_size`` per tick. Its cache then goes into the store's memory
 tier (concurrent requests sharing a system prompt pay for it once; files and
 Redis get the request's final entry) and its row joins the
@@ -44,7 +44,7 @@ import mlx.core as mx
 from ..errors import ChatCacheError
 from ..files.prompt_cache import PromptCache
 from ..generation.batch import BatchRow, DecodeBatch, batch_refusal
-from ..generation.loop import consistent_on_error, prefill
+from ..generation.feed import consistent_on_error, prefill
 from ..generation.sample import make_logits_processors, make_sampler
 from ..generation.text import as_tokenizer_wrapper, next_segment, stop_token_ids
 from ..cache import compact_copy

@@ -59,7 +59,7 @@ import mlx.core as mx
 
 from ..config import SEED_LIMIT, GenerationConfig
 from ..errors import ChatCacheError
-from ..generation.loop import PrefillStopped, consistent_on_error, make_kv_quantizer, prefill
+from ..generation.feed import PrefillStopped, consistent_on_error, make_kv_quantizer, prefill
 from ..files.prompt_cache import PromptCache
 from ..generation.prompt import reuse_prefix
 from ..generation.checkout import prompt_scope

@@ -73,9 +73,12 @@ class Scope:
 
 
 def make_scope(fingerprint: ModelFingerprint, settings: dict) -> Scope:
-    ident = json.dumps(
-        {"weights": fingerprint.weights_hash, "tokenizer": fingerprint.tokenizer_hash, **settings}, sort_keys=True
-    )
+    """The scope of ``fingerprint``'s caches made with ``settings`` (a draft model, whose
+    layers the caches then hold too, is part of it)."""
+    ident = {"weights": fingerprint.weights_hash, "tokenizer": fingerprint.tokenizer_hash, **settings}
+    if fingerprint.draft is not None:
+        ident["draft"] = [fingerprint.draft.weights_hash, fingerprint.draft.tokenizer_hash]
+    ident = json.dumps(ident, sort_keys=True)
     return Scope(hashlib.sha256(ident.encode()).hexdigest()[:32], fingerprint, dict(settings))
 
 
