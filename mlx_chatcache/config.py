@@ -367,6 +367,9 @@ class ServerConfig:
     # trade: 50 chats sharing a 1,000-token prompt within 1.25x of their unique tokens' bytes, and a disk
     # checkout opening one file per block
     store_block_tokens: int = 64
+    # speculative decoding's store drafts (--store-drafts): the n-gram index of the tokens the store holds
+    # for the model keeps this many tokens (int32) and about 3 slots each (int64): 28 bytes per token
+    draft_index_tokens: int = 1_000_000
     disk_rescan_seconds: float = 1.0  # a disk tier looks for values other processes added at most this often
     max_queue: int = 64  # requests waiting for the generation worker; more get HTTP 503
     # rows decoded together in one model call (1: one request at a time); decoding on a CPU

@@ -160,11 +160,13 @@ def stream_reply(
     on_text: TextCallback | None,
     should_stop: StopCheck | None,
     stops: Sequence[str] = (),
+    draft_index=None,
 ) -> Reply:
     """The reply to ``prompt_ids`` (see the module doc); ``started``: the turn's
     start on ``time.perf_counter()``, from which the TTFT is measured. The text
     is cut at the first of ``stops`` (:class:`~mlx_chatcache.generation.stops.StopMatcher`):
-    the reply ends there (``cut``; its tokens then say more than its text)."""
+    the reply ends there (``cut``; its tokens then say more than its text). ``draft_index``:
+    the store's, for ``config.prompt_lookup`` "store" (speculative decoding)."""
     tokens: list[int] = []
     raw: list[str] = []  # the detokenizer's pieces
     pieces: list[str] = []  # what the reply says (cut at a stop string)
@@ -179,7 +181,7 @@ def stream_reply(
                 on_text(out)
         return hit
 
-    gen = stream_generate(model, tokenizer, prompt_ids, state=state, config=config)
+    gen = stream_generate(model, tokenizer, prompt_ids, state=state, config=config, draft_index=draft_index)
     try:
         for r in gen:
             if last is None:

@@ -34,9 +34,11 @@ from .common import (
     add_cache_dir_arg,
     add_model_arg,
     add_sampling_args,
+    add_speculative_args,
     add_verbose_arg,
     add_weights_arg,
     check_cache_dir,
+    check_store_drafts,
     config_from_args,
     config_overrides,
     lenient_stdin,
@@ -60,6 +62,7 @@ def add_parser(sub) -> None:
     add_weights_arg(p)
     p.add_argument("--system-prompt", help="the system prompt (pinned in the cache window with --max-kv-size)")
     add_sampling_args(p)
+    add_speculative_args(p)
     add_cache_args(p)
     p.add_argument("--chat-template-config", "--chat-template-args", metavar="JSON",
                    help="JSON object (or file) of extra chat template arguments; saved with the session")
@@ -84,6 +87,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_cache_dir(args.cache_dir)  # before the session's lock file (it would make a new DIR non-empty)
+    check_store_drafts(args)
     path, label = None, None
     if args.session is not None:
         path, label = session_path(args.session), f"'{args.session}'"

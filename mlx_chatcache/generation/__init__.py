@@ -1,7 +1,10 @@
 """Generation: running a model on a prompt cache. ``prompt`` (prefix reuse and trimming of a
 ``PromptCache``, the value ``files.prompt_cache`` holds), ``loop`` (prefill and ``generate_step``),
-``text`` (``stream_generate``/``generate``: text in, text out), ``model_call`` (the one door every model
-call goes through), ``sample`` (samplers and logits processors), ``constrain`` (grammar-constrained
+``text`` (``stream_generate``/``generate``: text in, text out), ``feed`` (the one prompt feeder),
+``run`` (a generate call's setup), ``speculative`` and ``drafts`` (speculative decoding and its draft
+sources), ``batch`` (decoding several caches in one model call) and ``batch_api`` (mlx-lm's
+``BatchGenerator``/``batch_generate`` over it), ``device`` (the generation stream, the wired limit),
+``model_call`` (the one door every model call goes through), ``sample`` (samplers and logits processors), ``constrain`` (grammar-constrained
 decoding: a JSON schema or Lark grammar as a logits processor), ``pacing`` (calls short enough for
 Ctrl-C), ``token_ids`` (the ids a model can take), ``arguments`` (mlx-lm's keywords), ``templates``
 (chat messages or raw text to token ids), ``checkout`` (the scope of a model and cache shape; a prompt's

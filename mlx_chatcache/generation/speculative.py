@@ -246,9 +246,12 @@ def speculative_generate_step(
     progress: Progress | None = None,
     max_call_seconds: float | None = None,
     draft_index=None,
+    draft_stats: dict | None = None,
 ) -> Iterator[tuple[int, mx.array, bool]]:
     """Yield ``(token, logprobs (V,), from_draft)`` for up to ``max_tokens`` tokens, verifying
-    drafted tokens several per model call (see the module docstring).
+    drafted tokens several per model call (see the module docstring). ``draft_stats``: a dict
+    that gets ``rounds`` (model calls after the prompt), ``drafted`` (tokens proposed) and
+    ``accepted`` (drafts the model accepted), kept up to date as tokens are yielded.
 
     mlx-lm's arguments with its meaning: ``draft_model`` (its layers follow the model's in
     ``prompt_cache``: ``make_prompt_cache(model) + make_prompt_cache(draft_model)``; ``model``
@@ -273,10 +276,12 @@ def speculative_generate_step(
                           prompt_cache=prompt_cache, state=state, progress=progress,
                           max_call_seconds=max_call_seconds)  # fmt: skip
         source, k = draft_source(run, draft_index, num_draft_tokens)
-        yield from _rounds(run, Speculator(run, source, k), stop_tokens)
+        stats = draft_stats if draft_stats is not None else {}
+        stats.update(rounds=0, drafted=0, accepted=0)
+        yield from _rounds(run, Speculator(run, source, k), stop_tokens, stats)
 
 
-def _rounds(run: Run, spec: Speculator, stop_tokens: Collection[int]) -> Iterator[tuple[int, mx.array, bool]]:
+def _rounds(run: Run, spec: Speculator, stop_tokens: Collection[int], stats: dict) -> Iterator[tuple[int, mx.array, bool]]:
     state, limit = run.state, run.config.max_tokens
     if spec.source is not None:
         spec.source.start(state.tokens + run.rest)
@@ -285,6 +290,9 @@ def _rounds(run: Run, spec: Speculator, stop_tokens: Collection[int]) -> Iterato
         while True:
             with run.guard():
                 r = spec.round(pending, None if limit == -1 else limit - n)
+            stats["rounds"] += 1
+            stats["drafted"] += r.drafted
+            stats["accepted"] += r.accepted
             base = len(state.tokens) - r.accepted  # the state holds base tokens before the first returned
             for i, (token, logprobs) in enumerate(zip(r.tokens, r.logprobs)):
                 n += 1

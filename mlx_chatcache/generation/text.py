@@ -153,6 +153,7 @@ def stream_generate(
     max_call_seconds: float | None = None,
     json_schema: dict | None = None,
     draft_index=None,
+    draft_stats: dict | None = None,
 ) -> Iterator[GenerationResponse]:
     """Yield a :class:`GenerationResponse` per sampled token; the last has a ``finish_reason``.
 
@@ -167,7 +168,7 @@ def stream_generate(
     ``draft_model`` (or a model that is a :class:`~mlx_chatcache.models.draft_pair.DraftPair`)
     or ``config.prompt_lookup`` ("store" drafts from ``draft_index`` too), unless
     ``num_draft_tokens`` (else ``config.num_draft_tokens``) is 0 or a logits processor keeps
-    state (``json_schema``'s). ``json_schema``: the reply is JSON valid under
+    state (``json_schema``'s); ``draft_stats``: see there. ``json_schema``: the reply is JSON valid under
     this schema whenever it ends by an EOS token (``finish_reason`` "stop"; see
     :mod:`mlx_chatcache.generation.constrain`); a schema llguidance refuses raises
     :class:`~mlx_chatcache.generation.constrain.GrammarError` before anything is computed.
@@ -199,7 +200,7 @@ def stream_generate(
         if prompt_progress_callback is not None:
             args["progress"] = progress or prompt_progress_callback
         steps = speculative_generate_step(prompt_ids, model, draft_model, stream, num_draft_tokens=num_draft_tokens,
-                                          draft_index=draft_index, **args)  # fmt: skip
+                                          draft_index=draft_index, draft_stats=draft_stats, **args)  # fmt: skip
     else:
         plain = generate_step(prompt_ids, model, stream, prompt_progress_callback=prompt_progress_callback,
                               input_embeddings=input_embeddings, **args)  # fmt: skip
