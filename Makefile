@@ -25,7 +25,10 @@ test: $(STAMP)
 test-blas-off: $(STAMP)
 	MLXCC_BLAS=off $(PY) -m pytest -q --durations=20 -m 'not slow and not zoo and not blas_free'
 
-# mlx-lm's own tests folder, from the PyPI sdist of the installed version (tests/test_mlxlm_server_suite.py)
+# mlx-lm's own tests folder, from the PyPI sdist of the installed version: the suite then runs its
+# test_server.py against mlxcc serve (tests/test_mlxlm_server_suite.py), its test_prompt_cache.py on our
+# caches (tests/test_mlxlm_suite.py) and its test_generate.py on our generation functions
+# (tests/test_mlxlm_generate_suite.py)
 mlxlm-tests: $(STAMP)
 	$(PY) tests/fetch_mlxlm_tests.py
 
