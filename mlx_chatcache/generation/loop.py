@@ -267,7 +267,8 @@ def _decode(run: Run, stop_tokens: Collection[int]) -> Iterator[tuple[int, mx.ar
                 ahead = True
                 token = token_arr.item()
                 state.tokens.append(token)
-                following = _start_step(model, state, token_arr[None], sampler, processors, quantizer, own_sampler)
+                after = () if token in stop_tokens else processors  # nothing is sampled after a stop token
+                following = _start_step(model, state, token_arr[None], sampler, after, quantizer, own_sampler)
             else:
                 # feed token n before it is known (not the first: see the module doc)
                 ahead = (1 < n and not last and not processors

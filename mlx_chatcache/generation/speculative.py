@@ -247,6 +247,7 @@ def speculative_generate_step(
     max_call_seconds: float | None = None,
     draft_index=None,
     draft_stats: dict | None = None,
+    drafts=None,
 ) -> Iterator[tuple[int, mx.array, bool]]:
     """Yield ``(token, logprobs (V,), from_draft)`` for up to ``max_tokens`` tokens, verifying
     drafted tokens several per model call (see the module docstring). ``draft_stats``: a dict
@@ -258,7 +259,9 @@ def speculative_generate_step(
     may instead be a :class:`~mlx_chatcache.models.draft_pair.DraftPair`), ``num_draft_tokens``
     (drafts per model call; 0: none), and those of
     :func:`~mlx_chatcache.generation.loop.generate_step`. Without a draft model, drafts come
-    from ``config.prompt_lookup`` (``draft_index``: the store's index, for "store").
+    from ``config.prompt_lookup`` (``draft_index``: the store's index, for "store"); ``drafts``: a
+    draft source of one's own (the protocol of :mod:`~mlx_chatcache.generation.drafts`), used
+    instead, ``num_draft_tokens`` (default ``LOOKUP_DRAFT_TOKENS``) at a time.
     """
     config = call_config(
         config, max_tokens=max_tokens, prefill_step_size=prefill_step_size,
@@ -275,7 +278,10 @@ def speculative_generate_step(
         run = prepare_run(prompt, model, config, sampler=sampler, logits_processors=logits_processors,
                           prompt_cache=prompt_cache, state=state, progress=progress,
                           max_call_seconds=max_call_seconds)  # fmt: skip
-        source, k = draft_source(run, draft_index, num_draft_tokens)
+        if drafts is not None:
+            source, k = drafts, num_draft_tokens or LOOKUP_DRAFT_TOKENS
+        else:
+            source, k = draft_source(run, draft_index, num_draft_tokens)
         stats = draft_stats if draft_stats is not None else {}
         stats.update(rounds=0, drafted=0, accepted=0)
         yield from _rounds(run, Speculator(run, source, k), stop_tokens, stats)
