@@ -67,9 +67,7 @@ class DraftPair:
     def draft_layers(self, cache: Sequence) -> list:
         return list(cache[self.split :])
 
-    def __call__(self, inputs, cache=None, input_embeddings=None):
-        if input_embeddings is not None:
-            raise UsageError("input_embeddings cannot be fed to a model with a draft model; generate without it")
+    def __call__(self, inputs, cache=None):
         out = self.target(inputs, cache=None if cache is None else cache[: self.split])
         self.draft(inputs, cache=None if cache is None else cache[self.split :])
         return out
