@@ -28,7 +28,9 @@ The output is the model's, whatever the drafts:
 
 Logits processors see, at each position, the context up to it (drafts included); a
 processor that keeps state (``keeps_state``, a grammar's constraint) cannot be shown
-contexts out of order, so no tokens are drafted under it. Drafts are limited so that every
+contexts out of order, so no tokens are drafted under it. A round asks for up to ``k`` drafts:
+the length doubles after a round whose drafts were all accepted and halves (not below 2)
+after one that had a rejection. Drafts are limited so that every
 layer can take the unaccepted ones back (``can_take_back``): a rotating window that is full
 gets no drafts (each round is then a plain decode step). A cache with layers that can never
 take tokens back (SSM/convolution ``ArraysCache``) is refused before anything is fed:
@@ -97,6 +99,13 @@ def draft_source(run: Run, draft_index=None, num_draft_tokens: int | None = None
     return source, k or LOOKUP_DRAFT_TOKENS
 
 
+def next_length(length: int, k: int, accepted: int, drafted: int) -> int:
+    """The next round's draft length after a round of ``drafted`` drafts, ``accepted`` of them:
+    doubled (up to ``k``) when all were accepted, halved (down to 2) when one was not, so a source
+    that keeps missing costs little more than plain decoding (``benchmarks/speculative.py --tune``)."""
+    return min(k, 2 * length) if accepted == drafted else max(min(2, k), length // 2)
+
+
 @dataclass
 class Round:
     """What a round gave: ``tokens`` (the accepted drafts, then the model's own token),
@@ -114,6 +123,7 @@ class Speculator:
 
     def __init__(self, run: Run, source, k: int):
         self.run, self.source, self.k = run, source, k
+        self.length = k  # drafts asked for next: see _adapt
         model = run.model
         self.target = model.target if isinstance(model, DraftPair) else model
         self.split = model.split if isinstance(model, DraftPair) else len(run.state.cache)
@@ -125,7 +135,7 @@ class Speculator:
         layer can take back after ``pending`` more tokens."""
         if self.source is None or self.stateful:
             return 0
-        k = self.k if limit is None else min(self.k, limit)
+        k = self.length if limit is None else min(self.length, limit)
         cache = self.run.state.cache
         if all(c.always_trimmable() for c in cache):
             return k
@@ -164,7 +174,12 @@ class Speculator:
         state.tokens.extend(draft_ids[:accepted])
         tokens = draft_ids[:accepted] + [token]
         self.source.advance(tokens, accepted) if self.source is not None else None
+        self._adapt(accepted, n)
         return Round(tokens, [logprobs[i] for i in range(accepted + 1)], accepted, n)
+
+    def _adapt(self, accepted: int, drafted: int) -> None:
+        if drafted:
+            self.length = next_length(self.length, self.k, accepted, drafted)
 
     def _processed(self, logits: mx.array, pending: list[int], drafts: list[int]) -> mx.array:
         """Log-probabilities ``(n+1, V)`` after the processors, each position seeing its context."""
@@ -341,4 +356,4 @@ def _check_layers(model, prompt_cache, state) -> None:
                          "make the cache for the model and its draft model")  # fmt: skip
 
 
-__all__ = ["Speculator", "Round", "speculation_refusal", "draft_source", "speculative_generate_step"]
+__all__ = ["Speculator", "Round", "next_length", "speculation_refusal", "draft_source", "speculative_generate_step"]
