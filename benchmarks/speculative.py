@@ -286,7 +286,7 @@ def replay(prompt, reply, source, k: int) -> list[int]:
 
 
 def tune(args) -> str:
-    from mlx_chatcache.generation.drafts import FirstOf, IndexLookup, PromptLookup
+    from mlx_chatcache.generation.drafts import PromptLookup
 
     path, model, tok = load_demo()
     index = earlier_store(model, tok, args.tokens)
@@ -308,7 +308,7 @@ def tune(args) -> str:
             for k in (3, 4, 6, 8, 12, 16):
                 row = [mode, n, k]
                 for w, (ids, reply) in replies.items():
-                    source = PromptLookup(n) if mode == "prompt" else FirstOf(PromptLookup(n), IndexLookup(index, n))
+                    source = PromptLookup(n, index=index if mode == "store" else None)
                     sizes = replay(ids, reply, source, k)
                     row.append(f"{len(reply) * cost(1) / sum(cost(s) for s in sizes):.2f}x")
                 rows.append(row)

@@ -15,9 +15,10 @@ Contract of a draft source (used by :mod:`.speculative`, one per generation):
 :class:`PromptLookup` matches the context's last ``ngram`` tokens (then shorter n-grams,
 down to ``min_ngram``) against the context itself and proposes what followed the latest
 earlier occurrence; its index (n-gram -> where it last ended) grows with the context, one
-dictionary entry per position and n-gram size. :class:`IndexLookup` proposes from a
-:class:`~mlx_chatcache.store.draft_index.DraftIndex` (the store's tokens for the model);
-:class:`FirstOf` asks its sources in order. :class:`DraftModel` runs the draft model of a
+dictionary entry per position and n-gram size. Given a store's
+:class:`~mlx_chatcache.store.draft_index.DraftIndex` (the tokens the store holds for the
+model), an n-gram the context does not hold earlier is looked up there before a shorter one
+is tried: the longest match wins, the request's own on a tie. :class:`DraftModel` runs the draft model of a
 :class:`~mlx_chatcache.models.draft_pair.DraftPair` on its own layers of the prompt cache:
 they hold the context's tokens the target's layers hold, except right after a round whose
 drafts were all accepted (its last draft is fed with the next round's tokens) and until
@@ -54,10 +55,13 @@ NO_DRAFTS = Drafts([])
 
 
 class PromptLookup:
-    """Drafts from n-gram matches in the generation's own tokens (see the module docstring)."""
+    """Drafts from n-gram matches in the generation's own tokens and, with ``index`` (a
+    :class:`~mlx_chatcache.store.draft_index.DraftIndex`), in the tokens the store holds (see
+    the module docstring)."""
 
-    def __init__(self, ngram: int, min_ngram: int = LOOKUP_MIN_NGRAM):
+    def __init__(self, ngram: int, min_ngram: int = LOOKUP_MIN_NGRAM, index=None):
         self.sizes = list(range(max(ngram, 1), max(min(min_ngram, ngram), 1) - 1, -1))  # longest first
+        self.index = index
         self.seq: list[int] = []
         self._ends: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
         self._indexed = 0  # positions j < _indexed are indexed (the n-grams ending before j)
@@ -75,6 +79,8 @@ class PromptLookup:
         self._indexed = stop
 
     def propose(self, k: int) -> Drafts:
+        """What followed the context's last n-gram, the longest size first: its latest earlier
+        occurrence in the context, else in the index."""
         self._index()
         seq, end = self.seq, len(self.seq)
         for n in self.sizes:
@@ -83,6 +89,9 @@ class PromptLookup:
             j = self._ends[n].get(tuple(seq[end - n :]))
             if j is not None and j < end:
                 return Drafts(seq[j : j + k])
+            found = self.index.lookup(seq[end - n :], k, n) if self.index is not None else []
+            if found:
+                return Drafts(found)
         return NO_DRAFTS
 
     def advance(self, tokens: Sequence[int], accepted: int) -> None:
@@ -90,54 +99,6 @@ class PromptLookup:
 
     def finish(self, n: int) -> None:
         del self.seq[n:]
-
-
-class IndexLookup:
-    """Drafts from a store's :class:`~mlx_chatcache.store.draft_index.DraftIndex`: what
-    followed the context's last n-gram in the tokens the store holds for the model."""
-
-    def __init__(self, index, ngram: int, min_ngram: int = LOOKUP_MIN_NGRAM):
-        self.index, self.ngram, self.min_ngram = index, ngram, min_ngram
-        self.seq: list[int] = []
-
-    def start(self, context: Sequence[int]) -> None:
-        self.seq = [int(t) for t in context]
-
-    def propose(self, k: int) -> Drafts:
-        found = self.index.lookup(self.seq[-self.ngram :], k, self.min_ngram)
-        return Drafts(found) if found else NO_DRAFTS
-
-    def advance(self, tokens: Sequence[int], accepted: int) -> None:
-        self.seq.extend(int(t) for t in tokens)
-
-    def finish(self, n: int) -> None:
-        del self.seq[n:]
-
-
-class FirstOf:
-    """The drafts of the first of ``sources`` that has any."""
-
-    def __init__(self, *sources):
-        self.sources = sources
-
-    def start(self, context: Sequence[int]) -> None:
-        for s in self.sources:
-            s.start(context)
-
-    def propose(self, k: int) -> Drafts:
-        for s in self.sources:
-            d = s.propose(k)
-            if len(d):
-                return d
-        return NO_DRAFTS
-
-    def advance(self, tokens: Sequence[int], accepted: int) -> None:
-        for s in self.sources:
-            s.advance(tokens, accepted)
-
-    def finish(self, n: int) -> None:
-        for s in self.sources:
-            s.finish(n)
 
 
 class DraftModel:
@@ -210,4 +171,4 @@ class DraftModel:
                 c.trim(n)
 
 
-__all__ = ["Drafts", "NO_DRAFTS", "PromptLookup", "IndexLookup", "FirstOf", "DraftModel"]
+__all__ = ["Drafts", "NO_DRAFTS", "PromptLookup", "DraftModel"]

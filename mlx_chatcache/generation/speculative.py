@@ -57,7 +57,7 @@ from ..files.prompt_cache import PromptCache
 from ..models.draft_pair import DraftPair
 from .arguments import call_config
 from .device import generation_stream
-from .drafts import NO_DRAFTS, DraftModel, Drafts, FirstOf, IndexLookup, PromptLookup
+from .drafts import NO_DRAFTS, DraftModel, Drafts, PromptLookup
 from .feed import Progress
 from .model_call import call_model
 from .run import Run, prepare_run
@@ -93,9 +93,7 @@ def draft_source(run: Run, draft_index=None, num_draft_tokens: int | None = None
         return DraftModel(run.model, run.state, run.sampler, run.distribution), k or DRAFT_MODEL_TOKENS
     if config.prompt_lookup == "off":
         return None, 0
-    source = PromptLookup(config.lookup_ngram)
-    if config.prompt_lookup == "store" and draft_index is not None:
-        source = FirstOf(source, IndexLookup(draft_index, config.lookup_ngram))
+    source = PromptLookup(config.lookup_ngram, index=draft_index if config.prompt_lookup == "store" else None)
     return source, k or LOOKUP_DRAFT_TOKENS
 
 
