@@ -115,25 +115,44 @@ def llama_threads() -> int:
 
 
 def llama_engines(path: str):
-    """``{engine: Llama}``: llama-cpp-python plain and with its prompt-lookup decoding."""
+    """``{engine: Llama}``: llama-cpp-python plain and with its prompt-lookup decoding (its drafts counted)."""
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    class Counted(LlamaPromptLookupDecoding):
+        """Its drafts as llama-cpp-python makes them, counted: one call per model call after the first."""
+
+        calls = drafted = 0
+
+        def __call__(self, input_ids, *args, **kwargs):
+            out = super().__call__(input_ids, *args, **kwargs)
+            self.calls, self.drafted = self.calls + 1, self.drafted + len(out)
+            return out
 
     t = llama_threads()
     common = dict(model_path=path, n_ctx=4096, n_batch=512, n_threads=t, n_threads_batch=t, seed=0, verbose=False)
     return {"llama.cpp plain": llama_cpp.Llama(**common),
-            "llama.cpp prompt lookup": llama_cpp.Llama(**common, draft_model=LlamaPromptLookupDecoding())}  # fmt: skip
+            "llama.cpp prompt lookup": llama_cpp.Llama(**common, draft_model=Counted())}  # fmt: skip
 
 
 def decode_llama(llm, ids, n: int, eos: set[int]) -> dict:
+    """One greedy run; with its prompt lookup, ``rounds`` (model calls after the prompt) and
+    ``drafted``, and ``accepted`` = tokens - rounds (every call gives its accepted drafts and one token)."""
     llm.reset()
+    draft = llm.draft_model
+    if draft is not None:
+        draft.calls = draft.drafted = 0
     times, tokens = [], []
     for t in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
         times.append(time.perf_counter())
         tokens.append(int(t))
         if len(tokens) >= n or t in eos:
             break
-    return {"tps": (len(tokens) - 1) / (times[-1] - times[0]), "tokens": tokens}
+    out = {"tps": (len(tokens) - 1) / (times[-1] - times[0]), "tokens": tokens}
+    if draft is not None:
+        rounds = max(draft.calls, 1)
+        out.update(rounds=rounds, drafted=draft.drafted, accepted=max(len(tokens) - rounds, 0))
+    return out
 
 
 # ------------------------------------------------------------------ the run

@@ -318,7 +318,7 @@ NEVER_A_FILE = {
     "kv_group_size", "quantized_kv_start", "prefill_step_size", "ignore_chat_template", "chat_template_config",
     "extra_eos_token", "force", "verbose", "json", "to", "n", "drop", "host", "port", "cache_bytes",
     "disk_cache_bytes", "cache_redis", "context_length", "max_queue", "max_batch", "log_level", "served_model_name",
-    "ui", "no_ui", "format", "stop",
+    "ui", "no_ui", "format", "stop", "draft_model", "num_draft_tokens", "prompt_lookup", "lookup_ngram",
 }
 NOT_DOORS = {
     "generate --prompt-file": "read", "cache-prompt --prompt-file": "read", "generate --json-schema": "read",
