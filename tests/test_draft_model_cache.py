@@ -116,3 +116,14 @@ def test_cli_refuses_drafts_for_a_model_that_cannot_take_them_back(tiny_model_di
     assert p.returncode == 1 and "ArraysCache" in one_error_line(p)
     p = mlxcc("generate", "--model", tiny_model_dirs["llama"], "-p", "Hi", "-m", "2", "--store-drafts")
     assert p.returncode == 1 and "--cache-dir" in one_error_line(p)
+
+
+def test_mlxcc_chat_resumes_a_session_with_its_draft_model(tiny_model_dirs, make_tiny_model_dir, tmp_path):
+    model, draft, s = tiny_model_dirs["llama"], make_tiny_model_dir("llama", seed=1), tmp_path / "s.safetensors"
+    first = mlxcc("chat", "--model", model, "--draft-model", draft, "--session-file", s, "--temp", "0", "-m", "6",
+                  "--verbose", stdin="Hello there!\n")  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    again = mlxcc("chat", "--session-file", s, "-m", "6", "--verbose", stdin="And then?\n")  # model and draft recorded
+    assert again.returncode == 0 and "resumed session" in again.stderr and "0 tokens recomputed" in again.stderr, again.stderr
+    refused = mlxcc("chat", "--model", model, "--session-file", s, stdin="More?\n")
+    assert refused.returncode == 1 and "--draft-model" in one_error_line(refused)
