@@ -189,7 +189,7 @@ def run(args) -> str:
                 else "not run (llama-cpp-python is not installed; `pip install llama-cpp-python` builds it)\n"))
     text += "\n" + md_table(["workload", "engine", "decode tok/s", "speed-up", "acceptance", "tokens per call",
                              "tokens", "same tokens as plain"], rows)  # fmt: skip
-    text += "\n\n" + verdicts(speedups) + f"\n\n![speed-ups](speculative.png)\n"
+    text += "\n\n" + verdicts(speedups) + "\n\n![speed-ups](speculative.png)\n"
     plot(speedups, args.plot)
     return text
 

@@ -45,7 +45,7 @@ on :data:`~mlx_chatcache.generation.device.generation_stream`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Collection, Iterator, Sequence
 
 import mlx.core as mx
@@ -107,13 +107,13 @@ def next_length(length: int, k: int, accepted: int, drafted: int) -> int:
 @dataclass
 class Round:
     """What a round gave: ``tokens`` (the accepted drafts, then the model's own token),
-    each one's ``logprobs`` ``(V,)``, and ``accepted``, how many of them were drafts."""
+    each one's ``logprobs`` ``(V,)``, ``accepted``, how many of them were drafts, and
+    ``drafted``, how many tokens were drafted."""
 
     tokens: list[int]
     logprobs: list[mx.array]
     accepted: int
     drafted: int = 0
-    stats: dict = field(default_factory=dict)
 
 
 class Speculator:
@@ -121,7 +121,7 @@ class Speculator:
 
     def __init__(self, run: Run, source, k: int):
         self.run, self.source, self.k = run, source, k
-        self.length = k  # drafts asked for next: see _adapt
+        self.length = k  # drafts asked for next (next_length)
         model = run.model
         self.target = model.target if isinstance(model, DraftPair) else model
         self.split = model.split if isinstance(model, DraftPair) else len(run.state.cache)
@@ -145,7 +145,12 @@ class Speculator:
         return k
 
     def round(self, pending: list[int], limit: int | None) -> Round:
-        """Feed ``pending`` and the drafts; the accepted tokens (see the module docstring)."""
+        """Feed ``pending`` and the drafts; the accepted tokens (see the module docstring). At
+        most ``limit`` drafts (None: no limit); the calls run on the generation stream."""
+        with mx.stream(generation_stream):
+            return self._round(pending, limit)
+
+    def _round(self, pending: list[int], limit: int | None) -> Round:
         run, state = self.run, self.run.state
         k = self._budget(len(pending), limit)
         drafts = self.source.propose(k) if k else NO_DRAFTS
@@ -171,13 +176,11 @@ class Speculator:
         state.tokens.extend(pending)
         state.tokens.extend(draft_ids[:accepted])
         tokens = draft_ids[:accepted] + [token]
-        self.source.advance(tokens, accepted) if self.source is not None else None
-        self._adapt(accepted, n)
+        if self.source is not None:
+            self.source.advance(tokens, accepted)
+        if n:
+            self.length = next_length(self.length, self.k, accepted, n)
         return Round(tokens, [logprobs[i] for i in range(accepted + 1)], accepted, n)
-
-    def _adapt(self, accepted: int, drafted: int) -> None:
-        if drafted:
-            self.length = next_length(self.length, self.k, accepted, drafted)
 
     def _processed(self, logits: mx.array, pending: list[int], drafts: list[int]) -> mx.array:
         """Log-probabilities ``(n+1, V)`` after the processors, each position seeing its context."""
