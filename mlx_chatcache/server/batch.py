@@ -264,6 +264,8 @@ class BatchScheduler:
         if source is None or spec.stateful:
             return False
         source.start(a.state.tokens + run.rest)
+        if c.seed is not None:  # the draws of the speculative-sampling rule, as a job alone seeds them
+            mx.random.seed(c.seed)
         a.states = [a.state]
         a.outs.append(ChoiceOutput(w, job, 0))
         a.detokenizers.append(as_tokenizer_wrapper(w.tokenizer).detokenizer)
