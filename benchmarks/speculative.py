@@ -24,7 +24,7 @@ load alike; the table gives medians. Engines:
 - ``llama.cpp plain`` and ``llama.cpp prompt lookup``: llama-cpp-python (when installed) on the same
   GGUF (quantized, as is) and token ids, with ``LlamaPromptLookupDecoding`` at its defaults
   (``max_ngram_size=2, num_pred_tokens=10``), as many threads as our OpenBLAS. Its speed-up is
-  against its own plain decoding; its acceptance is not reported by it.
+  against its own plain decoding; its acceptance is counted from its drafts (tokens - calls).
 
 ``--tune`` decodes each workload once without drafts, measures what one model call of T tokens
 costs after the prompt (T = 1 .. 17), and replays prompt lookup over the known greedy replies for
@@ -130,7 +130,9 @@ def llama_engines(path: str):
             return out
 
     t = llama_threads()
-    common = dict(model_path=path, n_ctx=4096, n_batch=512, n_threads=t, n_threads_batch=t, seed=0, verbose=False)
+    # n_batch = n_ctx: with a draft model llama-cpp-python keeps every position's logits in an array of
+    # n_batch rows indexed by position (0.3.36), so a prompt and reply longer than n_batch would overflow it
+    common = dict(model_path=path, n_ctx=1024, n_batch=1024, n_threads=t, n_threads_batch=t, seed=0, verbose=False)
     return {"llama.cpp plain": llama_cpp.Llama(**common),
             "llama.cpp prompt lookup": llama_cpp.Llama(**common, draft_model=Counted())}  # fmt: skip
 

@@ -194,8 +194,11 @@ TOKEN_COUNT_MAX = 2**31 - 1  # token counts past this are never meant (and overf
 # decoded no faster on CPU (benchmarks/kv_dtype.py, benchmarks/RESULTS.md), so auto does not cast
 KV_DTYPES: tuple[str, ...] = ("auto", "float16", "bfloat16", "float32")
 
-# speculative decoding (generation/speculative.py): the draft sources' defaults, tuned on the demo model
-# (benchmarks/speculative.py, benchmarks/RESULTS.md)
+# speculative decoding (generation/speculative.py): the draft sources' defaults. The lookup ones are tuned
+# on the demo model (benchmarks/speculative.py --tune replays every n-gram size and draft length over the
+# benchmark's greedy replies with measured call costs; RESULTS.md, section speculative_tuning): n-grams of
+# 3 then 2 and up to 8 drafts (the length adapts per round) were within 3% of the best on code editing and
+# quoting chats, and never below plain decoding on fresh prose
 PROMPT_LOOKUP: tuple[str, ...] = ("off", "prompt", "store")  # GenerationConfig.prompt_lookup
 DRAFT_MODEL_TOKENS = 3  # tokens a draft model drafts per target call (mlx-lm's --num-draft-tokens default)
 LOOKUP_DRAFT_TOKENS = 8  # tokens prompt lookup and store drafts propose per target call at most
@@ -368,7 +371,8 @@ class ServerConfig:
     # checkout opening one file per block
     store_block_tokens: int = 64
     # speculative decoding's store drafts (--store-drafts): the n-gram index of the tokens the store holds
-    # for the model keeps this many tokens (int32) and about 3 slots each (int64): 28 bytes per token
+    # for the model keeps this many tokens (int32) and a power of two of slots (int64) of at least 3 per
+    # token: 38 MB for the default, fixed when the index is made (store/draft_index.py)
     draft_index_tokens: int = 1_000_000
     disk_rescan_seconds: float = 1.0  # a disk tier looks for values other processes added at most this often
     max_queue: int = 64  # requests waiting for the generation worker; more get HTTP 503
