@@ -38,7 +38,10 @@ zoo: $(STAMP)
 bench-smoke: $(STAMP)
 	$(PY) -m pytest -q --durations=20 -m bench tests/test_benchmarks_smoke.py tests/test_agent_replay_smoke.py
 
-# mlx-lm's own tests folder, from the PyPI sdist of the installed version (tests/test_mlxlm_server_suite.py)
+# mlx-lm's own tests folder, from the PyPI sdist of the installed version: the suite then runs its
+# test_server.py against mlxcc serve (tests/test_mlxlm_server_suite.py), its test_prompt_cache.py on our
+# caches (tests/test_mlxlm_suite.py) and its test_generate.py on our generation functions
+# (tests/test_mlxlm_generate_suite.py)
 mlxlm-tests: $(STAMP)
 	$(PY) tests/fetch_mlxlm_tests.py
 

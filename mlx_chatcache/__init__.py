@@ -21,6 +21,8 @@ _EXPORTS = {
     "load": "models.loading",
     "generate": "generation.text",
     "stream_generate": "generation.text",
+    "batch_generate": "generation.batch_api",
+    "BatchGenerator": "generation.batch_api",
     "PromptCache": "files.prompt_cache",
     "make_prompt_cache": "cache",
     "save_prompt_cache": "files.mlxcc_format",
@@ -32,6 +34,7 @@ __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:  # for type checkers and IDEs only; at run time see __getattr__
     from .cache import make_prompt_cache
+    from .generation.batch_api import BatchGenerator, batch_generate
     from .chat.session import ChatSession
     from .files.mlxcc_format import load_prompt_cache, save_prompt_cache
     from .files.prompt_cache import PromptCache

@@ -120,6 +120,10 @@ class GenerationConfig:
     kv_group_size: int = _SHAPE.kv_group_size
     quantized_kv_start: int = _SHAPE.quantized_kv_start
     kv_dtype: str = _SHAPE.kv_dtype
+    # speculative decoding (never changes a greedy reply, nor a sampled reply's distribution)
+    num_draft_tokens: int | None = None  # tokens drafted per target call (None: the draft source's default); 0: off
+    prompt_lookup: str = "off"  # draft from n-gram matches: "prompt" (the request's tokens), "store" (then the store's)
+    lookup_ngram: int = 3  # the longest n-gram prompt lookup matches (shorter ones down to LOOKUP_MIN_NGRAM after it)
 
     @property
     def shape(self) -> CacheShape:
@@ -192,6 +196,18 @@ TOKEN_COUNT_MAX = 2**31 - 1  # token counts past this are never meant (and overf
 # decoded no faster on CPU (benchmarks/kv_dtype.py, benchmarks/RESULTS.md), so auto does not cast
 KV_DTYPES: tuple[str, ...] = ("auto", "float16", "bfloat16", "float32")
 
+# speculative decoding (generation/speculative.py): the draft sources' defaults. The lookup ones are tuned
+# on the demo model (benchmarks/speculative.py --tune replays every n-gram size and draft length over the
+# benchmark's greedy replies with measured call costs; RESULTS.md, section speculative_tuning): n-grams of
+# 3 then 2 and up to 8 drafts (the length adapts per round) were within 3% of the best on code editing and
+# quoting chats, and never below plain decoding on fresh prose
+PROMPT_LOOKUP: tuple[str, ...] = ("off", "prompt", "store")  # GenerationConfig.prompt_lookup
+DRAFT_MODEL_TOKENS = 3  # tokens a draft model drafts per target call (mlx-lm's --num-draft-tokens default)
+LOOKUP_DRAFT_TOKENS = 8  # tokens prompt lookup and store drafts propose per target call at most
+LOOKUP_MIN_NGRAM = 2  # the shortest n-gram prompt lookup and store drafts match
+MAX_DRAFT_TOKENS = 64
+MAX_LOOKUP_NGRAM = 16
+
 # the values each GenerationConfig field takes, checked where a value enters (flags, /set,
 # request fields, session files) by check_setting; rules between fields are in check_window
 RANGES: dict[str, Range] = {
@@ -214,6 +230,9 @@ RANGES: dict[str, Range] = {
     "kv_group_size": Range(integer=True, choices=(32, 64, 128)),
     "quantized_kv_start": Range(0, TOKEN_COUNT_MAX, integer=True),
     "kv_dtype": Range(choices=KV_DTYPES),
+    "num_draft_tokens": Range(0, MAX_DRAFT_TOKENS, integer=True, optional=True),
+    "prompt_lookup": Range(choices=PROMPT_LOOKUP),
+    "lookup_ngram": Range(1, MAX_LOOKUP_NGRAM, integer=True),
 }
 
 
@@ -355,6 +374,10 @@ class ServerConfig:
     # trade: 50 chats sharing a 1,000-token prompt within 1.25x of their unique tokens' bytes, and a disk
     # checkout opening one file per block
     store_block_tokens: int = 64
+    # speculative decoding's store drafts (--store-drafts): the n-gram index of the tokens the store holds
+    # for the model keeps this many tokens (int32) and a power of two of slots (int64) of at least 3 per
+    # token: 38 MB for the default, fixed when the index is made (store/draft_index.py)
+    draft_index_tokens: int = 1_000_000
     disk_rescan_seconds: float = 1.0  # a disk tier looks for values other processes added at most this often
     max_queue: int = 64  # requests waiting for the generation worker; more get HTTP 503
     # rows decoded together in one model call (1: one request at a time); decoding on a CPU

@@ -34,8 +34,9 @@ class SessionError(ChatCacheError):
     """A chat session name, file or lock is unusable."""
 
 
-class UsageError(ChatCacheError):
-    """A command-line flag or argument has a bad value."""
+class UsageError(ChatCacheError, ValueError):
+    """A command-line flag or argument has a bad value (a ValueError too, as mlx-lm's
+    functions raise for the arguments they refuse)."""
 
 
 class TokenIdError(ChatCacheError):

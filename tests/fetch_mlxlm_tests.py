@@ -53,7 +53,7 @@ def mlx_lm_test_file(name: str) -> Path:
 def fetch(root: Path) -> Path:
     version = installed_version()
     target = sdist_tests_dir(root, version)
-    if (target / "test_server.py").is_file():
+    if all((target / name).is_file() for name in ("test_server.py", "test_prompt_cache.py", "test_generate.py")):
         return target
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

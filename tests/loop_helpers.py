@@ -7,7 +7,8 @@ from typing import Sequence
 import mlx.core as mx
 
 from mlx_chatcache.cache import BaseCache
-from mlx_chatcache.generation.loop import KVQuantizer, sample_token
+from mlx_chatcache.generation.feed import KVQuantizer
+from mlx_chatcache.generation.loop import sample_token
 from mlx_chatcache.generation.model_call import call_model
 from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.generation.sample import LogitsProcessor, Sampler

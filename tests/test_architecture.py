@@ -334,6 +334,7 @@ NEVER_A_FILE = {
     "extra_eos_token", "force", "verbose", "json", "to", "n", "drop", "host", "port", "cache_bytes",
     "disk_cache_bytes", "cache_redis", "context_length", "max_queue", "max_batch", "log_level", "served_model_name",
     "ui", "no_ui", "format", "stop", "api_key", "shared_store", "drain_seconds", "log_format",
+    "draft_model", "num_draft_tokens", "prompt_lookup", "lookup_ngram",
 }
 NOT_DOORS = {
     "generate --prompt-file": "read", "cache-prompt --prompt-file": "read", "generate --json-schema": "read",

@@ -35,7 +35,8 @@ from mlx_chatcache.cache import (
 from mlx_chatcache.backend import blas
 from mlx_chatcache.config import DEFAULTS, CacheShape
 from mlx_chatcache.errors import UsageError
-from mlx_chatcache.generation.loop import generate_step, prefill
+from mlx_chatcache.generation.feed import prefill
+from mlx_chatcache.generation.loop import generate_step
 from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.generation.prompt import reuse_prefix
 from mlx_chatcache.generation.text import generate, stream_generate

@@ -27,7 +27,8 @@ from tiny_models import SLIDING_WINDOW
 from mlx_chatcache.cache import KVCache, cache_offset, can_trim_prompt_cache
 from mlx_chatcache.chat.turn import stream_reply
 from mlx_chatcache.config import DEFAULTS, CacheShape
-from mlx_chatcache.generation.loop import final_call_size, generate_step, prefill
+from mlx_chatcache.generation.feed import final_call_size, prefill
+from mlx_chatcache.generation.loop import generate_step
 from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.chat.session import ChatSession
 
@@ -235,7 +236,7 @@ def test_prompt_within_one_step_is_one_model_call(tiny_model):
         prompt = prompt_ids(tok, n)
         seen = []
         gen = generate_step(prompt, counting, config=GREEDY.updated(max_tokens=1, prefill_step_size=step),
-                            progress=lambda d, t: seen.append((d, t)))  # fmt: skip
+                            state=PromptCache.new(counting), progress=lambda d, t: seen.append((d, t)))  # fmt: skip
         next(gen)
         assert counting.calls == expected, (n, step)
         assert seen[0] == (0, n) and seen[-1] == (n, n)
@@ -248,7 +249,8 @@ def test_quantized_model_keeps_the_last_token_alone(make_tiny_model):
     counting = CountingModel(model)
     assert final_call_size(counting, 11, 16) == 1
     prompt = prompt_ids(tok, 11)
-    next(generate_step(prompt, counting, config=GREEDY.updated(max_tokens=1, prefill_step_size=16)))
+    next(generate_step(prompt, counting, config=GREEDY.updated(max_tokens=1, prefill_step_size=16),
+                       state=PromptCache.new(counting)))  # fmt: skip
     assert counting.calls == [10, 1]
     seen = []
     rest = prefill(counting, PromptCache.new(model), prompt, 4, lambda d, t: seen.append((d, t)))

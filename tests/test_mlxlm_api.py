@@ -192,10 +192,12 @@ def test_generation_functions_take_mlx_lms_keywords_explicitly():
         params = inspect.signature(fn).parameters
         assert not any(p.kind is p.VAR_KEYWORD for p in params.values())
         assert set(MLX_LM_STEP_KEYWORDS) <= set(params)
-    # mlx-lm's positional slots: stream_generate(model, tokenizer, prompt, max_tokens, draft_model)
-    # and generate(model, tokenizer, prompt, verbose)
-    assert list(inspect.signature(stream_generate).parameters)[:5] == \
-        list(inspect.signature(lm_stream_generate).parameters)[:5]
+    # mlx-lm's positional slots: stream_generate(model, tokenizer, prompt, max_tokens, draft_model, stream),
+    # generate_step(prompt, model, stream) and generate(model, tokenizer, prompt, verbose)
+    assert list(inspect.signature(stream_generate).parameters)[:6] == \
+        list(inspect.signature(lm_stream_generate).parameters)[:6]
+    assert list(inspect.signature(generate_step).parameters)[:3] == \
+        list(inspect.signature(lm_generate_step).parameters)[:3]
     assert list(inspect.signature(generate).parameters)[:4] == \
         list(inspect.signature(lm_generate_text).parameters)[:4]
 
@@ -301,7 +303,9 @@ def test_no_limit_with_minus_one(llama_model):
     (dict(prompt_cache=[lm.KVCache()]), "make_prompt_cache"),
     (dict(prompt_cache=[], state="x"), "not both"),
 ])  # fmt: skip
-def test_unsupported_mlx_lm_keywords_are_refused_in_one_line(llama_model, bad, words):
+def test_bad_values_of_mlx_lm_keywords_are_refused_in_one_line(llama_model, bad, words):
+    """A draft model that is not a model, embeddings that do not match the prompt, mlx-lm's own
+    cache objects, two caches."""
     model, tokenizer = llama_model
     calls = [lambda: list(stream_generate(model, tokenizer, "hi", **bad)),
              lambda: generate(model, tokenizer, "hi", **bad)]

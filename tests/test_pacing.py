@@ -14,7 +14,8 @@ import pytest
 from mlx_chatcache.chat.session import ChatSession
 from mlx_chatcache.config import DEFAULTS
 from mlx_chatcache.generation import pacing
-from mlx_chatcache.generation.loop import generate_step, prefill
+from mlx_chatcache.generation.feed import prefill
+from mlx_chatcache.generation.loop import generate_step
 from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.backend import blas
 from mlx_chatcache.generation.pacing import PROBE_TOKENS, CallPacer

@@ -1,5 +1,5 @@
-"""The one prompt feeder (:func:`mlx_chatcache.generation.loop.prefill`) and the one
-recovery from a failed model call (:func:`~mlx_chatcache.generation.loop.consistent_on_error`).
+"""The one prompt feeder (:func:`mlx_chatcache.generation.feed.prefill`) and the one
+recovery from a failed model call (:func:`~mlx_chatcache.generation.feed.consistent_on_error`).
 
 Tolerance: as tests/test_generate.py (cached vs uncached logits, float32 rounding).
 """
@@ -13,8 +13,8 @@ from loop_helpers import forward
 from mlx_chatcache.backend import blas
 from mlx_chatcache.cache import cache_offset, can_trim_prompt_cache, make_prompt_cache
 from mlx_chatcache.config import DEFAULTS
-from mlx_chatcache.generation import loop
-from mlx_chatcache.generation.loop import PrefillStopped, consistent_on_error, prefill
+from mlx_chatcache.generation import feed
+from mlx_chatcache.generation.feed import PrefillStopped, consistent_on_error, prefill
 from mlx_chatcache.files.prompt_cache import PromptCache
 from mlx_chatcache.generation.templates import feed_all
 from mlx_chatcache.server.worker import GenerationWorker, Job
@@ -101,13 +101,13 @@ def test_cache_prompt_feeds_through_the_one_prefill(llama_model, monkeypatch):
     model, tok = llama_model
     prompt = tok.encode(TEXT, add_special_tokens=False)[:11]
     fed = []
-    real = loop.call_model
+    real = feed.call_model
 
     def counting(model, tokens, cache, **kw):
         fed.extend(tokens)
         return real(model, tokens, cache, **kw)
 
-    monkeypatch.setattr(loop, "call_model", counting)
+    monkeypatch.setattr(feed, "call_model", counting)
     state = PromptCache.new(model)
     feed_all(model, state, prompt, 4)
     assert fed == prompt and state.tokens == prompt and cache_offset(state.cache) == 11

@@ -83,7 +83,7 @@ from ..files.tokens import common_prefix_len
 from ..files.prompt_cache import PromptCache
 from ..generation.prompt import reuse_prefix, trim_state
 from ..generation.templates import chat_text, encode_text, has_chat_template, history_start, pinned_head, system_end
-from ..generation.checkout import scope_of
+from ..generation.checkout import scope_of, store_draft_tokens
 from ..generation.text import as_tokenizer_wrapper
 from ..models.context import check_prompt_fits, context_warning
 from .held import Spans, carried, clipped, held_prefix, merged, overlap, rebased
@@ -127,7 +127,8 @@ class ChatSession(SessionRollback):
         """What a new and a loaded session set up alike (the rest comes from a file or starts empty)."""
         self.model = model
         # shared store tiers (--cache-dir): only for models with a fingerprint (caches name their model)
-        self.shared = PromptStore(list(shared) if getattr(model, "fingerprint", None) is not None else [])
+        self.shared = PromptStore(list(shared) if getattr(model, "fingerprint", None) is not None else [],
+                                  draft_tokens=store_draft_tokens(config))  # fmt: skip
         self.tokenizer = as_tokenizer_wrapper(tokenizer)
         try:
             self.config = check_config(config)
@@ -284,7 +285,7 @@ class ChatSession(SessionRollback):
         feed_prompt(self.model, self.state, prompt_ids, len(prompt_ids) - 1, self.config, should_stop, self.progress)
         reply = stream_reply(
             self.model, self.tokenizer, prompt_ids, self.state, self._call_config(), started, on_text, should_stop,
-            self.stop,
+            self.stop, draft_index=self.shared.draft_index(self.scope),
         )
         self._keep_reply(prompt_ids, prompt_text, reply)
         stats = turn_stats(prompt_ids, reused, overlap(read, reused, len(prompt_ids)), reply, started)

@@ -43,7 +43,8 @@ class SessionSummary:
 
 
 def session_source(info: CacheFileInfo) -> dict:
-    """``{"model": ref | None, "adapter_path": path | None}`` a session file was made with."""
+    """``{"model": ref | None, "adapter_path": path | None, "draft_model": ref | None}`` a
+    session file was made with."""
     source = {}
     try:
         meta = json.loads(info.metadata.get(SESSION_KEY, "{}"))
@@ -54,8 +55,9 @@ def session_source(info: CacheFileInfo) -> dict:
     model = source.get("model")
     if not isinstance(model, str):  # files from before sessions recorded their source
         model = info.model.model_id if info.model else None
-    adapter = source.get("adapter_path")
-    return {"model": model, "adapter_path": adapter if isinstance(adapter, str) else None}
+    adapter, draft = source.get("adapter_path"), source.get("draft_model")
+    return {"model": model, "adapter_path": adapter if isinstance(adapter, str) else None,
+            "draft_model": draft if isinstance(draft, str) else None}  # fmt: skip
 
 
 def summarize(name: str, path: Path) -> SessionSummary:

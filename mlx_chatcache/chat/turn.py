@@ -9,7 +9,7 @@ Contract
 polls ``should_stop`` before every chunk and raises :class:`TurnCancelled`
 when it says so; the state then holds the chunks fed so far (the caller rolls
 the turn back). When ``upto == len(ids) - 1`` (the prompt up to the token the
-reply starts from), the tokens :func:`~mlx_chatcache.generation.loop.final_call_size`
+reply starts from), the tokens :func:`~mlx_chatcache.generation.feed.final_call_size`
 gives (the prompt's last chunk, or only its last token for a quantized model)
 are left to :func:`stream_reply`: the generate loop feeds them in the model
 call that samples the first reply token, one call instead of two.
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..config import INTERRUPTIBLE_CALL_SECONDS, GenerationConfig
-from ..generation.loop import (
+from ..generation.feed import (
     PrefillStopped,
     Progress,
     consistent_on_error,
@@ -139,7 +139,7 @@ def feed_prompt(
     chunks (and the call left to the reply) are also sized to take at most
     about ``INTERRUPTIBLE_CALL_SECONDS`` (:mod:`mlx_chatcache.generation.pacing`), so a
     stop request is honoured within a second. ``progress`` gets ``(fed, to
-    feed)`` (:func:`~mlx_chatcache.generation.loop.prefill`)."""
+    feed)`` (:func:`~mlx_chatcache.generation.feed.prefill`)."""
     step = config.prefill_step_size
     pacer = CallPacer(model, INTERRUPTIBLE_CALL_SECONDS) if should_stop is not None else None
     first = len(state.tokens)
@@ -165,11 +165,13 @@ def stream_reply(
     on_text: TextCallback | None,
     should_stop: StopCheck | None,
     stops: Sequence[str] = (),
+    draft_index=None,
 ) -> Reply:
     """The reply to ``prompt_ids`` (see the module doc); ``started``: the turn's
     start on ``time.perf_counter()``, from which the TTFT is measured. The text
     is cut at the first of ``stops`` (:class:`~mlx_chatcache.generation.stops.StopMatcher`):
-    the reply ends there (``cut``; its tokens then say more than its text)."""
+    the reply ends there (``cut``; its tokens then say more than its text). ``draft_index``:
+    the store's, for ``config.prompt_lookup`` "store" (speculative decoding)."""
     tokens: list[int] = []
     raw: list[str] = []  # the detokenizer's pieces
     pieces: list[str] = []  # what the reply says (cut at a stop string)
@@ -184,7 +186,7 @@ def stream_reply(
                 on_text(out)
         return hit
 
-    gen = stream_generate(model, tokenizer, prompt_ids, state=state, config=config)
+    gen = stream_generate(model, tokenizer, prompt_ids, state=state, config=config, draft_index=draft_index)
     try:
         for r in gen:
             if last is None:

@@ -35,10 +35,12 @@ from .common import (
     add_cache_dir_arg,
     add_model_arg,
     add_sampling_args,
+    add_speculative_args,
     add_verbose_arg,
     add_weights_arg,
     cache_dir_lines,
     check_cache_dir,
+    check_store_drafts,
     config_from_args,
     config_overrides,
     lenient_stdin,
@@ -62,6 +64,7 @@ def add_parser(sub) -> None:
     add_weights_arg(p)
     p.add_argument("--system-prompt", help="the system prompt (pinned in the cache window with --max-kv-size)")
     add_sampling_args(p)
+    add_speculative_args(p)
     add_cache_args(p, "the rendered system prompt (or the chat template's default one), or what a "
                       "--prompt-cache-file recorded")
     p.add_argument("--chat-template-config", "--chat-template-args", metavar="JSON",
@@ -87,6 +90,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_cache_dir(args.cache_dir)  # before the session's lock file (it would make a new DIR non-empty)
+    check_store_drafts(args)
     path, label = None, None
     if args.session is not None:
         path, label = session_path(args.session), f"'{args.session}'"

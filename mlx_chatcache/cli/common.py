@@ -89,16 +89,79 @@ def add_model_arg(p: argparse.ArgumentParser, default_help: str | None = None) -
 
 
 def load_model(args: argparse.Namespace, source: dict | None = None):
-    """``(model, tokenizer)`` for the model flags; ``source`` (``{"model", "adapter_path"}``,
-    e.g. what a session recorded) replaces ``--model``/``--adapter-path``."""
+    """``(model, tokenizer)`` for the model flags; ``source`` (``{"model", "adapter_path",
+    "draft_model"}``, e.g. what a session recorded) replaces ``--model``/``--adapter-path``
+    (and gives the draft model when ``--draft-model`` does not). With a draft model the model
+    is a :class:`~mlx_chatcache.models.draft_pair.DraftPair` (its caches hold both models'
+    layers); a draft model whose tokenizer differs, or a model speculative decoding cannot
+    run on when the flags ask for it, is one UsageError line."""
     from ..models.loading import load, resolve_model_ref
     from .progress import Spinner
 
     ref, adapter = (source["model"], source["adapter_path"]) if source else (args.model, args.adapter_path)
     name = os.path.basename(resolve_model_ref(ref).rstrip("/"))
     weights = getattr(args, "weights", None)  # --weights (generate, chat, cache-prompt)
+    draft_ref = getattr(args, "draft_model", None) or (source or {}).get("draft_model")
     with Spinner(f"loading model {name}"):  # on a terminal only
-        return load(ref, adapter_path=adapter, trust_remote_code=args.trust_remote_code, weights=weights)
+        model, tokenizer = load(ref, adapter_path=adapter, trust_remote_code=args.trust_remote_code, weights=weights)
+    if draft_ref is not None:
+        model = _with_draft(model, tokenizer, draft_ref, args, weights)
+    if drafting(args, model):
+        from ..generation.speculative import speculation_refusal
+
+        refusal = speculation_refusal(model)
+        if refusal:
+            raise UsageError(refusal)
+    return model, tokenizer
+
+
+def _with_draft(model, tokenizer, ref: str, args, weights):
+    from ..models.draft_pair import DraftPair
+    from ..models.loading import load, resolve_model_ref
+    from .progress import Spinner
+
+    with Spinner(f"loading draft model {os.path.basename(resolve_model_ref(ref).rstrip('/'))}"):
+        draft, draft_tokenizer = load(ref, trust_remote_code=args.trust_remote_code, weights=weights)
+    if draft_tokenizer.vocab_size != tokenizer.vocab_size or draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise UsageError(f"the draft model {ref} has another tokenizer than the model; "
+                         "use a draft model of the same family (same tokenizer)")  # fmt: skip
+    return DraftPair(model, draft)
+
+
+def drafting(args: argparse.Namespace, model=None) -> bool:
+    """Whether the flags ask for speculative decoding (a draft model or prompt lookup, not turned off)."""
+    from ..models.draft_pair import DraftPair
+
+    asked = isinstance(model, DraftPair) or getattr(args, "prompt_lookup", None) not in (None, "off")
+    return asked and getattr(args, "num_draft_tokens", None) != 0
+
+
+def check_store_drafts(args: argparse.Namespace) -> None:
+    """UsageError when --store-drafts has no store to draft from (a command without --cache-dir)."""
+    if getattr(args, "prompt_lookup", None) == "store" and getattr(args, "cache_dir", None) is None:
+        raise UsageError("--store-drafts drafts from the store of --cache-dir DIR; add --cache-dir, or use "
+                         "--prompt-lookup")  # fmt: skip
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """The flags of speculative decoding (generation/speculative.py): a draft model, prompt lookup, store drafts."""
+    from ..config import DRAFT_MODEL_TOKENS, LOOKUP_DRAFT_TOKENS, LOOKUP_MIN_NGRAM
+
+    p.add_argument("--draft-model", metavar="MODEL", help="a smaller model of the same family (same tokenizer) "
+                   "that drafts tokens the model verifies several at a time (speculative decoding: the reply is "
+                   "the model's own); its layers are kept in the same prompt caches")  # fmt: skip
+    p.add_argument("--num-draft-tokens", type=setting_type("num_draft_tokens"), metavar="N",
+                   help=f"tokens drafted per model call (default {DRAFT_MODEL_TOKENS} with --draft-model, "
+                   f"{LOOKUP_DRAFT_TOKENS} with --prompt-lookup; 0 turns drafting off)")  # fmt: skip
+    p.add_argument("--prompt-lookup", dest="prompt_lookup", action="store_const", const="prompt",
+                   help="draft tokens that followed the last few tokens earlier in the prompt and reply "
+                   "(no extra model; the reply is the model's own)")  # fmt: skip
+    p.add_argument("--store-drafts", dest="prompt_lookup", action="store_const", const="store",
+                   help="as --prompt-lookup, then draft from the tokens the prompt-cache store holds for the "
+                   "model (other conversations, earlier turns)")  # fmt: skip
+    p.add_argument("--lookup-ngram", type=setting_type("lookup_ngram"), metavar="N",
+                   help=f"the longest n-gram prompt lookup matches, then shorter ones down to {LOOKUP_MIN_NGRAM} "
+                   f"(default {D.lookup_ngram})")  # fmt: skip
 
 
 def str2bool(s: str) -> bool:
@@ -171,7 +234,7 @@ def add_cache_args(p: argparse.ArgumentParser, pinned: str = f"the first {D.keep
 # GenerationConfig fields that flags (sampling and cache flags above) can set
 CONFIG_FLAGS = (
     "max_tokens", "temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-    *(k for k in SHAPE_KEYS if k != "keep"), "prefill_step_size",
+    *(k for k in SHAPE_KEYS if k != "keep"), "prefill_step_size", "num_draft_tokens", "prompt_lookup", "lookup_ngram",
 )  # fmt: skip
 
 

@@ -57,10 +57,12 @@ from .common import (
     add_model_arg,
     add_json_schema_arg,
     add_sampling_args,
+    add_speculative_args,
     add_verbose_arg,
     add_weights_arg,
     check_cache_dir,
     check_window_flags,
+    check_store_drafts,
     config_from_args,
     config_overrides,
     load_model,
@@ -90,6 +92,7 @@ def add_parser(sub) -> None:
     p.add_argument("--system-prompt", help="system message (replaces a cached chat's system message)")
     add_sampling_args(p)
     add_json_schema_arg(p)
+    add_speculative_args(p)
     add_cache_args(p, f"the first {DEFAULTS.keep} tokens, or as many as a --prompt-cache-file recorded")
     p.add_argument("--ignore-chat-template", action="store_true", help="use the prompt as raw text")
     p.add_argument("--chat-template-config", help="JSON object (or file) of extra chat template arguments")
@@ -181,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, prompt: str, save: Claim | None) -> int:
     info = read_cache_info(args.prompt_cache_file) if args.prompt_cache_file else None
     config = check_window_flags(file_config(args, info))  # before the model loads
+    check_store_drafts(args)
     args.json_schema = read_json_schema(args.json_schema)
     model, tokenizer = load_model(args)
     if info is not None and info.tokens is None:
@@ -210,7 +214,7 @@ class _Job:
 
 def _start(args, model, tokenizer, config, info, prompt, save: Claim | None) -> _Job:
     """The longer cached prefix of the named file (strict) and --cache-dir."""
-    from ..generation.checkout import checkout_prompt, prompt_scope, shared_tiers
+    from ..generation.checkout import checkout_prompt, prompt_scope, shared_tiers, store_draft_tokens
     from ..store.store import PromptStore
 
     if info is None:
@@ -223,7 +227,7 @@ def _start(args, model, tokenizer, config, info, prompt, save: Claim | None) -> 
     else:
         messages, text = info.messages, info.text
     tokens, messages, text = build_prompt(args, tokenizer, messages, text, prompt)
-    store = PromptStore(shared_tiers(args.cache_dir))
+    store = PromptStore(shared_tiers(args.cache_dir), draft_tokens=store_draft_tokens(config))
     scope = prompt_scope(model, config)
     state, tier = checkout_prompt(store, scope, model, tokens, config.shape, args.prompt_cache_file, info)
     state.messages, state.text = messages, text
@@ -251,12 +255,13 @@ def _generate(args, model, tokenizer, job: _Job) -> int:
     from ..generation.text import stream_generate
 
     bar = ProgressBar("prompt")
-    reply, last = [], None
+    reply, last, drafts = [], None, {}
     try:
         for last in stream_generate(
             model, tokenizer, job.tokens, state=job.state, config=job.config,
             extra_eos_tokens=args.extra_eos_token, progress=bar.update,
             max_call_seconds=INTERRUPTIBLE_CALL_SECONDS, json_schema=args.json_schema,
+            draft_index=job.store.draft_index(job.scope), draft_stats=drafts,
         ):  # fmt: skip
             bar.close()  # before the reply is printed
             reply.append(last.text)
@@ -277,7 +282,7 @@ def _generate(args, model, tokenizer, job: _Job) -> int:
     put_prompt(job.store, job.scope, state, named=job.save, shared=job.shared, ends=_ends(args, tokenizer, job),
                warn=lambda line: sys.stderr.write(f"mlxcc: warning: {line}\n"))  # fmt: skip
     if args.verbose and last is not None:
-        report(last, job.state, job.tier, [*runtime_lines(model), *cache_dir_lines(job.store.tiers)])
+        report(last, job.state, job.tier, [*runtime_lines(model), *cache_dir_lines(job.store.tiers)], drafts)
     return 0
 
 
@@ -291,6 +296,14 @@ def _ends(args, tokenizer, job: _Job) -> tuple[int, ...]:
     template = None if messages is None else read_json_arg(args.chat_template_config, "--chat-template-config")
     start = None if messages is None else system_end(tokenizer, messages[:-1], job.tokens, template)
     return tuple(e for e in (start, n - 1, n) if e)
+
+
+def draft_line(drafts: dict, tokens: int) -> str:
+    """What --verbose says of speculative decoding: drafts accepted and tokens per model call."""
+    rate = drafts["accepted"] / drafts["drafted"] if drafts["drafted"] else 0.0
+    per_call = tokens / drafts["rounds"] if drafts["rounds"] else 0.0
+    return (f"Drafts: {drafts['accepted']} of {drafts['drafted']} accepted ({rate:.0%}), "
+            f"{per_call:.2f} tokens per model call")  # fmt: skip
 
 
 def interrupted(printed: bool, save_path: str | None) -> int:
@@ -309,7 +322,7 @@ def interrupted(printed: bool, save_path: str | None) -> int:
     return 130
 
 
-def report(r, state, tier: str | None = None, runtime: list[str] = ()) -> None:
+def report(r, state, tier: str | None = None, runtime: list[str] = (), drafts: dict | None = None) -> None:
     new = r.prompt_tokens - r.reused_tokens
     lines = [
         f"Prompt: {r.prompt_tokens} tokens ({r.reused_tokens} reused, {new} new), "
@@ -318,6 +331,7 @@ def report(r, state, tier: str | None = None, runtime: list[str] = ()) -> None:
         f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.1f} tokens-per-sec "
         f"(finish: {r.finish_reason})",
         f"Cache: {len(state.tokens)} tokens held" + (f" (prefix from the {tier} tier)" if tier and r.reused_tokens else ""),
+        *([draft_line(drafts, r.generation_tokens)] if drafts else []),
         f"Peak memory: {r.peak_memory:.3f} GB",
         *runtime,
     ]

@@ -14,8 +14,8 @@ import re
 from ..config import SERVER_DEFAULTS as S
 from ..config import DEFAULTS, default_cache_dir
 from ..errors import UsageError
-from .common import (add_cache_args, add_model_arg, add_sampling_args, check_cache_dir, config_from_args, human_bytes,
-                     check_window_flags, load_model, positive_int)
+from .common import (add_cache_args, add_model_arg, add_sampling_args, add_speculative_args, check_cache_dir,
+                     config_from_args, human_bytes, check_window_flags, load_model, positive_int)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}  # fmt: skip
@@ -67,7 +67,7 @@ def add_parser(sub) -> None:
         "in memory and in --cache-dir, so a conversation's next turn, and the same conversation after a restart, only computes its new tokens. Up to "
         "--max-batch requests are decoded together (one model call per token for all of them); models whose cache "
         "is not plain full attention generate one request at a time. Sampling flags set the defaults of requests that do not "
-        "give them.",
+        "give them; so do the speculative decoding flags (a request's num_draft_tokens: 0 turns drafting off).",
     )
     add_model_arg(p)
     p.add_argument("--host", default=S.host, help=f"address to listen on (default {S.host}: this machine only)")
@@ -117,6 +117,7 @@ def add_parser(sub) -> None:
                       "page asks for one)")
     page.add_argument("--no-ui", action="store_true", help="no chat page at / (the API is unchanged)")
     add_sampling_args(p)
+    add_speculative_args(p)
     add_cache_args(p, f"the first {DEFAULTS.keep} tokens of each request (a request with a window is generated "
                       "alone, not batched)")
     p.set_defaults(run=run)
@@ -148,8 +149,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         ref = resolve_model_ref(args.model)
         model, tokenizer = load_model(args)  # --adapter-path and --trust-remote-code too
+        drafts = S.draft_index_tokens if config.prompt_lookup == "store" else 0
         store = build_store(args.cache_bytes, args.disk_cache_bytes, cache_dir,
-                            redis_url=args.cache_redis)  # fmt: skip
+                            redis_url=args.cache_redis, draft_tokens=drafts)  # fmt: skip
         try:
             service = Service(model, tokenizer, ref, store, config, args.max_queue, args.context_length,
                               served_names=tuple(args.served_model_name), max_batch=args.max_batch)  # fmt: skip

@@ -2,8 +2,7 @@
 
 :func:`call_config` applies mlx-lm's cache and length keywords, when given, over a
 :class:`~mlx_chatcache.config.GenerationConfig`; :func:`call_state` says what a call
-works on when it is given ``prompt_cache`` (mlx-lm's name) or ``state``;
-:func:`refuse_unsupported` refuses mlx-lm's keywords this package does not do, in one line.
+works on when it is given ``prompt_cache`` (mlx-lm's name) or ``state``.
 """
 
 from __future__ import annotations
@@ -51,12 +50,4 @@ def call_state(prompt_cache, state: PromptCache | None) -> tuple[PromptCache | N
     return PromptCache(layers), True
 
 
-def refuse_unsupported(draft_model=None, input_embeddings=None) -> None:
-    """UsageError for mlx-lm's keywords this package does not do."""
-    if draft_model is not None:
-        raise UsageError("draft_model (speculative decoding) is not supported; generate without it or use mlx-lm")
-    if input_embeddings is not None:
-        raise UsageError("input_embeddings is not supported; pass the prompt as token ids or use mlx-lm")
-
-
-__all__ = ["call_config", "call_state", "refuse_unsupported"]
+__all__ = ["call_config", "call_state"]

@@ -45,7 +45,7 @@ import os
 from typing import Callable, Sequence
 
 from ..cache import can_trim_prompt_cache, kv_quantization_mismatch
-from ..config import CacheShape, GenerationConfig
+from ..config import SERVER_DEFAULTS, CacheShape, GenerationConfig
 from ..files.cache_file import Claim
 from ..files.mlxcc_format import read_cache_info
 from ..files.named_file import check_named_file
@@ -76,6 +76,12 @@ def scope_of(fingerprint: ModelFingerprint | None, config: GenerationConfig, pol
     if fingerprint is None:
         return Scope("", None, settings)
     return make_scope(fingerprint, settings)
+
+
+def store_draft_tokens(config: GenerationConfig) -> int:
+    """The draft index capacity a command's store gets: ``SERVER_DEFAULTS.draft_index_tokens``
+    when ``config`` asks for store drafts, else 0 (no index)."""
+    return SERVER_DEFAULTS.draft_index_tokens if config.prompt_lookup == "store" else 0
 
 
 def shared_tiers(cache_dir: str | os.PathLike | None) -> list[Tier]:
@@ -139,4 +145,4 @@ def put_prompt(store: PromptStore | None, scope: Scope, state: PromptCache, warn
     store.put(scope, state.tokens, state.cache, on_error=failed, ends=ends)
 
 
-__all__ = ["prompt_scope", "scope_of", "shared_tiers", "checkout_prompt", "put_prompt"]
+__all__ = ["prompt_scope", "scope_of", "store_draft_tokens", "shared_tiers", "checkout_prompt", "put_prompt"]

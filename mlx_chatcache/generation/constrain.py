@@ -103,7 +103,11 @@ def grammar_tokenizer(tokenizer):
 
 
 class Constraint:
-    """The logits processor of one generation under ``grammar`` (see the module docstring)."""
+    """The logits processor of one generation under ``grammar`` (see the module docstring).
+    It keeps state (the tokens it consumed), so it sees each context once, in order:
+    ``keeps_state`` tells speculative decoding not to draft under it."""
+
+    keeps_state = True
 
     def __init__(self, tokenizer, grammar: str):
         llg = _llguidance()

@@ -14,7 +14,8 @@ Contract of :func:`call_model` ``(model, tokens, cache, *, sampled=False) -> mod
   logits are known to be no wider than its embedding: then nothing is checked
   and decoding ahead does not wait for the token (its width is recorded
   from every call's output);
-- it runs ``model(inputs, cache=cache)`` and returns what the model returns;
+- it runs ``model(inputs, cache=cache)`` (with ``input_embeddings`` when given) and
+  returns what the model returns;
 - before the call it notes each layer's progress (for every cache inside a
   ``CacheList`` too): the ``offset`` int, and for an ``ArraysCache`` the slot
   arrays themselves (by identity; no array is evaluated or copied);
@@ -101,14 +102,20 @@ def _checked_inputs(model, tokens: Sequence[int] | mx.array, sampled: bool) -> m
     return tokens
 
 
-def call_model(model, tokens: Sequence[int] | mx.array, cache: list[BaseCache], *, sampled: bool = False):
-    """``model(tokens, cache=cache)``, checked: the ids must be the model's, every layer must take them."""
+def call_model(model, tokens: Sequence[int] | mx.array, cache: list[BaseCache], *, sampled: bool = False,
+               input_embeddings: mx.array | None = None):  # fmt: skip
+    """``model(tokens, cache=cache)``, checked: the ids must be the model's, every layer must take them.
+    ``input_embeddings`` ``(1, T, D)``: passed to the model, which feeds them in place of the
+    tokens' embeddings (``tokens`` then has ``T`` ids or none)."""
     inputs = _checked_inputs(model, tokens, sampled)
-    n = inputs.shape[-1]
+    n = inputs.shape[-1] if input_embeddings is None else input_embeddings.shape[-2]
     leaves = _leaves(cache)
     # (offset, the slot arrays of an ArraysCache): ints and references, nothing evaluated
     before = [(_progress(c), tuple(c.cache) if isinstance(c, ArraysCache) else None) for c in leaves]
-    out = model(inputs, cache=cache)
+    if input_embeddings is None:
+        out = model(inputs, cache=cache)
+    else:
+        out = model(inputs, cache=cache, input_embeddings=input_embeddings)
     if isinstance(out, mx.array) and out.ndim == 3:
         note_logits_width(model, out.shape[-1])
     if n == 0:

@@ -56,22 +56,9 @@ def make_sampler(
     seed: int | None = None,
 ) -> Sampler:
     """A sampler for these settings (see the module docstring; ``seed``: its own stream)."""
-    temp = DEFAULTS.temp if temp is None else temp
-    top_p = DEFAULTS.top_p if top_p is None else top_p
-    top_k = DEFAULTS.top_k if top_k is None else top_k
-    min_p = DEFAULTS.min_p if min_p is None else min_p
-    keep = DEFAULTS.min_tokens_to_keep if min_tokens_to_keep is None else min_tokens_to_keep
-    _check_settings(temp, top_p, top_k, min_p, keep)
-    if temp == 0 or top_k == 1:
+    temp, filters = _settings(temp, top_p, top_k, min_p, min_tokens_to_keep)
+    if filters is None:
         return greedy
-
-    filters: list[Filter] = []
-    if top_k > 0:
-        filters.append(lambda lp: top_k_mask(lp, top_k))
-    if top_p < 1.0:
-        filters.append(lambda lp: top_p_mask(lp, top_p, keep))
-    if min_p > 0.0:
-        filters.append(lambda lp: min_p_mask(lp, min_p, keep))
 
     stream = [mx.random.key(seed)] if seed is not None else None
 
@@ -84,6 +71,50 @@ def make_sampler(
         return mx.random.categorical(logprobs * (1.0 / temp), axis=-1, key=key)  # (B,)
 
     return sample
+
+
+def make_distribution(
+    temp: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    min_tokens_to_keep: int | None = None,
+) -> Callable[[mx.array], mx.array] | None:
+    """The distribution :func:`make_sampler`'s sampler draws from, as a function of
+    log-probabilities ``(B, V) -> (B, V)`` (normalised log-probabilities, -inf where a
+    filter drops a token); None for the greedy sampler (it draws no distribution)."""
+    temp, filters = _settings(temp, top_p, top_k, min_p, min_tokens_to_keep)
+    if filters is None:
+        return None
+
+    def distribution(logprobs: mx.array) -> mx.array:
+        for keep_mask in filters:
+            logprobs = mx.where(keep_mask(logprobs), logprobs, NEG_INF)
+        scaled = logprobs * (1.0 / temp)
+        return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+
+    return distribution
+
+
+def _settings(temp, top_p, top_k, min_p, keep) -> tuple[float, list[Filter] | None]:
+    """The temperature and filters of these settings (defaults for None; checked);
+    filters None: greedy."""
+    temp = DEFAULTS.temp if temp is None else temp
+    top_p = DEFAULTS.top_p if top_p is None else top_p
+    top_k = DEFAULTS.top_k if top_k is None else top_k
+    min_p = DEFAULTS.min_p if min_p is None else min_p
+    keep = DEFAULTS.min_tokens_to_keep if keep is None else keep
+    _check_settings(temp, top_p, top_k, min_p, keep)
+    if temp == 0 or top_k == 1:
+        return temp, None
+    filters: list[Filter] = []
+    if top_k > 0:
+        filters.append(lambda lp: top_k_mask(lp, top_k))
+    if top_p < 1.0:
+        filters.append(lambda lp: top_p_mask(lp, top_p, keep))
+    if min_p > 0.0:
+        filters.append(lambda lp: min_p_mask(lp, min_p, keep))
+    return temp, filters
 
 
 def _check_settings(temp, top_p, top_k, min_p, keep) -> None:
@@ -234,6 +265,7 @@ __all__ = [
     "LogitsProcessor",
     "greedy",
     "make_sampler",
+    "make_distribution",
     "top_k_mask",
     "top_p_mask",
     "min_p_mask",

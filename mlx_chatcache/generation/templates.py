@@ -16,7 +16,7 @@ from __future__ import annotations
 from ..cache import cache_offset
 from ..errors import UsageError
 from ..files.tokens import common_prefix_len
-from .loop import consistent_on_error, prefill
+from .feed import consistent_on_error, prefill
 from .pacing import CallPacer
 from ..files.prompt_cache import PromptCache
 
@@ -120,7 +120,7 @@ def feed_all(model, state: PromptCache, tokens: list[int], prefill_step_size: in
              progress=None, max_call_seconds: float | None = None) -> None:
     """Feed every one of ``tokens`` into an empty ``state`` (no sampling); a model call
     that raises leaves it holding the chunks fed before. ``max_call_seconds``: see
-    :func:`~mlx_chatcache.generation.loop.prefill`."""
+    :func:`~mlx_chatcache.generation.feed.prefill`."""
     if state.tokens or cache_offset(state.cache):
         raise UsageError("feed_all needs an empty prompt cache")
     pacer = CallPacer(model, max_call_seconds) if max_call_seconds else None

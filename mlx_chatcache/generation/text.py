@@ -19,8 +19,12 @@ import mlx.core as mx
 from ..cache import BaseCache
 from ..config import GenerationConfig
 from ..errors import UsageError
-from .arguments import call_config, call_state, refuse_unsupported
-from .loop import Progress, generate_step
+from ..models.draft_pair import DraftPair
+from .arguments import call_config, call_state
+from .device import generation_stream, wired_limit
+from .feed import Progress
+from .loop import generate_step
+from .speculative import speculative_generate_step
 from ..files.prompt_cache import PromptCache
 from .prompt import ensure_state, reuse_prefix
 from .sample import LogitsProcessor, Sampler, make_logits_processors
@@ -38,7 +42,9 @@ class GenerationResponse:
     including a final stop token. ``generation_tps`` is the tokens after the
     first, per second since the first (0 until there are two).
     ``peak_memory`` is in GB. ``finish_reason`` is "stop" (a stop token),
-    "length" (``max_tokens`` reached) or None (more to come).
+    "length" (``max_tokens`` reached) or None (more to come). ``from_draft``:
+    the token was drafted (a draft model, prompt lookup, store drafts) and the
+    model accepted it.
     """
 
     text: str
@@ -52,7 +58,7 @@ class GenerationResponse:
     ttft: float
     peak_memory: float
     finish_reason: str | None = None
-    from_draft: bool = False  # as mlx-lm's; no draft model here, so always False
+    from_draft: bool = False  # whether a draft source proposed the token (speculative decoding)
 
 
 def as_tokenizer_wrapper(tokenizer):
@@ -127,7 +133,9 @@ def stream_generate(
     prompt: str | Sequence[int] | mx.array,
     max_tokens: int | None = None,
     draft_model=None,
+    stream=generation_stream,
     *,
+    num_draft_tokens: int | None = None,
     sampler: Sampler | None = None,
     logits_processors: Sequence[LogitsProcessor] | None = None,
     max_kv_size: int | None = None,
@@ -137,13 +145,15 @@ def stream_generate(
     kv_group_size: int | None = None,
     quantized_kv_start: int | None = None,
     prompt_progress_callback: Progress | None = None,
-    input_embeddings=None,
+    input_embeddings: mx.array | None = None,
     state: PromptCache | None = None,
     config: GenerationConfig | None = None,
     extra_eos_tokens: Iterable[str | int] = (),
     progress: Progress | None = None,
     max_call_seconds: float | None = None,
     json_schema: dict | None = None,
+    draft_index=None,
+    draft_stats: dict | None = None,
 ) -> Iterator[GenerationResponse]:
     """Yield a :class:`GenerationResponse` per sampled token; the last has a ``finish_reason``.
 
@@ -151,55 +161,85 @@ def stream_generate(
     is reused and updated in place (see the module docstring); None uses a
     throw-away cache. Generation stops at the tokenizer's EOS tokens, at
     ``extra_eos_tokens`` and at ``config.max_tokens``. ``max_call_seconds``:
-    see :func:`~mlx_chatcache.generation.loop.prefill`. mlx-lm's keywords
-    (``max_tokens``, ``prompt_cache``, ...) mean what they mean for
-    :func:`~mlx_chatcache.generation.loop.generate_step`; ``draft_model`` and
-    ``input_embeddings`` are refused. ``json_schema``: the reply is JSON valid under
+    see :func:`~mlx_chatcache.generation.feed.prefill`. mlx-lm's arguments
+    (``max_tokens``, ``stream``, ``prompt_cache``, ``input_embeddings``, ...) mean what they mean for
+    :func:`~mlx_chatcache.generation.loop.generate_step`. Speculative decoding
+    (:func:`~mlx_chatcache.generation.speculative.speculative_generate_step`) runs with
+    ``draft_model`` (or a model that is a :class:`~mlx_chatcache.models.draft_pair.DraftPair`)
+    or ``config.prompt_lookup`` ("store" drafts from ``draft_index`` too), unless
+    ``num_draft_tokens`` (else ``config.num_draft_tokens``) is 0 or a logits processor keeps
+    state (``json_schema``'s); ``draft_stats``: see there. ``json_schema``: the reply is JSON valid under
     this schema whenever it ends by an EOS token (``finish_reason`` "stop"; see
     :mod:`mlx_chatcache.generation.constrain`); a schema llguidance refuses raises
     :class:`~mlx_chatcache.generation.constrain.GrammarError` before anything is computed.
+    The loop holds :func:`~mlx_chatcache.generation.device.wired_limit` while it runs.
     """
     start = time.perf_counter()
-    refuse_unsupported(draft_model, input_embeddings)
     config = call_config(
         config, max_tokens=max_tokens, max_kv_size=max_kv_size, prefill_step_size=prefill_step_size,
         kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
     )  # fmt: skip
     tokenizer = as_tokenizer_wrapper(tokenizer)
-    prompt_ids = encode_prompt(tokenizer, prompt)
+    prompt_ids = [] if input_embeddings is not None and _empty(prompt) else encode_prompt(tokenizer, prompt)
     check_token_ids(model, prompt_ids)  # before the state is trimmed to the prompt
     stops = stop_token_ids(tokenizer, extra_eos_tokens)
     if json_schema is not None:
         logits_processors = constrained(tokenizer, json_schema, config, logits_processors)
+    drafting = _drafting(model, draft_model, config, num_draft_tokens, logits_processors)
+    if drafting and input_embeddings is not None:
+        raise UsageError("speculative decoding does not take input_embeddings; generate without a draft source")
     state, borrowed = call_state(prompt_cache, state)
     reused = 0
-    if not borrowed:
+    if not borrowed and state is not None:
         state = ensure_state(model, state, config)
         reused = reuse_prefix(state, prompt_ids, model)
+    args = dict(prompt_cache=state.cache if borrowed else None, state=None if borrowed else state, config=config,
+                sampler=sampler, logits_processors=logits_processors, stop_tokens=stops, progress=progress,
+                max_call_seconds=max_call_seconds)  # fmt: skip
+    if drafting:
+        if prompt_progress_callback is not None:
+            args["progress"] = progress or prompt_progress_callback
+        steps = speculative_generate_step(prompt_ids, model, draft_model, stream, num_draft_tokens=num_draft_tokens,
+                                          draft_index=draft_index, draft_stats=draft_stats, **args)  # fmt: skip
+    else:
+        plain = generate_step(prompt_ids, model, stream, prompt_progress_callback=prompt_progress_callback,
+                              input_embeddings=input_embeddings, **args)  # fmt: skip
+        steps = ((token, logprobs, False) for token, logprobs in plain)
+    n_prompt = len(prompt_ids) if input_embeddings is None else input_embeddings.shape[0]
     detokenizer = tokenizer.detokenizer
-    steps = generate_step(
-        prompt_ids, model, prompt_cache=state.cache if borrowed else None, state=None if borrowed else state,
-        config=config, sampler=sampler, logits_processors=logits_processors, stop_tokens=stops,
-        progress=progress, prompt_progress_callback=prompt_progress_callback, max_call_seconds=max_call_seconds,
-    )  # fmt: skip
-    for n, (token, logprobs) in enumerate(steps, 1):
-        now = time.perf_counter()
-        if n == 1:
-            ttft, first = now - start, now
-        finish = "stop" if token in stops else "length" if n == config.max_tokens else None
-        yield GenerationResponse(
-            text=next_segment(detokenizer, token, stops, finish),
-            token=token,
-            logprobs=logprobs,
-            prompt_tokens=len(prompt_ids),
-            reused_tokens=reused,
-            prompt_tps=(len(prompt_ids) - reused) / max(ttft, 1e-9),
-            generation_tokens=n,
-            generation_tps=(n - 1) / (now - first) if n > 1 else 0.0,
-            ttft=ttft,
-            peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason=finish,
-        )
+    with wired_limit(model):
+        for n, (token, logprobs, from_draft) in enumerate(steps, 1):
+            now = time.perf_counter()
+            if n == 1:
+                ttft, first = now - start, now
+            finish = "stop" if token in stops else "length" if n == config.max_tokens else None
+            yield GenerationResponse(
+                text=next_segment(detokenizer, token, stops, finish),
+                token=token,
+                logprobs=logprobs,
+                prompt_tokens=n_prompt,
+                reused_tokens=reused,
+                prompt_tps=(n_prompt - reused) / max(ttft, 1e-9),
+                generation_tokens=n,
+                generation_tps=(n - 1) / (now - first) if n > 1 else 0.0,
+                ttft=ttft,
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+                from_draft=from_draft,
+            )
+
+
+def _empty(prompt) -> bool:
+    return (isinstance(prompt, mx.array) and prompt.size == 0) or (not isinstance(prompt, mx.array) and len(prompt) == 0)
+
+
+def _drafting(model, draft_model, config: GenerationConfig, num_draft_tokens: int | None,
+              processors: Sequence[LogitsProcessor] | None) -> bool:  # fmt: skip
+    """Whether a call with these arguments decodes speculatively (see :func:`stream_generate`)."""
+    source = draft_model is not None or isinstance(model, DraftPair) or config.prompt_lookup != "off"
+    k = config.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+    stateful = any(getattr(p, "keeps_state", False) for p in processors or ())
+    return source and k != 0 and not stateful
 
 
 def generate(
@@ -210,6 +250,7 @@ def generate(
     *,
     max_tokens: int | None = None,
     draft_model=None,
+    num_draft_tokens: int | None = None,
     sampler: Sampler | None = None,
     logits_processors: Sequence[LogitsProcessor] | None = None,
     max_kv_size: int | None = None,
@@ -224,16 +265,18 @@ def generate(
     config: GenerationConfig | None = None,
     extra_eos_tokens: Iterable[str | int] = (),
     json_schema: dict | None = None,
+    draft_index=None,
 ) -> str:
     """The whole generated text (see :func:`stream_generate`, which takes the same
     keywords); ``verbose`` prints it and stats."""
     text, last = "", None
     for last in stream_generate(
-        model, tokenizer, prompt, max_tokens, draft_model, sampler=sampler, logits_processors=logits_processors,
+        model, tokenizer, prompt, max_tokens, draft_model, num_draft_tokens=num_draft_tokens, sampler=sampler,
+        logits_processors=logits_processors,
         max_kv_size=max_kv_size, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size, kv_bits=kv_bits,
         kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
         prompt_progress_callback=prompt_progress_callback, input_embeddings=input_embeddings, state=state,
-        config=config, extra_eos_tokens=extra_eos_tokens, json_schema=json_schema,
+        config=config, extra_eos_tokens=extra_eos_tokens, json_schema=json_schema, draft_index=draft_index,
     ):  # fmt: skip
         text += last.text
         if verbose:

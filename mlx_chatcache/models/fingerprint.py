@@ -11,6 +11,12 @@ A :class:`ModelFingerprint` has three parts:
 
 Two fingerprints *match* when both hashes are equal. A cache file whose fingerprint
 does not match the loaded model is refused (:class:`ModelMismatchError`).
+
+A model paired with a draft model (speculative decoding,
+:class:`~mlx_chatcache.models.draft_pair.DraftPair`) has the target's fingerprint with
+``draft``, the draft model's: its caches hold both models' layers, so two fingerprints
+match only when their drafts match too (both none, or the same draft model), and a file
+saved with a draft model is refused without it (and the reverse), in one line.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable
 
@@ -32,40 +38,71 @@ class ModelFingerprint:
     model_id: str
     weights_hash: str
     tokenizer_hash: str
+    draft: "ModelFingerprint | None" = None  # the draft model's, when paired with one
 
-    def to_metadata(self) -> dict[str, str]:
-        return {
-            "model.id": self.model_id,
-            "model.weights_hash": self.weights_hash,
-            "model.tokenizer_hash": self.tokenizer_hash,
+    def to_metadata(self, prefix: str = "model") -> dict[str, str]:
+        meta = {
+            f"{prefix}.id": self.model_id,
+            f"{prefix}.weights_hash": self.weights_hash,
+            f"{prefix}.tokenizer_hash": self.tokenizer_hash,
         }
+        if self.draft is not None:
+            meta.update(self.draft.to_metadata(f"{prefix}.draft"))
+        return meta
 
     @classmethod
-    def from_metadata(cls, meta: dict[str, str]) -> "ModelFingerprint | None":
+    def from_metadata(cls, meta: dict[str, str], prefix: str = "model") -> "ModelFingerprint | None":
         """The fingerprint stored in file metadata, or None if the file has none."""
-        if "model.weights_hash" not in meta:
+        if f"{prefix}.weights_hash" not in meta:
             return None
         return cls(
-            model_id=meta.get("model.id", ""),
-            weights_hash=meta["model.weights_hash"],
-            tokenizer_hash=meta.get("model.tokenizer_hash", ""),
+            model_id=meta.get(f"{prefix}.id", ""),
+            weights_hash=meta[f"{prefix}.weights_hash"],
+            tokenizer_hash=meta.get(f"{prefix}.tokenizer_hash", ""),
+            draft=cls.from_metadata(meta, f"{prefix}.draft") if prefix == "model" else None,
         )
 
+    def with_draft(self, draft: "ModelFingerprint") -> "ModelFingerprint":
+        """This model's fingerprint paired with draft model ``draft``."""
+        return replace(self, draft=replace(draft, draft=None))
+
     def matches(self, other: "ModelFingerprint") -> bool:
+        same_draft = (self.draft is None) == (other.draft is None) and \
+            (self.draft is None or self.draft.matches(other.draft))  # fmt: skip
         return (
             self.weights_hash == other.weights_hash
             and self.tokenizer_hash == other.tokenizer_hash
+            and same_draft
         )
 
     def check(self, stored: "ModelFingerprint | None", what: str = "cache") -> None:
         """Raise ModelMismatchError unless ``stored`` (from a file) belongs to this model."""
         if stored is None or self.matches(stored):
             return
+        if replace(self, draft=None).matches(replace(stored, draft=None)):
+            self._check_draft(stored, what)
         part = "weights" if stored.weights_hash != self.weights_hash else "tokenizer"
         raise ModelMismatchError(
             f"this {what} was made with model '{stored.model_id}', which differs from "
             f"the loaded model '{self.model_id}' ({part} differ); use --model "
             f"'{stored.model_id}' or start a new {what}"
+        )
+
+    def _check_draft(self, stored: "ModelFingerprint", what: str) -> None:
+        """ModelMismatchError for a file of this model saved with another draft model, or none."""
+        if stored.draft is None:
+            raise ModelMismatchError(
+                f"this {what} was saved without a draft model, so it holds no layers for draft model "
+                f"'{self.draft.model_id}'; run without --draft-model or start a new {what}"
+            )
+        if self.draft is None:
+            raise ModelMismatchError(
+                f"this {what} was saved with draft model '{stored.draft.model_id}' (it holds that model's "
+                f"layers too); add --draft-model '{stored.draft.model_id}' or start a new {what}"
+            )
+        raise ModelMismatchError(
+            f"this {what} was saved with draft model '{stored.draft.model_id}', not the loaded "
+            f"'{self.draft.model_id}'; use --draft-model '{stored.draft.model_id}' or start a new {what}"
         )
 
 

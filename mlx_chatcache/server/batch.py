@@ -13,7 +13,7 @@ stays on it). Up to ``max_batch`` jobs are active at once. Prompts are fed
 one at a time, the first waiting prompt first: a job is checked out of the store
 when its turn comes (so it reuses what the prompts fed before it stored), and its
 uncached prompt, all but its last token, is fed by
-:func:`~mlx_chatcache.generation.loop.prefill`, one chunk of
+:func:`~mlx_chatcache.generation.feed.prefill`, one chunk of
 ``prefill_step_size`` per tick. Its cache then goes into the store's memory
 tier (concurrent requests sharing a system prompt pay for it once; files and
 Redis get the request's final entry) and its row joins the
@@ -30,7 +30,17 @@ its own copy of that cache (it waits while the batch has no room for all of
 them). A row of a job with a ``seed`` draws from its own random stream, seeded
 ``seed + i`` for choice ``i``, as it draws alone. A job with more choices than
 ``max_batch`` runs alone once the batch has drained.
-:meth:`BatchScheduler.report` is ``/health``'s ``batch``.
+
+Speculative decoding: a job with a draft source (its config's ``prompt_lookup``, or a
+model paired with a draft model; ``num_draft_tokens`` not 0; one choice; no grammar)
+whose prompt is fed while no other job is active, prefilling or waiting decodes *alone*,
+off the batch: each tick is one round of
+:class:`~mlx_chatcache.generation.speculative.Speculator` (drafts verified in one model
+call). When another job is about to join, the lone row joins the batch first (its cache
+merged, its next token to feed) and decodes on without drafts, as every row in a batch
+does: a batched call already reads the weights once for all rows. Greedy output is the
+same either way (drafts never change a token). :meth:`BatchScheduler.report` is
+``/health``'s ``batch``; its ``drafts`` says this, and counts the drafts.
 """
 
 from __future__ import annotations
@@ -45,8 +55,10 @@ import mlx.core as mx
 from ..errors import ChatCacheError
 from ..files.prompt_cache import PromptCache
 from ..generation.batch import BatchRow, DecodeBatch, batch_refusal
-from ..generation.loop import consistent_on_error, prefill
-from ..generation.sample import make_logits_processors, make_sampler
+from ..generation.feed import consistent_on_error, prefill
+from ..generation.run import Run
+from ..generation.sample import make_distribution, make_logits_processors, make_sampler
+from ..generation.speculative import Speculator, draft_source
 from ..generation.text import as_tokenizer_wrapper, next_segment, stop_token_ids
 from ..cache import compact_copy
 from .worker import MAX_PENDING, ChoiceOutput, GenerationWorker, Job, prompt_ends, choice_config
@@ -71,6 +83,19 @@ class _Active:
     timing: dict = field(default_factory=dict)
 
 
+@dataclass
+class _Solo:
+    """A job's one choice decoding alone with drafts: its speculator and the tokens to feed next."""
+
+    a: _Active
+    spec: Speculator
+    pending: list[int]
+
+
+SOLO_POLICY = ("a request with a draft source decodes alone, verifying its drafts, while no other request is "
+               "active or waiting; in a batch it decodes without drafts")  # fmt: skip
+
+
 class BatchScheduler:
     def __init__(self, worker: GenerationWorker, max_batch: int):
         self.worker, self.max_batch = worker, max_batch
@@ -85,21 +110,26 @@ class BatchScheduler:
         self._fed: list[tuple[Job, list[int], list]] = []  # prompts that joined, to store: (job, tokens, layers)
         self._stopping = False
         self._stops = stop_token_ids(as_tokenizer_wrapper(worker.tokenizer))
+        self.solo: _Solo | None = None  # the job decoding alone with drafts
         worker.batch = self
 
     def report(self) -> dict:
         """``/health``'s ``batch``: whether rows are batched, why not, and what is active."""
+        w = self.worker
+        d = dict(w.drafts)
+        drafts = {"policy": SOLO_POLICY, "refusal": w.speculation_refusal, "alone": self.solo is not None, **d,
+                  "acceptance": round(d["accepted"] / d["drafted"], 3) if d["drafted"] else None}  # fmt: skip
         return {"enabled": self.enabled, "reason": self.reason, "max_batch": self.max_batch,
-                "active_rows": len(self.decode), "prefilling": len(self.prefilling),
+                "active_rows": len(self.decode) + (self.solo is not None), "prefilling": len(self.prefilling),
                 "waiting": self.worker.waiting() + (self._held is not None),
-                "decode_tok_s": round(self.decode_tok_s, 1)}  # fmt: skip
+                "decode_tok_s": round(self.decode_tok_s, 1), "drafts": drafts}  # fmt: skip
 
     def _alone(self, job: Job) -> bool:
         """Whether ``job`` runs alone: more choices than ``max_batch``."""
         return job.n > self.max_batch
 
     def _busy(self) -> bool:
-        return bool(self.prefilling or self.decode.rows)
+        return bool(self.prefilling or self.decode.rows or self.solo)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -163,7 +193,7 @@ class BatchScheduler:
 
     def _rows(self) -> int:
         """Rows decoding, and those the prefilling jobs' choices will take."""
-        return len(self.decode) + sum(a.job.n for a in self.prefilling)
+        return len(self.decode) + (self.solo is not None) + sum(a.job.n for a in self.prefilling)
 
     # ------------------------------------------------------------------ ticks
     def _prefill_tick(self) -> None:
@@ -196,10 +226,15 @@ class BatchScheduler:
             self._join(a)
 
     def _join(self, a: _Active) -> None:
-        """The job's choices join the batch: one row each, on copies of its prompt's cache."""
+        """The job's choices join the batch: one row each, on copies of its prompt's cache
+        (or its one choice decodes alone with drafts: see the module docstring)."""
         config, job, w = a.job.config, a.job, self.worker
         if len(a.state.tokens) > a.cached:  # stored once the next decode call runs (see _decode_tick)
             self._fed.append((job, list(a.state.tokens), list(a.state.cache)))
+        if self.solo is not None:
+            self._solo_joins()
+        elif self._alone_with_drafts(a):
+            return
         base = compact_copy(a.state.cache) if job.n > 1 else None
         copies = [PromptCache(compact_copy(base), list(a.state.tokens), a.state.shape) for _ in range(job.n - 1)]
         a.states = [a.state, *copies]
@@ -212,8 +247,84 @@ class BatchScheduler:
             self.decode.join(BatchRow(st, job.prompt[-1], sampler, processors, owner=(a, i)))
             w.stats["prompt_tokens_computed"] += 1  # the last prompt token, fed with the batch
 
+    # ------------------------------------------------------------------ alone with drafts
+    def _alone_with_drafts(self, a: _Active) -> bool:
+        """Start ``a``'s one choice decoding alone with drafts when nothing else is active or waiting."""
+        job, w = a.job, self.worker
+        if (job.n != 1 or w.speculation_refusal or self.decode.rows or self.prefilling or self._held is not None
+                or w.waiting()):  # fmt: skip
+            return False
+        c = job.config
+        processors = make_logits_processors(c) + (job.processors() if job.processors else [])
+        sampler = make_sampler(c.temp, c.top_p, c.top_k, c.min_p, c.min_tokens_to_keep, c.seed)
+        distribution = make_distribution(c.temp, c.top_p, c.top_k, c.min_p, c.min_tokens_to_keep)
+        run = Run(w.model, c, job.prompt, a.state, False, sampler, True, distribution, processors, None,
+                  job.prompt[-1:], None, 0, None)  # fmt: skip
+        source, k = draft_source(run, w.store.draft_index(w.scope_of(job)))
+        spec = Speculator(run, source, k)
+        if source is None or spec.stateful:
+            return False
+        source.start(a.state.tokens + run.rest)
+        if c.seed is not None:  # the draws of the speculative-sampling rule, as a job alone seeds them
+            mx.random.seed(c.seed)
+        a.states = [a.state]
+        a.outs.append(ChoiceOutput(w, job, 0))
+        a.detokenizers.append(as_tokenizer_wrapper(w.tokenizer).detokenizer)
+        w.stats["prompt_tokens_computed"] += 1  # the last prompt token, fed with the first drafts
+        self.solo = _Solo(a, spec, list(run.rest))
+        return True
+
+    def _solo_joins(self) -> None:
+        """The lone row joins the batch (before another job's rows do) and decodes on without drafts."""
+        s, self.solo = self.solo, None
+        s.spec.finish()  # a draft model's layers hold every token the model's do
+        run = s.spec.run
+        self.decode.join(BatchRow(s.a.state, s.pending[0], run.sampler, run.processors, owner=(s.a, 0)))
+
+    def _solo_tick(self) -> None:
+        """One round of the lone row: drafts verified in one model call; its tokens emitted."""
+        s, w = self.solo, self.worker
+        a, out, limit = s.a, s.a.outs[0], s.a.job.config.max_tokens
+        t = time.perf_counter()
+        stats: dict = {}
+        try:
+            with consistent_on_error(a.state, w.model):
+                r = s.spec.round(s.pending, limit - out.n)
+        except Exception as e:
+            self.solo = None
+            self._failed(a.job, e)
+            return
+        now = time.perf_counter()
+        self._store_fed()
+        stats.update(rounds=1, drafted=r.drafted, accepted=r.accepted)
+        w.count_drafts(stats)
+        rate = len(r.tokens) / max(now - t, 1e-9)
+        self.decode_tok_s = rate if not self.decode_tok_s else 0.8 * self.decode_tok_s + 0.2 * rate
+        a.timing.setdefault("first", now)
+        base = len(a.state.tokens) - r.accepted
+        for i, (token, logprobs) in enumerate(zip(r.tokens, r.logprobs)):
+            n = out.n + 1
+            finish = "stop" if token in self._stops else "length" if n == limit else None
+            end = out.token(next_segment(a.detokenizers[0], token, self._stops, finish), token, logprobs, finish)
+            if end:
+                s.spec.trim_to(base + i)  # the state holds the tokens before this one
+                s.spec.finish()
+                self.solo, a.finishes[0] = None, end
+                self._end(a, "cancelled" if end == "cancelled" else None)
+                return
+        s.pending = r.tokens[-1:]
+
+    def _store_fed(self) -> None:
+        """Prompts fed since the last model call: into the memory tier, for the prompts after them."""
+        for job, tokens, cache in self._fed:
+            self.worker._put(job, tokens, cache, memory_only=True)
+        self._fed.clear()
+
     def _decode_tick(self) -> None:
         """One model call for every row; rows that end leave the batch and are stored."""
+        if self.solo is not None:
+            self._solo_tick()
+            return
         if not self.decode.rows:
             return
         t = time.perf_counter()
@@ -224,9 +335,7 @@ class BatchScheduler:
                 self._failed(a.job, e)
             return
         now = time.perf_counter()
-        for job, tokens, cache in self._fed:  # prompts fed since the last tick: for the prompts after them
-            self.worker._put(job, tokens, cache, memory_only=True)
-        self._fed.clear()
+        self._store_fed()
         self._ticks += 1
         if self._ticks % 256 == 0:  # as a job alone does every 256 tokens
             mx.clear_cache()

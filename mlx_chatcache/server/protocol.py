@@ -8,7 +8,8 @@ message, the offending ``param``, an OpenAI-style ``code``). Unknown fields are
 ignored (clients send many); every field of the dialect is checked here: the
 generation settings (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``,
 ``repetition_penalty``, ``repetition_context_size``, ``presence_penalty``,
-``frequency_penalty``, ``logit_bias``, ``seed``) must be in the ranges of
+``frequency_penalty``, ``logit_bias``, ``seed``; speculative decoding's ``num_draft_tokens``,
+0: no drafts, and ``prompt_lookup``, "off", "prompt" or "store") must be in the ranges of
 :data:`~mlx_chatcache.config.RANGES`, and ``n``, ``top_logprobs`` and a completion's
 integer ``logprobs`` in those of :data:`~mlx_chatcache.config.REQUEST_RANGES` (a 400
 names the field and its range); ``tools``, ``tool_choice`` and ``response_format`` are checked
@@ -74,6 +75,8 @@ class Request:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias added to its logit), ids ascending
+    num_draft_tokens: int | None = None  # speculative decoding: drafts per model call (0: none)
+    prompt_lookup: str | None = None  # speculative decoding: "off", "prompt" or "store"
     logprobs: bool = False
     top_logprobs: int | None = None  # alternatives per token (completions: its integer "logprobs")
     n: int = 1
@@ -125,6 +128,17 @@ def _repetition_penalty(body: dict) -> float | None:
     """``repetition_penalty``; 0 means none, as in mlx-lm's server."""
     v = body.get("repetition_penalty")
     return None if v == 0 and type(v) is not bool else setting_field(body, "repetition_penalty", "repetition_penalty")
+
+
+def _choice(body: dict, name: str) -> str | None:
+    """A request field whose value is one of a setting's names (:data:`~mlx_chatcache.config.RANGES`)."""
+    v = _opt_str(body, name)
+    if v is None:
+        return None
+    try:
+        return check_setting(name, v)
+    except SettingError as e:
+        raise _bad(name, str(e), "invalid_value") from None
 
 
 def _opt_bool(body: dict, name: str) -> bool:
@@ -288,7 +302,9 @@ def _common(body: Any, kind: str) -> Request:
         repetition_penalty=_repetition_penalty(body),
         repetition_context_size=setting_field(body, "repetition_context_size", "repetition_context_size"),
         presence_penalty=setting_field(body, "presence_penalty"), frequency_penalty=setting_field(body, "frequency_penalty"),
-        logit_bias=_logit_bias(body), logprobs=logprobs, top_logprobs=top_logprobs, n=setting_field(body, "n") or 1,
+        logit_bias=_logit_bias(body), num_draft_tokens=setting_field(body, "num_draft_tokens"),
+        prompt_lookup=_choice(body, "prompt_lookup"), logprobs=logprobs, top_logprobs=top_logprobs,
+        n=setting_field(body, "n") or 1,
         tools=tools, tool_choice=tool_choice_field(body, tools), response_format=response_format_field(body),
         stop=stop_field(body), stream=stream, include_usage=include_usage,
         cache_key=optional_str(body, "prompt_cache_key"),

@@ -247,7 +247,7 @@ class Service:
         logit_bias id the model does not have, is a 400 naming it."""
         changes = {}
         for name in ("top_k", "min_p", "repetition_penalty", "repetition_context_size", "presence_penalty",
-                     "frequency_penalty", "logit_bias"):  # fmt: skip
+                     "frequency_penalty", "logit_bias", "num_draft_tokens", "prompt_lookup"):  # fmt: skip
             value = getattr(req, name, None)
             if value is None or (name == "repetition_penalty" and value == 0):  # 0: off, as in mlx-lm
                 continue

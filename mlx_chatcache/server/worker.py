@@ -44,7 +44,9 @@ Per job: the store's longest cached prefix is checked out and trimmed to the
 prompt (``reuse_prefix``); for a chat whose cache cannot be trimmed back (SSM
 or convolution layers, rotating windows) a checkpoint is taken at the end of
 the last message, so the conversation's next turn or a retry finds its
-prefix; the reply is generated with :func:`~mlx_chatcache.generate.stream_generate`;
+prefix; the reply is generated with :func:`~mlx_chatcache.generate.stream_generate`
+(speculatively when the job's config asks for a draft source, unless the model's cache
+cannot take drafts back: ``speculation_refusal``; ``drafts`` counts what they gave);
 afterwards the cache (prompt + reply) goes into the store, after the client
 has its last event: into memory at once, into files (disk, remote) while no
 other request waits, at most ``MAX_PENDING`` writes behind, all of them
@@ -65,12 +67,13 @@ import mlx.core as mx
 
 from ..config import SEED_LIMIT, GenerationConfig
 from ..errors import ChatCacheError
-from ..generation.loop import PrefillStopped, consistent_on_error, make_kv_quantizer, prefill
+from ..generation.feed import PrefillStopped, consistent_on_error, make_kv_quantizer, prefill
 from ..files.prompt_cache import PromptCache
 from ..generation.prompt import reuse_prefix
 from ..generation.checkout import prompt_scope
 from ..generation.sample import LogitsProcessor, make_logits_processors
 from ..generation.stops import StopMatcher
+from ..generation.speculative import speculation_refusal
 from ..generation.text import stream_generate
 from ..store.store import PromptStore
 from ..cache import compact_copy
@@ -170,6 +173,9 @@ class GenerationWorker:
         self.stats = {"jobs": 0, "cancelled": 0, "errors": 0, "busy": False, "peak_memory": 0,
                       "active_memory": 0, "queue_wait_s_total": 0.0, "queue_wait_s_max": 0.0,
                       "prompt_tokens_computed": 0, "tokens_generated": 0}  # fmt: skip
+        # speculative decoding: why this model's cache cannot (None: it can), and what it gave
+        self.speculation_refusal = speculation_refusal(model)
+        self.drafts = {"rounds": 0, "drafted": 0, "accepted": 0}
 
     def start(self) -> None:
         self._thread.start()
@@ -351,8 +357,11 @@ class GenerationWorker:
         """Generate choice ``index`` on ``state``, emitting its pieces; its entry of ``done["choices"]``."""
         config = choice_config(job.config, index)
         processors = make_logits_processors(config) + (job.processors() if job.processors else [])
+        drafts: dict = {}
         steps = stream_generate(self.model, self.tokenizer, job.prompt, state=state, config=config,
-                                logits_processors=processors, progress=self._progress(job))  # fmt: skip
+                                logits_processors=processors, progress=self._progress(job),
+                                num_draft_tokens=0 if self.speculation_refusal else None,
+                                draft_index=self.store.draft_index(self.scope_of(job)), draft_stats=drafts)  # fmt: skip
         out, finish = ChoiceOutput(self, job, index), "length"
         try:
             for r in steps:
@@ -365,7 +374,13 @@ class GenerationWorker:
                     break
         finally:
             steps.close()
+            self.count_drafts(drafts)
         return out.close(finish)
+
+    def count_drafts(self, drafts: dict) -> None:
+        """Add one generation's ``draft_stats`` to :attr:`drafts` (``/health``'s)."""
+        for k, v in drafts.items():
+            self.drafts[k] += v
 
     def _logprob(self, token: int, logprobs: mx.array, top: int, offset: int) -> TokenLogprob:
         """``token``'s :class:`TokenLogprob` in ``logprobs`` ``(V,)``, with the ``top`` most likely tokens."""

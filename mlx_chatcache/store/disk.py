@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 
 from ..config import SERVER_DEFAULTS, default_cache_dir
-from ..errors import UsageError
+from ..errors import ChatCacheError, UsageError
+from ..files.safetensors_file import read_header
 from ..files.atomic import TEMP_SUFFIX, remove_stale_temp_files_in, write_file_atomic
 from .chain import is_key, kinds
 from .tiers import Tier
@@ -129,6 +130,15 @@ class DiskTier(Tier):
 
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}{_SUFFIX}"
+
+    def recent_headers(self):
+        """``(key, header)`` of the folder's values, most recently used first; a value that
+        cannot be read now is left out (only headers are read: no arrays)."""
+        for key in sorted(self._files, key=lambda k: self._files[k][1], reverse=True):
+            try:
+                yield key, read_header(self._path(key))
+            except (ChatCacheError, OSError):
+                continue
 
     def pins(self):
         return self.pinned.report(lambda k: self._files.get(k, (0, 0))[0])

@@ -27,6 +27,11 @@ Contract
   when it has nothing else to do (and before it exits); with ``memory_only=True``
   only the memory tier keeps it. With ``on_error``, a failing tier (a full shared
   disk) is reported to it, ``on_error(tier, error)``, and the others are still written.
+- :meth:`PromptStore.draft_index` ``(scope)`` is the scope's
+  :class:`~mlx_chatcache.store.draft_index.DraftIndex` (speculative decoding's store
+  drafts), when the store was made with ``draft_tokens`` > 0 (its capacity, per scope): made
+  on first use from the newest values of the scope in the disk tier, then fed every ``put``
+  of the scope and every value a checkout reads from the disk or Redis tier.
 - :meth:`PromptStore.stats` and :meth:`PromptStore.pins` may be read from another thread.
 - What a hit returns holds the same tokens the prompt would otherwise have been fed
   with: results do not depend on whether there was a hit (up to the floating-point
@@ -53,8 +58,10 @@ from ..errors import ChatCacheError
 from ..files.mlxcc_format import check_cache_fits_model
 from ..files.prompt_cache import PromptCache
 from ..models.fingerprint import ModelFingerprint
+from ..files.registry import parse_tokens
 from .chain import Chain
 from .disk import DiskTier
+from .draft_index import DraftIndex
 from .tiers import MemoryTier, Pin, Tier
 from .values import Value, assemble, cut, decode, encode, in_parallel, splittable, whole
 
@@ -73,9 +80,12 @@ class Scope:
 
 
 def make_scope(fingerprint: ModelFingerprint, settings: dict) -> Scope:
-    ident = json.dumps(
-        {"weights": fingerprint.weights_hash, "tokenizer": fingerprint.tokenizer_hash, **settings}, sort_keys=True
-    )
+    """The scope of ``fingerprint``'s caches made with ``settings`` (a draft model, whose
+    layers the caches then hold too, is part of it)."""
+    ident = {"weights": fingerprint.weights_hash, "tokenizer": fingerprint.tokenizer_hash, **settings}
+    if fingerprint.draft is not None:
+        ident["draft"] = [fingerprint.draft.weights_hash, fingerprint.draft.tokenizer_hash]
+    ident = json.dumps(ident, sort_keys=True)
     return Scope(hashlib.sha256(ident.encode()).hexdigest()[:32], fingerprint, dict(settings))
 
 
@@ -88,15 +98,54 @@ def tenant_scope(scope: Scope, tenant: str) -> Scope:
 
 
 class PromptStore:
-    def __init__(self, tiers: Sequence[Tier] = (), block_tokens: int = SERVER_DEFAULTS.store_block_tokens):
+    def __init__(self, tiers: Sequence[Tier] = (), block_tokens: int = SERVER_DEFAULTS.store_block_tokens,
+                 draft_tokens: int = 0):  # fmt: skip
         self.tiers = list(tiers)
         self.block_tokens = block_tokens
+        self.draft_tokens = draft_tokens
+        self._indexes: dict[str, DraftIndex] = {}
         self.memory = next((t for t in self.tiers if isinstance(t, MemoryTier)), None)
         self.pending: deque = deque()  # deferred writes: (tier, values, pin)
         fast = [t for t in self.tiers if t is self.memory]
         self._sources = fast + [_Pending(self.pending)] + [t for t in self.tiers if t is not self.memory]
         self.lookups = 0
         self.misses = 0
+
+    def draft_index(self, scope: Scope) -> DraftIndex | None:
+        """The scope's n-gram index of stored tokens (see the module docstring); None without
+        ``draft_tokens`` or a namespace."""
+        if self.draft_tokens <= 0 or not scope.namespace:
+            return None
+        index = self._indexes.get(scope.namespace)
+        if index is None:
+            index = self._indexes[scope.namespace] = DraftIndex(self.draft_tokens, block=self.block_tokens)
+            self._warm(scope, index)
+        return index
+
+    def _warm(self, scope: Scope, index: DraftIndex) -> None:
+        """Feed ``index`` the tokens of the scope's newest values in the disk tier, up to its capacity."""
+        found, held = [], 0
+        for tier in self.tiers:
+            if not isinstance(tier, DiskTier):
+                continue
+            for _, header in tier.recent_headers():
+                if held >= index.capacity:
+                    break
+                if header.metadata.get("user.store.namespace") != scope.namespace:
+                    continue
+                try:
+                    tokens = parse_tokens(header.path, header.metadata.get("mlxcc.tokens"))
+                except ChatCacheError:
+                    continue
+                if tokens:
+                    found.append(tokens)
+                    held += len(tokens)
+        index.add_all(reversed(found))  # oldest first: the newest win the index's slots
+
+    def _index(self, scope: Scope, tokens: Sequence[int], chain: Chain) -> None:
+        index = self._indexes.get(scope.namespace)
+        if index is not None:
+            index.add(tokens, chain.blocks[: len(tokens) // self.block_tokens])
 
     def _splits(self, scope: Scope, kinds: Sequence[type]) -> bool:
         """Whether caches of these layer classes are kept in blocks in ``scope``."""
@@ -118,6 +167,8 @@ class PromptStore:
             if found is not None:
                 cache, n, tier = found
                 state.cache[:], state.tokens[:] = hold_kv_in(cache, state.shape.kv_dtype), query[:n]
+                if tier not in ("memory", None):  # other replicas' and earlier runs' tokens
+                    self._index(scope, query[:n], chain)
                 return state, tier
         self.misses += 1
         return state, None
@@ -232,6 +283,7 @@ class PromptStore:
         if not n or not scope.namespace or not targets:
             return {}
         chain, b = Chain(scope.namespace, tokens, self.block_tokens), self.block_tokens
+        self._index(scope, tokens, chain)
         split = self._splits(scope, [type(c) for c in cache])
         if split and not splittable(cache, n):
             return {t.name: False for t in targets}
@@ -295,8 +347,11 @@ class PromptStore:
 
     # ------------------------------------------------------------------ state
     def stats(self) -> dict:
-        return {"lookups": self.lookups, "misses": self.misses, "pending_writes": len(self.pending),
-                **{t.name: t.stats() for t in self.tiers}}  # fmt: skip
+        out = {"lookups": self.lookups, "misses": self.misses, "pending_writes": len(self.pending),
+               **{t.name: t.stats() for t in self.tiers}}  # fmt: skip
+        if self.draft_tokens > 0:
+            out["draft_index"] = [i.stats() for i in list(self._indexes.values())]
+        return out
 
     def pins(self) -> dict[str, dict[str, Pin]]:
         """Per pinning key, what each tier holds for it (not the Redis tier: see its module doc)."""
@@ -336,10 +391,12 @@ class _Pending(Tier):
         """(Values made here are never damaged.)"""
 
 
-def build_store(memory_bytes: int, disk_bytes: int, cache_dir, redis_url: str | None = None) -> PromptStore:
+def build_store(memory_bytes: int, disk_bytes: int, cache_dir, redis_url: str | None = None,
+                draft_tokens: int = 0) -> PromptStore:  # fmt: skip
     """A store with a memory tier (unless ``memory_bytes`` is 0), a disk tier
     in ``cache_dir`` (unless ``disk_bytes`` is 0 or ``cache_dir`` is None) and a
-    Redis tier at ``redis_url`` (when given; needs the ``redis`` package)."""
+    Redis tier at ``redis_url`` (when given; needs the ``redis`` package); ``draft_tokens``:
+    the capacity of each scope's draft index (0: none)."""
     tiers: list[Tier] = []
     if memory_bytes > 0:
         tiers.append(MemoryTier(memory_bytes))
@@ -349,7 +406,7 @@ def build_store(memory_bytes: int, disk_bytes: int, cache_dir, redis_url: str | 
         from .redis_tier import RedisTier  # the redis package is optional
 
         tiers.append(RedisTier(redis_url))
-    return PromptStore(tiers)
+    return PromptStore(tiers, draft_tokens=draft_tokens)
 
 
 __all__ = ["PromptStore", "Scope", "build_store", "make_scope", "tenant_scope"]
