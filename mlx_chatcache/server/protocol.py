@@ -132,13 +132,13 @@ def _repetition_penalty(body: dict) -> float | None:
 
 def _choice(body: dict, name: str) -> str | None:
     """A request field whose value is one of a setting's names (:data:`~mlx_chatcache.config.RANGES`)."""
-    v = _opt_str(body, name)
+    v = optional_str(body, name)
     if v is None:
         return None
     try:
         return check_setting(name, v)
     except SettingError as e:
-        raise _bad(name, str(e), "invalid_value") from None
+        raise bad_field(name, str(e), "invalid_value") from None
 
 
 def _opt_bool(body: dict, name: str) -> bool:
