@@ -373,7 +373,7 @@ class ServerConfig:
     # chain (a block is one value: a file on disk, a key in Redis); see benchmarks/RESULTS.md for the
     # trade: 50 chats sharing a 1,000-token prompt within 1.25x of their unique tokens' bytes, and a disk
     # checkout opening one file per block
-    store_block_tokens: int = 64
+    store_block_tokens: int = 32
     # speculative decoding's store drafts (--store-drafts): the n-gram index of the tokens the store holds
     # for the model keeps this many tokens (int32) and a power of two of slots (int64) of at least 3 per
     # token: 38 MB for the default, fixed when the index is made (store/draft_index.py)

@@ -78,7 +78,8 @@ def test_a_conversation_put_again_adds_only_its_new_tokens(llama_model):
     more = state.tokens + tok.encode(" And the harbour?")
     list(stream_generate(model, tok, more, state=state, config=GREEDY))
     store.put(scope, state.tokens, state.cache)
-    new = len(state.tokens) - len(first) // 64 * 64  # from its first block the index had not seen
+    b = store.block_tokens
+    new = len(state.tokens) - len(first) // b * b  # from its first block the index had not seen
     assert index.counters["added"] - added <= new + max(index.sizes)
 
 
