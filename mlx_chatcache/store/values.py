@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Callable, Sequence, TypeVar
 
 import mlx.core as mx
@@ -42,7 +42,8 @@ from ..files.safetensors_file import NUMPY_DTYPES, Header, check_data, read_head
 
 
 T, R = TypeVar("T"), TypeVar("R")
-_THREADS = 4  # threads reading and checking values at most
+_THREADS = min(os.cpu_count() or 1, 4)  # threads reading and checking values
+_pools: dict[int, ThreadPoolExecutor] = {}  # per process (a forked child has none of its parent's threads)
 
 
 @dataclass(frozen=True)
@@ -65,24 +66,41 @@ class Value:
         ``(d0, d1, tokens, d3)``; CacheFormatError when it holds other layers."""
         meta, tensors = self.header.metadata, self.header.tensors
         n = meta.get("mlxcc.num_layers", "")
-        layers = int(n) if n.isdigit() else 0
-        names = [f"layer.{i}.{j}" for i in range(layers) for j in (0, 1)]
-        if not layers or set(tensors) != set(names) or any(
-            meta.get(f"mlxcc.layer.{i}.class") != "KVCache" or meta.get(f"mlxcc.layer.{i}.arrays") != "2"
-            for i in range(layers)
-        ) or any(len(t.shape) != 4 or t.shape[2] != self.end - self.start for t in tensors.values()):  # fmt: skip
-            raise CacheFormatError(f"store value {self.key} does not hold K/V layers of its tokens")
+        names, required = _kv_layout(int(n) if n.isdigit() else 0)
+        entries = [tensors[name] for name in names] if names and tensors.keys() == set(names) else []
+        first = entries[0] if entries and required.items() <= meta.items() else None
+        bad = CacheFormatError(f"store value {self.key} does not hold K/V layers of its tokens")
+        if first is None or len(first.shape) != 4 or first.shape[2] != len(self.tokens):
+            raise bad
         flat = np.frombuffer(self.data, dtype=np.uint8, offset=self.header.data_start)
-        return [flat[t.begin : t.end].view(NUMPY_DTYPES[t.dtype]).reshape(t.shape) for t in map(tensors.get, names)]
+        size = first.end - first.begin
+        if size and all(t.dtype == first.dtype and t.shape == first.shape for t in entries):
+            # arrays of one shape filling the data section (the usual case): one view, indexed
+            arrays = flat[: len(entries) * size].view(NUMPY_DTYPES[first.dtype]).reshape(len(entries), *first.shape)
+            return [arrays[t.begin // size] for t in entries]
+        if any(len(t.shape) != 4 or t.shape[2] != len(self.tokens) for t in entries):
+            raise bad
+        return [flat[t.begin : t.end].view(NUMPY_DTYPES[t.dtype]).reshape(t.shape) for t in entries]
+
+
+@lru_cache(maxsize=16)
+def _kv_layout(layers: int) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The tensor names of ``layers`` ``KVCache`` layers (keys, values, keys, ...) and the
+    metadata their header holds for them."""
+    names = tuple(f"layer.{i}.{j}" for i in range(layers) for j in (0, 1))
+    required = {f"mlxcc.layer.{i}.{k}": v for i in range(layers) for k, v in (("class", "KVCache"), ("arrays", "2"))}
+    return names, required
 
 
 def in_parallel(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
     """``[fn(x) for x in items]``, over a few threads when there are several: reading a
     value's bytes and checking them free the GIL."""
-    if len(items) < 2:
+    if len(items) < 2 or _THREADS < 2:
         return [fn(x) for x in items]
-    with ThreadPoolExecutor(min(len(items), os.cpu_count() or 1, _THREADS)) as pool:
-        return list(pool.map(fn, items))
+    pool = _pools.get(os.getpid())
+    if pool is None:
+        pool = _pools[os.getpid()] = ThreadPoolExecutor(_THREADS, thread_name_prefix="mlxcc-store")
+    return list(pool.map(fn, items))
 
 
 def splittable(cache: Sequence[BaseCache], n: int) -> bool:
