@@ -16,7 +16,7 @@ or change their weights); load a private copy with ``make_tiny_model`` or
 ``load(str(tiny_model_dirs[kind]))`` when a test must mutate one.
 
 Each test starts with ``mx.random`` and numpy's global RNG seeded to 0; the run's
-MLXCC_HOME is a temporary folder.
+MLXCC_HOME is a temporary folder; Hypothesis draws the same examples every run.
 
 Markers: ``blas`` marks a test whose verdict rests on numbers the BLAS computes (logits,
 K/V, generated tokens compared between two model computations); ``make test-blas-off``
@@ -35,6 +35,12 @@ import mlx_chatcache  # noqa: F401  (first: it switches MLX's BLAS before mlx.co
 import mlx.core as mx  # noqa: I001
 import numpy as np
 import pytest
+from hypothesis import settings
+
+# every run of the suite draws the same Hypothesis examples (no example database): a red run is
+# the code's, never the draw's; a test that wants more sets max_examples
+settings.register_profile("suite", derandomize=True, database=None)
+settings.load_profile("suite")
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -35,8 +35,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .protocol import (Request, RequestError, bad_field, json_type, nonempty_name, object_field, setting_field, stop_field,
-                       temperature_field, top_p_field, unicode_text)  # fmt: skip
+from .protocol import (Request, bad_field, json_type, model_field, nonempty_name, object_field, setting_field,
+                       stop_field, temperature_field, top_p_field, unicode_text)  # fmt: skip
 
 
 @dataclass
@@ -50,14 +50,8 @@ class MessagesCall:
 
 
 def parse_messages(body: Any) -> tuple[Request, MessagesCall]:
-    if not isinstance(body, dict):
-        raise RequestError(400, f"the request body must be a JSON object, got {json_type(body)}", None, "invalid_json")
+    model = model_field(body)
     call = MessagesCall()
-    model = body.get("model")
-    if model is not None and (not isinstance(model, str) or not model):
-        raise bad_field("model", "must be a non-empty string, or left out for the served model (see GET /v1/models)")
-    if model is not None:
-        unicode_text(model, "model")
     messages: list[dict] = []
     marked = 0  # messages up to the last breakpoint so far
     tools = _tools(body, call)

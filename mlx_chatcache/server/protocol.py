@@ -277,7 +277,8 @@ def response_format_field(body: dict) -> dict | None:
     return v
 
 
-def _common(body: Any, kind: str) -> Request:
+def model_field(body: Any) -> str | None:
+    """The ``model`` of a request body, which must be a JSON object (a 400 otherwise)."""
     if not isinstance(body, dict):
         raise RequestError(400, f"the request body must be a JSON object, got {json_type(body)}", None, "invalid_json")
     model = body.get("model")
@@ -285,6 +286,11 @@ def _common(body: Any, kind: str) -> Request:
         raise bad_field("model", "must be a non-empty string, or left out for the served model (see GET /v1/models)")
     if model is not None:
         unicode_text(model, "model")
+    return model
+
+
+def _common(body: Any, kind: str) -> Request:
+    model = model_field(body)
     max_tokens = setting_field(body, "max_completion_tokens", "max_tokens")
     if max_tokens is None:
         max_tokens = setting_field(body, "max_tokens", "max_tokens")

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .messages_protocol import check_text_tree
-from .protocol import (Request, RequestError, bad_field, json_type, nonempty_name, object_field, optional_str,
+from .protocol import (Request, RequestError, bad_field, json_type, model_field, nonempty_name, object_field, optional_str,
                        response_format_field, setting_field, temperature_field, tool_choice_field, top_p_field,
                        unicode_text)  # fmt: skip
 
@@ -52,13 +52,7 @@ class ResponsesCall:
 
 
 def parse_responses(body: Any) -> tuple[Request, ResponsesCall]:
-    if not isinstance(body, dict):
-        raise RequestError(400, f"the request body must be a JSON object, got {json_type(body)}", None, "invalid_json")
-    model = body.get("model")
-    if model is not None and (not isinstance(model, str) or not model):
-        raise bad_field("model", "must be a non-empty string, or left out for the served model (see GET /v1/models)")
-    if model is not None:
-        unicode_text(model, "model")
+    model = model_field(body)
     call = ResponsesCall(instructions=optional_str(body, "instructions"),
                          previous=optional_str(body, "previous_response_id"))
     call.input = _input(body.get("input"))

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import SERVER_DEFAULTS, GenerationConfig, SettingError, check_setting
-from ..errors import ChatCacheError, TokenIdError, one_line
+from ..errors import ChatCacheError, TokenIdError, one_line, shown
 from ..generation.text import encode_prompt
 from ..generation.templates import has_chat_template, render_chat, system_end
 from ..generation.token_ids import check_token_ids
@@ -156,7 +156,7 @@ class Service:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.names:
-            raise RequestError(404, f"the model '{name}' does not exist here; this server serves "
+            raise RequestError(404, f"the model {shown(name, 80)} does not exist here; this server serves "
                                f"'{self.model_id}' (see GET /v1/models)", "model", "model_not_found")  # fmt: skip
 
     def admit(self, req: Request, session: str | None = None,
