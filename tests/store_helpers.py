@@ -75,6 +75,11 @@ def synthetic(tokens, layers=2, heads=2, dim=4, dims=None):
     return out
 
 
+def values_read(tokens: int, block: int) -> int:
+    """How many values a checkout serving ``tokens`` tokens reads: its full blocks and a tail."""
+    return -(-tokens // block)
+
+
 def served(entries, query, block):
     """What the store serves of ``query`` (a prompt but its last token) from entries of
     block caches holding ``entries`` (token lists): the leading run of ``block``-token

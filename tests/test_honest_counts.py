@@ -20,7 +20,12 @@ import sys
 import mlx.core as mx
 import pytest
 
+import mlx_chatcache.generation.feed as feed
 import mlx_chatcache.generation.loop as loop
+import mlx_chatcache.generation.model_call as model_call
+import mlx_chatcache.generation.run as run
+import mlx_chatcache.generation.speculative as speculative
+import mlx_chatcache.generation.untokenized as untokenized
 from mlx_chatcache.cli.main import main
 from mlx_chatcache.files.mlxcc_format import read_cache_info
 from mlx_chatcache.generation.templates import render_chat
@@ -50,14 +55,15 @@ class Lines(io.StringIO):
 def fed(monkeypatch):
     """Every model call's token ids, in order."""
     calls: list[list[int]] = []
-    real = loop.call_model
+    real = model_call.call_model
 
     def recording(model, tokens, cache, **kw):
         ids = tokens.reshape(-1).tolist() if isinstance(tokens, mx.array) else [int(t) for t in tokens]
         calls.append(ids)
         return real(model, tokens, cache, **kw)
 
-    monkeypatch.setattr(loop, "call_model", recording)
+    for module in (feed, loop, run, speculative, untokenized):  # every caller of the chat's model
+        monkeypatch.setattr(module, "call_model", recording)
     return calls
 
 
