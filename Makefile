@@ -18,20 +18,23 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# pytest-xdist: a worker per core, idle workers take tests from busy ones (module fixtures may then start twice)
+PARALLEL ?= -n auto --dist worksteal
+
 # the suite but the slow runs, the model-zoo sweep and the benchmark scripts' smoke runs (pyproject.toml's
 # addopts), 20 slowest tests shown
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q $(PARALLEL) --durations=20
 
 # the tests whose numbers the BLAS makes (marker blas: logits, K/V, generated tokens compared between two
 # model computations; tests/conftest.py), again with MLX's bundled BLAS (the Linux OpenBLAS swap turned off)
 test-blas-off: $(STAMP)
-	MLXCC_BLAS=off $(PY) -m pytest -q --durations=20 -m 'blas and not slow and not zoo'
+	MLXCC_BLAS=off $(PY) -m pytest -q $(PARALLEL) --durations=20 -m 'blas and not slow and not zoo'
 
 # the model-zoo sweep (tests/test_zoo.py): every mlx-lm architecture, our caches against mlx-lm's on the
 # same BLAS; CI runs it once
 zoo: $(STAMP)
-	$(PY) -m pytest -q --durations=20 -m zoo tests/test_zoo.py
+	$(PY) -m pytest -q $(PARALLEL) --durations=20 -m zoo tests/test_zoo.py
 
 # each benchmark script run at tiny sizes (tests/test_benchmarks_smoke.py); CI runs it once, and its blas
 # tests again in test-blas-off
