@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .protocol import (Request, bad_field, json_type, model_field, nonempty_name, object_field, setting_field,
-                       stop_field, temperature_field, top_p_field, unicode_text)  # fmt: skip
+                       stop_field, temperature_field, tools_array, top_p_field, unicode_text)  # fmt: skip
 
 
 @dataclass
@@ -220,11 +220,9 @@ def check_text_tree(v: Any, param: str) -> None:
 
 
 def _tools(body: dict, call: MessagesCall) -> list[dict] | None:
-    v = body.get("tools")
+    v = tools_array(body)
     if v is None:
         return None
-    if not isinstance(v, list):
-        raise bad_field("tools", f"must be an array of tools, got {json_type(v)}")
     out = []
     for i, tool in enumerate(v):
         param = f"tools[{i}]"

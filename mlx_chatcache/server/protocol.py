@@ -226,12 +226,20 @@ def nonempty_name(v: Any, param: str) -> str:
     return unicode_text(v, param)
 
 
-def _tools(body: dict) -> list[dict] | None:
+def tools_array(body: dict) -> list | None:
+    """A request's ``tools``: None when absent, else the array (a 400 when not an array)."""
     v = body.get("tools")
     if v is None:
         return None
     if not isinstance(v, list):
         raise bad_field("tools", f"must be an array of tools, got {json_type(v)}")
+    return v
+
+
+def _tools(body: dict) -> list[dict] | None:
+    v = tools_array(body)
+    if v is None:
+        return None
     for i, tool in enumerate(v):
         param = f"tools[{i}]"
         if object_field(tool, param).get("type") != "function":

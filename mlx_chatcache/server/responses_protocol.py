@@ -33,8 +33,8 @@ from typing import Any
 
 from .messages_protocol import check_text_tree
 from .protocol import (Request, RequestError, bad_field, json_type, model_field, nonempty_name, object_field, optional_str,
-                       response_format_field, setting_field, temperature_field, tool_choice_field, top_p_field,
-                       unicode_text)  # fmt: skip
+                       response_format_field, setting_field, temperature_field, tool_choice_field, tools_array,
+                       top_p_field, unicode_text)  # fmt: skip
 
 IGNORED_ITEMS = ("reasoning", "item_reference")
 
@@ -160,11 +160,9 @@ def _arguments(v: Any, param: str) -> dict:
 
 
 def _tools(body: dict) -> list[dict] | None:
-    v = body.get("tools")
+    v = tools_array(body)
     if v is None:
         return None
-    if not isinstance(v, list):
-        raise bad_field("tools", f"must be an array of tools, got {json_type(v)}")
     out = []
     for i, tool in enumerate(v):
         param = f"tools[{i}]"
