@@ -198,6 +198,23 @@ def run_engines(servers: dict, session: dict, args) -> dict:
     return rows
 
 
+def cut_layers(folder: Path, n: int) -> str:
+    """Keep the first ``n`` transformer layers of the model in ``folder`` (in place)."""
+    import mlx.core as mx
+
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = n
+    if config.get("layer_types"):
+        config["layer_types"] = config["layer_types"][:n]
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    weights = mx.load(str(folder / "model.safetensors"))
+    kept = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
+    mx.eval(kept)
+    mx.save_safetensors(str(folder / "cut.safetensors"), kept, {"format": "mlx"})
+    (folder / "cut.safetensors").replace(folder / "model.safetensors")
+    return f", cut to its first {n} layer{'s' if n > 1 else ''} (the servers' own per-turn cost shows)"
+
+
 # ------------------------------------------------------------------ report
 ENGINES = {"messages": "mlxcc /v1/messages", "responses": "mlxcc /v1/responses", "mlx-lm": "mlx-lm server (chat)"}
 
@@ -257,6 +274,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=8)
     ap.add_argument("--turns", type=int, default=10, help="replay the first N turns (smoke runs)")
     ap.add_argument("--system-chars", type=int, default=None, help="cut the system prompt to N characters (smoke runs)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep the demo model's first N layers: the servers' own per-turn cost shows (overhead runs)")
     ap.add_argument("--record", action="store_true", help=f"write {SESSION.name} from this repository's files")
     ap.add_argument("--engines", default="messages,responses,mlx-lm")
     ap.add_argument("--start-timeout", type=float, default=180)
@@ -278,6 +297,8 @@ def main(argv=None) -> int:
         os.environ["LD_PRELOAD"] = env["LD_PRELOAD"]
     with tempfile.TemporaryDirectory(prefix="mlxcc-agent-replay-") as tmp, contextlib.ExitStack() as stack:
         folder, desc = build_model(args, Path(tmp))
+        if args.layers:
+            desc += cut_layers(folder, args.layers)
         servers = {}
         for engine in args.engines.split(","):
             if engine == "mlx-lm":  # booted after mlx_chatcache's BLAS switch, as mlxcc is

@@ -363,3 +363,37 @@ def test_checkout_hands_out_a_prompt_cache_the_caller_owns(llama_model, tmp_path
         mx.eval([c.eval_arrays() for c in got.cache])
     miss, where = store.checkout(sc, model, tokens_of(10, start=200), shape)
     assert where is None and miss.tokens == [] and miss.shape == shape
+
+
+def test_a_handed_over_cache_serves_the_next_turn_as_it_is_unless_the_tiers_serve_more(llama_model, tmp_path):
+    """A cache put with ``hand_over`` is handed to the next checkout of its scope that it
+    serves at least as far as the tiers, trimmed to what its values serve: the same layers,
+    no copy, the same tokens, arrays and logits as its values give; once. A checkout the
+    tiers serve further (another conversation's longer prefix) or another scope gets values
+    and leaves it."""
+    model, _ = llama_model
+    sc = make_scope(model.fingerprint, SETTINGS)
+    other = make_scope(model.fingerprint, {**SETTINGS, "tenant": "t"})
+    base = tokens_of(40)
+    want = arrays(filled(model, base))
+    store = PromptStore([MemoryTier(1 << 30), DiskTier(tmp_path, 1 << 30)], block_tokens=B)
+    longer = base[:30] + tokens_of(20, start=150)  # another conversation: shares 30 tokens
+    store.put(sc, longer, filled(model, longer))
+    turn = filled(model, base)
+    store.put(sc, base, turn, ends=[36], hand_over=True)  # values: 5 blocks and a 36-token tail
+    prompt = base[:38] + tokens_of(5, start=100)  # the reply's last 2 tokens spelled otherwise
+
+    assert checked_out(store, other, model, prompt) is None  # another scope: its tiers are empty
+    assert checked_out(store, sc, model, longer + [1]).cache[0] is not turn[0]  # the tiers serve 50 > 30
+    got = checked_out(store, sc, model, prompt)
+    assert got.tier == "memory" and got.served == 36 and got.tokens == base[:36]  # as the tail would
+    assert all(g is t for g, t in zip(got.cache, turn)) and turn[0].offset == 36  # the very layers, trimmed
+    for g, w in zip(arrays(got.cache), want):
+        np.testing.assert_array_equal(g[:, :, :36], w[:, :, :36])
+    warm = forward(model, got.cache, prompt[36:])
+    cold = forward(model, PromptCache.new(model).cache, prompt)
+    np.testing.assert_allclose(np.array(warm), np.array(cold), atol=1e-4)
+    again = checked_out(store, sc, model, prompt)  # handed over once: now from the values
+    assert again.served == 36 and all(g is not t for g, t in zip(again.cache, turn))
+    for g, w in zip(arrays(again.cache), want):
+        np.testing.assert_array_equal(g[:, :, :36], w[:, :, :36])

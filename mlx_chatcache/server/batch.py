@@ -387,7 +387,7 @@ class BatchScheduler:
                                "choices": choices}))  # fmt: skip
         for st in a.states or ([a.state] if a.state else []):
             if st.tokens:
-                w._put(job, st.tokens, st.cache, ends=prompt_ends(job))
+                w._put(job, st.tokens, st.cache, ends=prompt_ends(job), hand_over=True)
         self._counted()
         w._flush(MAX_PENDING)
 

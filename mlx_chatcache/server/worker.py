@@ -276,7 +276,7 @@ class GenerationWorker:
             self._put(job, job.prompt[: job.boundary], checkpoint)
         for st in states[: max(len(choices), 1)]:  # the copies of choices never started hold nothing new
             if st.tokens:
-                self._put(job, st.tokens, st.cache, ends=prompt_ends(job))
+                self._put(job, st.tokens, st.cache, ends=prompt_ends(job), hand_over=True)
 
     def _choice_states(self, job: Job, state: PromptCache) -> list[PromptCache]:
         """The state each choice generates on: ``state`` itself for one choice; for more,
@@ -304,13 +304,14 @@ class GenerationWorker:
             self._scopes[job.tenant] = tenant_scope(self.scope, job.tenant)
         return self._scopes[job.tenant]
 
-    def _put(self, job: Job, tokens, cache, memory_only: bool = False, ends=()) -> None:
+    def _put(self, job: Job, tokens, cache, memory_only: bool = False, ends=(), hand_over: bool = False) -> None:
         """Store a cache of ``job`` in its scope, pinned under its key unless ``memory_only``
-        (then in the memory tier alone; ``ends``: shorter prefixes served exactly too); a
+        (then in the memory tier alone; ``ends``: shorter prefixes served exactly too;
+        ``hand_over``: the job is done with ``cache``, the store may serve it as it is); a
         failing tier (a full disk) is logged, the client has its reply."""
         try:
             self.store.put(self.scope_of(job), tokens, cache, None if memory_only else job.pin, defer=True,
-                           memory_only=memory_only, ends=ends)  # fmt: skip
+                           memory_only=memory_only, ends=ends, hand_over=hand_over)  # fmt: skip
         except (ChatCacheError, OSError) as e:
             self.stats["store_errors"] = self.stats.get("store_errors", 0) + 1
             log.warning("could not store a prompt cache: %s", e, extra={"request_id": job.request_id})

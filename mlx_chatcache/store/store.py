@@ -27,6 +27,11 @@ Contract
   when it has nothing else to do (and before it exits); with ``memory_only=True``
   only the memory tier keeps it. With ``on_error``, a failing tier (a full shared
   disk) is reported to it, ``on_error(tier, error)``, and the others are still written.
+  With ``hand_over=True`` the caller gives a cache kept in blocks up: the store keeps that
+  one cache as it is (outside every tier's budget, until the next such put), and the next
+  checkout it serves at least as far as the tiers would takes it, trimmed to what its
+  values would serve, instead of assembling a copy of them (a conversation's next turn on
+  the same server): the same tokens and arrays, only sooner.
 - :meth:`PromptStore.draft_index` ``(scope)`` is the scope's
   :class:`~mlx_chatcache.store.draft_index.DraftIndex` (speculative decoding's store
   drafts), when the store was made with ``draft_tokens`` > 0 (its capacity, per scope): made
@@ -59,6 +64,7 @@ from ..files.mlxcc_format import check_cache_fits_model
 from ..files.prompt_cache import PromptCache
 from ..models.fingerprint import ModelFingerprint
 from ..files.registry import parse_tokens
+from ..files.tokens import common_prefix_len
 from .chain import Chain
 from .disk import DiskTier
 from .draft_index import DraftIndex
@@ -110,6 +116,7 @@ class PromptStore:
         self._sources = fast + [_Pending(self.pending)] + [t for t in self.tiers if t is not self.memory]
         self.lookups = 0
         self.misses = 0
+        self._kept: tuple[Scope, list[int], list[BaseCache], list[int]] | None = None  # put with hand_over
 
     def draft_index(self, scope: Scope) -> DraftIndex | None:
         """The scope's n-gram index of stored tokens (see the module docstring); None without
@@ -178,6 +185,9 @@ class PromptStore:
         keys = chain.blocks
         where = self._locate(keys)
         run = next((i for i, t in enumerate(where) if t is None), len(keys))
+        kept = self._take_kept(scope, chain, query, run * b)
+        if kept is not None:
+            return kept
         values = self._fetch(scope, keys[:run], where[:run], lambda i, v: v.start == i * b and v.tokens ==
                              query[i * b : (i + 1) * b])  # fmt: skip
         tiers = where[: len(values)]
@@ -199,6 +209,23 @@ class PromptStore:
                 self._corrupt(t, v.key)
             return None
         return cache, values[-1].end, self._slowest(tiers)
+
+    def _take_kept(self, scope: Scope, chain: Chain, query: list[int], blocks_end: int):
+        """The kept cache, trimmed to the prefix of ``query`` its values serve (whole blocks,
+        then a tail), when no block run (ending at ``blocks_end``) or tail the tiers hold
+        serves more of ``query``."""
+        if self._kept is None or self._kept[0] != scope:
+            return None
+        _, tokens, cache, ends = self._kept
+        held = common_prefix_len(tokens, query)
+        n = max([held - held % self.block_tokens] + [e for e in ends if e <= held])
+        longer = range(min(len(query), blocks_end + self.block_tokens - 1), max(n, blocks_end), -1)
+        if n == 0 or n < blocks_end or any(self._locate([chain.entry(e) for e in longer])):
+            return None
+        self._kept = None
+        for c in cache:
+            c.trim(c.offset - n)
+        return cache, n, "memory"
 
     def _whole(self, scope, chain: Chain, query: list[int], expected: list[BaseCache]):
         keys = [chain.entry(n) for n in range(len(query), 0, -1)]
@@ -271,12 +298,14 @@ class PromptStore:
     # ------------------------------------------------------------------ put
     def put(self, scope: Scope, tokens: Sequence[int], cache: list[BaseCache], key: str | None = None,
             defer: bool = False, memory_only: bool = False,
-            on_error: Callable[[Tier, Exception], None] | None = None, ends: Sequence[int] = ()) -> dict:  # fmt: skip
+            on_error: Callable[[Tier, Exception], None] | None = None, ends: Sequence[int] = (),
+            hand_over: bool = False) -> dict:  # fmt: skip
         """Store ``cache`` (holding ``tokens``) in every tier (``memory_only``: in the memory
         tier alone); ``{tier: stored?}`` (None: a deferred write, still pending). ``ends``:
         shorter prefixes of ``tokens`` to serve exactly too (a prompt whose reply follows:
         the next turn starts with the prompt even where it spells the reply otherwise);
-        a cache kept in blocks stores their tails, any other cache ignores them."""
+        a cache kept in blocks stores their tails, any other cache ignores them.
+        ``hand_over``: ``cache`` is the store's from now on (see the module doc)."""
         tokens = [int(t) for t in tokens]
         targets = [t for t in self.tiers if t is self.memory or not memory_only]
         n = len(tokens)
@@ -293,6 +322,8 @@ class PromptStore:
             ranges += [(chain.entry(e), e - e % b, e) for e in tails]
         else:
             ranges = [(chain.entry(n), 0, n)]
+        if split and hand_over:  # the values' ends: what it serves
+            self._kept = (scope, tokens, list(cache), [e for _, _, e in ranges])
         values = self._values(scope, tokens, cache, split, ranges, targets)
         stored = {}
         for tier in targets:
