@@ -99,3 +99,22 @@ def test_think_split_holds_back_a_partial_marker():
     assert split.feed("ink>b</thi") == [(True, "b")]
     assert split.feed("nk>c") == [(False, "c")]
     assert split.feed("<thin") == [] and split.finish() == [(False, "<thin")]
+
+
+def test_tool_results_as_blocks_errors_and_their_breakpoints_are_read():
+    """A ``tool_result`` whose content is text blocks is one tool message (``is_error``
+    said in it), and ``cache_control`` on one of those blocks is the request's breakpoint:
+    the messages up to that turn are the ones kept."""
+    from mlx_chatcache.server.messages_protocol import parse_messages
+
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ls", "input": {}}]}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": True, "content": [
+        {"type": "text", "text": "no such "}, {"type": "text", "text": "dir", "cache_control": {"type": "ephemeral"}}]}]}
+    body = {"model": "m", "max_tokens": 4, "system": "sys",
+            "messages": [{"role": "user", "content": "list"}, call, result, {"role": "user", "content": "and now?"}]}
+    req, parsed = parse_messages(body)
+    tool = req.messages[3]
+    assert tool == {"role": "tool", "tool_call_id": "t1", "content": "Error: no such dir"}
+    assert parsed.breakpoint == 4 and req.mark_messages == req.messages[:4]  # system, user, call, result
+    del result["content"][0]["content"][1]["cache_control"]
+    assert parse_messages(body)[1].breakpoint is None

@@ -230,3 +230,46 @@ def test_normal_requests_end_to_end(server):
         status, _, data = client.post(path, json.dumps(with_model(body, server.model_id)).encode())
         check(path, status, data, body)
     client.close()
+
+
+def test_refusals_before_and_around_the_endpoint_are_in_its_dialect(llama_model, tiny_model_dirs):
+    """A missing key (401), a draining server (503), a path or method the routes lack
+    (404/405) and a failure inside the handler (500) answer under /v1/messages in Anthropic's
+    shape and under /v1/responses in OpenAI's, one line each."""
+    from starlette.testclient import TestClient
+
+    from mlx_chatcache.config import GenerationConfig
+    from mlx_chatcache.server.app import create_app
+    from mlx_chatcache.server.auth import ApiKeys
+    from mlx_chatcache.server.drain import Drain
+    from mlx_chatcache.server.service import Service
+    from mlx_chatcache.store.store import PromptStore
+
+    model, tok = llama_model
+    key = "key-0123456789abcdef"
+
+    def anthropic_shaped(r, status, kind):
+        body = r.json()
+        assert r.status_code == status and body["type"] == "error" and body["error"]["type"] == kind, body
+        assert set(body["error"]) == {"type", "message"} and "\n" not in body["error"]["message"]
+
+    def openai_shaped(r, status):
+        err = r.json()["error"]
+        assert r.status_code == status and set(err) == {"message", "type", "param", "code"} and "\n" not in err["message"]
+
+    service = Service(model, tok, str(tiny_model_dirs["llama"]), PromptStore([]), GenerationConfig(max_tokens=2),
+                      max_queue=4)  # fmt: skip
+    drain = Drain(5.0)
+    with TestClient(create_app(service, keys=ApiKeys([key]), drain=drain), raise_server_exceptions=False) as c:
+        anthropic_shaped(c.post(MESSAGES, json=GOOD_MESSAGES), 401, "authentication_error")
+        anthropic_shaped(c.post(COUNT, json=GOOD_MESSAGES), 401, "authentication_error")
+        openai_shaped(c.post(RESPONSES, json=GOOD_RESPONSES), 401)
+        auth = {"x-api-key": key}
+        anthropic_shaped(c.post(MESSAGES + "/nope", json={}, headers=auth), 404, "not_found_error")
+        anthropic_shaped(c.get(MESSAGES, headers=auth), 405, "api_error")
+        openai_shaped(c.get(RESPONSES, headers=auth), 405)
+        service.count_tokens = None  # the handler fails: logged, a 500 in the dialect
+        anthropic_shaped(c.post(COUNT, json={**GOOD_MESSAGES, "model": service.model_id}, headers=auth), 500, "api_error")
+        drain.begin()
+        anthropic_shaped(c.post(MESSAGES, json=GOOD_MESSAGES, headers=auth), 503, "overloaded_error")
+        openai_shaped(c.post(RESPONSES, json=GOOD_RESPONSES, headers=auth), 503)

@@ -46,7 +46,7 @@ from ..config import SERVER_DEFAULTS
 from ..errors import UsageError
 from .auth import ApiKeys
 from .drain import Drain, DrainingServer
-from .gate import Gate
+from .gate import Gate, refusal
 from .jobs import ClientGone, job_events, read_body, start_job
 from .messages_api import messages_routes
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -162,31 +162,20 @@ def create_app(service: Service, ui: str = "on", host: str = "127.0.0.1", keys: 
 
 
 # ------------------------------------------------------------------ errors
-def _error(status: int, message: str, param=None, code=None, headers: dict | None = None) -> JSONResponse:
-    """The error response; text that cannot be UTF-8 (a lone surrogate the client sent
-    and the message quotes) is shown escaped."""
-    return JSONResponse(error_body(_utf8(message), status, param and _utf8(param), code), status_code=status,
-                        headers=headers)  # fmt: skip
-
-
-def _utf8(text: str) -> str:
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 async def _request_error(request, exc: RequestError):
-    return _error(exc.status, exc.message, exc.param, exc.code, exc.headers)
+    return refusal(request.url.path, exc.status, exc.message, exc.code, exc.headers, exc.param)
 
 
 async def _http_error(request, exc: HTTPException):
     message = {404: f"no route {request.url.path}; see /v1/models, /v1/chat/completions, /v1/completions, "
                     "/v1/messages, /v1/responses",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))  # fmt: skip
-    return _error(exc.status_code, message)
+    return refusal(request.url.path, exc.status_code, message)
 
 
 async def _internal_error(request, exc: Exception):
     log.error("internal error on %s", request.url.path, exc_info=exc)
-    return _error(500, "internal server error; see the server log")
+    return refusal(request.url.path, 500, "internal server error; see the server log")
 
 
 # ------------------------------------------------------------------ completions
@@ -211,7 +200,7 @@ async def _complete(service: Service, request: HTTPRequest, parse):
                 done = value
                 break
             elif kind == "error":
-                return _error(500, value)
+                return refusal(request.url.path, 500, value)
         return JSONResponse(reply.full(pieces, done))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it

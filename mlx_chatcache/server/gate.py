@@ -20,8 +20,9 @@ Contract
 5. one access line is logged (``METHOD path status seconds``, never a header or the
    query string) and the request counted in the metrics by endpoint and status.
 
-Refusals are in the endpoint's own dialect: plain text for ``/metrics``, an
-OpenAI-shaped JSON error body for everything else.
+:func:`refusal` is every error response of the server (the gate's, the app's handlers',
+the endpoints'), in the dialect of its endpoint: plain text for ``/metrics``, Anthropic's
+error shape under ``/v1/messages``, OpenAI's for everything else.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .auth import ApiKeys
 from .drain import Drain
 from .logs import bound, request_id
 from .metrics import ServerMetrics
+from .messages_protocol import error_body as anthropic_body
 from .protocol import error_body
 
 access = logging.getLogger("mlxcc.serve.access")
@@ -50,11 +52,20 @@ def _public(method: str, path: str) -> bool:
     return method in ("GET", "HEAD") and (path in ("/", "/store") or path.startswith("/static/"))
 
 
-def refusal(path: str, status: int, message: str, code: str, headers: dict[str, str]) -> Response:
-    """A refusal in the dialect of the endpoint at ``path``."""
+def refusal(path: str, status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None,
+            param: str | None = None) -> Response:  # fmt: skip
+    """An error response in the dialect of the endpoint at ``path`` (see the module doc); text
+    that cannot be UTF-8 (a lone surrogate a client sent and the message quotes) shown escaped."""
+    message = _utf8(message)
     if path == "/metrics":
         return PlainTextResponse(message + "\n", status_code=status, headers=headers)
-    return JSONResponse(error_body(message, status, None, code), status_code=status, headers=headers)
+    if path.startswith("/v1/messages"):
+        return JSONResponse(anthropic_body(status, message), status_code=status, headers=headers)
+    return JSONResponse(error_body(message, status, param and _utf8(param), code), status_code=status, headers=headers)
+
+
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class Gate:

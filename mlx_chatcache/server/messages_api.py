@@ -30,7 +30,6 @@ Errors are Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}`
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from typing import AsyncIterator
 
@@ -38,47 +37,26 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .gate import refusal
 from .jobs import ClientGone, Started, job_events, read_body, start_job
-from .messages_protocol import MessagesCall, parse_messages, pin_name
-from .protocol import RequestError
+from .messages_protocol import MessagesCall, error_body, parse_messages, pin_name
 from .reply_parts import ReplyParts
 from .service import Service
 
-log = logging.getLogger("mlxcc.serve")
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
-
-
-def anthropic_error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
-
-
-def error_body(status: int, message: str) -> dict:
-    text = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": text}}
-
-
 def messages_routes(service: Service) -> list[Route]:
-    async def create(request: HTTPRequest):
+    async def create(request: HTTPRequest):  # errors: the app's handlers, in this dialect (.gate.refusal)
         try:
             return await _create(service, request)
-        except RequestError as e:
-            return anthropic_error(e.status, e.message, e.headers)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
-        except Exception:  # logged, never shown to the client
-            log.exception("internal error on /v1/messages")
-            return anthropic_error(500, "internal server error; see the server log")
 
     async def count(request: HTTPRequest):
         try:
             req, _ = parse_messages(await read_body(request))
-            service.check_model(req.model)
-            return JSONResponse({"input_tokens": await service.count_tokens(req)})
-        except RequestError as e:
-            return anthropic_error(e.status, e.message, e.headers)
         except ClientGone:
             return Response(status_code=499)
+        service.check_model(req.model)
+        return JSONResponse({"input_tokens": await service.count_tokens(req)})
 
     return [Route("/v1/messages", create, methods=["POST"]),
             Route("/v1/messages/count_tokens", count, methods=["POST"])]  # fmt: skip
@@ -102,7 +80,7 @@ async def _create(service: Service, request: HTTPRequest):
                 reply.finish()
                 return JSONResponse(reply.message(value))
             elif kind == "error":
-                return anthropic_error(500, value)
+                return refusal(request.url.path, 500, value)
     finally:
         started.job.cancel()
 
@@ -230,4 +208,4 @@ def sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-__all__ = ["MessageReply", "anthropic_error", "error_body", "messages_routes"]
+__all__ = ["MessageReply", "messages_routes"]

@@ -22,6 +22,8 @@ accepted and ignored (``metadata``, ``thinking``, ``context_management``,
 - ``max_tokens`` (lowered to the context's room when past it), ``temperature``, ``top_p``,
   ``top_k`` in the chat endpoint's ranges; ``stop_sequences`` as ``stop``; ``stream``.
 
+:func:`error_body` is an error in Anthropic's shape (``{"type": "error", "error": {type, message}}``).
+
 ``MessagesCall.breakpoint`` is the number of leading messages (of the Request's, the
 system message counted) that end at the request's last breakpoint (None: no
 breakpoint); ``ttl`` its ``cache_control.ttl`` ("5m" or "1h"). Pins are named by
@@ -37,6 +39,14 @@ from typing import Any
 
 from .protocol import (Request, bad_field, json_type, model_field, nonempty_name, object_field, setting_field,
                        stop_field, temperature_field, tools_array, top_p_field, unicode_text)  # fmt: skip
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
+
+
+def error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
 @dataclass
@@ -152,7 +162,9 @@ def _turn(m: Any, i: int, call: MessagesCall) -> tuple[list[dict], bool]:
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use(block, p))
         elif kind == "tool_result" and role == "user":
-            results.append(_tool_result(block, p, call))
+            result, inner = _tool_result(block, p, call)
+            results.append(result)
+            mark = inner or mark
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # the model's earlier reasoning: not part of the prompt
         elif kind in ("image", "document"):
@@ -181,8 +193,10 @@ def _tool_use(block: dict, p: str) -> dict:
                                                             "arguments": arguments}}  # fmt: skip
 
 
-def _tool_result(block: dict, p: str, call: MessagesCall) -> dict:
-    content = block.get("content", "")
+def _tool_result(block: dict, p: str, call: MessagesCall) -> tuple[dict, bool]:
+    """The ``tool`` message of a ``tool_result`` block, and whether a block of its content
+    marks a breakpoint."""
+    content, mark = block.get("content", ""), False
     if isinstance(content, list):
         parts = []
         for j, b in enumerate(content):
@@ -194,7 +208,7 @@ def _tool_result(block: dict, p: str, call: MessagesCall) -> dict:
                            "invalid_value")  # fmt: skip
             else:
                 raise bad_field(f"{p}.content[{j}]", "must be a text block", "invalid_value")
-            _marks(b, call)
+            mark = _marks(b, call) or mark
         content = "".join(parts)
     elif not isinstance(content, str):
         raise bad_field(f"{p}.content", f"must be a string or an array of text blocks, got {json_type(content)}")
@@ -203,7 +217,7 @@ def _tool_result(block: dict, p: str, call: MessagesCall) -> dict:
         raise bad_field(f"{p}.is_error", f"must be true or false, got {json_type(is_error)}")
     text = unicode_text(content, f"{p}.content")
     return {"role": "tool", "tool_call_id": nonempty_name(block.get("tool_use_id"), f"{p}.tool_use_id"),
-            "content": f"Error: {text}" if is_error else text}  # fmt: skip
+            "content": f"Error: {text}" if is_error else text}, mark  # fmt: skip
 
 
 def check_text_tree(v: Any, param: str) -> None:
@@ -262,4 +276,4 @@ def tool_choice_field(body: dict, tools: list[dict] | None) -> str | dict | None
     return {"type": "function", "function": {"name": name}}
 
 
-__all__ = ["MessagesCall", "parse_messages", "pin_name"]
+__all__ = ["error_body", "MessagesCall", "parse_messages", "pin_name"]
