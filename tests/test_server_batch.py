@@ -486,3 +486,80 @@ def test_float16_kv_rows_give_their_solo_float16_tokens(llama):
         lp_a = [lp.logprob for kind, p in a.events if kind == "piece" for lp in p.logprobs]
         lp_b = [lp.logprob for kind, p in b.events if kind == "piece" for lp in p.logprobs]
         assert lp_b == pytest.approx(lp_a, abs=1e-3)
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_the_worker_serves_on_a_generation_stream_holding_the_wired_limit(llama, monkeypatch, max_batch):
+    """One at a time or batched, the worker's model calls run on its thread's generation
+    stream (not the default one), inside the wired-memory limit held while it serves."""
+    import contextlib
+
+    import mlx_chatcache.server.worker as worker_module
+
+    model, tok, prompts = llama
+    held = []
+
+    @contextlib.contextmanager
+    def wired(m):
+        held.append(("in", m))
+        yield
+        held.append(("out", m))
+
+    monkeypatch.setattr(worker_module, "wired_limit", wired)
+    main, seen = mx.default_stream(mx.default_device()), []
+
+    def spy(tokens, logits):
+        seen.append(mx.default_stream(mx.default_device()))
+        return logits
+
+    worker, _ = make_worker(model, tok, cfg(max_tokens=3), max_batch)
+    rec = Recorder()
+    worker.submit(job_for(prompts[0], cfg(max_tokens=3), rec, processors=lambda: [spy]))
+    worker.start()
+    assert rec.done.wait(TIMEOUT) and rec.last()[0] == "done"
+    assert held == [("in", model)]
+    worker.stop()
+    assert held == [("in", model), ("out", model)]
+    assert seen and all(s != main for s in seen)
+
+
+def test_messages_and_responses_requests_decode_in_one_batch_with_their_solo_replies(llama_model, tiny_model_dirs):
+    """Anthropic Messages and OpenAI Responses requests are jobs like chat completions: sent
+    together, their rows share model calls, and each reply is the one it gets alone."""
+    import concurrent.futures
+
+    from starlette.testclient import TestClient
+
+    from mlx_chatcache.server.app import create_app
+    from mlx_chatcache.server.service import Service
+
+    model, tok = llama_model
+    service = Service(model, tok, str(tiny_model_dirs["llama"]), PromptStore([]), cfg(max_tokens=10),
+                      max_queue=8, max_batch=4)  # fmt: skip
+    step, widths = service.batch.decode.step, []
+
+    def recorded():
+        widths.append(len(service.batch.decode))
+        return step()
+
+    service.batch.decode.step = recorded
+    sent = [("/v1/messages", {"model": service.model_id, "max_tokens": 10, "temperature": 0,
+                              "messages": [{"role": "user", "content": TEXTS[0]}]}),
+            ("/v1/responses", {"model": service.model_id, "max_output_tokens": 10, "temperature": 0, "input": TEXTS[2]}),
+            ("/v1/messages", {"model": service.model_id, "max_tokens": 10, "temperature": 0, "system": TEXTS[3],
+                              "messages": [{"role": "user", "content": TEXTS[1]}]})]  # fmt: skip
+
+    def reply(client, path, body):
+        r = client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        return out["content"][0]["text"] if path == "/v1/messages" else out["output"][0]["content"][0]["text"]
+
+    with TestClient(create_app(service)) as client:
+        alone = [reply(client, *s) for s in sent]
+        assert max(widths) == 1
+        widths.clear()
+        with concurrent.futures.ThreadPoolExecutor(len(sent)) as pool:
+            together = list(pool.map(lambda s: reply(client, *s), sent))
+    assert together == alone and all(alone)
+    assert max(widths) >= 2  # rows of different dialects in one model call
