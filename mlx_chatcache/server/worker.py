@@ -52,6 +52,10 @@ has its last event: into memory at once, into files (disk, remote) while no
 other request waits, at most ``MAX_PENDING`` writes behind, all of them
 before the worker stops. ``served`` and ``history`` (:mod:`.history`) count
 every job's prompt tokens and the cached ones, by tier, as it starts.
+
+The worker's thread runs on its own generation stream and holds the wired-memory limit
+for as long as it serves (:mod:`~mlx_chatcache.generation.device`: a Metal GPU keeps the
+weights resident; elsewhere nothing changes), one job at a time or batched alike.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ import mlx.core as mx
 
 from ..config import SEED_LIMIT, GenerationConfig
 from ..errors import ChatCacheError
+from ..generation.device import generation_stream, wired_limit
 from ..generation.feed import PrefillStopped, consistent_on_error, make_kv_quantizer, prefill
 from ..files.prompt_cache import PromptCache
 from ..generation.prompt import reuse_prefix
@@ -204,6 +209,10 @@ class GenerationWorker:
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
+        with wired_limit(self.model), mx.stream(generation_stream):
+            self._serve_queue()
+
+    def _serve_queue(self) -> None:
         if self.batch is not None and self.batch.enabled:
             self.batch.run()  # many jobs at a time (.batch)
             return
