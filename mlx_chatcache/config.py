@@ -378,6 +378,7 @@ class ServerConfig:
     # for the model keeps this many tokens (int32) and a power of two of slots (int64) of at least 3 per
     # token: 38 MB for the default, fixed when the index is made (store/draft_index.py)
     draft_index_tokens: int = 1_000_000
+    draft_index_scopes: int = 4  # scopes (tenants, cache shapes) with an index at once; the least recently used goes
     disk_rescan_seconds: float = 1.0  # a disk tier looks for values other processes added at most this often
     max_queue: int = 64  # requests waiting for the generation worker; more get HTTP 503
     # rows decoded together in one model call (1: one request at a time); decoding on a CPU

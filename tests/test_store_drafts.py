@@ -119,3 +119,23 @@ def test_block_keys_are_the_stores():
     index = DraftIndex(1000)
     assert index.add(tokens, chain.blocks[:3]) == 200
     assert index.add(tokens + [7, 8, 9], chain.blocks[:3]) == 203 - 3 * 64 + max(index.sizes)
+
+
+def test_indexes_are_kept_for_a_bounded_number_of_scopes_the_least_recently_used_dropped():
+    """Memory is bounded across scopes (tenants, cache shapes) too: at most ``draft_scopes``
+    indexes of ``draft_tokens`` each; a scope used again is kept, the least recently used
+    goes (and is made anew, empty, when it comes back)."""
+    from mlx_chatcache.store.store import make_scope
+    from mlx_chatcache.models.fingerprint import ModelFingerprint
+
+    fp = ModelFingerprint("stub", "1" * 16, "2" * 16)
+    scopes = [make_scope(fp, {"tenant": str(i)}) for i in range(4)]
+    store = PromptStore([MemoryTier(1 << 20)], draft_tokens=1000, draft_scopes=2)
+    a, b = store.draft_index(scopes[0]), store.draft_index(scopes[1])
+    a.add(list(range(50)))
+    assert store.draft_index(scopes[0]) is a  # used again: now the most recent
+    store.draft_index(scopes[2])  # a third scope: b, the least recently used, goes
+    assert len(store._indexes) == 2 and sum(i.nbytes for i in store._indexes.values()) == 2 * a.nbytes
+    assert store.draft_index(scopes[0]) is a and a.lookup([3, 4], 3) == [5, 6, 7]
+    again = store.draft_index(scopes[1])
+    assert again is not b and again.stats()["added"] == 0

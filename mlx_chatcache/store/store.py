@@ -34,7 +34,8 @@ Contract
   the same server): the same tokens and arrays, only sooner.
 - :meth:`PromptStore.draft_index` ``(scope)`` is the scope's
   :class:`~mlx_chatcache.store.draft_index.DraftIndex` (speculative decoding's store
-  drafts), when the store was made with ``draft_tokens`` > 0 (its capacity, per scope): made
+  drafts), when the store was made with ``draft_tokens`` > 0 (its capacity, per scope; at
+  most ``draft_scopes`` indexes are kept, the least recently used scope's dropped): made
   on first use from the newest values of the scope in the disk tier, then fed every ``put``
   of the scope and every value a checkout reads from the disk or Redis tier.
 - :meth:`PromptStore.stats` and :meth:`PromptStore.pins` may be read from another thread.
@@ -52,7 +53,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -105,11 +106,11 @@ def tenant_scope(scope: Scope, tenant: str) -> Scope:
 
 class PromptStore:
     def __init__(self, tiers: Sequence[Tier] = (), block_tokens: int = SERVER_DEFAULTS.store_block_tokens,
-                 draft_tokens: int = 0):  # fmt: skip
+                 draft_tokens: int = 0, draft_scopes: int = SERVER_DEFAULTS.draft_index_scopes):  # fmt: skip
         self.tiers = list(tiers)
         self.block_tokens = block_tokens
-        self.draft_tokens = draft_tokens
-        self._indexes: dict[str, DraftIndex] = {}
+        self.draft_tokens, self.draft_scopes = draft_tokens, draft_scopes
+        self._indexes: OrderedDict[str, DraftIndex] = OrderedDict()  # least recently used first
         self.memory = next((t for t in self.tiers if isinstance(t, MemoryTier)), None)
         self.pending: deque = deque()  # deferred writes: (tier, values, pin)
         fast = [t for t in self.tiers if t is self.memory]
@@ -125,8 +126,11 @@ class PromptStore:
             return None
         index = self._indexes.get(scope.namespace)
         if index is None:
+            while len(self._indexes) >= max(self.draft_scopes, 1):
+                self._indexes.popitem(last=False)
             index = self._indexes[scope.namespace] = DraftIndex(self.draft_tokens, block=self.block_tokens)
             self._warm(scope, index)
+        self._indexes.move_to_end(scope.namespace)
         return index
 
     def _warm(self, scope: Scope, index: DraftIndex) -> None:
