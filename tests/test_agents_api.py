@@ -20,9 +20,9 @@ from redis_server import RedisServer
 from server_process import ServerProcess
 from tiny_models import build_tiny_model
 
-anthropic = pytest.importorskip("anthropic")
-openai = pytest.importorskip("openai")
-jsonschema = pytest.importorskip("jsonschema")
+import anthropic
+import openai
+import jsonschema
 
 BLOCK = 64
 ADD = {"name": "add", "description": "Add two numbers.", "input_schema": {

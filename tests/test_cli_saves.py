@@ -69,7 +69,7 @@ def test_save_to_an_unwritable_place_keeps_the_chat(tiny_model_dirs, tmp_path, c
 
 
 def test_autosave_into_a_folder_turned_read_only_is_reported_and_retried(tiny_model_dirs, tmp_path):
-    pexpect = pytest.importorskip("pexpect")
+    import pexpect
     folder = tmp_path / "sessions"
     folder.mkdir()
     path = folder / "s.safetensors"
@@ -102,7 +102,7 @@ def test_autosave_into_a_folder_turned_read_only_is_reported_and_retried(tiny_mo
 
 
 def test_quitting_with_an_unsaved_session_warns_first(tiny_model_dirs, tmp_path):
-    pexpect = pytest.importorskip("pexpect")
+    import pexpect
     folder = tmp_path / "sessions"
     folder.mkdir()
     path = folder / "s.safetensors"

@@ -16,8 +16,8 @@ from scripted_model import build_scripted_model
 from server_process import ServerProcess
 from tiny_models import build_tiny_model
 
-openai = pytest.importorskip("openai")
-jsonschema = pytest.importorskip("jsonschema")
+import openai
+import jsonschema
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -147,7 +147,7 @@ def test_another_format_forces_calls_and_refuses_what_it_cannot_write(tmp_path):
 
 
 def test_langchain_openai_bind_tools_two_turns(server):
-    lc = pytest.importorskip("langchain_openai")
+    import langchain_openai as lc
     from langchain_core.messages import HumanMessage, ToolMessage
 
     llm = lc.ChatOpenAI(base_url=server.base_url, api_key="-", model=server.model_id, temperature=1.0,
@@ -164,7 +164,7 @@ def test_langchain_openai_bind_tools_two_turns(server):
 
 
 def test_langchain_openai_with_structured_output(server):
-    lc = pytest.importorskip("langchain_openai")
+    import langchain_openai as lc
     llm = lc.ChatOpenAI(base_url=server.base_url, api_key="-", model=server.model_id, temperature=1.0, max_retries=0)
     person = llm.with_structured_output({"title": "person", **PERSON}, method="json_schema", strict=True)
     out = person.invoke("Invent a person.")
@@ -174,7 +174,7 @@ def test_langchain_openai_with_structured_output(server):
 def _llm_model(tmp_path, monkeypatch, server):
     monkeypatch.setenv("LLM_LOAD_PLUGINS", "")  # only llm's own OpenAI models, no installed plugins
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path))
-    llm = pytest.importorskip("llm")
+    import llm
     (tmp_path / "extra-openai-models.yaml").write_text(
         f"- model_id: tiny\n  model_name: {server.model_id}\n  api_base: {server.base_url}\n"
         "  supports_tools: true\n  supports_schema: true\n")  # fmt: skip
@@ -227,7 +227,7 @@ def test_llm_two_turns_with_a_tool_call(tmp_path, monkeypatch):
 
 def test_litellm_two_turns_with_a_tool_call(server, monkeypatch):
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download when it is imported
-    litellm = pytest.importorskip("litellm")
+    import litellm
     where = dict(model=f"openai/{server.model_id}", api_base=server.base_url, api_key="-")
     r = litellm.completion(**where, messages=[QUESTION], tools=[ADD], tool_choice=_forced(), temperature=1.0)
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.name == "add"

@@ -22,7 +22,7 @@ from mlx_chatcache.generation.constrain import (
 )
 from mlx_chatcache.generation.text import generate, stream_generate
 
-jsonschema = pytest.importorskip("jsonschema")
+import jsonschema
 
 # bounded leaf schemas: every string, number and array has a bound, so a reply always ends
 _names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=8)

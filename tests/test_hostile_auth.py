@@ -22,8 +22,6 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("starlette")
-
 from server_process import ServerProcess  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 

@@ -25,9 +25,8 @@ import sys
 import unittest
 from pathlib import Path
 
-import pytest
 
-pytest.importorskip("requests")  # mlx-lm's test file uses it
+import requests  # noqa: F401 # mlx-lm's test file uses it
 
 from fetch_mlxlm_tests import installed_version, mlx_lm_test_file  # noqa: E402
 from server_process import ServerProcess  # noqa: E402

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("redis")
+import openai
+import redis  # noqa: F401
 
 from redis_server import redis_cluster, shared_redis  # noqa: E402,F401  (fixtures)
 from server_process import ServerProcess  # noqa: E402

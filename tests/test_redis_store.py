@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-pytest.importorskip("redis")
+import redis  # noqa: F401
 
 from redis_server import redis_cluster, redis_server, shared_redis  # noqa: E402,F401  (fixtures)
 

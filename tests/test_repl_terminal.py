@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-pexpect = pytest.importorskip("pexpect")
+import pexpect
 
 from mlx_chatcache.files.mlxcc_format import read_cache_info  # noqa: E402
 

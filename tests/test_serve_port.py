@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-pytest.importorskip("uvicorn")
+import uvicorn  # noqa: F401
 
 
 def _serve(*flags: str, tmp_path) -> tuple[subprocess.CompletedProcess, float]:

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-openai = pytest.importorskip("openai")
+import openai
 
 from server_process import ServerProcess  # noqa: E402
 

@@ -15,9 +15,8 @@ import time
 import urllib.error
 import urllib.request
 
-import pytest
 
-pytest.importorskip("prometheus_client")
+import prometheus_client  # noqa: F401
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from redis_server import shared_redis  # noqa: E402,F401  (fixture)

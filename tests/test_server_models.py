@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-openai = pytest.importorskip("openai")
+import openai
 
 from server_process import ServerProcess  # noqa: E402
 

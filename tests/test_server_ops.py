@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("starlette")
-pytest.importorskip("prometheus_client")
+import starlette  # noqa: F401
+import prometheus_client  # noqa: F401
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402

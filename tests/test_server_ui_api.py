@@ -190,7 +190,7 @@ def test_a_cache_still_waiting_for_its_file_is_served_from_memory(llama_model, t
 
 
 def test_redis_served_tokens_are_reported_as_redis(llama_model):
-    fakeredis = pytest.importorskip("fakeredis")
+    import fakeredis
     from mlx_chatcache.server.store_report import store_report
     from mlx_chatcache.store.redis_tier import RedisTier
 

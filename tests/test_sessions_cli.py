@@ -159,7 +159,7 @@ def test_resume_without_model_uses_the_recorded_one(tiny_model_dirs, tmp_path, c
 
 
 def test_history_in_the_terminal(tiny_model_dirs, tmp_path):
-    pexpect = pytest.importorskip("pexpect")
+    import pexpect
     env = {**os.environ, "MLXCC_HOME": str(tmp_path), "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1", "COLUMNS": "200"}
     args = ["-m", "mlx_chatcache", "chat", "--model", str(tiny_model_dirs["llama"]), "--session", "h", "-n", "4"]
     try:

@@ -119,7 +119,7 @@ def test_window_smaller_than_keep_is_one_line_before_the_model_loads(tiny_model_
     p = cli("cache-prompt", "--model", tmp_path / "no-such-model", "-p", "hi", "--max-kv-size", "4",
             "--prompt-cache-file", tmp_path / "c.safetensors")  # fmt: skip
     assert "max_kv_size (4)" in one_error_line(p) and not (tmp_path / "c.safetensors").exists()
-    pytest.importorskip("uvicorn")
+    import uvicorn  # noqa: F401
     p = cli("serve", "--model", tmp_path / "no-such-model", "--max-kv-size", "3", "--port", "1")
     assert "max_kv_size (3)" in one_error_line(p)
 

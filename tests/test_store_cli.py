@@ -110,7 +110,7 @@ def test_wrong_model_file_with_cache_dir_is_one_line(tiny_model_dirs, make_tiny_
 
 # ------------------------------------------------------------------ mlxcc serve's disk tier
 def test_generate_and_serve_share_the_disk_tier(tiny_model_dirs, llama_model, tmp_path, capsys):
-    openai = pytest.importorskip("openai")
+    import openai
     from server_process import ServerProcess
 
     d = tiny_model_dirs["llama"]

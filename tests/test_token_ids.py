@@ -109,7 +109,7 @@ def _post(server, path: str, body: dict) -> tuple[int, dict]:
 def server(tiny_model_dirs, tmp_path_factory):
     from server_process import ServerProcess
 
-    pytest.importorskip("uvicorn")
+    import uvicorn  # noqa: F401
     with ServerProcess(tiny_model_dirs["llama"], tmp_path_factory.mktemp("cache"), "--max-tokens", "8") as s:
         yield s
 

@@ -27,7 +27,7 @@ from mlx_chatcache.server.tools import (
 )
 from tiny_models import TOOL_FORMATS, build_tiny_model
 
-jsonschema = pytest.importorskip("jsonschema")
+import jsonschema
 
 ADD = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
