@@ -27,8 +27,8 @@ Contract
   when it has nothing else to do (and before it exits); with ``memory_only=True``
   only the memory tier keeps it. With ``on_error``, a failing tier (a full shared
   disk) is reported to it, ``on_error(tier, error)``, and the others are still written.
-  With ``hand_over=True`` the caller gives a cache kept in blocks up: the store keeps that
-  one cache as it is (outside every tier's budget, until the next such put), and the next
+  With ``hand_over=True`` the caller gives a cache kept in blocks up: a store with a memory
+  tier keeps that one cache as it is (outside the budget, until the next such put), and the next
   checkout it serves at least as far as the tiers would takes it, trimmed to what its
   values would serve, instead of assembling a copy of them (a conversation's next turn on
   the same server): the same tokens and arrays, only sooner.
@@ -326,7 +326,7 @@ class PromptStore:
             ranges += [(chain.entry(e), e - e % b, e) for e in tails]
         else:
             ranges = [(chain.entry(n), 0, n)]
-        if split and hand_over:  # the values' ends: what it serves
+        if split and hand_over and self.memory is not None:  # the values' ends: what it serves
             self._kept = (scope, tokens, list(cache), [e for _, _, e in ranges])
         values = self._values(scope, tokens, cache, split, ranges, targets)
         stored = {}
