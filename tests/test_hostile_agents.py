@@ -273,3 +273,15 @@ def test_refusals_before_and_around_the_endpoint_are_in_its_dialect(llama_model,
         drain.begin()
         anthropic_shaped(c.post(MESSAGES, json=GOOD_MESSAGES, headers=auth), 503, "overloaded_error")
         openai_shaped(c.post(RESPONSES, json=GOOD_RESPONSES, headers=auth), 503)
+
+
+def test_error_bodies_of_both_dialects_are_utf8_whatever_they_quote():
+    """A lone surrogate a client sent, quoted in an error (a response, or a stream's error
+    event), is shown escaped in either dialect's body, so the body always encodes."""
+    from mlx_chatcache.server.messages_protocol import error_body as anthropic_body
+    from mlx_chatcache.server.protocol import error_body
+
+    quoted = "no stop string 'a\ud800b'"
+    for body in (anthropic_body(500, quoted), error_body(quoted, 500, "stop\udfff")):
+        text = json.dumps(body, ensure_ascii=False).encode("utf-8").decode("utf-8")
+        assert "a\\\\ud800b" in text

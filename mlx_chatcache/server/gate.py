@@ -39,7 +39,7 @@ from .drain import Drain
 from .logs import bound, request_id
 from .metrics import ServerMetrics
 from .messages_protocol import error_body as anthropic_body
-from .protocol import error_body
+from .protocol import error_body, utf8_text
 
 access = logging.getLogger("mlxcc.serve.access")
 UNTIMED = ("/health", "/metrics")  # answered while draining, not counted as running
@@ -56,16 +56,11 @@ def refusal(path: str, status: int, message: str, code: str | None = None, heade
             param: str | None = None) -> Response:  # fmt: skip
     """An error response in the dialect of the endpoint at ``path`` (see the module doc); text
     that cannot be UTF-8 (a lone surrogate a client sent and the message quotes) shown escaped."""
-    message = _utf8(message)
     if path == "/metrics":
-        return PlainTextResponse(message + "\n", status_code=status, headers=headers)
+        return PlainTextResponse(utf8_text(message) + "\n", status_code=status, headers=headers)
     if path.startswith("/v1/messages"):
         return JSONResponse(anthropic_body(status, message), status_code=status, headers=headers)
-    return JSONResponse(error_body(message, status, param and _utf8(param), code), status_code=status, headers=headers)
-
-
-def _utf8(text: str) -> str:
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return JSONResponse(error_body(message, status, param, code), status_code=status, headers=headers)
 
 
 class Gate:

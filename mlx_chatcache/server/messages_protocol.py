@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .protocol import (Request, bad_field, json_type, model_field, nonempty_name, object_field, setting_field,
-                       stop_field, temperature_field, tools_array, top_p_field, unicode_text)  # fmt: skip
+                       stop_field, temperature_field, tools_array, top_p_field, unicode_text, utf8_text)  # fmt: skip
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -46,7 +46,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 
 def error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": utf8_text(message)}}
 
 
 @dataclass

@@ -50,10 +50,16 @@ class RequestError(Exception):
         self.headers = headers
 
 
+def utf8_text(text: str) -> str:
+    """``text`` as valid UTF-8: what cannot be (a lone surrogate a client sent, quoted in a
+    message) shown escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
     """The body of an error response; ``request_id`` beside ``error`` while a request is handled."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    body = {"error": {"message": utf8_text(message), "type": kind, "param": param and utf8_text(param), "code": code}}
     rid = current_request_id()
     return body if rid is None else {**body, "request_id": rid}
 

@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .jobs import ClientGone, Started, job_events, read_body, start_job
-from .protocol import RequestError, error_body
+from .protocol import RequestError, error_body, utf8_text
 from .reply_parts import ReplyParts
 from .responses_protocol import ResponsesCall, parse_responses
 from .service import Service
@@ -47,7 +47,7 @@ from .stored_responses import new_response_id
 
 
 def _not_found(response_id: str, param: str | None = None, code: str | None = None) -> RequestError:
-    shown = response_id.encode("utf-8", "backslashreplace").decode("utf-8")[:80]
+    shown = utf8_text(response_id)[:80]
     what = "Previous response" if param else "Response"
     return RequestError(404, f"{what} with id '{shown}' not found.", param, code)
 
